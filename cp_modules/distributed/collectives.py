@@ -1,0 +1,125 @@
+"""Traceable collectives: a small shim over PyTorch's functional collectives.
+
+``all_gather_single`` / ``reduce_scatter_single`` exist in torch 2.13 but not 2.11; the older
+``all_gather_tensor`` / ``reduce_scatter_tensor`` exist in both. Callers use the names here and
+pass a process group *name* (a string), which crosses torch.library op boundaries and compiles.
+The autograd variants (backward of all-gather = reduce-scatter and vice versa) come from
+``torch.distributed._functional_collectives``' ``*_autograd`` functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+
+__all__ = [
+    "all_gather",
+    "all_gather_autograd",
+    "all_reduce",
+    "all_to_all",
+    "group_name",
+    "reduce_scatter",
+    "reduce_scatter_autograd",
+    "resolve_group",
+]
+
+
+def group_name(group: dist.ProcessGroup | str | None) -> str:
+    """Name of a process group (the default group for ``None``)."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """Process group registered under ``name``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def all_gather(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -> torch.Tensor:
+    """Concatenate ``x`` from every rank of ``group`` along ``dim`` (no autograd)."""
+    if world_size == 1:
+        return x
+    out = fc.wait_tensor(fc.all_gather_tensor(x.contiguous(), 0, group))
+    return _move_gather_dim(out, world_size, dim)
+
+
+def all_gather_autograd(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -> torch.Tensor:
+    """All-gather whose backward is a reduce-scatter of the gradient (sum over ranks)."""
+    if world_size == 1:
+        return x
+    out = fc.wait_tensor(fc.all_gather_tensor_autograd(x.contiguous(), 0, group))
+    return _move_gather_dim(out, world_size, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's 1/world_size slice along ``dim``."""
+    if world_size == 1:
+        return x
+    y = _split_to_front(x, world_size, dim)
+    out = fc.wait_tensor(fc.reduce_scatter_tensor(y, "sum", 0, group))
+    return _from_front(out, x.shape, world_size, dim)
+
+
+def reduce_scatter_autograd(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -> torch.Tensor:
+    """Reduce-scatter whose backward is an all-gather."""
+    if world_size == 1:
+        return x
+    y = _split_to_front(x, world_size, dim)
+    out = fc.wait_tensor(fc.reduce_scatter_tensor_autograd(y, "sum", 0, group))
+    return _from_front(out, x.shape, world_size, dim)
+
+
+def all_reduce(x: torch.Tensor, group: str, world_size: int) -> torch.Tensor:
+    """Sum ``x`` over ``group`` (no autograd)."""
+    if world_size == 1:
+        return x
+    return fc.wait_tensor(fc.all_reduce(x, "sum", group))
+
+
+def all_to_all(
+    x: torch.Tensor, group: str, world_size: int, output_split_sizes=None, input_split_sizes=None
+) -> torch.Tensor:
+    """All-to-all along dim 0 (equal splits unless sizes are given)."""
+    if world_size == 1:
+        return x
+    return fc.wait_tensor(
+        fc.all_to_all_single(x.contiguous(), output_split_sizes, input_split_sizes, group)
+    )
+
+
+def _move_gather_dim(out: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
+    # out: [world * n0, ...] gathered along dim 0; move the rank axis next to ``dim``.
+    dim = dim % out.dim()
+    if dim == 0:
+        return out
+    shape = list(out.shape)
+    out = out.reshape([world_size, shape[0] // world_size] + shape[1:])
+    out = out.movedim(0, dim)
+    new_shape = [shape[0] // world_size] + shape[1:]
+    new_shape[dim] *= world_size
+    return out.reshape(new_shape)
+
+
+def _split_to_front(x: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
+    dim = dim % x.dim()
+    if dim == 0:
+        return x.contiguous()
+    shape = list(x.shape)
+    parts = shape[:dim] + [world_size, shape[dim] // world_size] + shape[dim + 1 :]
+    return x.reshape(parts).movedim(dim, 0).contiguous().flatten(0, 1)
+
+
+def _from_front(out: torch.Tensor, shape: torch.Size, world_size: int, dim: int) -> torch.Tensor:
+    dim = dim % len(shape)
+    s = list(shape)
+    s[dim] //= world_size
+    if dim == 0:
+        return out.reshape(s)
+    moved = [s[dim]] + s[:dim] + s[dim + 1 :]
+    return out.reshape(moved).movedim(0, dim)

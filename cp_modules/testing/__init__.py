@@ -1,0 +1,6 @@
+"""Helpers shipped for testing cp_modules and code built on it."""
+
+from cp_modules.testing.distributed import DistributedTestError, run_distributed
+from cp_modules.testing.numerics import assert_close_to_reference, max_abs_err
+
+__all__ = ["DistributedTestError", "assert_close_to_reference", "max_abs_err", "run_distributed"]
