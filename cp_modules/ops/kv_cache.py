@@ -1,0 +1,127 @@
+"""``cp::write_kv_cache`` and ``cp::write_mla_cache``: in-place paged KV-cache writes.
+
+Shape letters: T = new tokens, NB = physical blocks, BS = tokens per block, Hkv = KV heads,
+D = head dim, R = kv_lora_rank, P = rope dim.
+
+Both ops mutate their cache arguments (declared in the schema, so functionalization and
+``opcheck`` see it) and return nothing. A slot is ``block_id * BS + offset``; slot -1 is skipped,
+which is how a DCP rank drops the tokens other ranks store (see
+:func:`cp_modules.cache.dcp_slot_mapping`). Two tokens with the same slot is undefined.
+CPU runs the reference, CUDA the Triton kernel; neither syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_modules.kernels.kv_cache import write_kv_cache_kernel, write_mla_cache_kernel
+from cp_modules.ops._lib import lib
+from cp_modules.reference.kv_cache import write_kv_cache_ref, write_mla_cache_ref
+
+__all__ = ["write_kv_cache", "write_mla_cache"]
+
+lib.define(
+    "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slot_mapping) -> ()"
+)
+lib.define("write_mla_cache(Tensor kv_c, Tensor k_pe, Tensor(a!) cache, Tensor slot_mapping) -> ()")
+
+lib.impl("write_kv_cache", write_kv_cache_ref, "CPU")
+lib.impl("write_kv_cache", write_kv_cache_kernel, "CUDA")
+lib.impl("write_mla_cache", write_mla_cache_ref, "CPU")
+lib.impl("write_mla_cache", write_mla_cache_kernel, "CUDA")
+
+
+@torch.library.register_fake("cp::write_kv_cache")
+def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.register_fake("cp::write_mla_cache")
+def _write_mla_cache_fake(kv_c, k_pe, cache, slot_mapping) -> None:
+    return None
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_tokens: int, *tensors: torch.Tensor) -> None:
+    devices = {x.device for x in (slot_mapping, *tensors)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_mapping must be an int32/int64 tensor of shape [T]=[{num_tokens}], got "
+            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's K/V at its cache slot, in place; tokens with slot -1 are skipped.
+
+    Args:
+        k, v: [T, Hkv, D] (any float dtype; cast to the cache dtype).
+        k_cache, v_cache: [NB, BS, Hkv, D], last dim contiguous; written in place.
+        slot_mapping: [T] int32/int64, ``block_id * BS + offset`` or -1.
+
+    Raises:
+        ValueError: for mismatched shapes, slot dtype or devices.
+    """
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [NB, BS, Hkv, D]; got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(
+            f"k has [Hkv, D]={list(k.shape[1:])} but the cache holds [Hkv, D]="
+            f"{list(k_cache.shape[2:])}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in their last dim")
+    _check_slots(slot_mapping, k.shape[0], k, v, k_cache, v_cache)
+    torch.ops.cp.write_kv_cache(
+        _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, slot_mapping
+    )
+
+
+def write_mla_cache(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's latent and rope key in one cache row, in place; slot -1 is skipped.
+
+    Args:
+        kv_c: [T, R] compressed latent.
+        k_pe: [T, P] rope key (shared by all heads).
+        cache: [NB, BS, R + P], last dim contiguous; written in place.
+        slot_mapping: [T] int32/int64, ``block_id * BS + offset`` or -1.
+
+    Raises:
+        ValueError: for mismatched shapes, slot dtype or devices.
+    """
+    if kv_c.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != kv_c.shape[0]:
+        raise ValueError(
+            f"kv_c must be [T, R] and k_pe [T, P]; got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}"
+        )
+    if cache.dim() != 3 or cache.shape[2] != kv_c.shape[1] + k_pe.shape[1]:
+        raise ValueError(
+            f"cache must be [NB, BS, R + P] = [NB, BS, {kv_c.shape[1] + k_pe.shape[1]}], got "
+            f"{tuple(cache.shape)}"
+        )
+    if cache.stride(-1) != 1:
+        raise ValueError("cache must be contiguous in its last dim")
+    _check_slots(slot_mapping, kv_c.shape[0], kv_c, k_pe, cache)
+    torch.ops.cp.write_mla_cache(
+        _last_dim_contiguous(kv_c), _last_dim_contiguous(k_pe), cache, slot_mapping
+    )
