@@ -1,0 +1,279 @@
+"""DualChunkSwap partition of one step's new tokens over the PCP ranks.
+
+Shape letters: R = requests, N = new tokens of the batch (all requests, original order),
+T = this rank's local tokens (padding included; the same count on every rank),
+S = attention segments (2 per request: head and tail), P = PCP size.
+
+A prefill request with ``n`` new tokens is padded to ``2P·c`` tokens (``c = ceil(n / 2P)``),
+cut into ``2P`` chunks of ``c`` tokens, and rank ``r`` takes chunk ``r`` (its head) and chunk
+``2P-1-r`` (its tail), so every rank does the same causal work. A decode request (at most
+``decode_threshold`` new tokens and a non-empty context) is not split: every rank holds all of
+its tokens. Padding slots copy the request's first token (with its position) and are dropped by
+the restore after the all-gather.
+
+The plan is built on the host once per step from host lists and shared by every layer; all
+index math is vectorized numpy. Tensors the model needs on the device are moved there once
+(``device=``); the attention metadata also keeps a host copy so that the attention op's CUDA
+launcher reads lengths without synchronizing with the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["SEGMENT_FIELDS", "PCPPlan", "plan_pcp"]
+
+# Columns of ``PCPPlan.segments``: one row per (request, head|tail) segment. ``q_start/q_len``
+# address this rank's local queries (only the real ones: padding queries are left out), and
+# ``k_start/k_len`` the request's keys in the restored, unpadded K/V. Queries attend their
+# keys causally aligned at the bottom right (the last query sees the last key), so query ``i``
+# of a segment sees keys ``[k_start, k_start + k_len - q_len + i]``.
+SEGMENT_FIELDS = ("request", "q_start", "q_len", "k_start", "k_len")
+
+
+@dataclass(frozen=True, eq=False)
+class PCPPlan:
+    """This rank's share of one step's tokens and everything needed to restore them.
+
+    Host ints (``pcp_size`` ... ``num_tokens``) describe the step; tensors live on the plan's
+    device unless named ``*_host`` (always CPU). Traced code should read only tensors (and
+    their shapes) from a plan, so that a new batch composition does not recompile.
+
+    Attributes:
+        pcp_size, pcp_rank: the PCP group size and this rank's index in it.
+        num_reqs: R.
+        num_tokens: N, new tokens of the batch (the restored length).
+        num_local_tokens_padded: T, local tokens per rank (equal on all ranks: the all-gather
+            size).
+        token_indices: [T] int64, this rank's tokens as indices into the batch's flattened
+            new tokens (padding slots point at the first token of their request).
+        positions: [T] int64, true positions for RoPE (``num_computed + index``).
+        local_valid: [T] bool, False for padding slots.
+        num_local_tokens: [R] int64, local slots of each request (``2c``, or ``n`` for a decode).
+        restore_index: [P·T] int64, permutation of the all-gathered tokens into request order.
+        unpad_mask: [P·T] bool, keeps the real tokens of the restored order (and one copy of
+            each decode token).
+        gather_index: [N] int64, ``restore_index[unpad_mask]``: all-gathered → original order.
+        num_scheduled_tokens, num_computed_tokens: [R] int64, the inputs.
+        is_decode: [R] bool, requests replicated on every rank instead of split.
+        chunk_size: [R] int64, ``c`` (for a decode: its ``n``).
+        head_q_len, tail_q_len: [R] int64, real (non-padding) queries of this rank's head and
+            tail chunk of each request.
+        head_k_len, tail_k_len: [R] int64, keys of the restored, unpadded K/V that the head and
+            tail chunk attend: ``min(c·(r+1), n)`` and ``min(c·(2P-r), n)`` (0 for a chunk of
+            padding only). The padded sizes ``c·(r+1)`` and ``c·(2P-r)`` shrink to these because
+            the restored K/V holds no padding.
+        local_offsets: [R] int64, first local slot of each request.
+        key_offsets: [R] int64, first row of each request in the restored K/V (cumulative n).
+        segments, segments_host: [S, 5] int64 (``SEGMENT_FIELDS``), S = 2R: the attention
+            metadata on the device and on the host.
+        prefix_cu_seqlens, prefix_cu_seqlens_host: [R + 1] int64, cumulative
+            ``num_computed_tokens``: the layout of a dense cached prefix gathered per request.
+        q_head_index, q_tail_index: [sum head_q_len], [sum tail_q_len] int64, local rows of the
+            real head / tail queries, request by request (what ``pcp_select`` packs).
+        k_head_index, k_tail_index: [sum head_k_len], [sum tail_k_len] int64, rows of the
+            restored K/V that the head / tail queries attend, request by request.
+    """
+
+    pcp_size: int
+    pcp_rank: int
+    num_reqs: int
+    num_tokens: int
+    num_local_tokens_padded: int
+    token_indices: torch.Tensor
+    positions: torch.Tensor
+    local_valid: torch.Tensor
+    num_local_tokens: torch.Tensor
+    restore_index: torch.Tensor
+    unpad_mask: torch.Tensor
+    gather_index: torch.Tensor
+    num_scheduled_tokens: torch.Tensor
+    num_computed_tokens: torch.Tensor
+    is_decode: torch.Tensor
+    chunk_size: torch.Tensor
+    head_q_len: torch.Tensor
+    tail_q_len: torch.Tensor
+    head_k_len: torch.Tensor
+    tail_k_len: torch.Tensor
+    local_offsets: torch.Tensor
+    key_offsets: torch.Tensor
+    segments: torch.Tensor
+    segments_host: torch.Tensor
+    prefix_cu_seqlens: torch.Tensor
+    prefix_cu_seqlens_host: torch.Tensor
+    q_head_index: torch.Tensor
+    q_tail_index: torch.Tensor
+    k_head_index: torch.Tensor
+    k_tail_index: torch.Tensor
+
+
+def _as_int_array(name: str, values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{name} must be a 1-D sequence of integers, got {values!r}")
+    return arr.astype(np.int64)
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(x)
+    if x.size > 1:
+        np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+def _ragged_arange(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, offset) of every element of consecutive ranges of the given lengths."""
+    owner = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    offset = np.arange(owner.size, dtype=np.int64) - np.repeat(_exclusive_cumsum(lengths), lengths)
+    return owner, offset
+
+
+def plan_pcp(
+    num_scheduled_tokens: Sequence[int] | np.ndarray | torch.Tensor,
+    num_computed_tokens: Sequence[int] | np.ndarray | torch.Tensor,
+    pcp_size: int,
+    pcp_rank: int,
+    decode_threshold: int = 1,
+    device: torch.device | str | None = None,
+) -> PCPPlan:
+    """Split one step's new tokens over ``pcp_size`` ranks with DualChunkSwap; this rank's plan.
+
+    Contract: concatenating every rank's ``token_indices``, indexing by ``restore_index`` and
+    keeping ``unpad_mask`` gives ``arange(N)``; ``gather_index`` does both steps at once.
+
+    Args:
+        num_scheduled_tokens: [R] new tokens per request (host ints, each >= 1), in batch order.
+        num_computed_tokens: [R] tokens already in the KV cache per request (>= 0).
+        pcp_size: ranks of the PCP group (P >= 1).
+        pcp_rank: this rank's index in the PCP group.
+        decode_threshold: requests with at most this many new tokens and a non-empty context
+            are decodes: replicated on every rank, not split.
+        device: where the plan's tensors live (default CPU); ``*_host`` tensors stay on CPU.
+
+    Returns:
+        The :class:`PCPPlan` of ``pcp_rank``.
+
+    Raises:
+        ValueError: for a size, rank, threshold or token count outside its valid range.
+    """
+    if isinstance(pcp_size, bool) or not isinstance(pcp_size, int) or pcp_size < 1:
+        raise ValueError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
+    if isinstance(pcp_rank, bool) or not isinstance(pcp_rank, int) or not 0 <= pcp_rank < pcp_size:
+        raise ValueError(
+            f"pcp_rank must be an integer in [0, {pcp_size - 1}] for pcp_size={pcp_size}, "
+            f"got {pcp_rank!r}"
+        )
+    if (
+        isinstance(decode_threshold, bool)
+        or not isinstance(decode_threshold, int)
+        or decode_threshold < 0
+    ):
+        raise ValueError(f"decode_threshold must be an integer >= 0, got {decode_threshold!r}")
+    n = _as_int_array("num_scheduled_tokens", num_scheduled_tokens)
+    computed = _as_int_array("num_computed_tokens", num_computed_tokens)
+    if n.shape != computed.shape:
+        raise ValueError(
+            f"num_scheduled_tokens and num_computed_tokens must have one entry per request, got "
+            f"{n.size} and {computed.size} entries"
+        )
+    if n.size and n.min() < 1:
+        raise ValueError(f"num_scheduled_tokens must all be >= 1, got {n.tolist()}")
+    if computed.size and computed.min() < 0:
+        raise ValueError(f"num_computed_tokens must all be >= 0, got {computed.tolist()}")
+
+    P, r = pcp_size, pcp_rank
+    num_reqs = int(n.size)
+    is_decode = (n <= decode_threshold) & (computed > 0)
+    chunk = np.where(is_decode, n, -(-n // (2 * P)))
+    local_n = np.where(is_decode, n, 2 * chunk)
+    local_offsets = _exclusive_cumsum(local_n)
+    key_offsets = _exclusive_cumsum(n)
+    num_local = int(local_n.sum())
+    num_tokens = int(n.sum())
+
+    # This rank's slots: offset ``o`` within the request's slots maps to the in-request index
+    # ``idx`` of the padded request (head chunk r, then tail chunk 2P-1-r).
+    req, o = _ragged_arange(local_n)
+    c_t, n_t = chunk[req], n[req]
+    in_head = o < c_t
+    padded_idx = np.where(
+        is_decode[req], o, np.where(in_head, r * c_t + o, (2 * P - 1 - r) * c_t + o - c_t)
+    )
+    valid = padded_idx < n_t
+    in_req = np.where(valid, padded_idx, 0)
+    token_indices = key_offsets[req] + in_req
+    positions = computed[req] + in_req
+
+    # Restore: walk the padded request order and name the (rank, local slot) holding each
+    # element. A decode's padded length is P·n: the P replicas one after another, of which the
+    # unpad mask keeps rank 0's.
+    padded_len = np.where(is_decode, P * n, 2 * P * chunk)
+    preq, q = _ragged_arange(padded_len)
+    c_p, n_p = chunk[preq], n[preq]
+    k = q // c_p
+    src_rank = np.where(is_decode[preq], k, np.where(k < P, k, 2 * P - 1 - k))
+    slot = np.where(is_decode[preq], q % c_p, np.where(k < P, q % c_p, c_p + q % c_p))
+    restore_index = src_rank * num_local + local_offsets[preq] + slot
+    unpad_mask = q < n_p
+    gather_index = restore_index[unpad_mask]
+
+    head_chunk = np.where(is_decode, 0, r)
+    tail_chunk = 2 * P - 1 - r
+    head_q = np.where(is_decode, n, np.clip(n - r * chunk, 0, chunk))
+    tail_q = np.where(is_decode, 0, np.clip(n - tail_chunk * chunk, 0, chunk))
+    head_k = np.where(head_q > 0, head_chunk * chunk + head_q, 0)
+    tail_k = np.where(tail_q > 0, tail_chunk * chunk + tail_q, 0)
+    segments = np.empty((2 * num_reqs, len(SEGMENT_FIELDS)), dtype=np.int64)
+    segments[0::2] = np.stack([np.arange(num_reqs), local_offsets, head_q, key_offsets, head_k], 1)
+    segments[1::2] = np.stack(
+        [np.arange(num_reqs), local_offsets + chunk, tail_q, key_offsets, tail_k], 1
+    )
+    prefix_cu = np.concatenate([[0], np.cumsum(computed)]).astype(np.int64)
+
+    def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        owner, offset = _ragged_arange(lengths)
+        return starts[owner] + offset
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    segments_host = torch.from_numpy(segments)
+    prefix_cu_host = torch.from_numpy(prefix_cu)
+    return PCPPlan(
+        pcp_size=P,
+        pcp_rank=r,
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        num_local_tokens_padded=num_local,
+        token_indices=dev(token_indices),
+        positions=dev(positions),
+        local_valid=dev(valid),
+        num_local_tokens=dev(local_n),
+        restore_index=dev(restore_index),
+        unpad_mask=dev(unpad_mask),
+        gather_index=dev(gather_index),
+        num_scheduled_tokens=dev(n),
+        num_computed_tokens=dev(computed),
+        is_decode=dev(is_decode),
+        chunk_size=dev(chunk),
+        head_q_len=dev(head_q),
+        tail_q_len=dev(tail_q),
+        head_k_len=dev(head_k),
+        tail_k_len=dev(tail_k),
+        local_offsets=dev(local_offsets),
+        key_offsets=dev(key_offsets),
+        segments=dev(segments),
+        segments_host=segments_host,
+        prefix_cu_seqlens=dev(prefix_cu),
+        prefix_cu_seqlens_host=prefix_cu_host,
+        q_head_index=dev(ranges(local_offsets, head_q)),
+        q_tail_index=dev(ranges(local_offsets + chunk, tail_q)),
+        k_head_index=dev(ranges(key_offsets, head_k)),
+        k_tail_index=dev(ranges(key_offsets, tail_k)),
+    )
