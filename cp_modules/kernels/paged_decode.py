@@ -1,0 +1,403 @@
+"""Triton paged decode attention (GQA/MHA and absorbed MLA) with LSE; launchers only.
+
+Shape letters: T = queries, Hq = query heads, Hkv = KV heads, G = Hq // Hkv, Dk = key dim,
+Dpe = rope dim (MLA only), Dv = value dim, NB = physical blocks, BS = tokens per block,
+R = block-table rows, M = entries per row, S = KV splits.
+
+One program serves one (KV head, head tile) pair of one query over one split of its KV range.
+All the query heads that share a KV head form the M dimension of ``tl.dot`` (padded to 16), so
+each K/V tile is read from HBM once for the whole group; MLA is the case Hkv = 1 with the 128
+heads cut into tiles, whose programs sit next to each other in the grid so the latent tile is
+shared through L2. Keys are read block-table-driven, tile by tile.
+
+Split-KV (flash-decoding): the split count S is chosen on the host from static shapes only
+(programs per split and the block table's capacity); each program takes an equal,
+tile-aligned share of its own query's ``kv_len`` (read on the device). With S > 1 the programs
+write fp32 partials and a second kernel merges them by their LSEs. An empty range yields
+out = 0 and lse = -inf. Nothing here syncs with the host, so the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "DecodeConfig",
+    "choose_num_splits",
+    "default_config",
+    "paged_attention_kernel",
+    "paged_mla_attention_kernel",
+]
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+# Splits are never shorter than this many tokens: shorter ones cost more in the merge than
+# they win in parallelism.
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    SEQ_IDX,
+    KV_LEN,
+    OUT,
+    LSE,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_btr,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    max_kv_len,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_HEAD_TILES: tl.constexpr,
+    PAGE: tl.constexpr,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    V_IS_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Axis 0 enumerates (query, KV head, head tile) with head tiles fastest, so the tiles that
+    # read the same K/V run side by side; it also has no 65535 limit on the query count.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles_per_query = NUM_KV_HEADS * NUM_HEAD_TILES
+    t = (pid // tiles_per_query).to(tl.int64)
+    pid_h = pid % tiles_per_query
+    kvh = pid_h // NUM_HEAD_TILES
+    offs_h = (pid_h % NUM_HEAD_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+
+    row = tl.load(SEQ_IDX + t).to(tl.int64)
+    kv_len = tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len)
+    kv_len = tl.maximum(kv_len, 0)
+    # Equal tile-aligned shares of this query's range; tiles never straddle a block when
+    # PAGE is a multiple of BLOCK_N because every tile start is a multiple of BLOCK_N.
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    dk_mask = offs_dk < DK
+    q_rows = Q + t * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_dk[None, :], mask=h_mask[:, None] & dk_mask[None, :], other=0.0)
+    if DPE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        pe_mask = offs_pe < DPE
+        q_pe = tl.load(
+            q_rows + DK + offs_pe[None, :], mask=h_mask[:, None] & pe_mask[None, :], other=0.0
+        )
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    bt_row = BT + row * stride_btr
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        if PAGE % BLOCK_N == 0:
+            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            in_page = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_tok = blk * stride_kb + in_page * stride_ks
+            v_tok = blk * stride_vb + in_page * stride_vs
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = (offs_n % PAGE).to(tl.int64)
+            k_tok = blk * stride_kb + in_page * stride_ks
+            v_tok = blk * stride_vb + in_page * stride_vs
+        k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
+        k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if DPE > 0:
+            k_pe = tl.load(
+                K + k_tok[:, None] + kvh * stride_kh + DK + offs_pe[None, :],
+                mask=n_mask[:, None] & pe_mask[None, :],
+                other=0.0,
+            )
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(
+                V + v_tok[:, None] + kvh * stride_vh + offs_dv[None, :],
+                mask=n_mask[:, None] & dv_mask[None, :],
+                other=0.0,
+            )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_ptrs = OUT + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+    l_ptrs = LSE + t * stride_lt + heads * stride_lh + split * stride_ls
+    if NUM_SPLITS == 1:
+        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
+    else:
+        tl.store(l_ptrs, lse2, mask=h_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PO,
+    PLSE,
+    OUT,
+    LSE,
+    stride_pot,
+    stride_poh,
+    stride_pos,
+    stride_plt,
+    stride_plh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    lse2 = tl.load(
+        PLSE + t * stride_plt + h * stride_plh + offs_s, mask=s_mask, other=float("-inf")
+    )
+    m = tl.max(lse2, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse2 - m_safe)
+    total = tl.sum(w, 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    po = tl.load(
+        PO + t * stride_pot + h * stride_poh + offs_s[:, None] * stride_pos + offs_dv[None, :],
+        mask=s_mask[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
+    out = tl.sum(po * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        OUT + t * stride_ot + h * stride_oh + offs_dv,
+        out.to(OUT.dtype.element_ty),
+        mask=offs_dv < DV,
+    )
+    lse = tl.where(
+        total > 0.0, (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0))), float("-inf")
+    )
+    tl.store(LSE + t * stride_lt + h * stride_lh, lse * 0.6931471805599453)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes and launch parameters of the split kernel."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def default_config(group: int, dk: int, dv: int, dpe: int) -> DecodeConfig:
+    """Tiles for a head group of ``group`` query heads per KV head and these head dims."""
+    block_h = min(64, max(16, _pow2(group)))
+    width = _pow2(dk) + _pow2(dpe) + (0 if dpe else _pow2(dv))
+    if width >= 512:
+        # MLA: a [BLOCK_H, 512] fp32 accumulator lives in registers; keep the head tile small.
+        return DecodeConfig(block_h=min(block_h, 32), block_n=32, num_warps=8, num_stages=2)
+    return DecodeConfig(
+        block_h=block_h, block_n=64 if width <= 256 else 32, num_warps=4, num_stages=3
+    )
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
+    """KV splits for ``num_programs`` (query, head-tile) programs from static quantities only.
+
+    Aims at about two waves of programs over the SMs, never cuts the longest addressable range
+    (``max_kv_len``, from the block table's width) into pieces shorter than
+    ``_MIN_SPLIT_TOKENS``, and caps the count at ``_MAX_SPLITS``.
+    """
+    if num_programs <= 0 or num_programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, num_programs)
+    cap = max(1, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap, _MAX_SPLITS))
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    *,
+    num_kv_heads: int,
+    dk: int,
+    dpe: int,
+    dv: int,
+    page: int,
+    stride_k: tuple[int, int, int],
+    stride_v: tuple[int, int, int],
+    v_is_k: bool,
+    num_splits: int | None,
+    config: DecodeConfig | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t, hq, _ = q.shape
+    group = hq // num_kv_heads
+    out = q.new_empty(t, hq, dv)
+    lse = q.new_empty(t, hq, dtype=torch.float32)
+    if t == 0:
+        return out, lse
+    cfg = config or default_config(group, dk, dv, dpe)
+    head_tiles = triton.cdiv(group, cfg.block_h)
+    max_kv_len = block_table.shape[1] * page
+    if not num_splits:
+        num_splits = choose_num_splits(
+            t * num_kv_heads * head_tiles, max_kv_len, _num_sms(q.device)
+        )
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (t * num_kv_heads * head_tiles, num_splits)
+    if num_splits == 1:
+        o_buf, l_buf = out, lse
+        so = (out.stride(0), out.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1), 0)
+    else:
+        o_buf = torch.empty(t, hq, num_splits, dv, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(t, hq, num_splits, dtype=torch.float32, device=q.device)
+        so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
+        sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
+    _paged_attn_kernel[grid](
+        q, k, v, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        *stride_k, *stride_v,
+        block_table.stride(0),
+        *so, *sl,
+        max_kv_len,
+        GROUP=group, NUM_KV_HEADS=num_kv_heads, NUM_HEAD_TILES=head_tiles, PAGE=page,
+        DK=dk, DPE=dpe, DV=dv,
+        BLOCK_DK=_pow2(dk), BLOCK_DPE=_pow2(dpe) if dpe else 1, BLOCK_DV=_pow2(dv),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        V_IS_K=v_is_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(t, hq)](
+            o_buf, l_buf, out, lse,
+            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
+            l_buf.stride(0), l_buf.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), DV=dv, BLOCK_DV=_pow2(dv),
+            num_warps=4,
+        )  # fmt: skip
+    return out, lse
+
+
+def paged_attention_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA/MHA paged attention: q [T, Hq, D] vs [NB, BS, Hkv, D] caches -> (out, lse fp32).
+
+    ``num_splits`` None or 0 picks the split count from static shapes; ``config`` overrides the
+    tiles (for tuning). Last dims must be contiguous.
+    """
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _, page, hkv, d = k_cache.shape
+    return _launch(
+        q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
+        num_kv_heads=hkv, dk=d, dpe=0, dv=v_cache.shape[-1], page=page,
+        stride_k=(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+        stride_v=(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+        v_is_k=False, num_splits=num_splits, config=config,
+    )  # fmt: skip
+
+
+def paged_mla_attention_kernel(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    *,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode: q [T, H, R + P] vs latent cache [NB, BS, R + P] -> (out [T, H, R], lse).
+
+    The value of a token is the first R elements of its latent row, which the kernel reuses
+    from the key tile it already loaded.
+    """
+    assert q.stride(-1) == 1 and cache.stride(-1) == 1
+    _, page, width = cache.shape
+    dpe = width - kv_lora_rank
+    strides = (cache.stride(0), cache.stride(1), 0)
+    return _launch(
+        q, cache, cache, block_table, query_seq_idx, query_kv_len, scale,
+        num_kv_heads=1, dk=kv_lora_rank, dpe=dpe, dv=kv_lora_rank, page=page,
+        stride_k=strides, stride_v=strides,
+        v_is_k=True, num_splits=num_splits, config=config,
+    )  # fmt: skip

@@ -1,0 +1,213 @@
+"""``cp::paged_attention`` and ``cp::paged_mla_attention``: decode attention on a paged cache.
+
+Shape letters: T = queries, Hq = query heads, Hkv = KV heads, D = head dim, NB = physical blocks,
+BS = tokens per block, R = block-table rows, M = entries per row, Rk = kv_lora_rank, P = rope dim.
+
+Queries are flattened over requests: query ``t`` belongs to block-table row
+``query_seq_idx[t]`` and attends the first ``query_kv_len[t]`` tokens that this rank stores for
+that row. Decode is one query per request; multi-token queries (chunked-prefill continuation,
+speculative tokens) give each token its own length, which makes them causal among themselves.
+With DCP, compute the lengths with :func:`cp_modules.cache.dcp_query_kv_len` from the global
+positions. Both ops return ``out`` and the fp32 natural-log ``lse`` the DCP combine needs; an
+empty local range gives ``out = 0``, ``lse = -inf``.
+
+CPU runs the pure-PyTorch reference, CUDA the Triton split-KV kernel. Lengths stay in device
+tensors and the split count is chosen from static shapes, so the ops are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_modules.kernels.paged_decode import paged_attention_kernel, paged_mla_attention_kernel
+from cp_modules.ops._lib import lib
+from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
+
+__all__ = ["paged_attention", "paged_mla_attention"]
+
+lib.define(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+    "Tensor query_seq_idx, Tensor query_kv_len, float scale, int num_splits=0) "
+    "-> (Tensor out, Tensor lse)"
+)
+lib.define(
+    "paged_mla_attention(Tensor q, Tensor cache, Tensor block_table, Tensor query_seq_idx, "
+    "Tensor query_kv_len, float scale, int kv_lora_rank, int num_splits=0) "
+    "-> (Tensor out, Tensor lse)"
+)
+
+
+def _paged_attention_cpu(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
+                         num_splits=0):  # fmt: skip
+    return paged_attention_ref(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale)
+
+
+def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len, scale,
+                             kv_lora_rank, num_splits=0):  # fmt: skip
+    return paged_mla_attention_ref(
+        q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank
+    )
+
+
+lib.impl("paged_attention", _paged_attention_cpu, "CPU")
+lib.impl("paged_attention", paged_attention_kernel, "CUDA")
+lib.impl("paged_mla_attention", _paged_mla_attention_cpu, "CPU")
+lib.impl("paged_mla_attention", paged_mla_attention_kernel, "CUDA")
+
+
+@torch.library.register_fake("cp::paged_attention")
+def _paged_attention_fake(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
+                          num_splits=0):  # fmt: skip
+    t, hq, _ = q.shape
+    return q.new_empty(t, hq, v_cache.shape[-1]), q.new_empty(t, hq, dtype=torch.float32)
+
+
+@torch.library.register_fake("cp::paged_mla_attention")
+def _paged_mla_attention_fake(q, cache, block_table, query_seq_idx, query_kv_len, scale,
+                              kv_lora_rank, num_splits=0):  # fmt: skip
+    t, h, _ = q.shape
+    return q.new_empty(t, h, kv_lora_rank), q.new_empty(t, h, dtype=torch.float32)
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_common(
+    q: torch.Tensor,
+    caches: tuple[torch.Tensor, ...],
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    num_splits: int | None,
+) -> None:
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    for c in caches:
+        if c.dtype != q.dtype:
+            raise ValueError(f"cache dtype {c.dtype} must equal q's dtype {q.dtype}")
+        if c.stride(-1) != 1:
+            raise ValueError("caches must be contiguous in their last dim")
+    if block_table.dim() != 2 or block_table.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"block_table must be an int32/int64 [R, M] tensor, got {block_table.dtype} "
+            f"{tuple(block_table.shape)}"
+        )
+    t = q.shape[0]
+    for name, x in (("query_seq_idx", query_seq_idx), ("query_kv_len", query_kv_len)):
+        if x.shape != (t,) or x.dtype not in _INDEX_DTYPES:
+            raise ValueError(
+                f"{name} must be an int32/int64 tensor of shape [T]=[{t}], got {x.dtype} "
+                f"{tuple(x.shape)}"
+            )
+    devices = {x.device for x in (q, *caches, block_table, query_seq_idx, query_kv_len)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 0):
+        raise ValueError(
+            f"num_splits must be None or 0 (auto) or an integer >= 1, got {num_splits!r}"
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query against its request's local paged K/V; returns ``(out, lse)``.
+
+    Args:
+        q: [T, Hq, D], fp16/bf16/fp32 (last dim contiguous).
+        k_cache, v_cache: [NB, BS, Hkv, D] in ``q``'s dtype; Hq must be a multiple of Hkv.
+        block_table: [R, M] int32/int64 physical block ids.
+        query_seq_idx: [T] int32/int64 row of ``block_table`` of each query.
+        query_kv_len: [T] int32/int64 local tokens each query sees (at most M * BS).
+        scale: softmax scale (typically ``D ** -0.5``).
+        num_splits: KV splits of the CUDA kernel; None chooses from static shapes.
+
+    Returns:
+        out [T, Hq, D] in ``q``'s dtype; lse [T, Hq] fp32, natural log (-inf when empty).
+
+    Raises:
+        ValueError: for mismatched shapes, dtypes or devices.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"q must be [T, Hq, D] and k_cache, v_cache [NB, BS, Hkv, D]; got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"q head dim {d} must equal the cache head dim {k_cache.shape[3]}")
+    if hq % hkv:
+        raise ValueError(f"query heads Hq={hq} must be a multiple of the cache's KV heads {hkv}")
+    _check_common(q, (k_cache, v_cache), block_table, query_seq_idx, query_kv_len, num_splits)
+    return torch.ops.cp.paged_attention(
+        q.contiguous() if q.stride(-1) != 1 else q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_seq_idx,
+        query_kv_len,
+        float(scale),
+        num_splits or 0,
+    )
+
+
+def paged_mla_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode against the latent cache; returns ``(out [T, H, Rk], lse [T, H])``.
+
+    Keys are the whole latent rows ``[kv_c | k_pe]``; values are their first ``kv_lora_rank``
+    elements.
+
+    Args:
+        q: [T, H, Rk + P] absorbed query (``q_nope @ W_UK`` then the rope part).
+        cache: [NB, BS, Rk + P] in ``q``'s dtype.
+        block_table, query_seq_idx, query_kv_len, scale, num_splits: as in
+            :func:`paged_attention`.
+        kv_lora_rank: Rk, the latent width (512 for DeepSeek-V2/V3).
+
+    Returns:
+        out [T, H, Rk] in ``q``'s dtype; lse [T, H] fp32, natural log (-inf when empty).
+
+    Raises:
+        ValueError: for mismatched shapes, dtypes or devices.
+    """
+    if q.dim() != 3 or cache.dim() != 3 or q.shape[2] != cache.shape[2]:
+        raise ValueError(
+            f"q must be [T, H, Rk + P] and cache [NB, BS, Rk + P] with the same last dim; got "
+            f"{tuple(q.shape)} and {tuple(cache.shape)}"
+        )
+    if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank < cache.shape[2]:
+        raise ValueError(
+            f"kv_lora_rank must be an integer in [1, {cache.shape[2] - 1}] (the cache row is "
+            f"kv_lora_rank + rope_dim = {cache.shape[2]}), got {kv_lora_rank!r}"
+        )
+    _check_common(q, (cache,), block_table, query_seq_idx, query_kv_len, num_splits)
+    return torch.ops.cp.paged_mla_attention(
+        q.contiguous() if q.stride(-1) != 1 else q,
+        cache,
+        block_table,
+        query_seq_idx,
+        query_kv_len,
+        float(scale),
+        kv_lora_rank,
+        num_splits or 0,
+    )

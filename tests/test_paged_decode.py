@@ -1,0 +1,432 @@
+"""Paged decode attention (GQA/MHA and absorbed MLA) on a DCP-sharded cache: reference vs dense,
+Triton kernel vs reference (interpreter on CPU, dtype matrix on the GPU), ops, compile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cp_modules.cache import (
+    BlockAllocator,
+    BlockTable,
+    dcp_query_kv_len,
+    dcp_slot_mapping,
+    local_seq_len,
+)
+from cp_modules.kernels.paged_decode import (
+    DecodeConfig,
+    choose_num_splits,
+    paged_attention_kernel,
+    paged_mla_attention_kernel,
+)
+from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
+from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
+from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
+from cp_modules.testing.numerics import assert_close_to_reference
+
+# ---------------------------------------------------------------------------------------------
+# Building a rank's shard of a batch of requests through the real write path.
+
+
+@dataclass
+class Shard:
+    """One DCP rank's cache for a batch, plus the global K/V it was cut from."""
+
+    k: list[torch.Tensor]  # per request [L, Hkv, Dk] (GQA) or latent rows [L, Rk + P] (MLA)
+    v: list[torch.Tensor]
+    block_table: torch.Tensor
+    caches: tuple[torch.Tensor, ...]
+
+
+def build_shard(
+    lengths, *, bs, d, rank, interleave, dtype, device="cpu", hkv=None, dk=None, mla=None, gen=None
+) -> Shard:
+    """Write every request's K/V with the rank's slot mapping into NaN-filled caches.
+
+    ``mla=(rank_dim, rope_dim)`` builds a latent cache; otherwise ``hkv, dk`` a GQA cache.
+    Blocks come from a shared allocator in a scrambled order, so block ids are not monotone.
+    """
+    max_len = max(lengths)
+    table_width = -(-max_len // (bs * d))
+    num_blocks = len(lengths) * table_width + 3
+    alloc = BlockAllocator(num_blocks)
+    alloc.free(alloc.allocate(num_blocks)[::-1])  # scramble the free order
+    table = BlockTable(len(lengths), max_len, bs, alloc, dcp_size=d, device=device)
+    for r, n in enumerate(lengths):
+        table.ensure_capacity(r, n)
+    ks, vs = [], []
+    if mla is None:
+        kc = torch.full((num_blocks, bs, hkv, dk), float("nan"), dtype=dtype, device=device)
+        caches = (kc, torch.full_like(kc, float("nan")))
+    else:
+        caches = (torch.full((num_blocks, bs, sum(mla)), float("nan"), dtype=dtype, device=device),)
+    for r, n in enumerate(lengths):
+        positions = torch.arange(n, device=device)
+        rows = torch.full((n,), r, device=device)
+        slots = dcp_slot_mapping(positions, rows, table.tensor, bs, d, rank, interleave)
+        if mla is None:
+            k = torch.randn(n, hkv, dk, generator=gen, device=device).to(dtype)
+            v = torch.randn(n, hkv, dk, generator=gen, device=device).to(dtype)
+            write_kv_cache(k, v, caches[0], caches[1], slots)
+        else:
+            kv_c = torch.randn(n, mla[0], generator=gen, device=device).to(dtype)
+            k_pe = torch.randn(n, mla[1], generator=gen, device=device).to(dtype)
+            write_mla_cache(kv_c, k_pe, caches[0], slots)
+            k = torch.cat([kv_c, k_pe], dim=-1)
+            v = kv_c
+        ks.append(k)
+        vs.append(v)
+    return Shard(ks, vs, table.tensor, caches)
+
+
+def dense_attention(q, k, v, scale):
+    """Plain fp64 attention of q [Tq, Hq, Dk] on k [L, Hkv, Dk], v [L, Hkv, Dv] (no mask)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)
+    vv = v.double().repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,lhd->hql", q.double(), kk) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hql,lhd->qhd", torch.softmax(s, dim=-1), vv)
+    return out, lse.transpose(0, 1)
+
+
+def check_against_reference(out, lse, ref, same=None, *, atol=1e-5, name=""):
+    """fp32 reference: ``atol``; lower precision: the 2x rule against the same-dtype reference."""
+    ref_out, ref_lse = ref
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), f"{name}: empty rows differ"
+    assert (out[empty] == 0).all(), f"{name}: empty rows must give out = 0"
+    finite = ~empty
+    assert_close_to_reference(
+        out[finite], ref_out[finite].float(), None if same is None else same[0][finite],
+        atol=atol, name=f"{name} out",
+    )  # fmt: skip
+    assert_close_to_reference(
+        lse[finite], ref_lse[finite], None if same is None else same[1][finite],
+        atol=atol, name=f"{name} lse",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier 1: the reference against dense attention, sharded and merged.
+
+
+def _merge(outs, lses):
+    lse = torch.stack(lses)
+    m = lse.amax(0).nan_to_num(neginf=0.0)
+    w = torch.exp(lse - m)
+    total = w.sum(0)
+    out = (torch.stack(outs).double() * w[..., None]).sum(0) / total.clamp_min(1e-300)[..., None]
+    return out, m + torch.log(total)
+
+
+@pytest.mark.parametrize(
+    ("d", "interleave", "bs"),
+    [(1, 1, 8), (2, 1, 8), (4, 2, 8), (4, 8, 8), (3, 4, 4)],
+    ids=["D1", "D2-I1", "D4-I2", "D4-I8", "D3-I4-BS4"],
+)
+def test_reference_sharded_then_merged_equals_dense(d, interleave, bs):
+    """Decode and multi-token causal queries on every rank's shard, merged by LSE, equal dense
+    causal attention over the whole sequence (fp64 math in the merge and the oracle)."""
+    lengths = [1, 29, 70]
+    hq, hkv, dk = 4, 2, 16
+    scale = dk**-0.5
+    gen = torch.Generator().manual_seed(1)
+    # Queries: the last 3 positions of each request (causal among themselves), decode-style.
+    q_pos = [torch.arange(max(0, n - 3), n) for n in lengths]
+    rows = torch.cat([torch.full((len(p),), r) for r, p in enumerate(q_pos)])
+    positions = torch.cat(q_pos)
+    q = torch.randn(positions.numel(), hq, dk, generator=gen, dtype=torch.float64)
+    outs, lses, shard = [], [], None
+    for rank in range(d):
+        shard = build_shard(
+            lengths, bs=bs, d=d, rank=rank, interleave=interleave, dtype=torch.float64,
+            hkv=hkv, dk=dk, gen=torch.Generator().manual_seed(2),
+        )  # fmt: skip
+        kv_len = dcp_query_kv_len(positions, d, rank, interleave)
+        out, lse = paged_attention_ref(q, *shard.caches, shard.block_table, rows, kv_len, scale)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = _merge(outs, lses)
+    for t, (r, p) in enumerate(zip(rows.tolist(), positions.tolist())):
+        want_out, want_lse = dense_attention(
+            q[t : t + 1], shard.k[r][: p + 1], shard.v[r][: p + 1], scale
+        )
+        # The LSEs are fp32 by contract, so the merge weights carry fp32 rounding.
+        torch.testing.assert_close(out[t], want_out[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse[t].double(), want_lse[0], atol=1e-6, rtol=0)
+
+
+def test_mla_reference_equals_dense_latent_attention():
+    lengths = [5, 40]
+    rk, p, h = 32, 8, 3
+    shard = build_shard(lengths, bs=4, d=1, rank=0, interleave=1, dtype=torch.float64, mla=(rk, p))
+    q = torch.randn(2, h, rk + p, dtype=torch.float64)
+    rows = torch.tensor([0, 1])
+    out, lse = paged_mla_attention_ref(q, shard.caches[0], shard.block_table, rows,
+                                       torch.tensor([5, 40]), 0.3, rk)  # fmt: skip
+    for t in range(2):
+        k = shard.k[t][:, None]
+        want_out, want_lse = dense_attention(q[t : t + 1], k, k[..., :rk], 0.3)
+        torch.testing.assert_close(out[t], want_out[0], atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse[t].double(), want_lse[0], atol=1e-6, rtol=0)
+
+
+def test_empty_range_gives_zero_and_neg_inf():
+    shard = build_shard([4], bs=4, d=1, rank=0, interleave=1, dtype=torch.float32, hkv=1, dk=16)
+    out, lse = paged_attention(
+        torch.randn(2, 2, 16), *shard.caches, shard.block_table, torch.tensor([0, 0]),
+        torch.tensor([0, 4]), scale=0.25,
+    )  # fmt: skip
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier 4: the Triton kernels against the reference under the interpreter (tiny grids).
+
+
+@dataclass(frozen=True)
+class GQACase:
+    hq: int
+    hkv: int
+    dk: int
+    bs: int
+    block_n: int
+    splits: int | None
+    dtype: torch.dtype
+
+    @property
+    def id(self) -> str:
+        return (
+            f"H{self.hq}-KV{self.hkv}-D{self.dk}-BS{self.bs}-N{self.block_n}-S{self.splits or 'auto'}"
+            f"-{str(self.dtype).split('.')[-1]}"
+        )
+
+
+GQA_CASES = [
+    GQACase(4, 4, 16, 16, 16, 1, torch.float32),  # MHA, one block per tile
+    GQACase(8, 2, 32, 8, 16, 3, torch.float32),  # GQA 4, tiles gather across blocks
+    GQACase(6, 1, 64, 16, 32, 2, torch.float16),  # group of 6 (not a power of two)
+    GQACase(2, 1, 128, 32, 32, None, torch.float32),  # head dim 128, split count chosen
+]
+
+
+def _dcp_queries(lengths, d, rank, interleave, extra_tokens=2):
+    """Decode queries at each request's last position plus a few earlier (speculative-style)."""
+    pos, rows = [], []
+    for r, n in enumerate(lengths):
+        for g in range(max(0, n - 1 - extra_tokens), n):
+            pos.append(g)
+            rows.append(r)
+    positions = torch.tensor(pos)
+    return torch.tensor(rows, dtype=torch.int32), dcp_query_kv_len(positions, d, rank, interleave)
+
+
+@pytest.mark.parametrize("case", GQA_CASES, ids=[c.id for c in GQA_CASES])
+def test_gqa_kernel_matches_reference_interpreted(case):
+    # Rank 3 of DCP 4 with interleave 2: the 1-token request leaves this shard empty.
+    lengths, d, rank, il = [1, 200], 4, 3, 2
+    shard = build_shard(lengths, bs=case.bs, d=d, rank=rank, interleave=il, dtype=case.dtype,
+                        hkv=case.hkv, dk=case.dk)  # fmt: skip
+    rows, kv_len = _dcp_queries(lengths, d, rank, il, extra_tokens=1)
+    assert kv_len[0] == 0 and kv_len[-1] == local_seq_len(200, d, rank, il) == 50
+    q = torch.randn(rows.numel(), case.hq, case.dk).to(case.dtype)
+    scale = case.dk**-0.5
+    cfg = DecodeConfig(block_h=16, block_n=case.block_n, num_warps=4, num_stages=1)
+    out, lse = paged_attention_kernel(q, *shard.caches, shard.block_table, rows, kv_len, scale,
+                                      case.splits, config=cfg)  # fmt: skip
+    args = (q, *shard.caches, shard.block_table, rows, kv_len, scale)
+    ref = paged_attention_ref(*args)
+    same = None if case.dtype == torch.float32 else paged_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, name=case.id)
+
+
+MLA_CASES = [
+    (64, 16, 20, 16, 16, 1, torch.float32),
+    (64, 16, 20, 8, 16, 3, torch.float32),
+    (512, 64, 16, 16, 16, 2, torch.float16),
+]
+
+
+@pytest.mark.parametrize(
+    ("rk", "rope", "h", "bs", "block_n", "splits", "dtype"),
+    MLA_CASES,
+    ids=[f"R{c[0]}-P{c[1]}-H{c[2]}-BS{c[3]}-S{c[5]}-{str(c[6]).split('.')[-1]}" for c in MLA_CASES],
+)
+def test_mla_kernel_matches_reference_interpreted(rk, rope, h, bs, block_n, splits, dtype):
+    lengths, d, rank, il = [3, 120], 2, 1, 4  # rank 1 holds none of the first request
+    shard = build_shard(lengths, bs=bs, d=d, rank=rank, interleave=il, dtype=dtype, mla=(rk, rope))
+    rows, kv_len = _dcp_queries(lengths, d, rank, il, extra_tokens=0)
+    assert kv_len.tolist() == [0, local_seq_len(120, d, rank, il)] == [0, 60]
+    q = torch.randn(rows.numel(), h, rk + rope).to(dtype)
+    scale = (128 + rope) ** -0.5
+    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1)
+    out, lse = paged_mla_attention_kernel(q, shard.caches[0], shard.block_table, rows, kv_len,
+                                          scale, rk, splits, config=cfg)  # fmt: skip
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, scale, rk)
+    ref = paged_mla_attention_ref(*args)
+    same = None if dtype == torch.float32 else paged_mla_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, name="mla")
+
+
+def test_split_count_depends_on_static_shapes_only():
+    # Enough programs already: no split. One query: about two waves, capped by the table width.
+    assert choose_num_splits(264, 1 << 17, 132) == 1
+    assert choose_num_splits(8, 1 << 17, 132) == 33
+    assert choose_num_splits(8, 1024, 132) == 4
+    assert choose_num_splits(1, 1 << 20, 132) == 64
+    assert choose_num_splits(4, 100, 132) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier 2: the ops.
+
+
+def _small_gqa_args(dtype=torch.float32):
+    shard = build_shard([3, 20], bs=4, d=2, rank=0, interleave=2, dtype=dtype, hkv=2, dk=16)
+    for c in shard.caches:
+        c.nan_to_num_(0.0)  # opcheck compares raw outputs; keep unwritten slots finite
+    q = torch.randn(3, 4, 16, dtype=dtype)
+    rows = torch.tensor([0, 1, 1], dtype=torch.int32)
+    kv_len = dcp_query_kv_len(torch.tensor([2, 18, 19]), 2, 0, 2)
+    return q, shard.caches, shard.block_table, rows, kv_len
+
+
+def test_ops_opcheck():
+    q, (kc, vc), bt, rows, kv_len = _small_gqa_args()
+    torch.library.opcheck(
+        torch.ops.cp.paged_attention.default, (q, kc, vc, bt, rows, kv_len, 0.25, 0)
+    )
+    shard = build_shard([9], bs=4, d=1, rank=0, interleave=1, dtype=torch.float32, mla=(32, 8))
+    cache = shard.caches[0].nan_to_num(0.0)
+    args = (
+        torch.randn(1, 4, 40),
+        cache,
+        shard.block_table,
+        torch.tensor([0]),
+        torch.tensor([9]),
+        0.2,
+        32,
+        0,
+    )
+    torch.library.opcheck(torch.ops.cp.paged_mla_attention.default, args)
+
+
+def test_ops_compile_fullgraph_with_positions_on_device():
+    def decode(q, kc, vc, bt, rows, positions, q_mla, cache):
+        kv_len = dcp_query_kv_len(positions, 2, 0, 2)
+        out, lse = paged_attention(q, kc, vc, bt, rows, kv_len, scale=0.25)
+        out_m, lse_m = paged_mla_attention(
+            q_mla, cache, bt, rows, kv_len, scale=0.2, kv_lora_rank=32
+        )
+        return out * 2, lse, out_m, lse_m
+
+    q, (kc, vc), bt, rows, _ = _small_gqa_args()
+    positions = torch.tensor([2, 18, 19])
+    cache = torch.randn(kc.shape[0], 4, 40)
+    q_mla = torch.randn(3, 4, 40)
+    args = (q, kc, vc, bt, rows, positions, q_mla, cache)
+    got = torch.compile(decode, fullgraph=True)(*args)
+    want = decode(*args)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_op_errors_name_the_argument():
+    q, (kc, vc), bt, rows, kv_len = _small_gqa_args()
+    with pytest.raises(ValueError, match="query heads Hq=3 must be a multiple"):
+        paged_attention(q[:, :3], kc, vc, bt, rows, kv_len, scale=1.0)
+    with pytest.raises(
+        ValueError, match=r"query_kv_len must be an int32/int64 tensor of shape \[T\]"
+    ):
+        paged_attention(q, kc, vc, bt, rows, kv_len.float(), scale=1.0)
+    with pytest.raises(ValueError, match="cache dtype torch.float16 must equal"):
+        paged_attention(q, kc.half(), vc.half(), bt, rows, kv_len, scale=1.0)
+    with pytest.raises(ValueError, match="block_table must be an int32/int64"):
+        paged_attention(q, kc, vc, bt.float(), rows, kv_len, scale=1.0)
+    with pytest.raises(ValueError, match="kv_lora_rank must be an integer in"):
+        paged_mla_attention(torch.randn(3, 4, 40), torch.zeros(4, 4, 40), bt, rows, kv_len,
+                            scale=1.0, kv_lora_rank=40)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier 5: the GPU dtype matrix (skipped without CUDA).
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+GPU_LENGTHS = [1, 2, 17, 300, 1025, 4097, 7000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("interleave", [1, 16], ids=["I1", "I16"])
+@pytest.mark.parametrize("kind", ["gqa-32-8-128", "gqa-8-8-64", "mla-16-576"])
+@pytest.mark.parametrize("splits", [None, 1, 7], ids=["Sauto", "S1", "S7"])
+def test_gpu_kernels_match_reference(dtype, bs, interleave, kind, splits):
+    d, rank = 4, 3  # the short requests leave rank 3 empty
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if kind.startswith("gqa"):
+        hq, hkv, dk = (int(x) for x in kind.split("-")[1:])
+        shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave, dtype=dtype,
+                            device="cuda", hkv=hkv, dk=dk, gen=gen)  # fmt: skip
+    else:
+        hq, dk = 16, 576
+        shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave, dtype=dtype,
+                            device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=2)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    assert (kv_len == 0).any()
+    q = torch.randn(rows.numel(), hq, dk, device="cuda", generator=gen).to(dtype)
+    scale = 192**-0.5 if kind.startswith("mla") else dk**-0.5
+    if kind.startswith("gqa"):
+        args = (q, *shard.caches, shard.block_table, rows, kv_len, scale)
+        out, lse = paged_attention_kernel(*args, splits)
+        ref, same = paged_attention_ref(*args), paged_attention_ref(*args, upcast=False)
+    else:
+        args = (q, shard.caches[0], shard.block_table, rows, kv_len, scale, 512)
+        out, lse = paged_mla_attention_kernel(*args, splits)
+        ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name=kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_gpu_cuda_graph_replay_with_new_lengths(kind):
+    """Capture once, then change lengths and cache contents in place: replays stay exact."""
+    lengths = [100, 3000, 5]
+    dtype = torch.bfloat16
+    if kind == "gqa":
+        shard = build_shard(lengths, bs=16, d=1, rank=0, interleave=1, dtype=dtype, device="cuda",
+                            hkv=8, dk=128)  # fmt: skip
+        q = torch.randn(3, 32, 128, device="cuda", dtype=dtype)
+
+        def run(kv_len):
+            return paged_attention(q, *shard.caches, shard.block_table, rows, kv_len, scale=0.088)
+    else:
+        shard = build_shard(lengths, bs=64, d=1, rank=0, interleave=1, dtype=dtype, device="cuda",
+                            mla=(512, 64))  # fmt: skip
+        q = torch.randn(3, 128, 576, device="cuda", dtype=dtype)
+
+        def run(kv_len):
+            return paged_mla_attention(q, shard.caches[0], shard.block_table, rows, kv_len,
+                                       scale=0.072, kv_lora_rank=512)  # fmt: skip
+
+    for c in shard.caches:
+        c.nan_to_num_(0.0)
+    rows = torch.arange(3, device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    run(kv_len)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run(kv_len)
+    for new in ([1, 2999, 0], [100, 3000, 5], [64, 1, 4]):
+        kv_len.copy_(torch.tensor(new))
+        graph.replay()
+        want_out, want_lse = run(kv_len)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
