@@ -26,7 +26,11 @@ from collections.abc import Callable
 
 import torch
 
-from cp_modules.reference.pcp_attention import attention_with_lse, attention_with_lse_backward
+from cp_modules.reference.pcp_attention import (
+    attention_with_lse,
+    attention_with_lse_backward,
+    lse_dtype,
+)
 
 __all__ = [
     "BLOCK_BACKENDS",
@@ -136,17 +140,18 @@ def attention_block_backward(
 def merge_partials(
     outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact LSE-weighted merge of partial attentions of the same queries (fp32 math).
+    """Exact LSE-weighted merge of partial attentions of the same queries (fp32 math, fp64 for fp64).
 
     Every partial here has at least one key per query, so all LSEs are finite.
     """
+    acc_dtype = lse_dtype(out_dtype)
     if len(outs) == 1:
-        return outs[0].to(out_dtype), lses[0].float()
-    lse = torch.stack([x.float() for x in lses])
+        return outs[0].to(out_dtype), lses[0].to(acc_dtype)
+    lse = torch.stack([x.to(acc_dtype) for x in lses])
     m = lse.amax(0)
     w = torch.exp(lse - m)
     total = w.sum(0)
-    acc = sum(wi[..., None] * o.float() for wi, o in zip(w, outs))
+    acc = sum(wi[..., None] * o.to(acc_dtype) for wi, o in zip(w, outs))
     return (acc / total[..., None]).to(out_dtype), m + torch.log(total)
 
 
@@ -201,7 +206,7 @@ def pcp_prefill_attention_cuda(
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     for seg in segments.tolist():
         q0, ql = seg[1], seg[2]
         if ql == 0:
@@ -247,11 +252,10 @@ def pcp_prefill_attention_backward_cuda(
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None
     # Keys are shared by overlapping blocks (head and tail rectangles), so gradients are
     # accumulated in fp32 and rounded once.
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    dpk = torch.zeros(prefix_k.shape, dtype=torch.float32, device=k.device) if has_prefix else None
-    dpv = torch.zeros(prefix_v.shape, dtype=torch.float32, device=v.device) if has_prefix else None
+    acc = lse_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+    dpk = torch.zeros(prefix_k.shape, dtype=acc, device=k.device) if has_prefix else None
+    dpv = torch.zeros(prefix_v.shape, dtype=acc, device=v.device) if has_prefix else None
     for seg in segments.tolist():
         q0, ql = seg[1], seg[2]
         if ql == 0:

@@ -23,6 +23,7 @@ from cp_modules.kernels.pcp_attention import (
 from cp_modules.ops._lib import lib
 from cp_modules.partition.plan import PCPPlan
 from cp_modules.reference.pcp_attention import (
+    lse_dtype,
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
 )
@@ -57,7 +58,7 @@ def _forward_cuda(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scal
 @torch.library.register_fake("cp::pcp_prefill_attention", lib=lib)
 def _forward_fake(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
-    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=lse_dtype(q.dtype))
     return out, lse
 
 
@@ -152,8 +153,8 @@ def pcp_prefill_attention(
             avoids a device sync.
 
     Returns:
-        out [T, Hq, Dv] in q's dtype and lse [T, Hq] fp32 (natural log); padding rows hold 0
-        and ``-inf``.
+        out [T, Hq, Dv] in q's dtype and lse [T, Hq] fp32 (fp64 for fp64 inputs; natural log);
+        padding rows hold 0 and ``-inf``.
 
     Raises:
         ValueError: for shapes, dtypes or prefix arguments that do not fit the plan.

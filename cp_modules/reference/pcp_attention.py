@@ -8,7 +8,8 @@ S = segments (``cp_modules.partition.plan.SEGMENT_FIELDS``).
 Every block is computed densely in fp32 (this is the CPU path and the test oracle, not a
 memory-lean kernel). Causal masks are aligned at the bottom right: query ``i`` of ``L`` sees key
 ``j`` of ``M`` iff ``j <= i + M - L``. LSEs are natural-log, fp32. Queries outside every
-segment (padding) get output 0 and LSE ``-inf``.
+segment (padding) get output 0 and LSE ``-inf``. LSEs are fp32 (fp64 for fp64 inputs, so that
+the oracle can be made exact).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "lse_dtype",
     "attention_with_lse",
     "attention_with_lse_backward",
     "pcp_prefill_attention_backward_reference",
@@ -23,9 +25,14 @@ __all__ = [
 ]
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of LSEs (and of the math) for inputs of ``dtype``: fp32, or fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _acc(x: torch.Tensor) -> torch.Tensor:
     # fp32 math for half types; fp64 inputs stay fp64 so the oracle can be made exact.
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(lse_dtype(x.dtype))
 
 
 def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -61,14 +68,14 @@ def attention_with_lse(
         causal: mask keys after each query's position (bottom-right aligned).
 
     Returns:
-        out [L, Hq, Dv] in q's dtype (0 for a query with no key), lse [L, Hq] fp32 (``-inf``
-        for a query with no key).
+        out [L, Hq, Dv] in q's dtype (0 for a query with no key), lse [L, Hq] fp32 or fp64
+        (``-inf`` for a query with no key).
     """
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
     out = torch.einsum("hlm,mhd->lhd", p, _expand_kv(_acc(v), q.shape[1]))
-    return out.to(q.dtype), lse.transpose(0, 1).float().contiguous()
+    return out.to(q.dtype), lse.transpose(0, 1).contiguous()
 
 
 def attention_with_lse_backward(
@@ -147,10 +154,10 @@ def pcp_prefill_attention_reference(
         scale: softmax scale.
 
     Returns:
-        out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32.
+        out [T, Hq, Dv] in q's dtype, lse [T, Hq] in ``lse_dtype(q.dtype)``.
     """
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
+    lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype))
     prefix_cu = None if prefix_cu_seqlens is None else prefix_cu_seqlens.tolist()
     for seg in segments.tolist():
         q0, ql = seg[1], seg[2]

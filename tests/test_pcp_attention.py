@@ -1,0 +1,344 @@
+"""PCP head/tail prefill attention: every rank's share == dense causal attention.
+
+Single process: every PCP rank of a batch is simulated in turn against the same gathered K/V
+(the multi-process version with real all-gathers is test_pcp_distributed.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_modules.kernels.pcp_attention import (
+    BLOCK_BACKENDS,
+    attention_block_backward,
+    attention_block_forward,
+    pcp_prefill_attention_backward_cuda,
+    pcp_prefill_attention_cuda,
+)
+from cp_modules.partition import pcp_prefill_attention, plan_pcp
+from cp_modules.reference.pcp_attention import (
+    attention_with_lse,
+    attention_with_lse_backward,
+    pcp_prefill_attention_backward_reference,
+    pcp_prefill_attention_reference,
+)
+from cp_modules.testing.numerics import assert_close_to_reference, max_abs_err
+from cp_modules.testing.pcp import dense_prefill_attention
+
+BATCHES = {
+    "odd-lengths": ([37, 5, 3, 20], [0, 0, 0, 0]),
+    "decodes-in-front": ([1, 1, 19, 4], [7, 3, 0, 0]),
+    "chunked-prefill": ([29, 2, 6], [13, 5, 0]),
+}
+HEADS = {
+    "GQA-4-2-D16": (4, 2, 16, 16),
+    "MLA-192-128": (2, 2, 192, 128),
+}
+
+
+def _tensors(n, m, hq, hkv, dqk, dv, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N, C = sum(n), sum(m)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    q, k, v = rnd(N, hq, dqk), rnd(N, hkv, dqk), rnd(N, hkv, dv)
+    pk, pv = (rnd(C, hkv, dqk), rnd(C, hkv, dv)) if C else (None, None)
+    return q, k, v, pk, pv
+
+
+def _owned(plan, rank):
+    # Decode tokens are replicated: count each once (on rank 0) when summing over ranks.
+    is_decode = plan.is_decode[
+        torch.searchsorted(plan.key_offsets, plan.token_indices, right=True) - 1
+    ]
+    return plan.local_valid & (~is_decode | (rank == 0))
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
+@pytest.mark.parametrize("pcp", [1, 2, 3, 4, 8], ids=lambda p: f"P{p}")
+def test_all_ranks_equal_dense_forward_and_backward(pcp, batch, heads):
+    n, m = BATCHES[batch]
+    hq, hkv, dqk, dv = HEADS[heads]
+    scale = dqk**-0.5
+    q, k, v, pk, pv = _tensors(n, m, hq, hkv, dqk, dv, torch.float64)
+    leaves = [x.requires_grad_() for x in (q, k, v, pk, pv) if x is not None]
+    want_out, want_lse = dense_prefill_attention(
+        q, k, v, n, scale=scale, prefix_k=pk, prefix_v=pv, prefix_lens=m
+    )
+    w = torch.randn_like(want_out)
+    want_grads = torch.autograd.grad((want_out * w).sum(), leaves)
+
+    loss = 0
+    for r in range(pcp):
+        plan = plan_pcp(n, m, pcp, r)
+        out, lse = pcp_prefill_attention(
+            q[plan.token_indices], k, v, plan, scale=scale, prefix_k=pk, prefix_v=pv
+        )
+        valid, rows = plan.local_valid, plan.token_indices[plan.local_valid]
+        assert max_abs_err(out[valid].detach(), want_out[rows].detach()) < 1e-12
+        assert max_abs_err(lse[valid], want_lse[rows].detach()) < 1e-12
+        assert torch.all(out[~valid] == 0) and torch.all(lse[~valid] == float("-inf"))
+        assert not lse.requires_grad
+        owned = _owned(plan, r)
+        loss = loss + (out[owned] * w[plan.token_indices[owned]]).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    for name, a, b in zip(["q", "k", "v", "prefix_k", "prefix_v"], grads, want_grads):
+        assert max_abs_err(a, b) < 1e-12, name
+
+
+@pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
+@pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
+def test_block_decomposition_equals_reference(pcp, batch):
+    # The CUDA path (causal square + rectangle + prefix, merged by LSE; block backward with the
+    # merged output and LSE) run with the reference as its block kernel.
+    n, m = BATCHES[batch]
+    q, k, v, pk, pv = _tensors(n, m, 4, 2, 16, 8, torch.float64, seed=1)
+    for r in range(pcp):
+        plan = plan_pcp(n, m, pcp, r)
+        args = (
+            plan.segments_host,
+            pk,
+            pv,
+            plan.prefix_cu_seqlens_host if pk is not None else None,
+            0.3,
+        )
+        ql = q[plan.token_indices]
+        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
+        ref_out, ref_lse = pcp_prefill_attention_reference(ql, k, v, *args)
+        assert max_abs_err(out, ref_out) < 1e-12
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        finite = torch.isfinite(ref_lse)
+        assert max_abs_err(lse[finite], ref_lse[finite]) < 1e-12
+        dout = torch.randn_like(out)
+        got = pcp_prefill_attention_backward_cuda(dout, ql, k, v, ref_out, ref_lse, *args)
+        want = pcp_prefill_attention_backward_reference(dout, ql, k, v, ref_out, ref_lse, *args)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert max_abs_err(a, b) < 1e-12
+
+
+def test_block_functions_bottom_right_causal():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(s, 2, 8, generator=g, dtype=torch.float64) for s in (3, 7, 7))
+    out, lse = attention_with_lse(q, k, v, scale=0.5, causal=True)
+    # Query i of 3 sees keys 0 .. i + 4: the last query sees every key.
+    for i in range(3):
+        o, s = attention_with_lse(q[i : i + 1], k[: i + 5], v[: i + 5], scale=0.5, causal=False)
+        assert max_abs_err(out[i], o[0]) < 1e-14 and max_abs_err(lse[i], s[0]) < 1e-6
+    assert attention_block_forward(q, k, v, scale=0.5, causal=True)[0].equal(out)
+    dout = torch.randn_like(out)
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    o, _ = attention_with_lse(qq, kk, vv, scale=0.5, causal=True)
+    want = torch.autograd.grad((o * dout).sum(), (qq, kk, vv))
+    got = attention_with_lse_backward(dout, q, k, v, out, lse, scale=0.5, causal=True)
+    got2 = attention_block_backward(dout, q, k, v, out, lse, scale=0.5, causal=True)
+    for a, b, c in zip(got, want, got2):
+        assert max_abs_err(a, b) < 1e-12 and torch.equal(a, c)
+
+
+def _op_args(n, m, pcp, rank, dtype=torch.float64, requires_grad=True):
+    plan = plan_pcp(n, m, pcp, rank)
+    q, k, v, pk, pv = _tensors(n, m, 4, 2, 8, 8, dtype, seed=4)
+    ql = q[plan.token_indices].clone()
+    tensors = [ql, k, v, pk, pv]
+    if requires_grad:
+        tensors = [None if x is None else x.requires_grad_() for x in tensors]
+    ql, k, v, pk, pv = tensors
+    cu = plan.prefix_cu_seqlens_host if pk is not None else None
+    return plan, (ql, k, v, plan.segments_host, pk, pv, cu, 0.35)
+
+
+@pytest.mark.parametrize("batch", ["odd-lengths", "chunked-prefill"])
+def test_opcheck(batch):
+    _, args = _op_args(*BATCHES[batch], 2, 1)
+    torch.library.opcheck(torch.ops.cp.pcp_prefill_attention.default, args)
+    out, lse = torch.ops.cp.pcp_prefill_attention(*args)
+    ql, k, v, seg, pk, pv, cu, scale = args
+    dout = torch.randn_like(out)
+    bwd_args = (dout, ql.detach(), k.detach(), v.detach(), out.detach(), lse, seg)
+    bwd_args += (
+        None if pk is None else pk.detach(),
+        None if pv is None else pv.detach(),
+        cu,
+        scale,
+    )
+    torch.library.opcheck(torch.ops.cp.pcp_prefill_attention_backward.default, bwd_args)
+
+
+def _attend(q, k, v, plan, pk, pv):
+    return pcp_prefill_attention(q, k, v, plan, scale=0.35, prefix_k=pk, prefix_v=pv)
+
+
+def _mark_dynamic(plan, *tensors):
+    # Token and request counts change from step to step; heads and dims do not.
+    for x in (*tensors, plan.token_indices, plan.gather_index, plan.segments_host):
+        torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(plan.prefix_cu_seqlens_host, 0)
+
+
+def test_compiles_fullgraph_without_recompiling_for_new_batches():
+    torch._dynamo.reset()
+    compiled = torch.compile(_attend, fullgraph=True)
+    batches = [([29, 2, 6], [13, 5, 0]), ([40, 7, 1, 1, 9], [3, 0, 8, 2, 1]), ([5, 77], [2, 30])]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, (n, m) in enumerate(batches):
+            plan, (ql, k, v, _, pk, pv, _, _) = _op_args(n, m, 2, 1, torch.float32, False)
+            if i == 0:
+                _mark_dynamic(plan, ql, k, v, pk, pv)
+            out, lse = compiled(ql, k, v, plan, pk, pv)
+            want_out, want_lse = _attend(ql, k, v, plan, pk, pv)
+            assert max_abs_err(out, want_out) < 1e-6
+            assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+            assert max_abs_err(lse[~torch.isinf(lse)], want_lse[~torch.isinf(want_lse)]) < 1e-5
+
+
+def test_compiled_backward_equals_eager():
+    torch._dynamo.reset()
+    plan, (ql, k, v, _, pk, pv, _, _) = _op_args([29, 2, 6], [13, 5, 0], 2, 0, torch.float32)
+    compiled = torch.compile(_attend, fullgraph=True)
+    leaves = (ql, k, v, pk, pv)
+    out = compiled(*leaves[:3], plan, pk, pv)[0]
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), leaves)
+    want = torch.autograd.grad((_attend(*leaves[:3], plan, pk, pv)[0] * w).sum(), leaves)
+    for a, b in zip(got, want):
+        assert max_abs_err(a, b) < 1e-6
+
+
+def test_invalid_arguments_raise_value_error():
+    plan, (ql, k, v, _, pk, pv, _, _) = _op_args([29, 2, 6], [13, 5, 0], 2, 0, torch.float32, False)
+    bad = {
+        "q must hold": dict(q=ql[1:]),
+        "k_full and v_full must hold": dict(k_full=k[1:]),
+        "multiple of the KV heads": dict(
+            k_full=k[:, :1].expand(-1, 3, -1).contiguous(),
+            v_full=v[:, :1].expand(-1, 3, -1).contiguous(),
+        ),
+        "head dims must match": dict(k_full=k[..., :4]),
+        "share a dtype": dict(v_full=v.double()),
+        "given together": dict(prefix_v=None),
+        "prefix_k must be": dict(prefix_k=pk[:, :1]),
+        "one entry per request": dict(prefix_cu_seqlens=torch.tensor([0, 13])),
+        "3-D": dict(q=ql[0]),
+    }
+    for match, override in bad.items():
+        kwargs = dict(q=ql, k_full=k, v_full=v, plan=plan, prefix_k=pk, prefix_v=pv)
+        kwargs.update(override)
+        with pytest.raises(ValueError, match=match):
+            pcp_prefill_attention(scale=0.3, **kwargs)
+
+
+# ---------------------------------------------------------------- GPU
+
+GPU_CASES = {
+    # name: (num_scheduled, num_computed, Hq, Hkv, Dqk, Dv)
+    "MHA-D128-prefix": ([700, 1, 1, 333, 64], [0, 90, 40, 250, 0], 4, 4, 128, 128),
+    "GQA-8-2-D128": ([1000, 17, 3], [0, 0, 0], 8, 2, 128, 128),
+    "MLA-192-128-prefix": ([513, 1, 900], [0, 30, 128], 4, 4, 192, 128),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
+def test_gpu_all_ranks_equal_dense(case, pcp, dtype):
+    n, m, hq, hkv, dqk, dv = GPU_CASES[case]
+    scale = dqk**-0.5
+    leaves32 = [x.requires_grad_() for x in _tensors(n, m, hq, hkv, dqk, dv, torch.float32, "cuda")]
+    leaves = [x.detach().to(dtype).requires_grad_() for x in leaves32]
+    q, k, v, pk, pv = leaves
+    want32, _ = dense_prefill_attention(
+        *leaves32[:3], n, scale=scale, prefix_k=leaves32[3], prefix_v=leaves32[4], prefix_lens=m
+    )
+    same, _ = dense_prefill_attention(
+        q, k, v, n, scale=scale, prefix_k=pk, prefix_v=pv, prefix_lens=m, upcast=False
+    )
+    w = torch.randn_like(want32)
+    g32 = torch.autograd.grad((want32 * w).sum(), leaves32)
+    gsame = torch.autograd.grad((same.float() * w).sum(), leaves)
+    loss = 0
+    for r in range(pcp):
+        plan = plan_pcp(n, m, pcp, r, device="cuda")
+        out, lse = pcp_prefill_attention(
+            q[plan.token_indices], k, v, plan, scale=scale, prefix_k=pk, prefix_v=pv
+        )
+        valid, rows = plan.local_valid, plan.token_indices[plan.local_valid]
+        base = same if dtype != torch.float32 else None
+        assert_close_to_reference(
+            out[valid],
+            want32[rows],
+            None if base is None else base[rows],
+            atol=1e-4,
+            name=f"out rank {r}",
+        )
+        assert torch.all(out[~valid] == 0)
+        owned = _owned(plan, r)
+        loss = loss + (out[owned].float() * w[plan.token_indices[owned]]).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    for name, a, b, c in zip(["dq", "dk", "dv", "dprefix_k", "dprefix_v"], grads, g32, gsame):
+        base = c if dtype != torch.float32 else None
+        assert_close_to_reference(a, b, base, atol=1e-3 if base is not None else 1e-4, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BLOCK_BACKENDS, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["square-causal", "rectangle"])
+@pytest.mark.parametrize(
+    "dims", [(8, 8, 128, 128), (8, 2, 64, 64), (4, 4, 192, 128)], ids=["MHA", "GQA", "MLA"]
+)
+def test_gpu_block_backends_forward_and_backward(backend, causal, dims):
+    hq, hkv, dqk, dv = dims
+    L, M = (300, 300) if causal else (300, 777)
+    q32, k32, v32 = (
+        torch.randn(s, h, d, device="cuda")
+        for s, h, d in ((L, hq, dqk), (M, hkv, dqk), (M, hkv, dv))
+    )
+    q, k, v = (x.bfloat16() for x in (q32, k32, v32))
+    qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+    params = torch.backends.cuda.SDPAParams(qt, kt, vt, None, 0.0, causal, hq != hkv)
+    usable = {
+        "cudnn": hq == hkv and torch.backends.cuda.can_use_cudnn_attention(params, False),
+        "flash": dqk == dv and torch.backends.cuda.can_use_flash_attention(params, False),
+        "reference": True,
+    }
+    if not usable[backend]:
+        pytest.skip(f"{backend} does not serve this shape here")
+    out, lse = attention_block_forward(q, k, v, scale=0.1, causal=causal, backend=backend)
+    out32, lse32 = attention_with_lse(q32, k32, v32, scale=0.1, causal=causal)
+    same = attention_with_lse(q, k, v, scale=0.1, causal=causal)[0]
+    assert_close_to_reference(out, out32, same, atol=1e-3, name="out")
+    assert max_abs_err(lse, lse32) < 2e-2
+    dout = torch.randn_like(out)
+    got = attention_block_backward(
+        dout, q, k, v, out, lse, scale=0.1, causal=causal, backend=backend
+    )
+    want = attention_with_lse_backward(
+        dout.float(), q32, k32, v32, out32, lse32, scale=0.1, causal=causal
+    )
+    base = attention_with_lse_backward(dout, q, k, v, out, lse, scale=0.1, causal=causal)
+    for name, a, b, c in zip(["dq", "dk", "dv"], got, want, base):
+        assert_close_to_reference(a, b, c.bfloat16(), atol=1e-2, name=name)
+
+
+@pytest.mark.gpu
+def test_gpu_compiles_without_recompiling():
+    torch._dynamo.reset()
+    compiled = torch.compile(_attend, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, (n, m) in enumerate(
+            [([300, 2, 60], [13, 5, 0]), ([400, 70, 1, 1, 90], [3, 0, 8, 2, 1])]
+        ):
+            plan = plan_pcp(n, m, 2, 1, device="cuda")
+            q, k, v, pk, pv = _tensors(n, m, 4, 2, 64, 64, torch.bfloat16, "cuda")
+            ql = q[plan.token_indices]
+            if i == 0:
+                _mark_dynamic(plan, ql, k, v, pk, pv)
+            out, _ = compiled(ql, k, v, plan, pk, pv)
+            want, _ = _attend(ql, k, v, plan, pk, pv)
+            assert max_abs_err(out, want) == 0.0
