@@ -1,0 +1,255 @@
+"""DCP decode communication: gather the query heads, then combine the per-shard partial results.
+
+Shape legend:
+    B: decode tokens    D: query head dim    Dv: value head dim
+    H: heads this rank owns (H_local)    G: gather group size    Hg = G * H: gathered heads
+    N: DCP group size (KV shards)
+
+A decode step on a rank of a DCP group: :func:`dcp_prepare_query` all-gathers the query heads of
+the TP positions the DCP group covers (``[B, H, D] -> [B, Hg, D]``; none when the peers already
+own the same heads); attention of those heads against the rank's KV shard yields
+``out [B, Hg, Dv]`` and ``lse [B, Hg]``; :func:`dcp_combine` turns the N partial results into
+the exact attention for the rank's own heads, ``[B, H, Dv]``. Reduce strategies (SPEC section 1):
+
+- ``reduce_scatter``: all-gather LSEs, correct, reduce-scatter (peers own the gathered head
+  blocks in group order, e.g. dcp == tp, pcp == 1);
+- ``all_reduce``: all-gather LSEs, correct, all-reduce (peers own the same heads, G == 1);
+- ``all_reduce_slice``: all-gather LSEs, correct, all-reduce, keep the own head block;
+- ``a2a``: send every peer the partial outputs and LSEs of the heads *that peer* owns, receive N
+  partials of the own heads, combine locally (exact in every case). ``packed`` sends outputs
+  and LSEs in one all-to-all (:func:`cp_modules.ops.lse_combine.pack_partials`).
+
+Every collective is a PyTorch functional collective (traceable under ``torch.compile``), every
+local kernel a ``cp::`` op with a fake; shapes are checked before the first collective so a
+wrong shape raises on the rank that has it instead of hanging its peers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cp_modules.distributed.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from cp_modules.ops import correct_attn_out as _correct_attn_out  # noqa: F401  (registers the op)
+from cp_modules.ops.lse_combine import _check_base, _check_out_dtype, pack_partials
+
+if TYPE_CHECKING:
+    from cp_modules.distributed.groups import CPGroups
+
+__all__ = ["DCP_REDUCE_STRATEGIES", "DCPCommSpec", "dcp_combine", "dcp_prepare_query"]
+
+DCP_REDUCE_STRATEGIES = ("none", "reduce_scatter", "all_reduce", "all_reduce_slice", "a2a")
+
+
+@dataclass(frozen=True)
+class DCPCommSpec:
+    """Everything a decode step needs to communicate, as plain (picklable, hashable) values.
+
+    Attributes:
+        dcp_group: name of the DCP process group; its group ranks are the KV shard indices.
+        dcp_size: ``N``, ranks in the DCP group.
+        dcp_rank: this rank's index in the DCP group (its KV shard).
+        gather_group: name of the query all-gather group (partial or full TP).
+        gather_size: ``G``, ranks in it (1 = no gather).
+        gather_rank: this rank's index in it, i.e. the block of its own heads among the
+            gathered heads.
+        reduce: one of :data:`DCP_REDUCE_STRATEGIES`.
+        packed: ``a2a`` only: move outputs and LSEs in one all-to-all.
+        peer_slots: per DCP peer, in group-rank order, the index of its head block among the
+            ``G`` gathered blocks.
+
+    Raises:
+        ValueError: for values no decode step could use (out of range, inconsistent with the
+            reduce strategy).
+    """
+
+    dcp_group: str
+    dcp_size: int
+    dcp_rank: int
+    gather_group: str
+    gather_size: int
+    gather_rank: int
+    reduce: str
+    packed: bool
+    peer_slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.reduce not in DCP_REDUCE_STRATEGIES:
+            raise ValueError(
+                f"reduce must be one of {list(DCP_REDUCE_STRATEGIES)}, got {self.reduce!r}"
+            )
+        for name in ("dcp_size", "gather_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.dcp_rank < self.dcp_size:
+            raise ValueError(f"dcp_rank must be in [0, {self.dcp_size}), got {self.dcp_rank}")
+        if not 0 <= self.gather_rank < self.gather_size:
+            raise ValueError(
+                f"gather_rank must be in [0, {self.gather_size}), got {self.gather_rank}"
+            )
+        slots = tuple(self.peer_slots)
+        object.__setattr__(self, "peer_slots", slots)
+        if len(slots) != self.dcp_size or not all(0 <= s < self.gather_size for s in slots):
+            raise ValueError(
+                f"peer_slots must hold dcp_size={self.dcp_size} head-block indices in "
+                f"[0, gather_size={self.gather_size}), got {slots}"
+            )
+        if slots[self.dcp_rank] != self.gather_rank:
+            raise ValueError(
+                f"peer_slots[dcp_rank={self.dcp_rank}]={slots[self.dcp_rank]} must equal "
+                f"gather_rank={self.gather_rank}: a rank's own heads are its gathered block"
+            )
+        if (self.reduce == "none") != (self.dcp_size == 1):
+            raise ValueError(
+                f"reduce={self.reduce!r} with dcp_size={self.dcp_size}: use 'none' exactly "
+                "when dcp_size == 1"
+            )
+        if self.reduce == "none" and self.gather_size != 1:
+            raise ValueError(f"reduce='none' needs gather_size=1, got {self.gather_size}")
+        if self.reduce == "reduce_scatter" and slots != tuple(range(self.dcp_size)):
+            raise ValueError(
+                f"reduce='reduce_scatter' needs peer i to own gathered block i "
+                f"(peer_slots={tuple(range(self.dcp_size))}), got {slots}; use "
+                "'all_reduce_slice' or 'a2a'"
+            )
+        if self.reduce == "all_reduce" and self.gather_size != 1:
+            raise ValueError(
+                f"reduce='all_reduce' needs peers that own the same heads (gather_size=1), got "
+                f"gather_size={self.gather_size}; use 'all_reduce_slice' or 'a2a'"
+            )
+        if self.packed and self.reduce != "a2a":
+            raise ValueError(f"packed=True applies to reduce='a2a' only, got {self.reduce!r}")
+
+    @classmethod
+    def from_groups(
+        cls, groups: CPGroups, *, packed: bool = True, reduce: str | None = None
+    ) -> DCPCommSpec:
+        """The spec of this rank for the configuration ``groups`` was built from.
+
+        Args:
+            groups: this rank's :class:`~cp_modules.distributed.groups.CPGroups`.
+            packed: with the ``a2a`` backend, move outputs and LSEs in one all-to-all
+                (ignored for other backends).
+            reduce: override the configuration's reduce strategy (e.g. ``"reduce_scatter"``
+                where peers own the gathered blocks in order); default: ``groups.plan.reduce``.
+        """
+        reduce = groups.plan.reduce if reduce is None else reduce
+        gather_ranks = groups.ranks("partial_tp")
+        first_tp = groups.layout.coords(gather_ranks[0])["tp"]
+        return cls(
+            dcp_group=groups.dcp_name,
+            dcp_size=groups.config.dcp,
+            dcp_rank=groups.dcp_rank,
+            gather_group=groups.partial_tp_name,
+            gather_size=len(gather_ranks),
+            gather_rank=groups.local_rank("partial_tp"),
+            reduce=reduce,
+            packed=packed and reduce == "a2a",
+            peer_slots=tuple(t - first_tp for t in groups.dcp_peer_tp_positions),
+        )
+
+
+def dcp_prepare_query(q: torch.Tensor, spec: DCPCommSpec) -> torch.Tensor:
+    """All-gather the query heads the DCP group attends with: ``[B, H, D] -> [B, G * H, D]``.
+
+    Heads are ordered by gather-group rank (block ``j`` = rank ``j``'s heads); with
+    ``gather_size == 1`` the query is returned as is. Not differentiable (decode only).
+
+    Raises:
+        ValueError: if ``q`` is not 3-D.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H_local, D] (3 dims), got shape {tuple(q.shape)}")
+    return all_gather(q, spec.gather_group, spec.gather_size, dim=1)
+
+
+def _blocks_for_peers(x: torch.Tensor, spec: DCPCommSpec) -> torch.Tensor:
+    """``[B, G * H, ...] -> [R, C, B, H, ...]`` with ``R * C = N``: block of peer ``r * C + c``.
+
+    Real layouts repeat the gathered blocks in order over the PCP slices (slots
+    ``(0..G-1) * (N / G)``): that is an expanded view and costs nothing until the send buffer is
+    written. Other slot orders are stacked (one copy).
+    """
+    g, n = spec.gather_size, spec.dcp_size
+    blocks = x.unflatten(1, (g, -1)).movedim(1, 0)  # [G, B, H, ...]
+    if n % g == 0 and spec.peer_slots == tuple(range(g)) * (n // g):
+        return blocks.unsqueeze(0).expand(n // g, *blocks.shape)
+    return torch.stack([blocks[s] for s in spec.peer_slots]).unsqueeze(0)
+
+
+def _check_combine_inputs(out: torch.Tensor, lse: torch.Tensor, spec: DCPCommSpec) -> None:
+    if out.dim() != 3:
+        raise ValueError(f"out must be [B, Hg, Dv] (3 dims), got shape {tuple(out.shape)}")
+    _check_out_dtype("out.dtype", out.dtype)
+    b, hg, dv = out.shape
+    if tuple(lse.shape) != (b, hg):
+        raise ValueError(
+            f"lse must be [B, Hg] = {[b, hg]} to match out {tuple(out.shape)}, got "
+            f"{tuple(lse.shape)}"
+        )
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse must be torch.float32, got {lse.dtype}")
+    if hg == 0 or hg % spec.gather_size:
+        raise ValueError(
+            f"out has Hg={hg} heads; it must be a positive multiple of "
+            f"gather_size={spec.gather_size} (the query gather's head blocks)"
+        )
+
+
+def dcp_combine(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spec: DCPCommSpec,
+    *,
+    return_lse: bool = False,
+    base: str = "e",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Combine the DCP group's partial attention into the exact result for this rank's heads.
+
+    Args:
+        out: ``[B, Hg, Dv]`` attention of the gathered heads against this rank's KV shard
+            (fp16, bf16 or fp32).
+        lse: ``[B, Hg]`` fp32 LSEs of ``out`` (NaN / +inf / -inf for an empty shard).
+        spec: this rank's :class:`DCPCommSpec`.
+        return_lse: also return the combined LSE of the own heads.
+        base: ``"e"``, or ``"2"`` for attention kernels that return base-2 LSEs.
+
+    Returns:
+        ``[B, H, Dv]`` in ``out.dtype`` (with ``all_reduce_slice`` a view); with ``return_lse``
+        also ``[B, H]`` fp32 in the same base. With ``reduce == "none"`` the inputs unchanged.
+
+    Raises:
+        ValueError: on a wrong shape, dtype or base, before any collective runs.
+    """
+    base2 = _check_base(base)
+    _check_combine_inputs(out, lse, spec)
+    if spec.reduce == "none":
+        return (out, lse) if return_lse else out
+
+    n = spec.dcp_size
+    b, hg, dv = out.shape
+    h = hg // spec.gather_size
+    if spec.reduce == "a2a":
+        out_blocks = _blocks_for_peers(out, spec)  # [R, C, B, H, Dv]
+        lse_blocks = _blocks_for_peers(lse, spec)  # [R, C, B, H]
+        if spec.packed:
+            send = pack_partials(out_blocks, lse_blocks).flatten(0, 1)
+            recv = all_to_all(send, spec.dcp_group, n)
+            res, res_lse = torch.ops.cp.lse_combine_packed(recv, h, dv, base2)
+        else:
+            recv_out = all_to_all(out_blocks.reshape(n, b, h, dv), spec.dcp_group, n)
+            recv_lse = all_to_all(lse_blocks.reshape(n, b, h), spec.dcp_group, n)
+            res, res_lse = torch.ops.cp.lse_combine(recv_out, recv_lse, base2)
+        return (res, res_lse) if return_lse else res
+
+    all_lse = all_gather(lse.contiguous(), spec.dcp_group, n, dim=0).view(n, b, hg)
+    slot = slice(spec.gather_rank * h, (spec.gather_rank + 1) * h)
+    if spec.reduce == "reduce_scatter":
+        corrected, full_lse = torch.ops.cp.correct_attn_out(out, all_lse, spec.dcp_rank, n, base2)
+        res = reduce_scatter(corrected, spec.dcp_group, n, dim=0).view(b, h, dv)
+    else:
+        corrected, full_lse = torch.ops.cp.correct_attn_out(out, all_lse, spec.dcp_rank, 1, base2)
+        res = all_reduce(corrected.view(b, hg, dv), spec.dcp_group, n)[:, slot]
+    return (res, full_lse[:, slot]) if return_lse else res
