@@ -13,11 +13,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
+# Same signatures; the *_single names replace the *_tensor ones from torch 2.13 on.
+_ag = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_ag_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+_rs = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+_rs_autograd = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+
 __all__ = [
     "all_gather",
     "all_gather_autograd",
     "all_reduce",
     "all_to_all",
+    "copy_to_group",
     "group_name",
     "reduce_scatter",
     "reduce_scatter_autograd",
@@ -45,7 +52,7 @@ def all_gather(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -> to
     """Concatenate ``x`` from every rank of ``group`` along ``dim`` (no autograd)."""
     if world_size == 1:
         return x
-    out = fc.wait_tensor(fc.all_gather_tensor(x.contiguous(), 0, group))
+    out = fc.wait_tensor(_ag(x.contiguous(), 0, group))
     return _move_gather_dim(out, world_size, dim)
 
 
@@ -53,7 +60,7 @@ def all_gather_autograd(x: torch.Tensor, group: str, world_size: int, dim: int =
     """All-gather whose backward is a reduce-scatter of the gradient (sum over ranks)."""
     if world_size == 1:
         return x
-    out = fc.wait_tensor(fc.all_gather_tensor_autograd(x.contiguous(), 0, group))
+    out = fc.wait_tensor(_ag_autograd(x.contiguous(), 0, group))
     return _move_gather_dim(out, world_size, dim)
 
 
@@ -62,7 +69,7 @@ def reduce_scatter(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -
     if world_size == 1:
         return x
     y = _split_to_front(x, world_size, dim)
-    out = fc.wait_tensor(fc.reduce_scatter_tensor(y, "sum", 0, group))
+    out = fc.wait_tensor(_rs(y, "sum", 0, group))
     return _from_front(out, x.shape, world_size, dim)
 
 
@@ -71,7 +78,7 @@ def reduce_scatter_autograd(x: torch.Tensor, group: str, world_size: int, dim: i
     if world_size == 1:
         return x
     y = _split_to_front(x, world_size, dim)
-    out = fc.wait_tensor(fc.reduce_scatter_tensor_autograd(y, "sum", 0, group))
+    out = fc.wait_tensor(_rs_autograd(y, "sum", 0, group))
     return _from_front(out, x.shape, world_size, dim)
 
 
@@ -123,3 +130,25 @@ def _from_front(out: torch.Tensor, shape: torch.Size, world_size: int, dim: int)
         return out.reshape(s)
     moved = [s[dim]] + s[:dim] + s[dim + 1 :]
     return out.reshape(moved).movedim(0, dim)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str, world_size: int) -> torch.Tensor:
+        ctx.group, ctx.world_size = group, world_size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous(), ctx.group, ctx.world_size), None, None
+
+
+def copy_to_group(x: torch.Tensor, group: str, world_size: int) -> torch.Tensor:
+    """Identity whose backward sums the gradient over ``group``.
+
+    For a tensor replicated over TP that feeds per-rank (head-sharded) work: each rank's
+    gradient covers its own heads, and the sum is the tensor's full gradient.
+    """
+    if world_size == 1:
+        return x
+    return _CopyToGroup.apply(x, group, world_size)

@@ -1,0 +1,412 @@
+"""The context-parallel attention ops: ``cp::gqa_attention`` and ``cp::mla_attention``.
+
+Each (and its ``*_with_cache`` twin, which writes the KV cache in place and is not
+differentiable) is the whole attention of one layer after its projections (and RoPE): PCP gather and
+restore of the new K/V (or MLA latent), the KV-cache write, DualChunkSwap head/tail attention
+over the new tokens plus the cached prefix (gathered from the DCP shards), and the paged decode
+path with the DCP combine for decode tokens. The step's metadata comes from
+:func:`cp_modules.modules.context.current_step`, so traced code sees only q/k/v/caches: the op
+is the single split point of piecewise compilation and a new batch composition never
+recompiles.
+
+Shape letters: T = local tokens, N = new tokens of the batch, H = local query heads,
+Hkv = local KV heads, D = head dim, Dv = value head dim; MLA: Rk = kv_lora_rank, Dr = rope
+dim, Dn = nope dim, L = Rk + Dr (latent row).
+
+Training: both ops are differentiable w.r.t. their inputs (q, k, v; q, latent, w_uk, w_uv).
+The backward re-gathers the local K/V (or latent) over PCP instead of saving the gathered
+copy (a P-fold smaller activation footprint per layer), runs the head/tail attention backward
+with the saved output and LSE, and reduce-scatters the K/V gradients back to their ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_modules.distributed.collectives import all_gather, reduce_scatter
+from cp_modules.modules.context import CPStepMetadata, current_step
+from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
+from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
+from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
+from cp_modules.ops.pcp_attention import pcp_prefill_attention
+
+__all__ = ["gqa_attention", "mla_attention"]
+
+
+def _gather(x: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
+    """All-gather local rows over PCP and restore the batch order ([T, ...] -> [N, ...])."""
+    rt = meta.runtime
+    gathered = all_gather(x, rt.pcp_group, rt.pcp_size)
+    return gathered.index_select(0, meta.plan.gather_index)
+
+
+def _scatter_grad(dx_full: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
+    """Backward of :func:`_gather`: put rows back in gathered order and reduce-scatter."""
+    rt = meta.runtime
+    t = meta.num_local_tokens
+    buf = dx_full.new_zeros((rt.pcp_size * t, *dx_full.shape[1:]))
+    buf.index_add_(0, meta.plan.gather_index, dx_full)
+    return reduce_scatter(buf, rt.pcp_group, rt.pcp_size)
+
+
+def _read_prefix(cache: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
+    """Cached prefix rows of prefill requests, gathered from the DCP shards: [C, ...]."""
+    flat = cache.flatten(0, 1)
+    local = flat.index_select(0, meta.prefix_read_slots)
+    dcp = meta.runtime.dcp
+    if dcp is not None:
+        local = all_gather(local, dcp.dcp_group, dcp.dcp_size)
+    return local.index_select(0, meta.prefix_gather_index)
+
+
+def _decode(q_dec, meta: CPStepMetadata, attend):
+    """Paged attention of decode queries on this DCP shard, combined over the DCP group."""
+    spec = meta.runtime.dcp
+    if spec is None:
+        return attend(q_dec)
+    out, lse = attend(dcp_prepare_query(q_dec, spec))
+    return dcp_combine(out, lse, spec, return_lse=True)
+
+
+def _check_no_prefix_for_training(meta: CPStepMetadata) -> None:
+    if meta.has_prefix or meta.has_decode:
+        raise RuntimeError(
+            "the backward of context-parallel attention covers new tokens only: train on "
+            "batches without a cached prefix or decode requests"
+        )
+
+
+# ----------------------------------------------------------------------------- GQA / MHA
+
+
+def _gqa_forward(q, k, v, k_cache, v_cache, scale):
+    meta = current_step()
+    _check_local(meta, q, k, v)
+    has_cache = k_cache.numel() > 0
+    out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    if meta.all_decode:
+        # Decode tokens are replicated on every PCP rank in batch order: nothing to gather.
+        k_full, v_full = k, v
+    else:
+        kv = _gather(torch.stack((k, v)).transpose(0, 1).flatten(1, 2), meta)
+        k_full, v_full = kv.unflatten(1, (2, k.shape[1])).unbind(1)
+    if has_cache:
+        if meta.slot_mapping is None:
+            raise RuntimeError("a KV cache was given but the step has no block table")
+        write_kv_cache(k_full, v_full, k_cache, v_cache, meta.slot_mapping)
+    if not meta.all_decode:
+        prefix = {}
+        if meta.has_prefix:
+            prefix = dict(
+                prefix_k=_read_prefix(k_cache, meta),
+                prefix_v=_read_prefix(v_cache, meta),
+                prefix_cu_seqlens=meta.prefix_cu_seqlens,
+            )
+        out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
+        out, lse = out.clone(), lse.clone()
+    if meta.has_decode:
+        if not has_cache:
+            raise RuntimeError("decode requests need a KV cache")
+        idx = meta.local_decode_idx
+        o, lse_d = _decode(
+            q.index_select(0, idx),
+            meta,
+            lambda qq: paged_attention(
+                qq, k_cache, v_cache, meta.block_table, meta.decode_seq_idx,
+                meta.decode_kv_len, scale=scale,
+            ),
+        )
+        out.index_copy_(0, idx, o.to(out.dtype))
+        lse.index_copy_(0, idx, lse_d.float())
+    return out, lse
+
+
+@torch.library.custom_op("cp::gqa_attention", mutates_args=())
+def _gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    empty = q.new_empty(0)
+    return _gqa_forward(q, k, v, empty, empty, scale)
+
+
+@torch.library.custom_op("cp::gqa_attention_with_cache", mutates_args=("k_cache", "v_cache"))
+def _gqa_attention_with_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gqa_forward(q, k, v, k_cache, v_cache, scale)
+
+
+def _gqa_fake(q, k, v, *args):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+_gqa_attention.register_fake(_gqa_fake)
+_gqa_attention_with_cache.register_fake(_gqa_fake)
+
+
+@torch.library.custom_op("cp::gqa_attention_backward", mutates_args=())
+def _gqa_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    meta = current_step()
+    _check_no_prefix_for_training(meta)
+    kv = _gather(torch.stack((k, v)).transpose(0, 1).flatten(1, 2), meta)
+    k_full, v_full = kv.unflatten(1, (2, k.shape[1])).unbind(1)
+    dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
+        dout.contiguous(), q, k_full.contiguous(), v_full.contiguous(), out, lse,
+        meta.plan.segments, None, None, None, scale,
+    )
+    dkv = _scatter_grad(torch.stack((dk_full, dv_full), 1).flatten(1, 2), meta)
+    dk, dv = dkv.unflatten(1, (2, k.shape[1])).unbind(1)
+    return dq, dk.contiguous(), dv.contiguous()
+
+
+@_gqa_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _gqa_setup(ctx, inputs, output):
+    q, k, v, scale = inputs
+    out, lse = output
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _gqa_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cp.gqa_attention_backward(dout, q, k, v, out, lse, ctx.scale)
+    return dq, dk, dv, None
+
+
+_gqa_attention.register_autograd(_gqa_backward, setup_context=_gqa_setup)
+
+
+def _check_local(meta: CPStepMetadata, q: torch.Tensor, *kv: torch.Tensor) -> None:
+    t = meta.num_local_tokens
+    for name, x in zip(("q", "k/latent", "v"), (q, *kv)):
+        if x.shape[0] != t:
+            raise ValueError(
+                f"{name} has {x.shape[0]} tokens but this rank's step has {t} local tokens "
+                "(feed the model meta.token_indices of the batch)"
+            )
+
+
+def gqa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Context-parallel GQA/MHA attention of this rank's local tokens for the current step.
+
+    Args:
+        q: [T, H, D] local queries (after RoPE), in ``meta.token_indices`` order.
+        k, v: [T, Hkv, D] local keys (after RoPE) and values; H a multiple of Hkv.
+        kv_cache: ``(k_cache, v_cache)`` [NB, BS, Hkv, D] of this layer, written in place, or
+            None (training, cache-less forward).
+        scale: softmax scale.
+
+    Returns:
+        [T, H, D] attention output of the local tokens (padding rows are 0).
+    """
+    if kv_cache is None:
+        out, _ = torch.ops.cp.gqa_attention(q, k, v, scale)
+    else:
+        out, _ = torch.ops.cp.gqa_attention_with_cache(q, k, v, kv_cache[0], kv_cache[1], scale)
+    return out
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def _up_project(latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rk: int, num_heads: int):
+    """Per-head K [N, H, Dn + Dr] and V [N, H, Dv] from latent rows [N, Rk + Dr]."""
+    kv_c, k_pe = latent[:, :rk], latent[:, rk:]
+    k_nope = torch.einsum("nc,hdc->nhd", kv_c, w_uk)
+    v = torch.einsum("nc,hdc->nhd", kv_c, w_uv)
+    k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, num_heads, -1)), dim=-1)
+    return k.contiguous(), v.contiguous()
+
+
+def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
+    meta = current_step()
+    _check_local(meta, q, latent)
+    rk, h, dn = kv_lora_rank, q.shape[1], w_uk.shape[1]
+    dv = w_uv.shape[1]
+    has_cache = cache.numel() > 0
+    out = torch.zeros((q.shape[0], h, dv), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float32, device=q.device)
+    latent_full = latent if meta.all_decode else _gather(latent, meta)
+    if has_cache:
+        if meta.slot_mapping is None:
+            raise RuntimeError("a KV cache was given but the step has no block table")
+        write_mla_cache(latent_full[:, :rk], latent_full[:, rk:], cache, meta.slot_mapping)
+    if not meta.all_decode:
+        k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, h)
+        prefix = {}
+        if meta.has_prefix:
+            pk, pv = _up_project(_read_prefix(cache, meta), w_uk, w_uv, rk, h)
+            prefix = dict(prefix_k=pk, prefix_v=pv, prefix_cu_seqlens=meta.prefix_cu_seqlens)
+        out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
+        out, lse = out.clone(), lse.clone()
+    if meta.has_decode:
+        if not has_cache:
+            raise RuntimeError("decode requests need a KV cache")
+        idx = meta.local_decode_idx
+        q_dec = q.index_select(0, idx)
+        # Absorb W_UK into the query: attend the latent directly (q dim Rk + Dr).
+        q_lat = torch.einsum("bhd,hdc->bhc", q_dec[..., :dn], w_uk)
+        q_abs = torch.cat((q_lat, q_dec[..., dn:]), dim=-1).contiguous()
+        o_lat, lse_d = _decode(
+            q_abs,
+            meta,
+            lambda qq: paged_mla_attention(
+                qq, cache, meta.block_table, meta.decode_seq_idx, meta.decode_kv_len,
+                scale=scale, kv_lora_rank=rk,
+            ),
+        )
+        o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
+        out.index_copy_(0, idx, o.to(out.dtype))
+        lse.index_copy_(0, idx, lse_d.float())
+    return out, lse
+
+
+@torch.library.custom_op("cp::mla_attention", mutates_args=())
+def _mla_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mla_forward(q, latent, w_uk, w_uv, q.new_empty(0), scale, kv_lora_rank)
+
+
+@torch.library.custom_op("cp::mla_attention_with_cache", mutates_args=("cache",))
+def _mla_attention_with_cache(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    cache: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank)
+
+
+def _mla_fake(q, latent, w_uk, w_uv, *args):
+    shape = (q.shape[0], q.shape[1], w_uv.shape[1])
+    return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+_mla_attention.register_fake(_mla_fake)
+_mla_attention_with_cache.register_fake(_mla_fake)
+
+
+@torch.library.custom_op("cp::mla_attention_backward", mutates_args=())
+def _mla_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    meta = current_step()
+    _check_no_prefix_for_training(meta)
+    rk, dn = kv_lora_rank, w_uk.shape[1]
+    latent_full = _gather(latent, meta)
+    k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
+    dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
+        dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments, None, None, None, scale,
+    )
+    # Backward of the up-projection (k_nope = kv_c W_UK^T, v = kv_c W_UV^T, k_pe shared by heads).
+    kv_c = latent_full[:, :rk]
+    dk_nope = dk_full[..., :dn]
+    d_kv_c = torch.einsum("nhd,hdc->nc", dk_nope, w_uk) + torch.einsum("nhd,hdc->nc", dv_full, w_uv)
+    d_latent_full = torch.cat((d_kv_c, dk_full[..., dn:].sum(1)), dim=-1)
+    dw_uk = torch.einsum("nhd,nc->hdc", dk_nope, kv_c)
+    dw_uv = torch.einsum("nhd,nc->hdc", dv_full, kv_c)
+    # Each rank's weight gradient covers its own queries' share of the keys' gradient; the
+    # gathered latent is identical on every PCP rank, so the weight gradients are partial sums.
+    d_latent = _scatter_grad(d_latent_full, meta)
+    return dq, d_latent.contiguous(), dw_uk, dw_uv
+
+
+@_mla_attention_backward.register_fake
+def _(dout, q, latent, w_uk, w_uv, out, lse, scale, kv_lora_rank):
+    return torch.empty_like(q), torch.empty_like(latent), torch.empty_like(w_uk), torch.empty_like(w_uv)
+
+
+def _mla_setup(ctx, inputs, output):
+    q, latent, w_uk, w_uv, scale, rk = inputs
+    out, lse = output
+    ctx.scale, ctx.rk = scale, rk
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, latent, w_uk, w_uv, out, lse)
+
+
+def _mla_backward(ctx, dout, _dlse):
+    q, latent, w_uk, w_uv, out, lse = ctx.saved_tensors
+    dq, dlat, dwk, dwv = torch.ops.cp.mla_attention_backward(
+        dout, q, latent, w_uk, w_uv, out, lse, ctx.scale, ctx.rk
+    )
+    return dq, dlat, dwk, dwv, None, None
+
+
+_mla_attention.register_autograd(_mla_backward, setup_context=_mla_setup)
+
+
+def mla_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    cache: torch.Tensor | None = None,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Context-parallel MLA attention of this rank's local tokens for the current step.
+
+    Prefill/training tokens gather the latent over PCP (not the up-projected K/V: 576 values a
+    token instead of H * 320) and up-project it; decode tokens absorb ``w_uk`` into the query
+    and attend the latent cache directly, then apply ``w_uv``.
+
+    Args:
+        q: [T, H, Dn + Dr] local queries (rope part rotated).
+        latent: [T, Rk + Dr] local compressed KV (normalised) and rotated rope key.
+        w_uk: [H, Dn, Rk] and w_uv: [H, Dv, Rk] this rank's heads of the KV up-projection.
+        cache: [NB, BS, Rk + Dr] this layer's latent cache, written in place, or None.
+        scale: softmax scale.
+        kv_lora_rank: Rk.
+
+    Returns:
+        [T, H, Dv] attention output of the local tokens.
+    """
+    if cache is None:
+        out, _ = torch.ops.cp.mla_attention(q, latent, w_uk, w_uv, scale, kv_lora_rank)
+    else:
+        out, _ = torch.ops.cp.mla_attention_with_cache(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank)
+    return out

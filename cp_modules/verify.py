@@ -1,0 +1,341 @@
+"""Self-check: run the CP attention modules on several processes and compare with one process.
+
+    python -m cp_modules.verify --world-size 4 --tp 2 --pcp 2 --dcp 2 --dcp-comm-backend a2a \
+        --attention {gqa,mla} --mode {train,prefill,decode,mixed} [--seq-lens 1000,37,5] \
+        [--decode-steps 8] [--dtype float32] [--interleave 1] [--block-size 16] [--compile] \
+        [--seed 0] [--json]
+
+Ranks are spawned on this machine (gloo on CPU, NCCL with one GPU per rank when CUDA has
+enough devices). Every rank builds the same seeded layer, shards it with tensor parallelism,
+runs the requested mode on random inputs and compares its restored outputs (and, for
+``train``, the input and parameter gradients) with the same layer run unsharded in a single
+process. Prints the max abs error per output/gradient; exit status 0 only within tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["VerifyArgs", "main", "run_verify", "verify_rank"]
+
+
+@dataclass
+class VerifyArgs:
+    world_size: int = 4
+    tp: int = 2
+    pcp: int = 2
+    dcp: int = 2
+    dcp_comm_backend: str = "ag_rs"
+    attention: str = "gqa"
+    mode: str = "mixed"
+    seq_lens: list[int] = field(default_factory=lambda: [37, 5, 12])
+    decode_steps: int = 3
+    dtype: str = "float32"
+    interleave: int = 1
+    block_size: int = 16
+    compile: bool = False
+    seed: int = 0
+    packed_a2a: bool = True
+    num_kv_heads: int | None = None
+
+
+TOLERANCE = {"float32": 2e-4, "float64": 1e-9, "bfloat16": 6e-2, "float16": 1e-2}
+
+# Tiny layer shapes (CPU-friendly; the GPU benchmarks use real model shapes).
+GQA_SHAPE = dict(hidden_size=64, num_heads=8, head_dim=16)
+MLA_SHAPE = dict(
+    hidden_size=64, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16,
+)
+
+
+def _config(a: VerifyArgs):
+    from cp_modules.config import ParallelConfig
+
+    if a.tp * a.pcp != a.world_size:
+        raise ValueError(
+            f"--world-size {a.world_size} must equal tp*pcp = {a.tp}*{a.pcp} (dp = pp = 1 here)"
+        )
+    return ParallelConfig(
+        tensor_parallel_size=a.tp, prefill_context_parallel_size=a.pcp,
+        decode_context_parallel_size=a.dcp, dcp_comm_backend=a.dcp_comm_backend,
+        dcp_kv_cache_interleave_size=a.interleave,
+    )
+
+
+def _kv_heads(a: VerifyArgs, cfg) -> int:
+    """The most KV heads (<= 4) the configuration can serve, unless given."""
+    if a.num_kv_heads is not None:
+        cfg.validate_heads(GQA_SHAPE["num_heads"], a.num_kv_heads)
+        return a.num_kv_heads
+    for kv in (4, 2, 1):
+        try:
+            cfg.validate_heads(GQA_SHAPE["num_heads"], kv)
+            return kv
+        except ValueError:
+            continue
+    raise ValueError("no KV-head count serves this configuration")
+
+
+def _build_layer(a: VerifyArgs, cfg, dtype):
+    from cp_modules.modules import CPFlashAttention, CPMLAAttention
+
+    torch.manual_seed(a.seed)
+    if a.attention == "gqa":
+        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, **GQA_SHAPE)
+    elif a.attention == "mla":
+        cfg.validate_heads(MLA_SHAPE["num_heads"], None)
+        layer = CPMLAAttention(**MLA_SHAPE)
+    else:
+        raise ValueError(f"--attention must be 'gqa' or 'mla', got {a.attention!r}")
+    return layer.to(dtype)
+
+
+def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device):
+    from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
+    from cp_modules.modules import CPFlashAttention
+
+    if isinstance(layer, CPFlashAttention):
+        kv = layer.num_kv_heads if layer.kv_replica_index is None else 1
+        heads = layer.k_proj.weight
+        local_kv = (heads.to_local() if hasattr(heads, "to_local") else heads).shape[0] // layer.head_dim
+        kv = min(kv, local_kv)
+        return allocate_kv_cache(num_blocks, block_size, kv, layer.head_dim, dtype=dtype, device=device)
+    return allocate_mla_cache(
+        num_blocks, block_size, layer.kv_lora_rank, layer.qk_rope_head_dim, dtype=dtype, device=device
+    )
+
+
+def _steps(a: VerifyArgs) -> list[tuple[list[int], list[int]]]:
+    """(num_new, num_computed) per step for the mode; requests keep their batch rows."""
+    lens = list(a.seq_lens)
+    if a.mode in ("train", "prefill"):
+        return [(lens, [0] * len(lens))]
+    steps = [(lens, [0] * len(lens))]
+    done = list(lens)
+    if a.mode == "decode":
+        for _ in range(a.decode_steps):
+            steps.append(([1] * len(lens), list(done)))
+            done = [d + 1 for d in done]
+        return steps
+    if a.mode == "mixed":
+        # Step 2: request 0 decodes, request 1 continues with a chunk (chunked prefill over its
+        # cached prefix), the others decode; then decode steps.
+        new = [1] * len(lens)
+        if len(lens) > 1:
+            new[1] = 7
+        steps.append((new, list(done)))
+        done = [d + n for d, n in zip(done, new)]
+        for _ in range(max(1, a.decode_steps - 1)):
+            steps.append(([1] * len(lens), list(done)))
+            done = [d + 1 for d in done]
+        return steps
+    raise ValueError(f"--mode must be train, prefill, decode or mixed, got {a.mode!r}")
+
+
+def _run(layer, runtime, a: VerifyArgs, inputs, device, compiled, block_table, train):
+    """Outputs [N, hidden] per step (restored), and gradients for train mode."""
+    from cp_modules.modules import build_step_metadata, cp_step, restore_tokens
+
+    outs = []
+    for (new, comp), x in zip(_steps(a), inputs):
+        meta = build_step_metadata(
+            runtime, new, comp, block_table=None if train else block_table,
+            block_size=a.block_size, device=device,
+        )
+        x_local = x.to(device)[meta.token_indices]
+        if train:
+            x_local = x_local.detach().requires_grad_(True)
+        with cp_step(meta):
+            y = compiled(x_local, meta.positions)
+            y_full = restore_tokens(y.detach(), meta)
+        outs.append((y_full, y, x_local, meta))
+    return outs
+
+
+def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
+    """Body of one rank (also the single-process reference when run with world size 1)."""
+    import torch.distributed as dist
+
+    from cp_modules.distributed.groups import init_cp_groups
+    from cp_modules.modules import CPRuntime, apply_tensor_parallel
+
+    dtype = getattr(torch, a.dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    cfg = _config(a)
+    groups = init_cp_groups(cfg)
+    runtime = CPRuntime.from_groups(groups, packed_a2a=a.packed_a2a)
+    steps = _steps(a)
+    train = a.mode == "train"
+
+    # Inputs: identical on every rank (same seed), one [N, hidden] tensor per step.
+    g = torch.Generator().manual_seed(a.seed + 1)
+    hidden = GQA_SHAPE["hidden_size"]
+    inputs = [torch.randn(sum(new), hidden, generator=g).to(dtype) for new, _ in steps]
+    grad_w = [torch.randn(sum(new), hidden, generator=g).to(dtype) for new, _ in steps]
+
+    max_len = max(n + c for new, comp in steps for n, c in zip(new, comp))
+    # Sized for the single-process reference (dcp = 1), the largest need; the sharded run
+    # uses the first ceil(L / (block_size * dcp)) entries of each row.
+    blocks_per_req = -(-max_len // a.block_size)
+    num_reqs = len(a.seq_lens)
+    block_table = (torch.arange(num_reqs * blocks_per_req, dtype=torch.int32) + 1).view(num_reqs, blocks_per_req)
+    num_blocks = num_reqs * blocks_per_req + 1
+
+    results = {}
+    for label in ("reference", "parallel"):
+        layer = _build_layer(a, cfg, dtype).to(device)
+        if label == "parallel":
+            layer = apply_tensor_parallel(layer, groups.mesh["tp"])
+            rt = runtime
+        else:
+            rt = CPRuntime.single()
+        if not train:
+            layer.kv_cache = _allocate_cache(layer, num_blocks, a.block_size, dtype, device)
+        fn = layer
+        if a.compile and label == "parallel":
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            fn = torch.compile(layer, fullgraph=True, dynamic=True)
+        saved = _run(layer, rt, a, inputs, device, fn, block_table, train)
+        res = {"outputs": [y.float().cpu() for y, _, _, _ in saved]}
+        if train:
+            # Each rank's loss covers its own real tokens (as in training), so the gradients
+            # summed over PCP ranks are those of the whole batch.
+            loss = sum(
+                (y.float() * (w.to(device).float()[m.token_indices] * m.plan.local_valid[:, None])).sum()
+                for (_, y, _, m), w in zip(saved, grad_w)
+            )
+            loss.backward()
+            res["grad_input"] = _full_input_grad(saved, rt, label, groups)
+            res["grad_params"] = _full_param_grads(layer, rt, label, groups)
+        results[label] = res
+        if a.compile and label == "parallel":
+            results["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
+
+    errors = {}
+    ref, par = results["reference"], results["parallel"]
+    for i, (r, p) in enumerate(zip(ref["outputs"], par["outputs"])):
+        errors[f"out/step{i}"] = float((r - p).abs().max()) if r.numel() else 0.0
+    if train:
+        errors["grad/input"] = float((ref["grad_input"] - par["grad_input"]).abs().max())
+        for name, gr in ref["grad_params"].items():
+            errors[f"grad/{name}"] = float((gr - par["grad_params"][name]).abs().max())
+    return {"rank": rank, "errors": errors, "graph_breaks": results.get("graph_breaks")}
+
+
+def _full_input_grad(saved, rt, label, groups):
+    import torch.distributed as dist
+
+    grads = []
+    for _, _, x_local, meta in saved:
+        n = meta.num_tokens
+        full = torch.zeros((n, x_local.shape[1]), dtype=torch.float32, device=x_local.device)
+        full.index_add_(0, meta.token_indices, x_local.grad.float())
+        if label == "parallel" and rt.pcp_size > 1:
+            dist.all_reduce(full, group=groups.pcp)
+        grads.append(full.cpu())
+    return torch.cat(grads)
+
+
+def _full_param_grads(layer, rt, label, groups):
+    import torch.distributed as dist
+
+    out = {}
+    for name, p in layer.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        g = g.detach().float().clone()
+        if label == "parallel" and rt.pcp_size > 1:
+            # Each PCP rank's gradient covers its own tokens' loss: the sum is the full one.
+            dist.all_reduce(g, group=groups.pcp)
+        out[name] = g.cpu()
+    return out
+
+
+def run_verify(a: VerifyArgs) -> dict:
+    """Spawn the ranks, run :func:`verify_rank`, and summarise."""
+    from cp_modules.testing.distributed import run_distributed
+
+    _config(a)  # validate before spawning anything
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.world_size else "gloo"
+    per_rank = run_distributed(verify_rank, a.world_size, a, backend=backend, timeout_s=1800)
+    errors: dict[str, float] = {}
+    for r in per_rank:
+        for k, v in r["errors"].items():
+            errors[k] = max(errors.get(k, 0.0), v)
+    tol = TOLERANCE[a.dtype]
+    max_err = max(errors.values()) if errors else 0.0
+    gb = [r["graph_breaks"] for r in per_rank if r["graph_breaks"] is not None]
+    summary = {
+        "ok": bool(max_err <= tol and (not a.compile or max(gb, default=0) == 0)),
+        "max_abs_err": max_err,
+        "tolerance": tol,
+        "errors": errors,
+        "backend": backend,
+        "args": asdict(a),
+    }
+    if a.compile:
+        summary["graph_breaks"] = max(gb, default=0)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cp_modules.verify", description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pcp", type=int, default=2)
+    p.add_argument("--dcp", type=int, default=2)
+    p.add_argument("--dcp-comm-backend", default="ag_rs", choices=["ag_rs", "a2a"])
+    p.add_argument("--attention", default="gqa", choices=["gqa", "mla"])
+    p.add_argument("--mode", default="mixed", choices=["train", "prefill", "decode", "mixed"])
+    p.add_argument("--seq-lens", default="37,5,12")
+    p.add_argument("--decode-steps", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=list(TOLERANCE))
+    p.add_argument("--interleave", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-heads", type=int, default=None)
+    p.add_argument("--unpacked-a2a", action="store_true", help="two all-to-alls instead of one")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    ns = p.parse_args(argv)
+    try:
+        seq_lens = [int(s) for s in ns.seq_lens.split(",") if s]
+    except ValueError:
+        print(f"--seq-lens must be comma-separated integers, got {ns.seq_lens!r}", file=sys.stderr)
+        return 2
+    a = VerifyArgs(
+        world_size=ns.world_size, tp=ns.tp, pcp=ns.pcp, dcp=ns.dcp,
+        dcp_comm_backend=ns.dcp_comm_backend, attention=ns.attention, mode=ns.mode,
+        seq_lens=seq_lens, decode_steps=ns.decode_steps, dtype=ns.dtype, interleave=ns.interleave,
+        block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
+        packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads,
+    )
+    try:
+        summary = run_verify(a)
+    except ValueError as e:
+        print(f"invalid arguments: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps(summary))
+    else:
+        for k, v in sorted(summary["errors"].items()):
+            print(f"{k:<28} max abs err {v:.3e}  {'ok' if v <= summary['tolerance'] else 'FAIL'}")
+        if a.compile:
+            print(f"graph breaks: {summary['graph_breaks']}")
+        print(f"{'OK' if summary['ok'] else 'FAILED'}: max abs err {summary['max_abs_err']:.3e} "
+              f"(tolerance {summary['tolerance']:.1e}, {summary['backend']})")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
