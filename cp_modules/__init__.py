@@ -1,6 +1,17 @@
 """cp_modules: context-parallel attention (PCP prefill, DCP decode) for PyTorch."""
 
 from cp_modules.config import ParallelConfig
+from cp_modules.ops.correct_attn_out import correct_attn_out
+from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
+from cp_modules.ops.lse_combine import lse_combine, lse_combine_packed
 
-__all__ = ["ParallelConfig"]
+__all__ = [
+    "DCPCommSpec",
+    "ParallelConfig",
+    "correct_attn_out",
+    "dcp_combine",
+    "dcp_prepare_query",
+    "lse_combine",
+    "lse_combine_packed",
+]
 __version__ = "0.1.0"

@@ -13,7 +13,13 @@ import torch
 
 from cp_modules import ParallelConfig
 from cp_modules.config import valid_dcp_sizes
-from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
+from cp_modules.ops.dcp_comm import (
+    DCPCommSpec,
+    dcp_a2a_send_buffers,
+    dcp_combine,
+    dcp_prepare_query,
+)
+from cp_modules.ops.lse_combine import unpack_partials
 from cp_modules.reference.lse_combine import lse_combine_reference
 from cp_modules.testing import run_distributed
 
@@ -24,8 +30,15 @@ INF = float("inf")
 
 def _spec(**kw):
     base = dict(
-        dcp_group="dcp", dcp_size=4, dcp_rank=1, gather_group="tp", gather_size=2,
-        gather_rank=1, reduce="all_reduce_slice", packed=False, peer_slots=(0, 1, 0, 1),
+        dcp_group="dcp",
+        dcp_size=4,
+        dcp_rank=1,
+        gather_group="tp",
+        gather_size=2,
+        gather_rank=1,
+        reduce="all_reduce_slice",
+        packed=False,
+        peer_slots=(0, 1, 0, 1),
     )
     base.update(kw)
     return DCPCommSpec(**base)
@@ -51,8 +64,18 @@ def test_spec_is_hashable_and_normalises_slots():
         (dict(reduce="all_reduce"), "reduce='all_reduce' needs peers that own the same heads"),
         (dict(packed=True), "packed=True applies to reduce='a2a' only"),
     ],
-    ids=["reduce", "dcp-rank", "gather-size", "slots-len", "slots-range", "own-slot", "none",
-         "rs-order", "ar-heads", "packed"],
+    ids=[
+        "reduce",
+        "dcp-rank",
+        "gather-size",
+        "slots-len",
+        "slots-range",
+        "own-slot",
+        "none",
+        "rs-order",
+        "ar-heads",
+        "packed",
+    ],
 )
 def test_spec_rejects_inconsistent_values(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -87,6 +110,35 @@ def test_shapes_are_checked_before_any_collective(out_shape, lse_shape, lse_dtyp
         dcp_prepare_query(torch.randn(3, 8), _spec())
 
 
+@pytest.mark.parametrize(
+    "slots, dcp_rank",
+    [((0, 1, 0, 1), 1), ((0, 1, 2, 3), 2), ((0, 0), 1), ((1, 0, 0, 1), 0)],
+    ids=["pcp2-gather2", "gather4", "same-heads", "custom-order"],
+)
+def test_a2a_send_chunk_i_holds_peer_i_heads(slots, dcp_rank):
+    gather_size = max(slots) + 1
+    h, dv = 3, 8
+    out = torch.randn(5, gather_size * h, dv, dtype=torch.bfloat16)
+    lse = torch.randn(5, gather_size * h)
+    specs = [
+        DCPCommSpec(
+            "dcp", len(slots), dcp_rank, "tp", gather_size, slots[dcp_rank], "a2a", packed, slots
+        )
+        for packed in (False, True)
+    ]
+    send_out, send_lse = dcp_a2a_send_buffers(out, lse, specs[0])
+    (packed,) = dcp_a2a_send_buffers(out, lse, specs[1])
+    assert send_out.is_contiguous() and packed.is_contiguous()
+    for i, s in enumerate(slots):
+        assert torch.equal(send_out[i], out[:, s * h : (s + 1) * h])
+        assert torch.equal(send_lse[i], lse[:, s * h : (s + 1) * h])
+    assert all(
+        torch.equal(a, b) for a, b in zip(unpack_partials(packed, h, dv), (send_out, send_lse))
+    )
+    with pytest.raises(ValueError, match="needs spec.reduce='a2a'"):
+        dcp_a2a_send_buffers(out, lse, _spec())
+
+
 # --- gloo: every accepted configuration, every strategy --------------------------------------
 
 NUM_HEADS = 16  # query heads of the layer (all TP ranks)
@@ -102,10 +154,13 @@ def _configs(world_size):
             continue
         tp = world_size // pcp
         for dcp in valid_dcp_sizes(tp, pcp):
-            out.append(ParallelConfig(
-                tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-                decode_context_parallel_size=dcp,
-            ))
+            out.append(
+                ParallelConfig(
+                    tensor_parallel_size=tp,
+                    prefill_context_parallel_size=pcp,
+                    decode_context_parallel_size=dcp,
+                )
+            )
     return out
 
 
@@ -125,9 +180,11 @@ def _strategies(config, groups):
     plan = DCPCommSpec.from_groups(groups)
     if config.dcp == 1:
         return [("none", plan)]
-    out = [(plan.reduce, plan),
-           ("a2a", DCPCommSpec.from_groups(groups, reduce="a2a", packed=False)),
-           ("a2a-packed", DCPCommSpec.from_groups(groups, reduce="a2a", packed=True))]
+    out = [
+        (plan.reduce, plan),
+        ("a2a", DCPCommSpec.from_groups(groups, reduce="a2a", packed=False)),
+        ("a2a-packed", DCPCommSpec.from_groups(groups, reduce="a2a", packed=True)),
+    ]
     if plan.reduce != "reduce_scatter" and plan.peer_slots == tuple(range(config.dcp)):
         out.append(("reduce_scatter", DCPCommSpec.from_groups(groups, reduce="reduce_scatter")))
     return out
@@ -179,7 +236,9 @@ def _check_config(rank, config, seed, counts):
             out, lse = _attention(q, k, v, gathered, valid & on_r[None, :])
             # Empty shards report -inf, NaN or +inf depending on the kernel: all must work.
             shard_out.append(out)
-            shard_lse.append(torch.where(torch.isneginf(lse), (-INF, float("nan"), INF)[r % 3], lse))
+            shard_lse.append(
+                torch.where(torch.isneginf(lse), (-INF, float("nan"), INF)[r % 3], lse)
+            )
         for label, spec in strategies:
             if interleave == INTERLEAVES[0]:
                 q_g = dcp_prepare_query(q[:, own].float(), spec)
@@ -189,17 +248,23 @@ def _check_config(rank, config, seed, counts):
             base = "e" if interleave == 1 else "2"
             scale = 1.0 if base == "e" else 1 / math.log(2.0)
             what = (config, label, interleave, base)
-            res, res_lse = dcp_combine(out.float(), (lse * scale).float(), spec, return_lse=True, base=base)
+            res, res_lse = dcp_combine(
+                out.float(), (lse * scale).float(), spec, return_lse=True, base=base
+            )
             assert res.shape == (len(SEQ_LENS), h_local, V_HEAD_DIM), what
             assert res.dtype == torch.float32 and res_lse.dtype == torch.float32, what
             torch.testing.assert_close(res, dense_out.float(), rtol=0, atol=1e-5, msg=str(what))
-            torch.testing.assert_close(res_lse, (dense_lse * scale).float(), rtol=0, atol=1e-5, msg=str(what))
+            torch.testing.assert_close(
+                res_lse, (dense_lse * scale).float(), rtol=0, atol=1e-5, msg=str(what)
+            )
             counts[label] = counts.get(label, 0) + 1
             if base == "e" or not label.startswith("a2a"):
                 continue
             # bf16: the all-to-all only moves bits (LSE bits inside bf16 rows when packed), so
             # the result is exactly the local combine of every shard's bf16 partials.
-            res, res_lse = dcp_combine(out.bfloat16(), (lse * scale).float(), spec, return_lse=True, base=base)
+            res, res_lse = dcp_combine(
+                out.bfloat16(), (lse * scale).float(), spec, return_lse=True, base=base
+            )
             want, want_lse = lse_combine_reference(
                 torch.stack([o[:, own_in_gathered] for o in shard_out]).bfloat16(),
                 (torch.stack([lg[:, own_in_gathered] for lg in shard_lse]) * scale).float(),
@@ -210,12 +275,19 @@ def _check_config(rank, config, seed, counts):
     return groups
 
 
-def _compile_check(rank, groups, labels, dtype=torch.float32):
-    """The strategies ``labels`` of one configuration trace with fullgraph=True, match eager."""
+def _compile_check(rank, groups, labels):
+    """Strategies ``labels`` of one configuration compile with fullgraph=True and match eager.
+
+    ``aot_eager`` checks tracing and the fakes; the packed a2a also goes through inductor in
+    bf16, which lowers the packing (a concatenation with an fp32 -> bf16 bit view).
+    """
     checked = []
     for label, spec in _strategies(groups.config, groups):
         if label not in labels:
             continue
+        backend, dtype = (
+            ("inductor", torch.bfloat16) if label == "a2a-packed" else ("aot_eager", torch.float32)
+        )
         g = torch.Generator().manual_seed(rank)
         hg = NUM_HEADS // groups.config.tp * spec.gather_size
         q = torch.randn(2, NUM_HEADS // groups.config.tp, HEAD_DIM, generator=g)
@@ -226,10 +298,12 @@ def _compile_check(rank, groups, labels, dtype=torch.float32):
             return dcp_prepare_query(q, spec), dcp_combine(out, lse, spec, return_lse=True)
 
         torch._dynamo.reset()
-        got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, out, lse)
+        got = torch.compile(step, fullgraph=True, backend=backend)(q, out, lse)
         want = step(q, out, lse)
-        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
-            assert torch.equal(a, b), (groups.config, label)
+        for a, b in zip(
+            torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+        ):
+            assert torch.equal(a, b), (groups.config, label, backend)
         checked.append(label)
     return checked
 
@@ -280,8 +354,14 @@ def test_every_config_matches_dense_attention(world_size):
     # Every reduce strategy of the table is exercised somewhere.
     if world_size == 8:
         assert set(counts) == {
-            "none", "reduce_scatter", "all_reduce", "all_reduce_slice",
-            "a2a", "a2a-packed", "a2a-bf16", "a2a-packed-bf16",
+            "none",
+            "reduce_scatter",
+            "all_reduce",
+            "all_reduce_slice",
+            "a2a",
+            "a2a-packed",
+            "a2a-bf16",
+            "a2a-packed-bf16",
         }
     if world_size == 2:
         assert compiled == ["reduce_scatter", "a2a", "a2a-packed"]

@@ -97,7 +97,10 @@ def test_sharded_attention_merges_to_dense(n):
     """Attention over disjoint key shards (some empty), merged, equals dense attention."""
     g = torch.Generator().manual_seed(n)
     b, h, s, d = 3, 2, 13, 8
-    q, k, v = (torch.randn(x, generator=g, dtype=torch.float64) for x in ([b, h, d], [b, h, s, d], [b, h, s, d]))
+    q, k, v = (
+        torch.randn(x, generator=g, dtype=torch.float64)
+        for x in ([b, h, d], [b, h, s, d], [b, h, s, d])
+    )
     scores = torch.einsum("bhd,bhsd->bhs", q, k)
     owner = torch.randint(0, n, (s,), generator=g)
     owner[owner == n - 1] = 0  # the last shard holds no key at all
@@ -155,12 +158,33 @@ def test_dtypes_accumulate_in_fp32(dtype):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(partial_out=torch.zeros(2, 3, 4), partial_lse=torch.zeros(2, 3)), "partial_out must be \\[N, B, H, D\\]"),
-        (dict(partial_out=torch.zeros(2, 3, 4, 5), partial_lse=torch.zeros(2, 3, 5)), "partial_lse must have shape"),
-        (dict(partial_out=torch.zeros(2, 3, 4, 5), partial_lse=torch.zeros(2, 3, 4, dtype=torch.float16)), "partial_lse must be torch.float32"),
-        (dict(partial_out=torch.zeros(2, 3, 4, 5, dtype=torch.int32), partial_lse=torch.zeros(2, 3, 4)), "partial_out.dtype must be one of"),
+        (
+            dict(partial_out=torch.zeros(2, 3, 4), partial_lse=torch.zeros(2, 3)),
+            "partial_out must be \\[N, B, H, D\\]",
+        ),
+        (
+            dict(partial_out=torch.zeros(2, 3, 4, 5), partial_lse=torch.zeros(2, 3, 5)),
+            "partial_lse must have shape",
+        ),
+        (
+            dict(
+                partial_out=torch.zeros(2, 3, 4, 5),
+                partial_lse=torch.zeros(2, 3, 4, dtype=torch.float16),
+            ),
+            "partial_lse must be torch.float32",
+        ),
+        (
+            dict(
+                partial_out=torch.zeros(2, 3, 4, 5, dtype=torch.int32),
+                partial_lse=torch.zeros(2, 3, 4),
+            ),
+            "partial_out.dtype must be one of",
+        ),
         (dict(partial_out=torch.zeros(0, 3, 4, 5), partial_lse=torch.zeros(0, 3, 4)), "N >= 1"),
-        (dict(partial_out=torch.zeros(2, 3, 4, 5), partial_lse=torch.zeros(2, 3, 4), base="10"), "base must be one of"),
+        (
+            dict(partial_out=torch.zeros(2, 3, 4, 5), partial_lse=torch.zeros(2, 3, 4), base="10"),
+            "base must be one of",
+        ),
     ],
     ids=["out-3d", "lse-shape", "lse-dtype", "out-dtype", "n0", "base"],
 )
@@ -209,7 +233,9 @@ def test_pack_unpack_roundtrip_is_exact(dtype, h, d):
 
 def test_pack_accepts_expanded_views():
     out, lse = _partials(2, 3, 4, 8, torch.bfloat16)
-    packed = pack_partials(out.unsqueeze(0).expand(2, *out.shape), lse.unsqueeze(0).expand(2, *lse.shape))
+    packed = pack_partials(
+        out.unsqueeze(0).expand(2, *out.shape), lse.unsqueeze(0).expand(2, *lse.shape)
+    )
     assert torch.equal(packed[0], packed[1]) and torch.equal(packed[0], pack_partials(out, lse))
 
 
@@ -265,7 +291,11 @@ def _opcheck_samples():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_opcheck_samples())), ids=[f"{n}-{i}" for i, (n, _) in enumerate(_opcheck_samples())])
+@pytest.mark.parametrize(
+    "case",
+    range(len(_opcheck_samples())),
+    ids=[f"{n}-{i}" for i, (n, _) in enumerate(_opcheck_samples())],
+)
 def test_opcheck(case):
     name, args = _opcheck_samples()[case]
     torch.library.opcheck(getattr(torch.ops.cp, name).default, args)
@@ -341,7 +371,9 @@ def test_correction_kernel_matches_reference(dtype, num_blocks, base2):
         got, got_lse = correct_attn_out_triton(
             out[rank], lse, rank, num_blocks=num_blocks, base2=base2, block_rows=4, block_d=16
         )
-        ref, ref_lse = correct_attn_out_reference(out[rank].float(), lse, rank, num_blocks=num_blocks, base2=base2)
+        ref, ref_lse = correct_attn_out_reference(
+            out[rank].float(), lse, rank, num_blocks=num_blocks, base2=base2
+        )
         w, _ = lse_weights_reference(lse, base2=base2)
         same = torch.where(w[rank][..., None] > 0, out[rank] * w[rank].to(dtype)[..., None], 0)
         same = same.view(4, num_blocks, -1, 24).transpose(0, 1)
@@ -362,7 +394,13 @@ def _gpu_same_dtype_combine(out, lse):
 @pytest.mark.parametrize(
     "n, b, h, d",
     [(2, 1, 1, 128), (4, 7, 16, 128), (8, 512, 16, 512), (8, 33, 16, 576), (3, 100, 5, 96)],
-    ids=["N2-B1-H1-D128", "N4-B7-H16-D128", "N8-B512-H16-D512", "N8-B33-H16-D576", "N3-B100-H5-D96"],
+    ids=[
+        "N2-B1-H1-D128",
+        "N4-B7-H16-D128",
+        "N8-B512-H16-D512",
+        "N8-B33-H16-D576",
+        "N3-B100-H5-D96",
+    ],
 )
 def test_gpu_ops_match_reference(dtype, n, b, h, d):
     out, lse = _with_empty_shards(*_partials(n, b, h, d, dtype, "cuda"))

@@ -84,8 +84,7 @@ def correct_attn_out(
     b, h, d = out.shape
     if all_lse.dim() != 3 or tuple(all_lse.shape[1:]) != (b, h) or all_lse.shape[0] < 1:
         raise ValueError(
-            f"all_lse must be [N, B, H] with [B, H] = {[b, h]} from out, got "
-            f"{tuple(all_lse.shape)}"
+            f"all_lse must be [N, B, H] with [B, H] = {[b, h]} from out, got {tuple(all_lse.shape)}"
         )
     if all_lse.dtype != torch.float32:
         raise ValueError(f"all_lse must be torch.float32, got {all_lse.dtype}")

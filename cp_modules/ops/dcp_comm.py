@@ -38,7 +38,13 @@ from cp_modules.ops.lse_combine import _check_base, _check_out_dtype, pack_parti
 if TYPE_CHECKING:
     from cp_modules.distributed.groups import CPGroups
 
-__all__ = ["DCP_REDUCE_STRATEGIES", "DCPCommSpec", "dcp_combine", "dcp_prepare_query"]
+__all__ = [
+    "DCP_REDUCE_STRATEGIES",
+    "DCPCommSpec",
+    "dcp_a2a_send_buffers",
+    "dcp_combine",
+    "dcp_prepare_query",
+]
 
 DCP_REDUCE_STRATEGIES = ("none", "reduce_scatter", "all_reduce", "all_reduce_slice", "a2a")
 
@@ -198,6 +204,38 @@ def _check_combine_inputs(out: torch.Tensor, lse: torch.Tensor, spec: DCPCommSpe
         )
 
 
+def dcp_a2a_send_buffers(
+    out: torch.Tensor, lse: torch.Tensor, spec: DCPCommSpec
+) -> tuple[torch.Tensor, ...]:
+    """The ``a2a`` send buffers: chunk ``i`` holds the heads DCP peer ``i`` owns.
+
+    Args:
+        out: ``[B, Hg, Dv]`` partial output of the gathered heads.
+        lse: ``[B, Hg]`` fp32.
+        spec: a spec with ``reduce == "a2a"``.
+
+    Returns:
+        ``(packed [N, B, W],)`` when ``spec.packed`` (see
+        :func:`~cp_modules.ops.lse_combine.pack_partials`), else ``(out [N, B, H, Dv],
+        lse [N, B, H])``; each made with one copy.
+
+    Raises:
+        ValueError: on a wrong shape or dtype, or a spec whose reduce is not ``"a2a"``.
+    """
+    if spec.reduce != "a2a":
+        raise ValueError(f"dcp_a2a_send_buffers needs spec.reduce='a2a', got {spec.reduce!r}")
+    _check_combine_inputs(out, lse, spec)
+    n = spec.dcp_size
+    b, hg, dv = out.shape
+    h = hg // spec.gather_size
+    out_blocks = _blocks_for_peers(out, spec)  # [R, C, B, H, Dv]
+    lse_blocks = _blocks_for_peers(lse, spec)  # [R, C, B, H]
+    if spec.packed:
+        return (pack_partials(out_blocks, lse_blocks).flatten(0, 1),)
+    # reshape is a view when every peer owns a distinct block (R == 1): copy then, not later.
+    return out_blocks.reshape(n, b, h, dv).contiguous(), lse_blocks.reshape(n, b, h).contiguous()
+
+
 def dcp_combine(
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -232,15 +270,14 @@ def dcp_combine(
     b, hg, dv = out.shape
     h = hg // spec.gather_size
     if spec.reduce == "a2a":
-        out_blocks = _blocks_for_peers(out, spec)  # [R, C, B, H, Dv]
-        lse_blocks = _blocks_for_peers(lse, spec)  # [R, C, B, H]
         if spec.packed:
-            send = pack_partials(out_blocks, lse_blocks).flatten(0, 1)
+            (send,) = dcp_a2a_send_buffers(out, lse, spec)
             recv = all_to_all(send, spec.dcp_group, n)
             res, res_lse = torch.ops.cp.lse_combine_packed(recv, h, dv, base2)
         else:
-            recv_out = all_to_all(out_blocks.reshape(n, b, h, dv), spec.dcp_group, n)
-            recv_lse = all_to_all(lse_blocks.reshape(n, b, h), spec.dcp_group, n)
+            send_out, send_lse = dcp_a2a_send_buffers(out, lse, spec)
+            recv_out = all_to_all(send_out, spec.dcp_group, n)
+            recv_lse = all_to_all(send_lse, spec.dcp_group, n)
             res, res_lse = torch.ops.cp.lse_combine(recv_out, recv_lse, base2)
         return (res, res_lse) if return_lse else res
 

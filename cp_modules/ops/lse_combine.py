@@ -37,7 +37,9 @@ __all__ = [
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BASES = ("e", "2")
 
-lib.define("lse_combine(Tensor partial_out, Tensor partial_lse, bool base2=False) -> (Tensor, Tensor)")
+lib.define(
+    "lse_combine(Tensor partial_out, Tensor partial_lse, bool base2=False) -> (Tensor, Tensor)"
+)
 lib.define(
     "lse_combine_packed(Tensor packed, int num_heads, int head_dim, bool base2=False) "
     "-> (Tensor, Tensor)"
@@ -243,9 +245,7 @@ def lse_combine_packed(
     """
     base2 = _check_base(base)
     if packed.dim() != 3 or packed.shape[0] < 1:
-        raise ValueError(
-            f"packed must be [N, B, W] with N >= 1, got shape {tuple(packed.shape)}"
-        )
+        raise ValueError(f"packed must be [N, B, W] with N >= 1, got shape {tuple(packed.shape)}")
     _check_out_dtype("packed.dtype", packed.dtype)
     if num_heads < 1 or head_dim < 1:
         raise ValueError(f"num_heads and head_dim must be >= 1, got {num_heads} and {head_dim}")

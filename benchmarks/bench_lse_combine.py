@@ -1,0 +1,258 @@
+"""DCP combine kernels on one GPU: bandwidth of the a2a combine, its packed variant and the ag_rs
+correction, next to the device copy bandwidth, the per-launch floor and the eager references.
+
+Shapes (decode, bf16): B = 512 tokens, N in {2, 4, 8} DCP ranks, H_local = 128 / N heads per
+rank after the all-to-all, D in {128, 512}. The correction runs on all 128 gathered heads.
+Bytes counted = bytes read + bytes written by the kernel (partials, LSEs, outputs).
+
+Every kernel is first checked against the pure-PyTorch reference on the benchmark shapes (the
+flash-attention 2x rule against an fp32 reference); a wrong kernel stops the run before any
+speed is reported. Kernel times are CUDA-graph replays cycling over enough input copies to
+defeat the L2 cache; eager times use ``triton.testing.do_bench`` (which flushes L2).
+
+    python benchmarks/bench_lse_combine.py            # ~1-2 min on an H200
+    python benchmarks/bench_lse_combine.py --no-sweep # default launch configs only
+
+Writes ``benchmarks/results/lse_combine-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cp_modules.kernels.correct_attn_out import correct_attn_out_triton  # noqa: E402
+from cp_modules.kernels.lse_combine import (  # noqa: E402
+    lse_combine_launch_config,
+    lse_combine_triton,
+)
+from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_a2a_send_buffers  # noqa: E402
+from cp_modules.ops.lse_combine import lse_combine, pack_partials, unpack_partials  # noqa: E402
+from cp_modules.reference.correct_attn_out import correct_attn_out_reference  # noqa: E402
+from cp_modules.reference.lse_combine import (  # noqa: E402
+    lse_combine_reference,
+    lse_weights_reference,
+)
+from cp_modules.testing.numerics import assert_close_to_reference, max_abs_err  # noqa: E402
+
+B = 512
+TOTAL_HEADS = 128
+NS = (2, 4, 8)
+DS = (128, 512)
+DTYPE = torch.bfloat16
+GOAL_TBPS = {128: 2.0, 512: 3.4}
+L2_DEFEAT_BYTES = 512 << 20  # input copies per graph: well beyond the 50-60 MB L2
+# (BLOCK_R, BLOCK_D, num_warps) candidates per D; the default config is always measured too.
+SWEEP = {
+    128: [(4, 128, 4), (8, 128, 4), (16, 128, 4), (16, 128, 8), (32, 128, 8)],
+    512: [(1, 512, 4), (2, 512, 4), (4, 512, 8), (8, 512, 8), (8, 256, 4)],
+}
+
+
+@triton.jit
+def _noop_kernel(x_ptr):
+    pass
+
+
+def graph_us(calls: list, launches: int = 240) -> float:
+    """Microseconds per call of ``calls`` (cycled) replayed from one CUDA graph."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    rounds = max(1, launches // len(calls))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for c in calls:
+                c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (rounds * len(calls)))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_gbps(num_bytes: int) -> float:
+    """Device copy bandwidth (read + write) of cloning a ``num_bytes`` tensor."""
+    big = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    return 2 * num_bytes / (do_bench(lambda: big.clone()) * 1e-3) / 1e9
+
+
+def copies_for(bytes_per_call: int) -> int:
+    return max(2, math.ceil(L2_DEFEAT_BYTES / bytes_per_call))
+
+
+def make_partials(n: int, d: int, h: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = torch.randn(n, B, h, d, device="cuda", generator=g).to(DTYPE)
+    lse = 4 * torch.randn(n, B, h, device="cuda", generator=g)
+    lse[0, :7] = float("-inf")  # empty shards on a few rows
+    lse[:, 7] = float("nan")  # an all-empty row
+    return out, lse
+
+
+def check_combine(out, lse, got, got_lse, what: str) -> float:
+    ref32, ref_lse = lse_combine_reference(out.float(), lse)
+    w, _ = lse_weights_reference(lse)
+    same = torch.where(w[..., None] > 0, out * w.to(out.dtype)[..., None], 0).sum(0)
+    assert_close_to_reference(got, ref32, same, atol=1e-6, name=what)
+    torch.testing.assert_close(got_lse, ref_lse, rtol=0, atol=1e-5, msg=what)
+    return max_abs_err(got, ref32)
+
+
+def bench_shape(n: int, d: int, metrics: dict, sweep: bool) -> None:
+    h = TOTAL_HEADS // n
+    tag = f"D{d}_N{n}"
+    esize = DTYPE.itemsize
+    comb_bytes = (n * B * h * d + B * h * d) * esize + (n * B * h + B * h) * 4
+    copies = copies_for(n * B * h * d * esize)
+    inputs = [make_partials(n, d, h, seed=i) for i in range(copies)]
+    out, lse = inputs[0]
+
+    # Correctness first, on the benchmark shapes: no speed for a wrong kernel.
+    got, got_lse = lse_combine_triton(out, lse)
+    metrics[f"lse_combine_max_err_{tag}"] = check_combine(out, lse, got, got_lse, f"combine {tag}")
+    packed_inputs = [pack_partials(o, lg) for o, lg in inputs]
+    views = [unpack_partials(p, h, d) for p in packed_inputs]
+    got_p, got_p_lse = lse_combine_triton(*views[0])
+    if not (torch.equal(got_p, got) and torch.equal(got_p_lse, got_lse)):
+        raise SystemExit(f"packed combine {tag} differs from the unpacked kernel: not timing it")
+    hg = TOTAL_HEADS
+    corr_inputs = [
+        (torch.randn(B, hg, d, device="cuda").to(DTYPE), 4 * torch.randn(n, B, hg, device="cuda"))
+        for _ in range(copies_for(B * hg * d * esize))
+    ]
+    c_out, c_lse = corr_inputs[0]
+    corr, corr_lse = correct_attn_out_triton(c_out, c_lse, 1, num_blocks=n)
+    ref, ref_lse = correct_attn_out_reference(c_out.float(), c_lse, 1, num_blocks=n)
+    assert_close_to_reference(corr, ref, ref.to(DTYPE), atol=1e-6, name=f"correction {tag}")
+    torch.testing.assert_close(corr_lse, ref_lse, rtol=0, atol=1e-5)
+    metrics[f"correct_attn_out_max_err_{tag}"] = max_abs_err(corr, ref)
+
+    # Kernel times (CUDA graph, cold L2) and bandwidth.
+    t = graph_us([lambda o=o, lg=lg: lse_combine_triton(o, lg) for o, lg in inputs])
+    metrics[f"lse_combine_us_{tag}"] = t
+    metrics[f"lse_combine_GBps_{tag}"] = comb_bytes / t / 1e3
+    metrics[f"lse_combine_config_{tag}"] = "R{}-BD{}-W{}".format(
+        *lse_combine_launch_config(d, esize)
+    )
+    t = graph_us([lambda v=v: lse_combine_triton(*v) for v in views])
+    metrics[f"lse_combine_packed_us_{tag}"] = t
+    metrics[f"lse_combine_packed_GBps_{tag}"] = comb_bytes / t / 1e3
+    corr_bytes = 2 * B * hg * d * esize + (n * B * hg + B * hg) * 4
+    t = graph_us(
+        [
+            lambda o=o, lg=lg: correct_attn_out_triton(o, lg, 1, num_blocks=n)
+            for o, lg in corr_inputs
+        ]
+    )
+    metrics[f"correct_attn_out_us_{tag}"] = t
+    metrics[f"correct_attn_out_GBps_{tag}"] = corr_bytes / t / 1e3
+
+    # Eager: the public op (launch overhead included) and the PyTorch reference.
+    metrics[f"lse_combine_eager_us_{tag}"] = do_bench(lambda: lse_combine(out, lse)) * 1e3
+    metrics[f"lse_combine_reference_eager_us_{tag}"] = (
+        do_bench(lambda: lse_combine_reference(out, lse)) * 1e3
+    )
+
+    # Sender side of the a2a: one packed buffer vs separate output and LSE buffers.
+    s_out, s_lse = torch.randn(B, hg, d, device="cuda").to(DTYPE), torch.randn(B, hg, device="cuda")
+    for packed in (False, True):
+        spec = DCPCommSpec("dcp", n, 0, "tp", n, 0, "a2a", packed, tuple(range(n)))
+        name = "packed" if packed else "unpacked"
+        metrics[f"a2a_send_{name}_us_{tag}"] = graph_us(
+            [lambda spec=spec: dcp_a2a_send_buffers(s_out, s_lse, spec)]
+        )
+
+    if sweep:
+        best = (metrics[f"lse_combine_GBps_{tag}"], metrics[f"lse_combine_config_{tag}"])
+        for r, bd, w in SWEEP[d]:
+            # Every config does the same fp32 math per element: anything but equal is a bug.
+            cand = lse_combine_triton(out, lse, block_rows=r, block_d=bd, num_warps=w)
+            if not (torch.equal(cand[0], got) and torch.equal(cand[1], got_lse)):
+                raise SystemExit(f"combine {tag} with R{r}-BD{bd}-W{w} differs from the default")
+            t = graph_us(
+                [
+                    lambda o=o, lg=lg, r=r, bd=bd, w=w: lse_combine_triton(
+                        o, lg, block_rows=r, block_d=bd, num_warps=w
+                    )
+                    for o, lg in inputs
+                ]
+            )
+            best = max(best, (comb_bytes / t / 1e3, f"R{r}-BD{bd}-W{w}"))
+        metrics[f"lse_combine_best_GBps_{tag}"], metrics[f"lse_combine_best_config_{tag}"] = best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
+    parser.add_argument("--out", default=None, help="output JSON path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    torch.manual_seed(0)
+    metrics: dict = {}
+
+    x = torch.empty(1, device="cuda")
+    metrics["launch_floor_us"] = do_bench(lambda: _noop_kernel[(1,)](x)) * 1e3
+    metrics["launch_floor_graph_us"] = graph_us([lambda: _noop_kernel[(1,)](x)])
+    metrics["copy_GBps"] = copy_gbps(1 << 30)
+
+    for d in DS:
+        for n in NS:
+            bench_shape(n, d, metrics, sweep=not args.no_sweep)
+            print(
+                f"D={d} N={n}: combine {metrics[f'lse_combine_GBps_D{d}_N{n}']:.0f} GB/s "
+                f"({metrics[f'lse_combine_us_D{d}_N{n}']:.2f} us), packed "
+                f"{metrics[f'lse_combine_packed_GBps_D{d}_N{n}']:.0f} GB/s, correction "
+                f"{metrics[f'correct_attn_out_GBps_D{d}_N{n}']:.0f} GB/s, eager op "
+                f"{metrics[f'lse_combine_eager_us_D{d}_N{n}']:.1f} us, reference "
+                f"{metrics[f'lse_combine_reference_eager_us_D{d}_N{n}']:.1f} us",
+                flush=True,
+            )
+    for d, goal in GOAL_TBPS.items():
+        worst = min(metrics[f"lse_combine_GBps_D{d}_N{n}"] for n in NS)
+        metrics[f"goal_TBps_D{d}"] = goal
+        metrics[f"goal_met_D{d}"] = worst >= goal * 1e3
+    print(
+        f"floor {metrics['launch_floor_us']:.2f} us (graph {metrics['launch_floor_graph_us']:.2f} us), "
+        f"copy {metrics['copy_GBps']:.0f} GB/s"
+    )
+
+    date = datetime.date.today().isoformat()
+    report = {
+        "date": date,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "metrics": metrics,
+    }
+    path = (
+        pathlib.Path(args.out)
+        if args.out
+        else ROOT / "benchmarks" / "results" / f"lse_combine-{date}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
