@@ -18,6 +18,7 @@ from cp_modules.cache import (
 from cp_modules.kernels.paged_decode import (
     DecodeConfig,
     choose_num_splits,
+    default_config,
     paged_attention_kernel,
     paged_mla_attention_kernel,
 )
@@ -272,6 +273,14 @@ def test_mla_kernel_matches_reference_interpreted(rk, rope, h, bs, block_n, spli
     ref = paged_mla_attention_ref(*args)
     same = None if dtype == torch.float32 else paged_mla_attention_ref(*args, upcast=False)
     check_against_reference(out, lse, ref, same, name="mla")
+
+
+def test_default_tiles():
+    gqa = default_config(4, 128, 128, 0)
+    assert (gqa.block_h, gqa.block_n) == (16, 64)
+    assert default_config(1, 64, 64, 0).block_n == 64
+    mla = default_config(128, 512, 512, 64)
+    assert (mla.block_h, mla.block_n, mla.num_warps) == (32, 32, 8)
 
 
 def test_split_count_depends_on_static_shapes_only():

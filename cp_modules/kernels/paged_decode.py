@@ -240,12 +240,12 @@ def _pow2(n: int) -> int:
 def default_config(group: int, dk: int, dv: int, dpe: int) -> DecodeConfig:
     """Tiles for a head group of ``group`` query heads per KV head and these head dims."""
     block_h = min(64, max(16, _pow2(group)))
-    width = _pow2(dk) + _pow2(dpe) + (0 if dpe else _pow2(dv))
-    if width >= 512:
-        # MLA: a [BLOCK_H, 512] fp32 accumulator lives in registers; keep the head tile small.
+    if dk + dpe > 256 or dv > 256:
+        # Wide rows (the MLA latent, 576 in / 512 out): a [BLOCK_H, Dv] fp32 accumulator lives
+        # in registers, so keep the head tile small and give it more warps.
         return DecodeConfig(block_h=min(block_h, 32), block_n=32, num_warps=8, num_stages=2)
     return DecodeConfig(
-        block_h=block_h, block_n=64 if width <= 256 else 32, num_warps=4, num_stages=3
+        block_h=block_h, block_n=64 if max(dk, dv) <= 128 else 32, num_warps=4, num_stages=3
     )
 
 

@@ -1,0 +1,404 @@
+#!/usr/bin/env python
+"""Paged decode attention on one GPU: KV bytes read per second of the Triton kernels.
+
+Run from the repository root on a CUDA machine (no Hydra needed):
+
+    python benchmarks/bench_decode.py            # full run, well under 4 minutes on an H200
+    python benchmarks/bench_decode.py --quick    # a few shapes, for a smoke test
+
+What it does, in order:
+  1. GQA (32 q heads, 8 KV heads, D=128) and MLA (128 heads, 576 -> 512) in bf16, block size 64,
+     for B in {1, 8, 64, 256} and contexts 4k..128k (combinations whose cache exceeds ~40 GB are
+     skipped). Every shape is first checked against the pure-PyTorch reference (the 2x rule
+     against a same-dtype reference, on a few queries of the batch); a shape that fails is
+     reported as failed, without a speed, and the script exits non-zero at the end.
+  2. The same shapes through SDPA on a contiguous copy of the KV (cuDNN, flash, mem-efficient
+     where they accept the shape), with and without the time of gathering the pages.
+  3. DCP emulation: one rank's shard of B=8 requests of 128k tokens for D in {1, 2, 4, 8} (time,
+     blocks and bytes allocated per rank).
+  4. A small sweep of tile configurations and split counts on representative shapes, so the
+     defaults can be revisited from the results.
+
+Results go to benchmarks/results/decode-<date>.json as {"date", "gpu", "torch", "triton",
+"metrics"}. Bandwidth counts each KV byte the attention must read once (K and V for GQA, the
+576-wide latent row for MLA); MLA also reports TFLOP/s, as 128 heads make it compute-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from cp_modules.cache import (  # noqa: E402
+    dcp_max_local_len,
+    dcp_num_blocks,
+    kv_cache_bytes_per_block,
+    local_seq_len,
+)
+from cp_modules.kernels.paged_decode import (  # noqa: E402
+    DecodeConfig,
+    choose_num_splits,
+    default_config,
+    paged_attention_kernel,
+    paged_mla_attention_kernel,
+)
+from cp_modules.reference.paged_decode import (  # noqa: E402
+    paged_attention_ref,
+    paged_mla_attention_ref,
+)
+
+BATCHES = (1, 8, 64, 256)
+CONTEXTS = (4096, 16384, 32768, 65536, 131072)
+CACHE_LIMIT_BYTES = 40e9
+BLOCK_SIZE = 64
+DTYPE = torch.bfloat16
+GQA_HQ, GQA_HKV, GQA_D = 32, 8, 128
+MLA_H, MLA_RK, MLA_ROPE = 128, 512, 64
+TIME_BUDGET_S = 170.0  # optional sections (SDPA, DCP emulation, sweep) are skipped past this
+DEVICE = "cuda"
+DCP_BATCH, DCP_LENGTH = 8, 131072
+SWEEP_SHAPES = ((64, 16384), (1, 131072))
+
+
+class Model:
+    """One attention flavour: its cache, kernel, reference and byte/FLOP counts."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.mla = name == "mla"
+        if self.mla:
+            self.heads, self.dq, self.dv = MLA_H, MLA_RK + MLA_ROPE, MLA_RK
+            self.scale = (128 + MLA_ROPE) ** -0.5
+            bpb = kv_cache_bytes_per_block(
+                BLOCK_SIZE, kv_lora_rank=MLA_RK, rope_dim=MLA_ROPE, dtype=DTYPE
+            )
+        else:
+            self.heads, self.dq, self.dv = GQA_HQ, GQA_D, GQA_D
+            self.scale = GQA_D**-0.5
+            bpb = kv_cache_bytes_per_block(
+                BLOCK_SIZE, num_kv_heads=GQA_HKV, head_dim=GQA_D, dtype=DTYPE
+            )
+        self.bytes_per_block = bpb
+        self.bytes_per_token = bpb // BLOCK_SIZE
+        self.caches: tuple[torch.Tensor, ...] = ()
+
+    def allocate(self, num_blocks: int) -> None:
+        self.caches = ()
+        torch.cuda.empty_cache()
+        if self.mla:
+            shape = (num_blocks, BLOCK_SIZE, MLA_RK + MLA_ROPE)
+            self.caches = (torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_(),)
+        else:
+            shape = (num_blocks, BLOCK_SIZE, GQA_HKV, GQA_D)
+            self.caches = tuple(
+                torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_() for _ in range(2)
+            )
+
+    def kernel(self, q, bt, seq, kv_len, splits=None, config=None):
+        if self.mla:
+            return paged_mla_attention_kernel(
+                q, self.caches[0], bt, seq, kv_len, self.scale, MLA_RK, splits, config=config
+            )
+        return paged_attention_kernel(
+            q, *self.caches, bt, seq, kv_len, self.scale, splits, config=config
+        )
+
+    def reference(self, q, bt, seq, kv_len, upcast=True):
+        if self.mla:
+            return paged_mla_attention_ref(
+                q, self.caches[0], bt, seq, kv_len, self.scale, MLA_RK, upcast=upcast
+            )
+        return paged_attention_ref(q, *self.caches, bt, seq, kv_len, self.scale, upcast=upcast)
+
+    def kv_bytes(self, kv_len: torch.Tensor) -> float:
+        return float(kv_len.double().sum()) * self.bytes_per_token
+
+    def flops(self, kv_len: torch.Tensor) -> float:
+        return float(kv_len.double().sum()) * self.heads * 2 * (self.dq + self.dv)
+
+    def default_config(self) -> DecodeConfig:
+        if self.mla:
+            return default_config(MLA_H, MLA_RK, MLA_RK, MLA_ROPE)
+        return default_config(GQA_HQ // GQA_HKV, GQA_D, GQA_D, 0)
+
+    def num_programs(self, batch: int, cfg: DecodeConfig) -> int:
+        group = self.heads if self.mla else GQA_HQ // GQA_HKV
+        kv_heads = 1 if self.mla else GQA_HKV
+        return batch * kv_heads * triton.cdiv(group, cfg.block_h)
+
+
+def make_inputs(model: Model, batch: int, kv_len: int, table_len: int | None = None, seed=0):
+    """Queries, a scrambled block table over the whole cache and per-query lengths."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    table_len = table_len or kv_len
+    width = triton.cdiv(table_len, BLOCK_SIZE)
+    num_blocks = model.caches[0].shape[0]
+    assert batch * width <= num_blocks
+    perm = torch.randperm(num_blocks, device=DEVICE, generator=g)[: batch * width]
+    bt = perm.view(batch, width).to(torch.int32)
+    q = torch.randn(batch, model.heads, model.dq, device=DEVICE, generator=g).to(DTYPE)
+    seq = torch.arange(batch, device=DEVICE, dtype=torch.int32)
+    lens = torch.full((batch,), kv_len, device=DEVICE, dtype=torch.int32)
+    return q, bt, seq, lens
+
+
+def check(model: Model, q, bt, seq, kv_len, out, lse) -> dict:
+    """Kernel vs fp32 reference on a few queries, bounded by 2x the same-dtype error."""
+    idx = torch.tensor(sorted({0, q.shape[0] // 2, q.shape[0] - 1}), device=DEVICE)
+    sub = (q[idx], bt, seq[idx], kv_len[idx])
+    ref_out, ref_lse = model.reference(*sub)
+    same_out, same_lse = model.reference(*sub, upcast=False)
+    err_out = (out[idx].float() - ref_out.float()).abs().max().item()
+    err_lse = (lse[idx] - ref_lse).abs().max().item()
+    base_out = (same_out.float() - ref_out.float()).abs().max().item()
+    base_lse = (same_lse - ref_lse).abs().max().item()
+    ok = (
+        math.isfinite(err_out) and err_out <= 2 * base_out + 1e-4 and err_lse <= 2 * base_lse + 1e-4
+    )
+    return {
+        "ok": bool(ok),
+        "err_out": err_out,
+        "err_lse": err_lse,
+        "same_dtype_err_out": base_out,
+        "same_dtype_err_lse": base_lse,
+    }
+
+
+def num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def bench_ms(fn) -> float:
+    return float(do_bench(fn, warmup=5, rep=30, return_mode="median"))
+
+
+def run_kernel_shape(model: Model, batch: int, ctx: int, splits=None, config=None) -> dict:
+    q, bt, seq, kv_len = make_inputs(model, batch, ctx)
+    cfg = config or model.default_config()
+    used_splits = splits or choose_num_splits(
+        model.num_programs(batch, cfg), bt.shape[1] * BLOCK_SIZE,
+        num_sms(),
+    )  # fmt: skip
+    out, lse = model.kernel(q, bt, seq, kv_len, splits, cfg)
+    res = {"batch": batch, "context": ctx, "num_splits": used_splits, "check": None}
+    res["check"] = check(model, q, bt, seq, kv_len, out, lse)
+    if not res["check"]["ok"]:
+        return res
+    ms = bench_ms(lambda: model.kernel(q, bt, seq, kv_len, splits, cfg))
+    res.update(
+        ms=ms,
+        kv_tbps=model.kv_bytes(kv_len) / ms / 1e9,
+        tflops=model.flops(kv_len) / ms / 1e9,
+    )
+    return res
+
+
+def run_sdpa_shape(model: Model, batch: int, ctx: int, ours_out: torch.Tensor | None) -> dict:
+    """SDPA on a contiguous gathered copy of the same KV; the gather timed separately."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, bt, seq, kv_len = make_inputs(model, batch, ctx)
+    idx = bt.long()
+
+    def gather():
+        if model.mla:
+            return (model.caches[0][idx].view(batch, 1, -1, MLA_RK + MLA_ROPE),)
+        return tuple(c[idx].view(batch, -1, GQA_HKV, GQA_D).transpose(1, 2) for c in model.caches)
+
+    res: dict = {"batch": batch, "context": ctx}
+    try:
+        kv = gather()
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {**res, "error": "out of memory for the contiguous copy"}
+    res["gather_ms"] = bench_ms(gather)
+    qs = q.view(batch, model.heads, 1, model.dq)
+    k = kv[0]
+    v = kv[0][..., :MLA_RK] if model.mla else kv[1]
+    best = None
+    for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
+
+        def fn(backend=backend, k=k, v=v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qs, k, v, scale=model.scale, enable_gqa=True)
+
+        try:
+            o = fn()
+            ms = bench_ms(fn)
+        except Exception as e:  # noqa: BLE001 - unsupported shapes are a result here
+            res[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+            continue
+        entry = {"ms": ms, "kv_tbps": model.kv_bytes(kv_len) / ms / 1e9}
+        if ours_out is not None:
+            entry["max_abs_diff_vs_ours"] = (
+                (o.view_as(ours_out).float() - ours_out.float()).abs().max().item()
+            )
+        res[name] = entry
+        if best is None or ms < best[1]:
+            best = (name, ms)
+    if best is not None:
+        total = best[1] + res["gather_ms"]
+        res["best"] = best[0]
+        res["gather_plus_sdpa_kv_tbps"] = model.kv_bytes(kv_len) / total / 1e9
+    del kv, k, v, fn
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.monotonic()
+    batches = (1, 64) if args.quick else BATCHES
+    contexts = (4096, 131072) if args.quick else CONTEXTS
+    metrics: dict = {"block_size": BLOCK_SIZE, "dtype": str(DTYPE), "shapes": {}}
+    failures = []
+
+    for name in ("gqa", "mla"):
+        model = Model(name)
+        combos = [
+            (b, c) for b in batches for c in contexts
+            if b * c * model.bytes_per_token <= CACHE_LIMIT_BYTES
+        ]  # fmt: skip
+        skipped = [
+            (b, c) for b in batches for c in contexts if (b, c) not in combos
+        ]  # fmt: skip
+        max_tokens = max(b * c for b, c in combos)
+        model.allocate(triton.cdiv(max_tokens, BLOCK_SIZE) + 64)
+        rows = []
+        for b, c in combos:
+            res = run_kernel_shape(model, b, c)
+            print(f"[{name}] B={b:4d} ctx={c:6d} splits={res['num_splits']:3d} "
+                  + (f"{res['ms']:.3f} ms {res['kv_tbps']:.2f} TB/s {res['tflops']:.0f} TFLOP/s"
+                     if res["check"]["ok"] else f"FAILED CHECK {res['check']}"), flush=True)  # fmt: skip
+            if not res["check"]["ok"]:
+                failures.append((name, b, c))
+            if not args.no_sdpa and time.monotonic() - t_start < TIME_BUDGET_S * 0.6:
+                q, bt, seq, kv_len = make_inputs(model, b, c)
+                ours, _ = model.kernel(q, bt, seq, kv_len)
+                res["sdpa"] = run_sdpa_shape(model, b, c, ours)
+                sd = res["sdpa"]
+                print(f"        sdpa best={sd.get('best')} "
+                      + " ".join(f"{k}={v.get('kv_tbps', 0):.2f}" for k, v in sd.items()
+                                 if isinstance(v, dict) and "kv_tbps" in v)
+                      + f" gather+sdpa={sd.get('gather_plus_sdpa_kv_tbps', 0):.2f} TB/s", flush=True)  # fmt: skip
+            rows.append(res)
+        metrics["shapes"][name] = {
+            "config": model.default_config().__dict__,
+            "results": rows,
+            "skipped_over_cache_limit": skipped,
+        }
+        ok_rows = [r for r in rows if r["check"]["ok"]]
+        big = [r["kv_tbps"] for r in ok_rows if r["batch"] * r["context"] >= 1 << 20]
+        metrics["shapes"][name]["min_kv_tbps_where_B_ctx_ge_1M"] = min(big) if big else None
+
+        # DCP emulation: the shard one rank holds of 8 requests of 128k tokens.
+        if not args.quick and time.monotonic() - t_start < TIME_BUDGET_S:
+            dcp_rows = []
+            for d in (1, 2, 4, 8):
+                length = DCP_LENGTH
+                local = local_seq_len(length, d, 0, 1)
+                q, bt, seq, kv_len = make_inputs(model, DCP_BATCH, local, table_len=local)
+                out, lse = model.kernel(q, bt, seq, kv_len)
+                chk = check(model, q, bt, seq, kv_len, out, lse)
+                row = {
+                    "dcp": d,
+                    "local_tokens": local,
+                    "max_local_tokens": dcp_max_local_len(length, d, 1),
+                    "blocks_per_rank_per_request": dcp_num_blocks(length, BLOCK_SIZE, d),
+                    "bytes_per_rank_per_request": dcp_num_blocks(length, BLOCK_SIZE, d)
+                    * model.bytes_per_block,
+                    "check": chk,
+                }
+                if chk["ok"]:
+                    ms = bench_ms(lambda: model.kernel(q, bt, seq, kv_len))  # noqa: B023
+                    row.update(ms=ms, kv_tbps=model.kv_bytes(kv_len) / ms / 1e9)
+                else:
+                    failures.append((name, "dcp", d))
+                dcp_rows.append(row)
+                print(f"[{name}] dcp={d} local={local} {row.get('ms', float('nan')):.3f} ms",
+                      flush=True)  # fmt: skip
+            metrics["shapes"][name]["dcp_emulation_B8_L128k"] = dcp_rows
+
+        # Config sweep on one bandwidth-bound and one split-KV shape.
+        if not args.quick and time.monotonic() - t_start < TIME_BUDGET_S:
+            if model.mla:
+                configs = [(32, 32, 8, 2), (16, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2),
+                           (32, 16, 4, 2), (64, 16, 8, 2), (16, 64, 4, 2)]  # fmt: skip
+            else:
+                configs = [(16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 3), (16, 64, 8, 3),
+                           (16, 64, 4, 2), (16, 128, 8, 2), (16, 64, 4, 4)]  # fmt: skip
+            sweep = []
+            for b, c in SWEEP_SHAPES:
+                for cfg_t in configs:
+                    if time.monotonic() - t_start > TIME_BUDGET_S:
+                        break
+                    cfg = DecodeConfig(*cfg_t)
+                    try:
+                        res = run_kernel_shape(model, b, c, config=cfg)
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit is a result
+                        res = {"batch": b, "context": c, "error": f"{type(e).__name__}: {e}"[:200]}
+                    res["config"] = cfg.__dict__
+                    sweep.append(res)
+                for splits in (8, 16, 32, 64, 128):
+                    if b != 1 or time.monotonic() - t_start > TIME_BUDGET_S:
+                        break
+                    res = run_kernel_shape(model, b, c, splits=splits)
+                    res["config"] = model.default_config().__dict__
+                    sweep.append(res)
+            metrics["shapes"][name]["sweep"] = sweep
+            for r in sweep:
+                if "kv_tbps" in r:
+                    print(f"[{name} sweep] B={r['batch']} ctx={r['context']} S={r['num_splits']} "
+                          f"{r['config']} {r['kv_tbps']:.2f} TB/s", flush=True)  # fmt: skip
+        model.caches = ()
+        torch.cuda.empty_cache()
+
+    metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    metrics["wall_s"] = time.monotonic() - t_start
+    metrics["failed_checks"] = failures
+    date = datetime.date.today().isoformat()
+    report = {
+        "date": date,
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "metrics": metrics,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"decode{'-quick' if args.quick else ''}-{date}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {path} in {metrics['wall_s']:.0f} s")
+    if failures:
+        print(f"correctness checks FAILED for {failures}; their speeds are not reported",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
