@@ -3,7 +3,9 @@
 from cp_modules.config import ParallelConfig
 from cp_modules.ops.correct_attn_out import correct_attn_out
 from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
+from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.lse_combine import lse_combine, lse_combine_packed
+from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 
 __all__ = [
     "DCPCommSpec",
@@ -13,5 +15,9 @@ __all__ = [
     "dcp_prepare_query",
     "lse_combine",
     "lse_combine_packed",
+    "paged_attention",
+    "paged_mla_attention",
+    "write_kv_cache",
+    "write_mla_cache",
 ]
 __version__ = "0.1.0"
