@@ -7,8 +7,6 @@ One spawn per DCP size runs every case inside the ranks.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -157,10 +155,8 @@ def _run_case(seed, case, d, rank, groups, check_dcp_combine):
 
 def _dcp_combine_errors(out, lse, combined, groups):
     """The project's DCP combine backends give this rank's heads of the same combined result."""
-    try:
-        from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine
-    except ImportError:
-        return {}
+    from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine
+
     res = {}
     h = out.shape[1] // groups.config.tp
     own = combined[:, groups.tp_rank * h : (groups.tp_rank + 1) * h]
@@ -209,5 +205,5 @@ def test_sharded_decode_combines_to_dense_attention(dcp):
         assert sum(r["stored"] for r in results) == sum(case[3]), name
         if min(case[3]) < dcp * case[2]:
             assert sum(r["empty_queries"] for r in results) > 0, name
-    if dcp == 2 and importlib.util.find_spec("cp_modules.ops.dcp_comm") is not None:
+    if dcp == 2:
         assert checked_backends == {"err_reduce_scatter", "err_a2a"}
