@@ -151,7 +151,7 @@ def _run(layer, runtime, a: VerifyArgs, inputs, device, compiled, block_table, t
         x_local = x.to(device)[meta.token_indices]
         if train:
             x_local = x_local.detach().requires_grad_(True)
-        with cp_step(meta):
+        with cp_step(meta), torch.set_grad_enabled(train):
             y = compiled(x_local, meta.positions)
             y_full = restore_tokens(y.detach(), meta)
         outs.append((y_full, y, x_local, meta))
@@ -217,6 +217,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
         results[label] = res
         if a.compile and label == "parallel":
             results["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
+            results["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
     errors = {}
     ref, par = results["reference"], results["parallel"]
@@ -226,7 +227,10 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
         errors["grad/input"] = float((ref["grad_input"] - par["grad_input"]).abs().max())
         for name, gr in ref["grad_params"].items():
             errors[f"grad/{name}"] = float((gr - par["grad_params"][name]).abs().max())
-    return {"rank": rank, "errors": errors, "graph_breaks": results.get("graph_breaks")}
+    return {
+        "rank": rank, "errors": errors, "graph_breaks": results.get("graph_breaks"),
+        "graphs": results.get("graphs"),
+    }
 
 
 def _full_input_grad(saved, rt, label, groups):
@@ -285,6 +289,9 @@ def run_verify(a: VerifyArgs) -> dict:
     }
     if a.compile:
         summary["graph_breaks"] = max(gb, default=0)
+        # Compiled graphs over all steps (one per distinct shape class; steps with new batch
+        # compositions must not add any).
+        summary["compiled_graphs"] = max(r["graphs"] for r in per_rank)
     return summary
 
 
@@ -331,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in sorted(summary["errors"].items()):
             print(f"{k:<28} max abs err {v:.3e}  {'ok' if v <= summary['tolerance'] else 'FAIL'}")
         if a.compile:
-            print(f"graph breaks: {summary['graph_breaks']}")
+            print(f"graph breaks: {summary['graph_breaks']}, compiled graphs: {summary['compiled_graphs']}")
         print(f"{'OK' if summary['ok'] else 'FAILED'}: max abs err {summary['max_abs_err']:.3e} "
               f"(tolerance {summary['tolerance']:.1e}, {summary['backend']})")
     return 0 if summary["ok"] else 1

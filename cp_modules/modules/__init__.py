@@ -1,6 +1,11 @@
 """Context-parallel attention modules and the per-step metadata they share."""
 
-from cp_modules.modules.attention import CPFlashAttention, CPMLAAttention, RMSNorm, apply_tensor_parallel
+from cp_modules.modules.attention import (
+    CPFlashAttention,
+    CPMLAAttention,
+    RMSNorm,
+    apply_tensor_parallel,
+)
 from cp_modules.modules.context import (
     CPRuntime,
     CPStepMetadata,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from cp_modules.distributed.collectives import copy_to_group
 from cp_modules.modules.rope import RotaryEmbedding, apply_rotary
@@ -188,7 +189,7 @@ class CPMLAAttention(nn.Module):
     def up_projection_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads of kv_b_proj as ``w_uk [H, Dn, Rk]`` and ``w_uv [H, Dv, Rk]``."""
         w = self.kv_b_proj.weight
-        if hasattr(w, "to_local"):
+        if isinstance(w, DTensor):
             w = w.to_local()
         w = w.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
@@ -208,7 +209,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh) -> nn.Module:
     Raises:
         ValueError: when the head counts do not split over the mesh.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     tp = tp_mesh.size()
     if tp == 1:

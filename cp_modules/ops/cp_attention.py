@@ -32,6 +32,11 @@ from cp_modules.ops.pcp_attention import pcp_prefill_attention
 
 __all__ = ["gqa_attention", "mla_attention"]
 
+_CACHE_NEEDS_NO_GRAD = (
+    "attention with a KV cache is inference-only (the cache write is not differentiable): run "
+    "it under torch.no_grad() or torch.inference_mode(), or train without a cache"
+)
+
 
 def _gather(x: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
     """All-gather local rows over PCP and restore the batch order ([T, ...] -> [N, ...])."""
@@ -227,6 +232,8 @@ def gqa_attention(
     """
     if kv_cache is None:
         out, _ = torch.ops.cp.gqa_attention(q, k, v, scale)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(_CACHE_NEEDS_NO_GRAD)
     else:
         out, _ = torch.ops.cp.gqa_attention_with_cache(q, k, v, kv_cache[0], kv_cache[1], scale)
     return out
@@ -407,6 +414,8 @@ def mla_attention(
     """
     if cache is None:
         out, _ = torch.ops.cp.mla_attention(q, latent, w_uk, w_uv, scale, kv_lora_rank)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_uk, w_uv)):
+        raise RuntimeError(_CACHE_NEEDS_NO_GRAD)
     else:
         out, _ = torch.ops.cp.mla_attention_with_cache(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank)
     return out

@@ -1,0 +1,84 @@
+"""CPFlashAttention / CPMLAAttention on spawned gloo ranks == the same layer on one process.
+
+Every configuration ParallelConfig accepts for the world size (tp, pcp in {1, 2, 4}; dcp per
+the rules; both comm backends; both module types) runs a mixed schedule — a ragged prefill,
+then a step mixing decodes with a chunked-prefill continuation over a cached prefix, then
+decode steps — and training forward/backward runs with pcp in {2, 4}. One spawn per world
+size runs the whole sweep inside the ranks.
+"""
+
+import pytest
+
+from cp_modules.config import valid_dcp_sizes
+from cp_modules.testing import run_distributed
+from cp_modules.verify import TOLERANCE, VerifyArgs, verify_rank
+
+pytestmark = pytest.mark.distributed
+
+
+def _sweep(world_size, attention=("gqa", "mla"), interleave=(1,)):
+    cases = []
+    for pcp in (1, 2, 4):
+        if world_size % pcp:
+            continue
+        tp = world_size // pcp
+        if tp not in (1, 2, 4):
+            continue
+        for dcp in valid_dcp_sizes(tp, pcp):
+            for backend in ("ag_rs", "a2a") if dcp > 1 else ("ag_rs",):
+                for att in attention:
+                    for inter in interleave:
+                        cases.append(VerifyArgs(
+                            world_size=world_size, tp=tp, pcp=pcp, dcp=dcp,
+                            dcp_comm_backend=backend, attention=att, mode="mixed",
+                            seq_lens=[19, 3, 8], decode_steps=2, interleave=inter, block_size=4,
+                        ))
+    return cases
+
+
+def _run_cases(rank, world_size, cases):
+    out = []
+    for a in cases:
+        r = verify_rank(rank, world_size, a)
+        out.append((f"tp{a.tp}-pcp{a.pcp}-dcp{a.dcp}-{a.dcp_comm_backend}-{a.attention}-{a.mode}-I{a.interleave}", r["errors"]))
+    return out
+
+
+def _assert_all_within(results, cases):
+    assert len(results[0]) == len(cases)
+    for per_rank in results:
+        for name, errors in per_rank:
+            assert errors, name
+            worst = max(errors.values())
+            assert worst <= TOLERANCE["float32"], (name, errors)
+
+
+def test_every_world4_configuration_mixed_schedule():
+    cases = _sweep(4, interleave=(1, 2))
+    assert len(cases) == 52
+    _assert_all_within(run_distributed(_run_cases, 4, cases, timeout_s=1500), cases)
+
+
+def test_world2_configurations_and_training():
+    cases = _sweep(2) + [
+        VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention=att, mode="train", seq_lens=[21, 3, 9])
+        for att in ("gqa", "mla")
+    ]
+    _assert_all_within(run_distributed(_run_cases, 2, cases, timeout_s=900), cases)
+
+
+def test_training_pcp2_tp2_and_pcp4():
+    cases = [
+        VerifyArgs(world_size=4, tp=tp, pcp=pcp, dcp=1, attention=att, mode="train",
+                   seq_lens=[37, 2, 11, 16])
+        for tp, pcp in ((2, 2), (1, 4))
+        for att in ("gqa", "mla")
+    ]
+    _assert_all_within(run_distributed(_run_cases, 4, cases, timeout_s=900), cases)
+
+
+@pytest.mark.slow
+def test_every_world8_configuration_mixed_schedule():
+    cases = _sweep(8)
+    assert len(cases) == 24
+    _assert_all_within(run_distributed(_run_cases, 8, cases, timeout_s=2400), cases)
