@@ -124,6 +124,23 @@ def test_plan_tensors_and_host_copies():
     assert (p.num_tokens, p.num_local_tokens_padded) == (10, 7)
 
 
+def test_packed_device_copy_keeps_every_field():
+    # Off the CPU the plan's fields travel as two packed buffers; unpacking must be exact.
+    from cp_modules.partition.plan import _packed_to_device
+
+    arrays = {
+        "a": np.arange(5, dtype=np.int64),
+        "mask": np.array([True, False, True]),
+        "seg": np.arange(12, dtype=np.int64).reshape(6, 2),
+        "empty": np.zeros(0, dtype=np.int64),
+        "mask2": np.array([False]),
+    }
+    out = _packed_to_device(arrays, torch.device("cpu"))
+    for name, a in arrays.items():
+        assert out[name].dtype == (torch.bool if a.dtype == np.bool_ else torch.int64), name
+        assert torch.equal(out[name], torch.from_numpy(a)), name
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

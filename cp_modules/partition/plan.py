@@ -134,6 +134,38 @@ def _ragged_arange(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, offset
 
 
+def _to_device(
+    arrays: dict[str, np.ndarray], device: torch.device | str | None
+) -> dict[str, torch.Tensor]:
+    """The arrays as tensors on ``device``: int64, or bool for boolean arrays.
+
+    Off the CPU they travel as one pinned int64 buffer and one pinned byte buffer (two
+    asynchronous copies instead of one blocking copy per field) and come back as views.
+    """
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cpu":
+        return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+    return _packed_to_device(arrays, device)
+
+
+def _packed_to_device(
+    arrays: dict[str, np.ndarray], device: torch.device
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for np_dtype, is_bool in ((np.int64, False), (np.uint8, True)):
+        names = [k for k, a in arrays.items() if (a.dtype == np.bool_) == is_bool]
+        flat = [arrays[k].astype(np_dtype, copy=False).reshape(-1) for k in names]
+        host = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, np_dtype))
+        pinned = device.type == "cuda" and torch.cuda.is_available()
+        buf = host.pin_memory().to(device, non_blocking=True) if pinned else host.to(device)
+        start = 0
+        for k, f in zip(names, flat):
+            view = buf[start : start + f.size].view(arrays[k].shape)
+            out[k] = view.view(torch.bool) if is_bool else view
+            start += f.size
+    return out
+
+
 def plan_pcp(
     num_scheduled_tokens: Sequence[int] | np.ndarray | torch.Tensor,
     num_computed_tokens: Sequence[int] | np.ndarray | torch.Tensor,
@@ -240,40 +272,38 @@ def plan_pcp(
         owner, offset = _ragged_arange(lengths)
         return starts[owner] + offset
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-    segments_host = torch.from_numpy(segments)
-    prefix_cu_host = torch.from_numpy(prefix_cu)
+    arrays = dict(
+        token_indices=token_indices,
+        positions=positions,
+        local_valid=valid,
+        num_local_tokens=local_n,
+        restore_index=restore_index,
+        unpad_mask=unpad_mask,
+        gather_index=gather_index,
+        num_scheduled_tokens=n,
+        num_computed_tokens=computed,
+        is_decode=is_decode,
+        chunk_size=chunk,
+        head_q_len=head_q,
+        tail_q_len=tail_q,
+        head_k_len=head_k,
+        tail_k_len=tail_k,
+        local_offsets=local_offsets,
+        key_offsets=key_offsets,
+        segments=segments,
+        prefix_cu_seqlens=prefix_cu,
+        q_head_index=ranges(local_offsets, head_q),
+        q_tail_index=ranges(local_offsets + chunk, tail_q),
+        k_head_index=ranges(key_offsets, head_k),
+        k_tail_index=ranges(key_offsets, tail_k),
+    )
     return PCPPlan(
         pcp_size=P,
         pcp_rank=r,
         num_reqs=num_reqs,
         num_tokens=num_tokens,
         num_local_tokens_padded=num_local,
-        token_indices=dev(token_indices),
-        positions=dev(positions),
-        local_valid=dev(valid),
-        num_local_tokens=dev(local_n),
-        restore_index=dev(restore_index),
-        unpad_mask=dev(unpad_mask),
-        gather_index=dev(gather_index),
-        num_scheduled_tokens=dev(n),
-        num_computed_tokens=dev(computed),
-        is_decode=dev(is_decode),
-        chunk_size=dev(chunk),
-        head_q_len=dev(head_q),
-        tail_q_len=dev(tail_q),
-        head_k_len=dev(head_k),
-        tail_k_len=dev(tail_k),
-        local_offsets=dev(local_offsets),
-        key_offsets=dev(key_offsets),
-        segments=dev(segments),
-        segments_host=segments_host,
-        prefix_cu_seqlens=dev(prefix_cu),
-        prefix_cu_seqlens_host=prefix_cu_host,
-        q_head_index=dev(ranges(local_offsets, head_q)),
-        q_tail_index=dev(ranges(local_offsets + chunk, tail_q)),
-        k_head_index=dev(ranges(key_offsets, head_k)),
-        k_tail_index=dev(ranges(key_offsets, tail_k)),
+        segments_host=torch.from_numpy(segments),
+        prefix_cu_seqlens_host=torch.from_numpy(prefix_cu),
+        **_to_device(arrays, device),
     )
