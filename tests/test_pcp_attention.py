@@ -224,6 +224,7 @@ def test_invalid_arguments_raise_value_error():
         "given together": dict(prefix_v=None),
         "prefix_k must be": dict(prefix_k=pk[:, :1]),
         "one entry per request": dict(prefix_cu_seqlens=torch.tensor([0, 13])),
+        "rise from 0": dict(prefix_cu_seqlens=torch.tensor([0, 13, 12, 18])),
         "3-D": dict(q=ql[0]),
     }
     for match, override in bad.items():
@@ -329,6 +330,19 @@ def test_gpu_block_backends_forward_and_backward(backend, causal, dims):
     base = attention_with_lse_backward(dout, q, k, v, out, lse, scale=0.1, causal=causal)
     for name, a, b, c in zip(["dq", "dk", "dv"], got, want, base):
         assert_close_to_reference(a, b, c.bfloat16(), atol=1e-2, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", ["odd-lengths", "chunked-prefill"])
+def test_gpu_opcheck(batch):
+    plan, args = _op_args(*BATCHES[batch], 2, 1, torch.bfloat16)
+    args = tuple(
+        x.cuda().detach().requires_grad_()
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+        else x
+        for x in args
+    )
+    torch.library.opcheck(torch.ops.cp.pcp_prefill_attention.default, args)
 
 
 @pytest.mark.gpu

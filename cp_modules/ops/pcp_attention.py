@@ -215,6 +215,14 @@ def pcp_prefill_attention(
                 f"({plan.prefix_cu_seqlens_host.shape[0]}), got shape {tuple(prefix_cu_seqlens.shape)}"
             )
         prefix_cu_seqlens = prefix_cu_seqlens.to("cpu", torch.int64)
+        if not torch.compiler.is_compiling():
+            # Reads host values: skipped while tracing, where it would be data-dependent.
+            cu = prefix_cu_seqlens
+            if cu[0] != 0 or cu[-1] != prefix_k.shape[0] or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(
+                    f"prefix_cu_seqlens must rise from 0 to the {prefix_k.shape[0]} prefix "
+                    f"tokens, got {cu.tolist()}"
+                )
     return torch.ops.cp.pcp_prefill_attention(
         q, k_full, v_full, plan.segments_host, prefix_k, prefix_v, prefix_cu_seqlens, scale
     )
