@@ -191,7 +191,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
     for label in ("reference", "parallel"):
         layer = _build_layer(a, cfg, dtype).to(device)
         if label == "parallel":
-            layer = apply_tensor_parallel(layer, groups.mesh["tp"])
+            layer = apply_tensor_parallel(layer, groups.mesh["tp"], cfg)
             rt = runtime
         else:
             rt = CPRuntime.single()

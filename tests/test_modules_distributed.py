@@ -82,3 +82,40 @@ def test_every_world8_configuration_mixed_schedule():
     cases = _sweep(8)
     assert len(cases) == 24
     _assert_all_within(run_distributed(_run_cases, 8, cases, timeout_s=2400), cases)
+
+
+def _disagreeing_batches(rank, world_size):
+    from cp_modules import ParallelConfig
+    from cp_modules.distributed.groups import init_cp_groups
+    from cp_modules.modules import CPRuntime, build_step_metadata
+
+    groups = init_cp_groups(ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
+                                           decode_context_parallel_size=2))
+    rt = CPRuntime.from_groups(groups)
+    build_step_metadata(rt, [12, 5])  # agreed
+    lens = [12, 5] if rank != 3 else [12, 6]
+    build_step_metadata(rt, lens)
+
+
+def test_ranks_fed_different_batches_all_fail_clearly():
+    from cp_modules.testing import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_disagreeing_batches, 4, timeout_s=300, collective_timeout_s=30)
+    msg = str(info.value)
+    assert "4 of 4 ranks failed" in msg and "killed" not in msg
+    assert msg.count("ranks disagree on the step's batch") == 4
+
+
+def _unservable_heads(rank, world_size):
+    a = VerifyArgs(world_size=4, tp=4, pcp=1, dcp=4, num_kv_heads=4, mode="prefill")
+    verify_rank(rank, world_size, a)
+
+
+def test_unservable_head_count_fails_on_every_rank():
+    from cp_modules.testing import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_unservable_heads, 4, timeout_s=300, collective_timeout_s=30)
+    msg = str(info.value)
+    assert msg.count("All ranks of a DCP group must hold the same KV heads") == 4

@@ -203,12 +203,18 @@ class CPMLAAttention(nn.Module):
         )
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh) -> nn.Module:
+def apply_tensor_parallel(module: nn.Module, tp_mesh, config=None) -> nn.Module:
     """Shard a CPFlashAttention / CPMLAAttention over ``tp_mesh`` with ``parallelize_module``.
 
+    With ``config`` (a ParallelConfig) the layer's head counts are first checked against the
+    whole layout (``config.validate_heads``), e.g. that a DCP group's ranks share KV heads.
+
     Raises:
-        ValueError: when the head counts do not split over the mesh.
+        ValueError: when the head counts do not split over the mesh or the layout.
     """
+    if config is not None:
+        kv = module.num_kv_heads if isinstance(module, CPFlashAttention) else None
+        config.validate_heads(module.num_heads, kv)
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,

@@ -101,6 +101,7 @@ class CPStepMetadata:
         decode_kv_len: [Bd] local cached tokens each decode token sees on this DCP rank.
         block_table: [R, M] or None (no KV cache: training, or a cache-less forward).
         block_size: tokens per physical block.
+        max_block_id: largest block id the step touches (checked against each cache, host).
         slot_mapping: [N] this rank's cache slot of each new token (-1: stored elsewhere).
         prefix_*: the cached prefix of prefill requests, gathered from the DCP shards:
             ``prefix_read_slots`` [Lp] local slots to read (padded), ``prefix_gather_index`` [C]
@@ -121,6 +122,7 @@ class CPStepMetadata:
     decode_kv_len: torch.Tensor
     block_table: torch.Tensor | None
     block_size: int
+    max_block_id: int
     slot_mapping: torch.Tensor | None
     has_prefix: bool
     prefix_read_slots: torch.Tensor | None
@@ -157,6 +159,7 @@ def build_step_metadata(
     block_size: int = 16,
     decode_threshold: int = 1,
     device: torch.device | str | None = None,
+    check_consistency: bool = True,
 ) -> CPStepMetadata:
     """Plan one step for this rank: the PCP split, cache slots, decode and prefix metadata.
 
@@ -170,10 +173,13 @@ def build_step_metadata(
         decode_threshold: requests with at most this many new tokens and a non-empty context
             run on the paged decode path (replicated over PCP, KV sharded over DCP).
         device: where the metadata tensors live.
+        check_consistency: compare a fingerprint of the batch across all ranks (one small
+            all-gather of a fixed size per step) so that ranks fed different batches fail
+            with a clear error instead of hanging or computing garbage in a later collective.
 
     Raises:
-        ValueError: for an inconsistent batch, a cached prefix without a block table, or a
-            block size the interleave does not divide.
+        ValueError: for an inconsistent batch, a cached prefix without a block table, a
+            block size the interleave does not divide, or ranks that disagree on the batch.
     """
     num_new = np.asarray(list(num_new_tokens), dtype=np.int64)
     num_comp = (
@@ -202,6 +208,8 @@ def build_step_metadata(
                 f"request needs {need} (virtual blocks of block_size*dcp = {virtual} tokens)"
             )
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if check_consistency and runtime.world_group:
+        _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, block_size, dev)
     plan = plan_pcp(
         num_new, num_comp, runtime.pcp_size, runtime.pcp_rank, decode_threshold, device=dev
     )
@@ -222,7 +230,14 @@ def build_step_metadata(
     slot_mapping = prefix_read = prefix_index = prefix_cu = None
     has_prefix = False
     decode_kv_len = t(np.zeros(0, dtype=np.int64), torch.int32)
+    max_block_id = -1
     if block_table is not None:
+        virtual = block_size * runtime.dcp_size
+        used = (num_new + num_comp + virtual - 1) // virtual
+        bt_host = block_table.cpu()
+        max_block_id = max(int(bt_host[r, : used[r]].max()) for r in range(num_new.size))
+        if int(bt_host.min()) < 0 and any(int(bt_host[r, : used[r]].min()) < 0 for r in range(num_new.size)):
+            raise ValueError("block_table holds negative block ids in entries the batch uses")
         block_table = block_table.to(dev)
         req_of_new = np.repeat(np.arange(num_new.size), num_new)
         pos_of_new = num_comp[req_of_new] + (
@@ -258,12 +273,41 @@ def build_step_metadata(
         decode_kv_len=decode_kv_len,
         block_table=block_table,
         block_size=block_size,
+        max_block_id=max_block_id,
         slot_mapping=slot_mapping,
         has_prefix=has_prefix,
         prefix_read_slots=prefix_read,
         prefix_gather_index=prefix_index,
         prefix_cu_seqlens=prefix_cu,
     )
+
+
+def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, block_size, dev):
+    """All-gather a fixed-size fingerprint of the batch and compare it across ranks."""
+    import torch.distributed as dist
+
+    from cp_modules.distributed.collectives import resolve_group
+
+    group = resolve_group(runtime.world_group)
+    bt = -1 if block_table is None else int(block_table.shape[1])
+    h = np.uint64(1469598103934665603)
+    for v in np.concatenate([num_new, num_comp]):
+        h = np.uint64((int(h) ^ int(v)) * 1099511628211 % (1 << 63))
+    mine = torch.tensor(
+        [num_new.size, int(num_new.sum()), int(num_comp.sum()), bt, block_size, int(h)],
+        dtype=torch.int64, device=dev,
+    )
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    everyone = everyone.view(world, mine.numel())
+    bad = (everyone != mine).any(dim=1).nonzero().flatten().tolist()  # ok: host (once a step)
+    if bad:
+        raise ValueError(
+            "ranks disagree on the step's batch (number of requests, new/computed tokens per "
+            f"request, block-table width or block size): rank {dist.get_rank()} differs from "
+            f"ranks {bad}. Every rank of a context-parallel group must be given the same batch."
+        )
 
 
 def _prefix_gather_plan(

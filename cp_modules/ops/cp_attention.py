@@ -73,6 +73,20 @@ def _decode(q_dec, meta: CPStepMetadata, attend):
     return dcp_combine(out, lse, spec, return_lse=True)
 
 
+def _check_cache(meta: CPStepMetadata, kv: torch.Tensor, *caches: torch.Tensor) -> None:
+    """Host-side checks (no device sync) that every rank makes identically before any collective."""
+    for c in caches:
+        if c.dtype != kv.dtype:
+            raise ValueError(f"KV cache dtype {c.dtype} differs from the layer's K/V dtype {kv.dtype}")
+        if c.device != kv.device:
+            raise ValueError(f"KV cache is on {c.device} but the layer runs on {kv.device}")
+        if meta.block_table is not None and meta.max_block_id >= c.shape[0]:
+            raise ValueError(
+                f"the step uses block id {meta.max_block_id} but the KV cache has only "
+                f"{c.shape[0]} blocks: allocate more blocks or schedule fewer tokens"
+            )
+
+
 def _check_no_prefix_for_training(meta: CPStepMetadata) -> None:
     if meta.has_prefix or meta.has_decode:
         raise RuntimeError(
@@ -88,6 +102,13 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
     meta = current_step()
     _check_local(meta, q, k, v)
     has_cache = k_cache.numel() > 0
+    if has_cache:
+        _check_cache(meta, k, k_cache, v_cache)
+        if k_cache.shape[2:] != k.shape[1:]:
+            raise ValueError(
+                f"KV cache holds [heads, dim] = {list(k_cache.shape[2:])} per token but the layer "
+                f"produces {list(k.shape[1:])} on this rank"
+            )
     out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     if meta.all_decode:
@@ -257,6 +278,12 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
     rk, h, dn = kv_lora_rank, q.shape[1], w_uk.shape[1]
     dv = w_uv.shape[1]
     has_cache = cache.numel() > 0
+    if has_cache:
+        _check_cache(meta, latent, cache)
+        if cache.shape[-1] != latent.shape[-1]:
+            raise ValueError(
+                f"MLA cache rows hold {cache.shape[-1]} values but the latent has {latent.shape[-1]}"
+            )
     out = torch.zeros((q.shape[0], h, dv), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float32, device=q.device)
     latent_full = latent if meta.all_decode else _gather(latent, meta)
