@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""One attention layer end to end on one GPU: eager vs compiled, prefill and decode, CUDA graphs.
+
+Run from the repository root on a CUDA machine (no Hydra needed):
+
+    python benchmarks/bench_modules.py [--quick]
+
+Shapes: Llama-3-8B attention (hidden 4096, 32 q heads, 8 KV heads, D=128) as CPFlashAttention
+and DeepSeek-V3 MLA (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128, rope 64,
+v 128) as CPMLAAttention, bf16, one rank (tp = pcp = dcp = 1: what one rank of a larger layout
+runs per layer, minus its collectives):
+  - prefill of one 32k-token prompt (the PCP path with P = 1), eager and compiled;
+  - decode of B = 64 requests with 32k cached tokens each (paged cache, block size 64), eager,
+    compiled, and the compiled step replayed as a CUDA graph.
+Before timing, each layer's prefill output is checked against the same projections run through
+dense causal SDPA on a 2k prompt (the 2x tolerance rule against a bf16 reference); the decode
+kernels are checked by bench_decode.py, and here the CUDA-graph replay is compared with the eager
+step. Peak memory of the eager prefill is reported.
+Results: benchmarks/results/modules-<date>.json ({"date","gpu","torch","triton","metrics"}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache  # noqa: E402
+from cp_modules.modules import (  # noqa: E402
+    CPFlashAttention,
+    CPMLAAttention,
+    CPRuntime,
+    build_step_metadata,
+    cp_step,
+)
+from cp_modules.modules.rope import apply_rotary  # noqa: E402
+
+RT = CPRuntime.single()
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+
+
+def llama_layer():
+    return CPFlashAttention(4096, 32, 8, 128, rope_theta=500000.0).to(DEV, DT)
+
+
+def mla_layer():
+    return CPMLAAttention(
+        7168, 128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128,
+    ).to(DEV, DT)
+
+
+def dense_reference(layer, x, dtype):
+    """The layer's own projections with dense causal SDPA, computed in ``dtype``: [S, hidden]."""
+    layer = layer.to(dtype)
+    x = x.to(dtype)
+    s = x.shape[0]
+    cos, sin = layer.rotary(torch.arange(s, device=DEV))
+    if isinstance(layer, CPFlashAttention):
+        q = apply_rotary(layer.q_proj(x).view(s, -1, 128), cos, sin)
+        k = apply_rotary(layer.k_proj(x).view(s, -1, 128), cos, sin)
+        v = layer.v_proj(x).view(s, -1, 128)
+    else:
+        q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x))).view(s, -1, 192)
+        kv_c, k_pe = layer.kv_a_proj_with_mqa(x).split([512, 64], -1)
+        q_nope, q_pe = q.split([128, 64], -1)
+        q = torch.cat((q_nope, apply_rotary(q_pe, cos, sin)), -1)
+        k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin)
+        kvb = layer.kv_b_proj(layer.kv_a_layernorm(kv_c)).view(s, -1, 256)
+        k = torch.cat((kvb[..., :128], k_pe.expand(-1, 128, -1)), -1)
+        v = kvb[..., 128:]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True,
+        scale=layer.scaling,
+    )
+    out = layer.o_proj(o.transpose(0, 1).reshape(s, -1)).float()
+    layer.to(DT)
+    return out
+
+
+def run_prefill(layer, x):
+    meta = build_step_metadata(RT, [x.shape[0]], device=DEV)
+    with cp_step(meta):
+        return layer(x[meta.token_indices], meta.positions)[: x.shape[0]]
+
+
+def check_prefill(name, layer, metrics):
+    torch.manual_seed(0)
+    x = torch.randn(2048, layer.hidden_size, device=DEV, dtype=DT)
+    with torch.no_grad():
+        out = run_prefill(layer, x).float()
+        ref = dense_reference(layer, x, torch.float32)
+        ref_bf16 = dense_reference(layer, x, DT)
+    err = (out - ref).abs().max().item()
+    base = (ref_bf16 - ref).abs().max().item()
+    metrics[f"{name}_prefill_check_err"] = err
+    metrics[f"{name}_prefill_check_bf16_ref_err"] = base
+    if not err <= 2 * base + 1e-3:
+        raise SystemExit(f"{name}: prefill output wrong: err {err:.3e} > 2 x {base:.3e}")
+
+
+def bench_prefill(name, layer, seq, metrics):
+    x = torch.randn(seq, layer.hidden_size, device=DEV, dtype=DT)
+    meta = build_step_metadata(RT, [seq], device=DEV)
+    xl = x[meta.token_indices]
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad(), cp_step(meta):
+        torch.cuda.reset_peak_memory_stats()
+        t_eager = do_bench(lambda: layer(xl, meta.positions), warmup=3, rep=20)
+        metrics[f"{name}_prefill{seq // 1024}k_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        compiled(xl, meta.positions)
+        t_comp = do_bench(lambda: compiled(xl, meta.positions), warmup=3, rep=20)
+    metrics[f"{name}_prefill{seq // 1024}k_eager_ms"] = t_eager
+    metrics[f"{name}_prefill{seq // 1024}k_compiled_ms"] = t_comp
+
+
+def bench_decode(name, layer, batch, ctx, metrics, block_size=64):
+    blocks_per = -(-(ctx + 1) // block_size)
+    nb = batch * blocks_per + 1
+    if isinstance(layer, CPFlashAttention):
+        kc, vc = allocate_kv_cache(nb, block_size, 8, 128, dtype=DT, device=DEV)
+        kc.normal_()
+        vc.normal_()
+        layer.kv_cache = (kc, vc)
+    else:
+        c = allocate_mla_cache(nb, block_size, 512, 64, dtype=DT, device=DEV)
+        c.normal_()
+        layer.kv_cache = c
+    bt = (torch.arange(batch * blocks_per, dtype=torch.int32, device=DEV) + 1).view(batch, blocks_per)
+    meta = build_step_metadata(RT, [1] * batch, [ctx] * batch, block_table=bt, block_size=block_size, device=DEV)
+    x = torch.randn(meta.num_local_tokens, layer.hidden_size, device=DEV, dtype=DT)
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad(), cp_step(meta):
+        t_eager = do_bench(lambda: layer(x, meta.positions), warmup=3, rep=30)
+        compiled(x, meta.positions)
+        t_comp = do_bench(lambda: compiled(x, meta.positions), warmup=3, rep=30)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                compiled(x, meta.positions)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y_graph = compiled(x, meta.positions)
+        g.replay()
+        y_eager = layer(x, meta.positions)
+        torch.cuda.synchronize()
+        err = (y_graph.float() - y_eager.float()).abs().max().item()
+        t_graph = do_bench(g.replay, warmup=3, rep=30)
+    metrics[f"{name}_decode_B{batch}_ctx{ctx // 1024}k_eager_ms"] = t_eager
+    metrics[f"{name}_decode_B{batch}_ctx{ctx // 1024}k_compiled_ms"] = t_comp
+    metrics[f"{name}_decode_B{batch}_ctx{ctx // 1024}k_cudagraph_ms"] = t_graph
+    metrics[f"{name}_decode_B{batch}_ctx{ctx // 1024}k_graph_vs_eager_maxdiff"] = err
+    layer.kv_cache = None
+    del g
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    seq, batch, ctx = (8192, 16, 8192) if args.quick else (32768, 64, 32768)
+    metrics: dict[str, float] = {}
+    for name, build in (("llama3_8b", llama_layer), ("deepseek_v3_mla", mla_layer)):
+        torch.manual_seed(0)
+        layer = build()
+        check_prefill(name, layer, metrics)
+        bench_prefill(name, layer, seq, metrics)
+        bench_decode(name, layer, batch, ctx, metrics)
+        print(json.dumps({k: round(v, 4) for k, v in metrics.items() if k.startswith(name)}), flush=True)
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "metrics": metrics,
+    }
+    path = REPO / "benchmarks" / "results" / f"modules-{out['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
