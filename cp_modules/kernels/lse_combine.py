@@ -6,7 +6,8 @@ Shape legend:
 
 The kernel is memory-bound: it reads ``N * R * D`` elements and writes ``R * D``. A program owns
 ``BLOCK_R`` rows and a ``BLOCK_D`` slice of D (the whole row for D <= 512), computes each row's
-N weights once in fp32, and streams the N partial tiles with vectorised loads. Partial outputs
+N weights in fp32 from its N LSEs (two passes over them, so the combine is the exact two-pass
+formula of the reference), and streams the N partial tiles with 16-byte loads. Partial outputs
 may be strided views (the packed all-to-all buffer is read in place) as long as D is
 contiguous. Reference: :mod:`cp_modules.reference.lse_combine`.
 """
@@ -103,7 +104,8 @@ def _lse_combine_kernel(
     for _ in tl.static_range(N):
         lse = _sanitize_lse(tl.load(l_ptrs, mask=row_ok, other=float("-inf")))
         w = _exp(lse - m, BASE2) * inv_s
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # Each partial is read exactly once: keep it from evicting the LSEs and the output.
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         # where(), not a product alone: an empty shard's output may be NaN and 0 * NaN is NaN.
         acc += tl.where(w[:, None] > 0.0, x * w[:, None], 0.0)
         l_ptrs += s_ln
@@ -119,15 +121,14 @@ def _lse_combine_kernel(
 def lse_combine_launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
     """Default ``(BLOCK_R, BLOCK_D, num_warps)`` for a value head dim and element size.
 
-    About 4 KiB of each partial per program keeps enough loads in flight to saturate HBM while
-    giving thousands of programs at decode sizes; D up to 512 stays in one tile so each row's
-    weights are computed once.
+    About 8 KiB of each partial per program of 4 warps gives every thread four 16-byte loads
+    per partial, which the compiler issues back to back (on sm_90: ~90 registers at N = 8, no
+    spills, no shared memory); D up to 512 stays in one tile so each row's weights are
+    computed once. ``benchmarks/bench_lse_combine.py`` sweeps the alternatives.
     """
     block_d = min(triton.next_power_of_2(head_dim), 512)
-    block_r = max(1, min(64, 4096 // (block_d * elem_size)))
-    block_r = triton.next_power_of_2(block_r)
-    num_warps = 4 if block_r * block_d * elem_size <= 4096 else 8
-    return block_r, block_d, num_warps
+    block_r = triton.next_power_of_2(max(1, min(64, 8192 // (block_d * elem_size))))
+    return block_r, block_d, 4
 
 
 def lse_combine_triton(
