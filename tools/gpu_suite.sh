@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run on a CUDA machine from the repository root: the GPU test tier, then the kernel and module
+# benchmarks. Logs and result JSON files go to ${OUT:-gpu_out}. Usage: tools/gpu_suite.sh [tests|bench|all]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c 'import hydra' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+what=${1:-all}
+rc=0
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout 600 -x 2>&1 | tail -60 | tee "$OUT/gpu_tests.log" || rc=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in ${BENCHES:-bench_lse_combine bench_decode bench_pcp bench_modules}; do
+    echo "=== $b"
+    timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/$b.py ${BENCH_ARGS:-} 2>&1 | tail -40 | tee "$OUT/$b.log" || rc=1
+  done
+  cp benchmarks/results/*.json "$OUT"/ 2>/dev/null
+fi
+exit $rc
