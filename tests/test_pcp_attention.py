@@ -13,6 +13,7 @@ from cp_modules.kernels.pcp_attention import (
     BLOCK_BACKENDS,
     attention_block_backward,
     attention_block_forward,
+    merge_partials_triton,
     pcp_prefill_attention_backward_cuda,
     pcp_prefill_attention_cuda,
 )
@@ -20,6 +21,7 @@ from cp_modules.partition import pcp_prefill_attention, plan_pcp
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
     attention_with_lse_backward,
+    merge_partials_reference,
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
 )
@@ -120,6 +122,40 @@ def test_block_decomposition_equals_reference(pcp, batch):
             assert (a is None) == (b is None)
             if a is not None:
                 assert max_abs_err(a, b) < 1e-12
+
+
+def _partials(num, L, H, D, dtype, device="cpu"):
+    g = torch.Generator().manual_seed(num)
+    outs, lses = [], []
+    for i in range(num):
+        # Alternate layouts: [L, H, D] contiguous, and a [H, L, D] buffer seen as [L, H, D].
+        o = (
+            torch.randn(H, L, D, generator=g).transpose(0, 1)
+            if i % 2
+            else torch.randn(L, H, D, generator=g)
+        )
+        lse = (
+            torch.randn(H, L, generator=g).t() * 4 if i % 2 else torch.randn(L, H, generator=g) * 4
+        )
+        outs.append(o.to(device=device, dtype=dtype))
+        lses.append(lse.to(device))
+    return outs, lses
+
+
+# The interpreter's fp32 -> bf16 cast does not round to nearest: bf16 is tested on the GPU.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("num", [2, 3])
+def test_triton_merge_equals_reference(num, dtype):
+    outs, lses = _partials(num, 7, 3, 20, dtype)
+    # The destination is a row range of a larger result: rows outside it must stay untouched.
+    out = torch.full((11, 3, 20), float("nan"), dtype=dtype)
+    lse = torch.full((11, 3), float("nan"))
+    merge_partials_triton(outs, lses, out[2:9], lse[2:9], block_rows=8)
+    want_out, want_lse = merge_partials_reference(outs, lses, dtype)
+    same = merge_partials_reference([o.float() for o in outs], lses, torch.float32)[0]
+    assert_close_to_reference(out[2:9], same, want_out, atol=1e-6, name="out")
+    assert max_abs_err(lse[2:9], want_lse) < 1e-5
+    assert torch.isnan(out[:2]).all() and torch.isnan(out[9:]).all() and torch.isnan(lse[9:]).all()
 
 
 def test_block_functions_bottom_right_causal():
@@ -330,6 +366,21 @@ def test_gpu_block_backends_forward_and_backward(backend, causal, dims):
     base = attention_with_lse_backward(dout, q, k, v, out, lse, scale=0.1, causal=causal)
     for name, a, b, c in zip(["dq", "dk", "dv"], got, want, base):
         assert_close_to_reference(a, b, c.bfloat16(), atol=1e-2, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("num", [2, 3])
+def test_gpu_triton_merge_equals_reference(num, dtype):
+    outs, lses = _partials(num, 3000, 32, 128, dtype, "cuda")
+    out = torch.full((3100, 32, 128), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((3100, 32), float("nan"), device="cuda")
+    merge_partials_triton(outs, lses, out[50:3050], lse[50:3050])
+    want_out, want_lse = merge_partials_reference(outs, lses, dtype)
+    same = merge_partials_reference([o.float() for o in outs], lses, torch.float32)[0]
+    assert_close_to_reference(out[50:3050], same, want_out, atol=1e-6, name="out")
+    assert max_abs_err(lse[50:3050], want_lse) < 1e-5
+    assert torch.isnan(out[:50]).all() and torch.isnan(out[3050:]).all()
 
 
 @pytest.mark.gpu

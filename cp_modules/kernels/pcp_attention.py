@@ -11,8 +11,9 @@ fused attention kernel serves at full speed:
 * the *rectangle*: the same queries against the ``k_len - q_len`` keys before them, no mask;
 * the *prefix*: the same queries against the request's cached prefix, no mask;
 
-merged exactly by their LSEs. On the H200 this beats bottom-right-causal kernels by ~1.7x
-(see the PCP table of the toolchain notes). Each block runs on the fastest kernel PyTorch
+merged exactly by their LSEs in one Triton pass that writes the segment's rows of the result.
+On the H200 this beats bottom-right-causal kernels by ~1.7x (see the PCP table of the
+toolchain notes). Each block runs on the fastest kernel PyTorch
 ships for its shape (cuDNN, else FlashAttention-2, else the fp32 reference for shapes and
 dtypes neither serves). The backward runs the same blocks with the *merged* output and LSE,
 so each block's probabilities are its share of the full softmax and the block gradients sum to
@@ -25,18 +26,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
     attention_with_lse_backward,
     lse_dtype,
+    merge_partials_reference,
 )
 
 __all__ = [
     "BLOCK_BACKENDS",
     "attention_block_backward",
     "attention_block_forward",
-    "merge_partials",
+    "merge_partials_into",
+    "merge_partials_triton",
     "pcp_prefill_attention_backward_cuda",
     "pcp_prefill_attention_cuda",
     "select_block_backend",
@@ -137,22 +142,95 @@ def attention_block_backward(
     return tuple(g.squeeze(0).transpose(0, 1) for g in grads)
 
 
-def merge_partials(
-    outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact LSE-weighted merge of partial attentions of the same queries (fp32 math, fp64 for fp64).
+@triton.jit
+def _merge_kernel(
+    o0, o1, o2, l0, l1, l2, dst, dst_lse,
+    num_rows, num_heads, head_dim,
+    so0_t, so0_h, so1_t, so1_h, so2_t, so2_h,
+    sl0_t, sl0_h, sl1_t, sl1_h, sl2_t, sl2_h,
+    sd_t, sd_h, sdl_t, sdl_h,
+    NUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One program: BLOCK_R (token, head) rows x BLOCK_D columns of the merged output.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    t = (rows // num_heads).to(tl.int64)
+    h = (rows % num_heads).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = row_mask[:, None] & (cols < head_dim)[None, :]
+    a0 = tl.load(l0 + t * sl0_t + h * sl0_h, mask=row_mask, other=0.0)
+    a1 = tl.load(l1 + t * sl1_t + h * sl1_h, mask=row_mask, other=0.0)
+    m = tl.maximum(a0, a1)
+    if NUM == 3:
+        a2 = tl.load(l2 + t * sl2_t + h * sl2_h, mask=row_mask, other=0.0)
+        m = tl.maximum(m, a2)
+    w0 = tl.exp(a0 - m)
+    w1 = tl.exp(a1 - m)
+    x0 = tl.load(o0 + (t * so0_t + h * so0_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x1 = tl.load(o1 + (t * so1_t + h * so1_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+    acc = w0[:, None] * x0.to(tl.float32) + w1[:, None] * x1.to(tl.float32)
+    total = w0 + w1
+    if NUM == 3:
+        w2 = tl.exp(a2 - m)
+        x2 = tl.load(o2 + (t * so2_t + h * so2_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+        acc += w2[:, None] * x2.to(tl.float32)
+        total += w2
+    acc = acc / total[:, None]
+    out_ptr = dst + (t * sd_t + h * sd_h)[:, None] + cols[None, :]
+    tl.store(out_ptr, acc.to(dst.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(dst_lse + t * sdl_t + h * sdl_h, m + tl.log(total), mask=row_mask)
 
-    Every partial here has at least one key per query, so all LSEs are finite.
+
+def merge_partials_triton(
+    outs: list[torch.Tensor],
+    lses: list[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    block_rows: int = 16,
+) -> None:
+    """Merge 2 or 3 partials into ``out`` [L, H, D] and ``lse`` [L, H] fp32 (written in place).
+
+    Same math as :func:`~cp_modules.reference.pcp_attention.merge_partials_reference`, in one
+    pass: each partial is read once where they lie (any strides with a contiguous D) and the
+    result lands in the caller's rows, so no stacked copy is made.
     """
-    acc_dtype = lse_dtype(out_dtype)
-    if len(outs) == 1:
-        return outs[0].to(out_dtype), lses[0].to(acc_dtype)
-    lse = torch.stack([x.to(acc_dtype) for x in lses])
-    m = lse.amax(0)
-    w = torch.exp(lse - m)
-    total = w.sum(0)
-    acc = sum(wi[..., None] * o.to(acc_dtype) for wi, o in zip(w, outs))
-    return (acc / total[..., None]).to(out_dtype), m + torch.log(total)
+    num = len(outs)
+    assert num in (2, 3) and len(lses) == num
+    L, H, D = out.shape
+    assert out.stride(2) == 1 and all(o.stride(2) == 1 and o.shape == out.shape for o in outs)
+    assert lse.dtype == torch.float32 and all(x.dtype == torch.float32 for x in lses)
+    if L * H == 0:
+        return
+    o = list(outs) + [outs[0]] * (3 - num)
+    s = list(lses) + [lses[0]] * (3 - num)
+    block_d = min(triton.next_power_of_2(D), 128)
+    grid = (triton.cdiv(L * H, block_rows), triton.cdiv(D, block_d))
+    _merge_kernel[grid](
+        *o, *s, out, lse, L * H, H, D,
+        *(x for t in o for x in t.stride()[:2]),
+        *(x for t in s for x in t.stride()),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        NUM=num, BLOCK_R=block_rows, BLOCK_D=block_d,
+    )  # fmt: skip
+
+
+def merge_partials_into(
+    outs: list[torch.Tensor], lses: list[torch.Tensor], out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Write the exact LSE merge of the partials into ``out`` / ``lse`` (views of the result).
+
+    The Triton kernel on CUDA for 2-3 partials of a half or fp32 output; the reference
+    otherwise (and a plain copy for a single partial).
+    """
+    fused = out.is_cuda and len(outs) in (2, 3) and lse.dtype == torch.float32
+    if fused:
+        merge_partials_triton(outs, [x.float() for x in lses], out, lse)
+        return
+    o, s = merge_partials_reference(outs, lses, out.dtype)
+    out.copy_(o)
+    lse.copy_(s)
 
 
 def _host(segments: torch.Tensor) -> torch.Tensor:
@@ -223,9 +301,7 @@ def pcp_prefill_attention_cuda(
             o, s = block_forward(rows, kb, vb, scale=scale, causal=causal)
             outs.append(o)
             lses.append(s)
-        o, s = merge_partials(outs, lses, out.dtype)
-        out[q0 : q0 + ql] = o
-        lse[q0 : q0 + ql] = s
+        merge_partials_into(outs, lses, out[q0 : q0 + ql], lse[q0 : q0 + ql])
     return out, lse
 
 
