@@ -188,7 +188,7 @@ def merge_partials_triton(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
-    block_rows: int = 16,
+    block_rows: int = 32,
 ) -> None:
     """Merge 2 or 3 partials into ``out`` [L, H, D] and ``lse`` [L, H] fp32 (written in place).
 
