@@ -405,9 +405,14 @@ def _gpu_same_dtype_combine(out, lse):
 def test_gpu_ops_match_reference(dtype, n, b, h, d):
     out, lse = _with_empty_shards(*_partials(n, b, h, d, dtype, "cuda"))
     ref32, ref_lse = lse_combine_reference(out.float(), lse)
-    same = _gpu_same_dtype_combine(out, lse)
     got, got_lse = lse_combine(out, lse, return_lse=True)
-    assert_close_to_reference(got, ref32, same if dtype != torch.float32 else None, atol=1e-6)
+    if dtype == torch.float32:
+        # fp32 inputs: against an fp64 reference with PyTorch's default fp32 tolerances (the
+        # kernel's exp2 and fma order differ from ATen's on the GPU by a few ulps).
+        ref64, _ = lse_combine_reference(out.double(), lse.double())
+        torch.testing.assert_close(got.double(), ref64, rtol=1.3e-6, atol=1e-5)
+    else:
+        assert_close_to_reference(got, ref32, _gpu_same_dtype_combine(out, lse), atol=1e-6)
     torch.testing.assert_close(got_lse, ref_lse, rtol=0, atol=1e-5)
     got_p, got_p_lse = lse_combine_packed(pack_partials(out, lse), h, d, return_lse=True)
     assert torch.equal(got_p, got) and torch.equal(got_p_lse, got_lse)
