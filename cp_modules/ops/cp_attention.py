@@ -192,7 +192,7 @@ def _gqa_attention_backward(
     k_full, v_full = kv.unflatten(1, (2, k.shape[1])).unbind(1)
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
         dout.contiguous(), q, k_full.contiguous(), v_full.contiguous(), out, lse,
-        meta.plan.segments, None, None, None, scale,
+        meta.plan.segments_host, None, None, None, scale,
     )
     dkv = _scatter_grad(torch.stack((dk_full, dv_full), 1).flatten(1, 2), meta)
     dk, dv = dkv.unflatten(1, (2, k.shape[1])).unbind(1)
@@ -373,7 +373,7 @@ def _mla_attention_backward(
     latent_full = _gather(latent, meta)
     k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-        dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments, None, None, None, scale,
+        dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host, None, None, None, scale,
     )
     # Backward of the up-projection (k_nope = kv_c W_UK^T, v = kv_c W_UV^T, k_pe shared by heads).
     kv_c = latent_full[:, :rk]
