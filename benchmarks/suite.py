@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""The whole GPU benchmark suite in one command (one device call, well under 10 minutes).
+
+    python benchmarks/suite.py [--only lse_combine,decode,...] [--timeout 240]
+
+Runs each benchmark script in its own process (a failure or a hang in one does not lose the
+others), in this order: ceilings (copy and matmul roofs, dense prefill kernels per shape),
+lse_combine, pcp, decode, modules. Every script checks its kernels against their references on
+the benchmark shapes first and reports no speed for a wrong kernel (exit status 1). Then
+``report.py`` merges the newest results into ``benchmarks/<date>-<gpu>.{json,md}`` and plots.
+Exit status: 0 only if every script passed its correctness gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ORDER = ("ceilings", "lse_combine", "pcp", "decode", "modules")
+
+
+def run_suite(only: list[str] | None = None, timeout_s: float = 240.0) -> int:
+    """Run the selected benchmarks and the report; returns the number of failed scripts."""
+    names = [n for n in ORDER if only is None or n in only]
+    unknown = set(only or []) - set(ORDER)
+    if unknown:
+        raise ValueError(f"unknown benchmarks {sorted(unknown)}; valid: {list(ORDER)}")
+    failed = []
+    for name in names:
+        t0 = time.time()
+        print(f"=== {name}", flush=True)
+        try:
+            rc = subprocess.run([sys.executable, str(HERE / f"bench_{name}.py")], timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"=== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.time() - t0:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    subprocess.run([sys.executable, str(HERE / "report.py")], check=False)
+    if failed:
+        print(f"failed or refused to report: {failed}", flush=True)
+    return len(failed)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=None, help=f"comma-separated subset of {list(ORDER)}")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per benchmark script")
+    a = ap.parse_args()
+    return 1 if run_suite(a.only.split(",") if a.only else None, a.timeout) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
