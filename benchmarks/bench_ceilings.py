@@ -65,8 +65,11 @@ def prefill(name: str, s: int, hq: int, hkv: int, dqk: int, dv: int) -> dict:
                 o = fwd()
                 outs[bname] = o.detach()
                 t_f = do_bench(fwd, warmup=3, rep=20)
-                o = fwd()
-                t_b = do_bench(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=3, rep=20)
+                out = fwd()
+                t_b = do_bench(
+                    lambda out=out: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                    warmup=3, rep=20,
+                )
             res[bname] = dict(fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=flops_fwd / t_f / 1e9,
                               bwd_tflops=2.5 * flops_fwd / t_b / 1e9)
         except RuntimeError as e:  # the backend does not serve this shape
