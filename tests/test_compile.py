@@ -4,7 +4,13 @@ import torch
 from torch import nn
 
 from cp_modules.compile import piecewise_backend
-from cp_modules.modules import CPFlashAttention, CPMLAAttention, CPRuntime, build_step_metadata, cp_step
+from cp_modules.modules import (
+    CPFlashAttention,
+    CPMLAAttention,
+    CPRuntime,
+    build_step_metadata,
+    cp_step,
+)
 
 
 class TwoLayers(nn.Module):
