@@ -1,0 +1,38 @@
+"""Context-parallel training pieces that need no trainer framework: batch sharding, loss,
+gradient sums over the replicas, full-tensor checkpoints, and a byte-level text dataset."""
+
+from cp_modules.training.checkpoint import (
+    CheckpointFormatError,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+    read_checkpoint,
+    write_checkpoint,
+)
+from cp_modules.training.context import (
+    IGNORE_INDEX,
+    CPBatch,
+    CPTrainingContext,
+    init_cp_training,
+    lm_cross_entropy,
+    make_step_current,
+)
+from cp_modules.training.data import ByteTextDataset
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ByteTextDataset",
+    "CPBatch",
+    "CPTrainingContext",
+    "CheckpointFormatError",
+    "full_model_state_dict",
+    "full_optimizer_state_dict",
+    "init_cp_training",
+    "lm_cross_entropy",
+    "load_full_model_state_dict",
+    "load_full_optimizer_state_dict",
+    "make_step_current",
+    "read_checkpoint",
+    "write_checkpoint",
+]

@@ -1,0 +1,288 @@
+"""Context-parallel training of a causal LM: batch sharding, loss normalisation, gradient sums.
+
+Shape letters: B = sequences of a data-parallel replica's batch, S = sequence length,
+T = this rank's local tokens (DualChunkSwap share of all B*S tokens, padding included),
+V = vocabulary.
+
+Who holds what. Ranks are laid out ``(dp, pp, pcp, tp)``. The ranks of one dp replica (all its
+pcp x tp ranks) are fed the same batch; each PCP rank keeps its DualChunkSwap share of the
+tokens, TP ranks of one PCP slice hold the same tokens and split the heads. Every rank computes
+the loss of its own real tokens divided by the *global* token count (all dp replicas), so the
+sum of the per-rank losses over dp x pcp is the mean loss of the global batch, and the sum of
+the per-rank gradients over dp x pcp is its gradient. TP ranks are replicas of that sum (their
+activations after each row-wise projection are equal), so a parameter's gradient is summed
+over exactly the dp x pcp ranks at its (pp, tp) position, whether it is a TP-sharded DTensor
+(its local shard) or a replicated plain tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+
+from cp_modules.config import ParallelConfig
+from cp_modules.modules import CPRuntime, CPStepMetadata, build_step_metadata, cp_step
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CPBatch",
+    "CPTrainingContext",
+    "init_cp_training",
+    "lm_cross_entropy",
+    "make_step_current",
+]
+
+IGNORE_INDEX = -100
+
+# Gradients are summed in flat buckets of at most this many bytes: one collective per bucket
+# instead of one per parameter, without doubling the memory of a large model.
+_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class CPBatch:
+    """This rank's share of one training batch, ready for the model.
+
+    Attributes:
+        input_ids: [T] int64 local token ids.
+        labels: [T] int64 target of each local token (``IGNORE_INDEX`` for padding slots and
+            positions without a target).
+        positions: [T] int64 true positions (RoPE).
+        meta: the step's :class:`~cp_modules.modules.CPStepMetadata` (current while the model
+            runs forward and backward on this batch).
+        num_global_tokens: [] fp32 count of labelled tokens of the global batch (every dp
+            replica), the loss denominator.
+        num_sequences: B, sequences of this replica's batch.
+        extra: the batch's other entries, unsharded (e.g. sample indices).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    meta: CPStepMetadata
+    num_global_tokens: torch.Tensor
+    num_sequences: int
+    extra: dict
+
+
+def make_step_current(meta: CPStepMetadata) -> None:
+    """Make ``meta`` the current step's metadata for the CP attention ops (forward or backward)."""
+    # cp_step leaves its metadata current after the block, which is exactly "make current".
+    with cp_step(meta):
+        pass
+
+
+def lm_cross_entropy(logits: torch.Tensor, batch: CPBatch) -> torch.Tensor:
+    """This rank's share of the global mean next-token loss: local token losses / global count.
+
+    Summed over the dp x pcp ranks (TP ranks hold equal copies) it is the mean cross entropy of
+    the whole global batch, as one process would compute it.
+
+    Args:
+        logits: [T, V] for the local tokens of ``batch``.
+        batch: the :class:`CPBatch` the logits were computed from.
+    """
+    local = F.cross_entropy(
+        logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return local / batch.num_global_tokens
+
+
+def _replica_groups(config: ParallelConfig) -> list[list[int]]:
+    """Ranks that sum their gradients: all dp x pcp ranks of one (pp, tp) position."""
+    dp, pp, pcp, tp = config.dp, config.pp, config.pcp, config.tp
+    return [
+        [((d * pp + p) * pcp + c) * tp + t for d in range(dp) for c in range(pcp)]
+        for p in range(pp)
+        for t in range(tp)
+    ]
+
+
+@dataclass
+class CPTrainingContext:
+    """This rank's view of a context-parallel training run (groups, runtime, reductions).
+
+    Build it with :func:`init_cp_training` on every rank (it creates process groups), or
+    :meth:`single` for the one-process reference.
+    """
+
+    config: ParallelConfig
+    runtime: CPRuntime
+    device: torch.device
+    groups: object | None = None
+    replica_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    dp_rank: int = 0
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> CPTrainingContext:
+        """One process, no parallelism: the run every layout must reproduce."""
+        return cls(config=ParallelConfig(), runtime=CPRuntime.single(), device=torch.device(device))
+
+    @property
+    def dp_size(self) -> int:
+        return self.config.dp
+
+    @property
+    def mesh(self):
+        """The (dp, pp, pcp, tp) DeviceMesh, or None in a single process."""
+        return None if self.groups is None else self.groups.mesh
+
+    def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> CPBatch:
+        """Split a replica's batch of causal-LM sequences over PCP with DualChunkSwap.
+
+        Every rank of a dp replica must pass the same batch (the distributed sampler of the
+        Lightning strategies sees to it); the call plans the step (a small collective) and
+        all-reduces the token count over dp, so every rank calls it in step.
+
+        Args:
+            batch: ``input_ids`` [B, S] integer tokens, optional ``labels`` [B, S] (the target
+                of each token; default: the next token, ``IGNORE_INDEX`` after the last) and
+                optional ``position_ids`` [B, S] (default ``0 .. S-1``). Other entries pass
+                through unchanged in ``CPBatch.extra``.
+
+        Raises:
+            ValueError: when ``input_ids`` is missing or not [B, S] integers, or ``labels`` /
+                ``position_ids`` do not match its shape.
+        """
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise ValueError(
+                "batch must be a mapping with 'input_ids' [B, S] (and optionally 'labels', "
+                f"'position_ids'), got {type(batch).__name__}"
+                + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+            )
+        ids = batch["input_ids"]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point:
+            raise ValueError(
+                "batch['input_ids'] must be an integer tensor [B, S], got "
+                f"{getattr(ids, 'dtype', type(ids))} {tuple(getattr(ids, 'shape', ()))}"
+            )
+        num_seqs, seq_len = ids.shape
+        labels = batch.get("labels")
+        if labels is None:
+            labels = torch.cat([ids[:, 1:], ids.new_full((num_seqs, 1), IGNORE_INDEX)], dim=1)
+        position_ids = batch.get("position_ids")
+        for name, t in (("labels", labels), ("position_ids", position_ids)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
+                raise ValueError(
+                    f"batch['{name}'] must have the shape of input_ids {tuple(ids.shape)}, got "
+                    f"{tuple(getattr(t, 'shape', ()))}"
+                )
+
+        meta = build_step_metadata(self.runtime, [seq_len] * num_seqs, device=self.device)
+        idx = meta.token_indices
+        local_ids = ids.reshape(-1).to(self.device, torch.int64)[idx]
+        flat_labels = labels.reshape(-1).to(self.device, torch.int64)
+        local_labels = flat_labels[idx].masked_fill(~meta.plan.local_valid, IGNORE_INDEX)
+        if position_ids is None:
+            positions = meta.positions
+        else:
+            positions = position_ids.reshape(-1).to(self.device, torch.int64)[idx]
+        count = (flat_labels != IGNORE_INDEX).sum().to(torch.float32)
+        if self.dp_group is not None:
+            dist.all_reduce(count, group=self.dp_group)
+        # A batch with no labelled token has loss 0 (not 0/0).
+        count = count.clamp_min(1.0)
+        extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
+        return CPBatch(
+            input_ids=local_ids, labels=local_labels, positions=positions, meta=meta,
+            num_global_tokens=count, num_sequences=num_seqs, extra=extra,
+        )
+
+    def reduce_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Sum the gradients of ``params`` over the dp x pcp ranks that replicate them, in place.
+
+        TP-sharded (DTensor) parameters sum their local shards; replicated parameters their
+        full gradients. Call once per optimizer step, after the last backward.
+        """
+        if self.replica_group is None:
+            return
+        seen: set[int] = set()
+        grads: list[torch.Tensor] = []
+        with torch.no_grad():
+            for p in params:
+                if id(p) in seen or p.grad is None:
+                    continue
+                seen.add(id(p))
+                g = p.grad
+                grads.append(g.to_local() if isinstance(g, DTensor) else g)
+            by_kind: dict[tuple, list[torch.Tensor]] = {}
+            for g in grads:
+                by_kind.setdefault((g.dtype, g.device), []).append(g)
+            for bucket_grads in by_kind.values():
+                for bucket in _buckets(bucket_grads):
+                    flat = torch.cat([g.reshape(-1) for g in bucket])
+                    dist.all_reduce(flat, group=self.replica_group)
+                    offset = 0
+                    for g in bucket:
+                        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                        offset += g.numel()
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Global mean loss from this rank's share (sum over dp x pcp); detached, for logging."""
+        total = loss.detach().clone()
+        if self.replica_group is not None:
+            dist.all_reduce(total, group=self.replica_group)
+        return total
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if bucket and size + nbytes > _BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def init_cp_training(
+    config: ParallelConfig,
+    device: torch.device | str,
+    *,
+    timeout_s: float | None = None,
+) -> CPTrainingContext:
+    """Build every group of ``config`` (mesh, DCP groups, gradient-sum groups) on this rank.
+
+    Needs an initialised default process group whose size is ``config.world_size``.
+
+    Raises:
+        ValueError: if ``pipeline_parallel_size`` is not 1 (training here has no pipeline
+            schedule) or the world size does not match the configuration.
+    """
+    from cp_modules.distributed.groups import init_cp_groups
+
+    if config.pp != 1:
+        raise ValueError(
+            f"pipeline_parallel_size={config.pp} is not supported for training; valid: 1"
+        )
+    device = torch.device(device)
+    groups = init_cp_groups(config, device_type=device.type, timeout_s=timeout_s)
+    rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    replica_group = None
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    for ranks in _replica_groups(config):
+        g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+        if rank in ranks:
+            replica_group = g
+    return CPTrainingContext(
+        config=config,
+        runtime=CPRuntime.from_groups(groups),
+        device=device,
+        groups=groups,
+        replica_group=replica_group,
+        dp_group=groups.dp if config.dp > 1 else None,
+        dp_rank=groups.layout.coords(rank)["dp"],
+    )
