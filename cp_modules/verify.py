@@ -265,6 +265,54 @@ def _full_param_grads(layer, rt, label, groups):
     return out
 
 
+def sweep_cases(a: VerifyArgs) -> list[VerifyArgs]:
+    """Every configuration ParallelConfig accepts at ``a.world_size`` (dp = pp = 1), both comm
+    backends, both layer types, in ``a.mode`` (and ``train`` wherever pcp > 1)."""
+    from dataclasses import replace
+
+    from cp_modules.config import valid_dcp_sizes
+
+    cases = []
+    for pcp in range(1, a.world_size + 1):
+        if a.world_size % pcp:
+            continue
+        tp = a.world_size // pcp
+        for dcp in valid_dcp_sizes(tp, pcp):
+            for backend in ("ag_rs", "a2a") if dcp > 1 else ("ag_rs",):
+                for att in ("gqa", "mla"):
+                    base = replace(a, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend, attention=att)
+                    cases.append(base)
+                    if pcp > 1 and dcp == 1 and backend == "ag_rs":
+                        cases.append(replace(base, mode="train"))
+    return cases
+
+
+def _sweep_rank(rank: int, world_size: int, cases: list[VerifyArgs]) -> list[dict]:
+    out = []
+    for c in cases:
+        r = verify_rank(rank, world_size, c)
+        r["case"] = f"tp{c.tp}-pcp{c.pcp}-dcp{c.dcp}-{c.dcp_comm_backend}-{c.attention}-{c.mode}"
+        out.append(r)
+    return out
+
+
+def run_sweep(a: VerifyArgs) -> dict:
+    """One spawn running :func:`sweep_cases`; per-case max errors and an overall verdict."""
+    from cp_modules.testing.distributed import run_distributed
+
+    cases = sweep_cases(a)
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.world_size else "gloo"
+    per_rank = run_distributed(_sweep_rank, a.world_size, cases, backend=backend, timeout_s=3600)
+    tol = TOLERANCE[a.dtype]
+    summary = {}
+    for i in range(len(cases)):
+        err = max(max(r[i]["errors"].values()) for r in per_rank)
+        summary[per_rank[0][i]["case"]] = err
+    worst = max(summary.values())
+    return {"ok": worst <= tol, "max_abs_err": worst, "tolerance": tol, "backend": backend,
+            "cases": summary, "num_cases": len(cases)}
+
+
 def run_verify(a: VerifyArgs) -> dict:
     """Spawn the ranks, run :func:`verify_rank`, and summarise."""
     from cp_modules.testing.distributed import run_distributed
@@ -314,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--sweep", action="store_true",
+                   help="every accepted configuration of --world-size (both backends, gqa and mla) in one spawn")
     ns = p.parse_args(argv)
     try:
         seq_lens = [int(s) for s in ns.seq_lens.split(",") if s]
@@ -327,6 +377,16 @@ def main(argv: list[str] | None = None) -> int:
         block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
         packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads,
     )
+    if ns.sweep:
+        summary = run_sweep(a)
+        if ns.json:
+            print(json.dumps(summary))
+        else:
+            for k, v in summary["cases"].items():
+                print(f"{k:<40} max abs err {v:.3e}  {'ok' if v <= summary['tolerance'] else 'FAIL'}")
+            print(f"{'OK' if summary['ok'] else 'FAILED'}: {summary['num_cases']} cases, max abs err "
+                  f"{summary['max_abs_err']:.3e} (tolerance {summary['tolerance']:.1e}, {summary['backend']})")
+        return 0 if summary["ok"] else 1
     try:
         summary = run_verify(a)
     except ValueError as e:
