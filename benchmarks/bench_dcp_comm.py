@@ -6,7 +6,8 @@
 For each layout of the world size with dcp > 1 and each combine (ag_rs, a2a, packed a2a):
 Llama-3-8B decode shapes (32 q heads, D = 128) and DeepSeek-V3 absorbed MLA (128 heads, q 576,
 out 512), bf16, B in {1, 8, 64, 256} decode tokens. Before timing, every combine's output is
-checked against the exact LSE-weighted merge of all ranks' partials (gathered separately).
+checked against the exact LSE-weighted merge of all ranks' partials (gathered separately),
+within 2 bf16 ulps of the largest output.
 Times: eager (CUDA events around 50 iterations) and CUDA-graph replay of the same step.
 Writes benchmarks/results/dcp_comm-<date>.json with the machine kind in "gpu".
 """
@@ -81,6 +82,9 @@ def _rank(rank: int, world: int) -> dict:
                         ref, _ = lse_combine_reference(torch.stack(all_out).float(), torch.stack(all_lse))
                         own = slice(spec.gather_rank * hl, (spec.gather_rank + 1) * hl)
                         err = (got.float() - ref[:, own]).abs().max().item()
+                        # bf16 outputs: within 2 bf16 ulps of the largest output (ag_rs rounds
+                        # the corrected partials and their sum; a2a rounds once).
+                        bound = 2 * 2.0**-7 * ref[:, own].abs().max().item()
 
                         def step(q=q, out=out, lse=lse, spec=spec):
                             dcp_prepare_query(q, spec)
@@ -96,7 +100,9 @@ def _rank(rank: int, world: int) -> dict:
                         with torch.cuda.graph(graph):
                             step()
                         graphed = _time(graph.replay)
-                        results[f"{name}_{model}_B{b}"] = dict(eager_us=eager, graph_us=graphed, max_err=err)
+                        results[f"{name}_{model}_B{b}"] = dict(
+                            eager_us=eager, graph_us=graphed, max_err=err, err_bound=bound
+                        )
     return results
 
 
@@ -116,8 +122,9 @@ def main() -> int:
             eager_us=max(r[key]["eager_us"] for r in per_rank),
             graph_us=max(r[key]["graph_us"] for r in per_rank),
             max_err=max(r[key]["max_err"] for r in per_rank),
+            err_bound=min(r[key]["err_bound"] for r in per_rank),
         )
-    bad = {k: v["max_err"] for k, v in merged.items() if v["max_err"] > 2e-2}
+    bad = {k: v["max_err"] for k, v in merged.items() if v["max_err"] > v["err_bound"]}
     for k, v in merged.items():
         print(f"{k:<48} eager {v['eager_us']:8.1f} us  graph {v['graph_us']:8.1f} us  err {v['max_err']:.1e}")
     out = {"date": datetime.date.today().isoformat(),

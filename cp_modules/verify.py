@@ -50,7 +50,7 @@ TOLERANCE = {"float32": 2e-4, "float64": 1e-9, "bfloat16": 6e-2, "float16": 1e-2
 GQA_SHAPE = dict(hidden_size=64, num_heads=8, head_dim=16)
 MLA_SHAPE = dict(
     hidden_size=64, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-    qk_rope_head_dim=8, v_head_dim=16,
+    qk_rope_head_dim=16, v_head_dim=16,
 )
 
 
