@@ -133,6 +133,10 @@ class CPFabricStrategy(ModelParallelStrategy):
         return {"num_replicas": self.cp.dp_size, "rank": self.cp.dp_rank}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        # The parent leaves placement to the user; the CP ops need every tensor on this rank's
+        # device (meta-initialised modules are materialised there by the parent instead).
+        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            module = module.to(self.root_device)
         module = super().setup_module(module)
         module.register_forward_pre_hook(self._make_batch_current)
         return module
