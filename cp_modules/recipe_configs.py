@@ -1,16 +1,33 @@
-"""Typed configuration groups shared by the Hydra recipes (``conf/parallel``, ``conf/model``,
-``conf/backend``). OmegaConf checks types and enum values; ranges and cross-field rules are
-checked when a group is turned into the objects it describes (``ParallelConfig`` validates).
+"""Typed configuration of the Hydra recipes: groups ``conf/parallel``, ``conf/model``,
+``conf/backend``, ``conf/workload/<recipe>``, and one schema per recipe (:class:`GenerateConf`,
+:class:`BenchmarkConf`). OmegaConf checks types and enum values when a composed config is
+merged onto its schema (:func:`load_config`); ranges and cross-field rules are checked by each
+dataclass's ``__post_init__``, which ``OmegaConf.to_object`` runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, TypeVar
 
 from cp_modules.config import ParallelConfig
 
-__all__ = ["BackendConf", "CommBackend", "Device", "Family", "ModelConf", "ParallelConf"]
+__all__ = [
+    "BackendConf",
+    "BenchmarkConf",
+    "BenchmarkWorkload",
+    "CommBackend",
+    "Device",
+    "Family",
+    "GenerateConf",
+    "GenerateWorkload",
+    "ModelConf",
+    "ParallelConf",
+    "load_config",
+]
+
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 
 
 class CommBackend(Enum):
@@ -43,6 +60,9 @@ class ParallelConf:
     interleave: int = 1
     packed_a2a: bool = True
 
+    def __post_init__(self) -> None:
+        self.to_parallel_config()  # every size and cross-field rule, as a ValueError
+
     @property
     def world_size(self) -> int:
         return self.dp * self.pcp * self.tp
@@ -64,7 +84,8 @@ class ModelConf:
     """A model family and its sizes (``conf/model``); tiny defaults build seeded random weights.
 
     ``checkpoint``: a local HuggingFace model directory to load instead of random weights.
-    MLA fields apply to ``deepseek_v3`` only.
+    MLA and MoE fields apply to ``deepseek_v3`` only (``first_k_dense_replace`` dense layers,
+    then MoE layers of ``num_experts`` routed experts plus one shared expert).
     """
 
     family: Family = Family.llama
@@ -82,9 +103,28 @@ class ModelConf:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+    rope_interleave: bool = True
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    first_k_dense_replace: int = 1
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
     seed: int = 0
     dtype: str = "float32"
     checkpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"model.dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be a multiple of "
+                f"model.num_kv_heads={self.num_kv_heads}"
+            )
 
 
 @dataclass
@@ -92,12 +132,139 @@ class BackendConf:
     """Where and how to run (``conf/backend``).
 
     ``dist_backend``: ``auto`` picks NCCL on CUDA, gloo on CPU. Spawned CPU runs rendezvous on
-    ``master_addr`` (loopback unless told otherwise).
+    ``master_addr`` (loopback unless told otherwise). ``compile``: ``torch.compile`` the prefill
+    and decode forwards with ``compile_backend``. ``num_threads``: CPU threads per rank (0: torch's
+    default; 1 suits tiny models and several ranks sharing a few cores).
     """
 
     device: Device = Device.auto
     dist_backend: str = "auto"
     compile: bool = False
+    compile_backend: str = "inductor"
+    num_threads: int = 0
     block_size: int = 16
     master_addr: str = "127.0.0.1"
     collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.dist_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(
+                f"backend.dist_backend must be one of ['auto', 'gloo', 'nccl'], got {self.dist_backend!r}"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"backend.block_size must be >= 1, got {self.block_size}")
+
+    def resolve(self) -> tuple[str, str]:
+        """(device type, process-group backend) after ``auto``: CUDA + NCCL when available."""
+        import torch
+
+        device = self.device.value if isinstance(self.device, Device) else str(self.device)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("backend.device=cuda but CUDA is not available; use backend=cpu")
+        dist_backend = self.dist_backend
+        if dist_backend == "auto":
+            dist_backend = "nccl" if device == "cuda" else "gloo"
+        return device, dist_backend
+
+
+@dataclass
+class GenerateWorkload:
+    """Prompts, sampling and scheduling of ``recipes/generate.py`` (``conf/workload/generate``).
+
+    Prompts are ``prompts`` (text, needs a checkpoint with a tokenizer) or, without them,
+    random ids of ``prompt_lens`` tokens drawn with ``seed``. ``max_num_tokens`` is the
+    per-step token budget (chunked prefill); ``check`` also generates on one process and fails
+    unless greedy tokens are identical.
+    """
+
+    prompt_lens: list[int] = field(default_factory=lambda: [48, 17, 33, 5])
+    prompts: list[str] | None = None
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_id: int | None = None
+    max_num_tokens: int = 64
+    max_num_seqs: int = 16
+    check: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.prompts and (not self.prompt_lens or min(self.prompt_lens) < 1):
+            raise ValueError(
+                f"workload.prompt_lens must list lengths >= 1 when no prompts are given, got {self.prompt_lens}"
+            )
+        if self.max_num_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"workload.max_num_tokens={self.max_num_tokens} must be >= workload.max_num_seqs="
+                f"{self.max_num_seqs} (each running request decodes one token per step)"
+            )
+
+
+@dataclass
+class GenerateConf:
+    """Schema of ``conf/generate.yaml``."""
+
+    parallel: ParallelConf = field(default_factory=ParallelConf)
+    model: ModelConf = field(default_factory=ModelConf)
+    backend: BackendConf = field(default_factory=BackendConf)
+    workload: GenerateWorkload = field(default_factory=GenerateWorkload)
+
+
+@dataclass
+class BenchmarkWorkload:
+    """What ``recipes/benchmark.py`` runs (``conf/workload/benchmark``).
+
+    ``kernels``: scripts ``benchmarks/bench_<name>.py`` to run (CUDA only; skipped elsewhere or
+    when absent) with ``kernel_args[name]``. ``generation``: end-to-end generation throughput of
+    the ``parallel`` layout against one process, ``repeats`` timed runs after one warm-up.
+    """
+
+    kernels: list[str] = field(default_factory=lambda: ["lse_combine", "pcp", "decode"])
+    kernel_args: dict[str, list[str]] = field(default_factory=dict)
+    generation: bool = True
+    prompt_lens: list[int] = field(default_factory=lambda: [256, 128, 64, 32])
+    max_new_tokens: int = 32
+    max_num_tokens: int = 256
+    repeats: int = 1
+    seed: int = 0
+    out_dir: str = "benchmarks/results"
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"workload.repeats must be >= 1, got {self.repeats}")
+        if not self.prompt_lens or min(self.prompt_lens) < 1:
+            raise ValueError(f"workload.prompt_lens must list lengths >= 1, got {self.prompt_lens}")
+
+
+@dataclass
+class BenchmarkConf:
+    """Schema of ``conf/benchmark.yaml``."""
+
+    parallel: ParallelConf = field(default_factory=ParallelConf)
+    model: ModelConf = field(default_factory=ModelConf)
+    backend: BackendConf = field(default_factory=BackendConf)
+    workload: BenchmarkWorkload = field(default_factory=BenchmarkWorkload)
+
+
+T = TypeVar("T")
+
+
+def load_config(cfg: Any, schema: type[T]) -> T:
+    """A composed Hydra/OmegaConf config as a validated ``schema`` instance.
+
+    Raises:
+        ValueError: for an unknown key, a wrong type or enum value (OmegaConf's message), or a
+            range / cross-field rule of a dataclass.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ValueError(f"invalid configuration: {e}") from e

@@ -1,0 +1,89 @@
+"""Sampling parameters and next-token selection (greedy, or seeded temperature / top-k / top-p).
+
+Shapes: logits [B, V] (fp32), tokens [B] (int64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "sample_tokens"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Args:
+        max_new_tokens: tokens generated per request at most (>= 1).
+        temperature: 0 picks the most likely token (greedy); > 0 samples from
+            ``softmax(logits / temperature)``.
+        top_k: sample among the k most likely tokens only (0: all).
+        top_p: sample among the smallest set of tokens whose probability reaches ``top_p``
+            (1.0: all).
+        seed: seed of the sampling generator (the same on every rank).
+        eos_token_id: stop a request after it generates one of these ids (kept in the output,
+            as HF ``generate`` does); None: no stop token.
+
+    Raises:
+        ValueError: for a parameter out of its range.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_id: int | Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no top-k filter), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1: no top-p filter), got {self.top_p}")
+        eos = self.eos_token_id
+        ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"eos_token_id must be None, an id >= 0 or a list of them, got {eos!r}")
+        object.__setattr__(self, "eos_token_id", ids or None)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.eos_token_id or ())
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token of each row: ``logits [B, V] -> tokens [B]`` (int64, on the logits' device).
+
+    Greedy is ``argmax`` (ties to the lowest id, as HF ``generate``); sampling draws with
+    ``generator`` so that ranks holding the same logits and seed draw the same tokens.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        k = min(params.top_k, scores.shape[-1])
+        kth = scores.topk(k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Keep a token while the mass before it is below top_p (the first one always stays).
+        drop_sorted = (cum - sorted_scores.softmax(dim=-1)) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,197 @@
+"""Host-side scheduler: chunked prefill under a token budget, decode, paged-cache blocks.
+
+Every rank runs the same scheduler on the same inputs (prompts, sampled tokens broadcast from
+rank 0), so all ranks build the same steps and the same block tables without communicating.
+
+A step holds every running request that decodes (one token each) and then prompt chunks, in
+arrival order, until ``max_num_tokens`` new tokens are scheduled. A request is admitted when its
+whole lifetime (prompt + max_new_tokens) fits in the free blocks, so no request is ever
+preempted; admitted requests keep their block-table row until they finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cp_modules.cache.dcp import dcp_num_blocks
+from cp_modules.cache.paged import BlockAllocator, BlockTable
+
+__all__ = ["Request", "Scheduler", "StepBatch"]
+
+
+@dataclass
+class Request:
+    """One prompt and its generation state."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    row: int | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt) + self.max_new_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed >= len(self.prompt)
+
+
+@dataclass
+class StepBatch:
+    """One step: requests in batch order, their new and cached token counts, and the inputs.
+
+    Attributes:
+        requests: scheduled requests (batch order: decodes first, then prompt chunks).
+        num_new: [R] new tokens per request; num_computed: [R] tokens already cached.
+        input_ids: [N] the new tokens, flattened in batch order.
+        block_table: [R, M] int32 (host) rows of the scheduled requests.
+        sample_rows: [S] rows of ``input_ids`` whose next token is sampled (last token of a
+            request that has no unprocessed tokens left after this step).
+        sample_requests: the S requests those rows belong to.
+    """
+
+    requests: list[Request]
+    num_new: list[int]
+    num_computed: list[int]
+    input_ids: torch.Tensor
+    block_table: torch.Tensor
+    sample_rows: torch.Tensor
+    sample_requests: list[Request]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for r, n in zip(self.requests, self.num_new) if not r.is_decoding)
+
+
+class Scheduler:
+    """Schedules requests on a paged KV cache of ``num_blocks`` blocks per rank.
+
+    Args:
+        requests: the batch, in arrival order.
+        num_blocks: physical blocks per rank.
+        block_size: tokens per physical block.
+        dcp_size: DCP group size (a block-table entry covers ``block_size * dcp_size`` tokens).
+        max_num_tokens: new tokens per step at most (the chunked-prefill budget).
+        max_num_seqs: requests per step at most (and block-table rows).
+
+    Raises:
+        ValueError: when the budget cannot hold one decode per running request, or a request
+            needs more blocks than the cache has.
+    """
+
+    def __init__(
+        self,
+        requests: list[Request],
+        *,
+        num_blocks: int,
+        block_size: int,
+        dcp_size: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_tokens={max_num_tokens} must be >= max_num_seqs={max_num_seqs} >= 1 "
+                "(every running request decodes one token per step)"
+            )
+        self.block_size = block_size
+        self.dcp_size = dcp_size
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        for r in requests:
+            need = dcp_num_blocks(r.max_len, block_size, dcp_size)
+            if need > num_blocks:
+                raise ValueError(
+                    f"request {r.index} needs {need} blocks (prompt {len(r.prompt)} + "
+                    f"max_new_tokens {r.max_new_tokens} tokens) but the cache has num_blocks="
+                    f"{num_blocks}: raise num_blocks or lower max_new_tokens"
+                )
+        max_model_len = max(r.max_len for r in requests)
+        self.allocator = BlockAllocator(num_blocks)
+        self.table = BlockTable(
+            max_num_seqs, max_model_len, block_size, self.allocator, dcp_size=dcp_size
+        )
+        self.waiting = list(requests)
+        self.running: list[Request] = []
+        self._free_rows = list(range(max_num_seqs))
+        self.peak_blocks_used = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _admit(self) -> None:
+        while self.waiting and self._free_rows:
+            r = self.waiting[0]
+            need = dcp_num_blocks(r.max_len, self.block_size, self.dcp_size)
+            if need > self.allocator.num_free:
+                return
+            r.row = self._free_rows.pop(0)
+            self.table.ensure_capacity(r.row, r.max_len)
+            self.running.append(self.waiting.pop(0))
+        self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
+
+    def schedule(self) -> StepBatch:
+        """The next step's batch (decodes first, then prompt chunks within the budget)."""
+        self._admit()
+        assert self.running, "schedule() called with nothing to run"
+        budget = self.max_num_tokens
+        chosen: list[tuple[Request, int]] = []
+        for r in self.running:
+            if r.is_decoding:
+                chosen.append((r, 1))
+                budget -= 1
+        for r in self.running:
+            if not r.is_decoding and budget > 0:
+                n = min(len(r.prompt) - r.num_computed, budget)
+                chosen.append((r, n))
+                budget -= n
+        ids: list[int] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for r, n in chosen:
+            ids.extend(r.tokens[r.num_computed : r.num_computed + n])
+            if r.num_computed + n == len(r.tokens):
+                sample_rows.append(len(ids) - 1)
+                sample_reqs.append(r)
+        rows = torch.tensor([r.row for r, _ in chosen], dtype=torch.long)
+        return StepBatch(
+            requests=[r for r, _ in chosen],
+            num_new=[n for _, n in chosen],
+            num_computed=[r.num_computed for r, _ in chosen],
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            block_table=self.table.tensor.index_select(0, rows),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sample_requests=sample_reqs,
+        )
+
+    def update(self, batch: StepBatch, tokens: list[int], stop_ids: frozenset[int], now: float) -> int:
+        """Record a step's sampled tokens; finish requests; return the number of new tokens."""
+        for r, n in zip(batch.requests, batch.num_new):
+            r.num_computed += n
+        for r, t in zip(batch.sample_requests, tokens):
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.output.append(t)
+            if t in stop_ids:
+                r.finished, r.finish_reason = True, "eos"
+            elif len(r.output) >= r.max_new_tokens:
+                r.finished, r.finish_reason = True, "length"
+        for r in [r for r in self.running if r.finished]:
+            self.running.remove(r)
+            self.table.free_row(r.row)
+            self._free_rows.append(r.row)
+            self._free_rows.sort()
+        return len(tokens)
