@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
+from torch._subclasses.fake_tensor import FakeTensor
 
 # Same signatures; the *_single names replace the *_tensor ones from torch 2.13 on.
 _ag = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _ag_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
 _rs = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 _rs_autograd = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+_c10d_ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_c10d_rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
     "all_gather",
@@ -48,11 +51,26 @@ def resolve_group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
+def _eager() -> bool:
+    """True outside of any tracing: plain c10d calls cost far less host time per collective
+    than the functional ones (no async-tensor wrappers), which matters for eager decode."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is None
+
+
 def all_gather(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -> torch.Tensor:
     """Concatenate ``x`` from every rank of ``group`` along ``dim`` (no autograd)."""
     if world_size == 1:
         return x
-    out = fc.wait_tensor(_ag(x.contiguous(), 0, group))
+    x = x.contiguous()
+    if _eager() and not isinstance(x, FakeTensor):
+        out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+        _c10d_ag(out, x, group=resolve_group(group))
+    else:
+        out = fc.wait_tensor(_ag(x, 0, group))
     return _move_gather_dim(out, world_size, dim)
 
 
@@ -69,7 +87,11 @@ def reduce_scatter(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -
     if world_size == 1:
         return x
     y = _split_to_front(x, world_size, dim)
-    out = fc.wait_tensor(_rs(y, "sum", 0, group))
+    if _eager() and not isinstance(y, FakeTensor):
+        out = y.new_empty((y.shape[0] // world_size, *y.shape[1:]))
+        _c10d_rs(out, y, group=resolve_group(group))
+    else:
+        out = fc.wait_tensor(_rs(y, "sum", 0, group))
     return _from_front(out, x.shape, world_size, dim)
 
 
@@ -86,6 +108,10 @@ def all_reduce(x: torch.Tensor, group: str, world_size: int) -> torch.Tensor:
     """Sum ``x`` over ``group`` (no autograd)."""
     if world_size == 1:
         return x
+    if _eager() and not isinstance(x, FakeTensor):
+        out = x.clone()
+        dist.all_reduce(out, group=resolve_group(group))
+        return out
     return fc.wait_tensor(fc.all_reduce(x, "sum", group))
 
 
@@ -95,9 +121,13 @@ def all_to_all(
     """All-to-all along dim 0 (equal splits unless sizes are given)."""
     if world_size == 1:
         return x
-    return fc.wait_tensor(
-        fc.all_to_all_single(x.contiguous(), output_split_sizes, input_split_sizes, group)
-    )
+    x = x.contiguous()
+    if _eager() and not isinstance(x, FakeTensor):
+        rows = sum(output_split_sizes) if output_split_sizes is not None else x.shape[0]
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=resolve_group(group))
+        return out
+    return fc.wait_tensor(fc.all_to_all_single(x, output_split_sizes, input_split_sizes, group))
 
 
 def _move_gather_dim(out: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:

@@ -286,7 +286,7 @@ def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, bloc
     """All-gather a fixed-size fingerprint of the batch and compare it across ranks."""
     import torch.distributed as dist
 
-    from cp_modules.distributed.collectives import resolve_group
+    from cp_modules.distributed.collectives import all_gather, resolve_group
 
     group = resolve_group(runtime.world_group)
     bt = -1 if block_table is None else int(block_table.shape[1])
@@ -298,9 +298,7 @@ def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, bloc
         dtype=torch.int64, device=dev,
     )
     world = dist.get_world_size(group)
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    everyone = everyone.view(world, mine.numel())
+    everyone = all_gather(mine, runtime.world_group, world).view(world, mine.numel())
     bad = (everyone != mine).any(dim=1).nonzero().flatten().tolist()  # ok: host (once a step)
     if bad:
         raise ValueError(
