@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on a CUDA machine from the repository root: the GPU test tier, then the kernel and module
-# benchmarks. Logs and result JSON files go to ${OUT:-gpu_out}. Usage: tools/gpu_suite.sh [tests|bench|all]
+# benchmark suite (benchmarks/suite.py). Logs, results and the report go to ${OUT:-gpu_out}. Usage: tools/gpu_suite.sh [tests|bench|all]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
@@ -12,13 +12,10 @@ what=${1:-all}
 rc=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout 600 -x 2>&1 | tail -60 | tee "$OUT/gpu_tests.log" || rc=1
+  python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in ${BENCHES:-bench_lse_combine bench_decode bench_pcp bench_modules}; do
-    echo "=== $b"
-    timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/$b.py ${BENCH_ARGS:-} 2>&1 | tail -40 | tee "$OUT/$b.log" || rc=1
-  done
-  cp benchmarks/results/*.json "$OUT"/ 2>/dev/null
+  python3 benchmarks/suite.py ${SUITE_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -60 || rc=1
+  cp benchmarks/results/*.json benchmarks/20*.* "$OUT"/ 2>/dev/null
 fi
 exit $rc
