@@ -16,6 +16,6 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/suite.py ${SUITE_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -60 || rc=1
-  cp benchmarks/results/*.json benchmarks/20*.* "$OUT"/ 2>/dev/null
+  tar czf "$OUT/results.tgz" benchmarks/results benchmarks/20*.* 2>/dev/null
 fi
 exit $rc
