@@ -1,8 +1,9 @@
 """Typed configuration of the Hydra recipes: groups ``conf/parallel``, ``conf/model``,
 ``conf/backend``, ``conf/workload/<recipe>``, and one schema per recipe (:class:`GenerateConf`,
-:class:`BenchmarkConf`). OmegaConf checks types and enum values when a composed config is
-merged onto its schema (:func:`load_config`); ranges and cross-field rules are checked by each
-dataclass's ``__post_init__``, which ``OmegaConf.to_object`` runs.
+:class:`BenchmarkConf`), registered in Hydra's ConfigStore by :func:`register_configs`. Hydra
+composes onto the schema, so OmegaConf checks types and enum values of every file and
+override; ranges and cross-field rules are checked by each dataclass's ``__post_init__``,
+which :func:`load_config` (``OmegaConf.to_object``) runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "ModelConf",
     "ParallelConf",
     "load_config",
+    "register_configs",
 ]
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
@@ -251,6 +253,22 @@ class BenchmarkConf:
 
 
 T = TypeVar("T")
+
+SCHEMAS = {"generate_schema": GenerateConf, "benchmark_schema": BenchmarkConf}
+
+
+def register_configs() -> None:
+    """Store the recipe schemas in Hydra's ConfigStore (``generate_schema``, ``benchmark_schema``).
+
+    A recipe's primary config lists its schema first in its defaults, so Hydra composes onto
+    the typed dataclass: overrides are type-checked and may set any field, also one the YAML
+    files leave at its default.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, schema in SCHEMAS.items():
+        cs.store(name=name, node=schema)
 
 
 def load_config(cfg: Any, schema: type[T]) -> T:

@@ -26,7 +26,7 @@ from cp_modules.engine.workloads import (
     make_prompts,
     single_process,
 )
-from cp_modules.recipe_configs import GenerateConf, load_config
+from cp_modules.recipe_configs import GenerateConf, load_config, register_configs
 
 
 def _show(ids: list[int], tokenizer, limit: int = 12) -> str:
@@ -49,6 +49,9 @@ def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> 
           f"prefill {s.prefill_tokens_per_s:.0f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s")
     print(f"KV cache per rank: {s.peak_blocks} blocks of {conf.backend.block_size} tokens in use at most "
           f"({s.kv_cache_bytes / 2**20:.2f} MiB allocated)")
+
+
+register_configs()
 
 
 @hydra.main(config_path="../conf", config_name="generate", version_base=None)

@@ -15,9 +15,16 @@ import torch
 from cp_modules.engine.engine import GenerationEngine, GenerationResult
 from cp_modules.engine.model import build_model
 from cp_modules.engine.sampling import SamplingParams
-from cp_modules.recipe_configs import GenerateConf, ModelConf, ParallelConf
+from cp_modules.recipe_configs import (
+    BenchmarkConf,
+    GenerateConf,
+    GenerateWorkload,
+    ModelConf,
+    ParallelConf,
+)
 
 __all__ = [
+    "benchmark_on_rank",
     "build_engine",
     "compare_outputs",
     "generate_on_rank",
@@ -101,11 +108,12 @@ def generate_on_rank(
     return result if rank == 0 else None
 
 
-def single_process(conf: GenerateConf) -> GenerateConf:
+def single_process(conf: GenerateConf | BenchmarkConf) -> GenerateConf | BenchmarkConf:
     """The same run on one process (the reference every layout must equal), without a progress bar."""
-    return dataclasses.replace(
-        conf, parallel=ParallelConf(), workload=dataclasses.replace(conf.workload, progress=False)
-    )
+    workload = conf.workload
+    if isinstance(workload, GenerateWorkload):
+        workload = dataclasses.replace(workload, progress=False)
+    return dataclasses.replace(conf, parallel=ParallelConf(), workload=workload)
 
 
 def compare_outputs(got: list[list[int]], want: list[list[int]]) -> list[int]:
@@ -113,3 +121,51 @@ def compare_outputs(got: list[list[int]], want: list[list[int]]) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(got, want)) if a != b] + list(
         range(min(len(got), len(want)), max(len(got), len(want)))
     )
+
+
+def benchmark_on_rank(rank: int, world_size: int, conf: BenchmarkConf) -> dict | None:
+    """One rank of the generation benchmark: a warm-up, then ``repeats`` timed runs.
+
+    Returns (rank 0) the fastest run's numbers and every rank's KV-cache blocks and peak device
+    memory; other ranks return None.
+    """
+    import torch.distributed as dist
+
+    w = conf.workload
+    engine = build_engine(
+        conf.model, conf.parallel, conf.backend, max_num_tokens=w.max_num_tokens,
+        max_num_seqs=max(len(w.prompt_lens), 1), progress=False,
+    )
+    g = torch.Generator().manual_seed(w.seed)
+    prompts = [torch.randint(0, conf.model.vocab_size, (n,), generator=g).tolist() for n in w.prompt_lens]
+    params = SamplingParams(max_new_tokens=w.max_new_tokens, seed=w.seed)
+    engine.generate(prompts, dataclasses.replace(params, max_new_tokens=2))
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    runs = [engine.generate(prompts, params) for _ in range(w.repeats)]
+    best = min(runs, key=lambda r: r.stats.total_s)
+    s = best.stats
+    mine = {
+        "peak_blocks": s.peak_blocks,
+        "kv_cache_bytes": s.kv_cache_bytes,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(engine.device) if cuda else None,
+    }
+    per_rank = [mine]
+    if world_size > 1:
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, mine)
+    if rank != 0:
+        return None
+    return {
+        "world_size": world_size,
+        "tokens_per_s": s.tokens_per_s,
+        "ttft_s": s.ttft_s,
+        "prefill_tokens_per_s": s.prefill_tokens_per_s,
+        "decode_tokens_per_s": s.decode_tokens_per_s,
+        "total_s": s.total_s,
+        "num_prompt_tokens": s.num_prompt_tokens,
+        "num_generated_tokens": s.num_generated_tokens,
+        "outputs": best.outputs,
+        "ranks": per_rank,
+    }
