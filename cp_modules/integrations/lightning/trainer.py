@@ -149,13 +149,15 @@ class CPTrainerStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._parallelize_fn is not None:
+        # Once per module: the Trainer sets up again for validate/test after fit.
+        if self._parallelize_fn is not None and not getattr(self.model, "_cp_parallelized", False):
             module = self._parallelize_fn(self.model, self.device_mesh)
             if module is not self.model:
                 raise ValueError(
                     "parallelize_fn must shard the LightningModule in place and return it, got "
                     f"{type(module).__name__}"
                 )
+            self.model._cp_parallelized = True
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
