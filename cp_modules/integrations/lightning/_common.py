@@ -129,7 +129,7 @@ class SafeCheckpointIO(CheckpointIO):
                 "weights_only=False is not supported: checkpoints are read without unpickling "
                 "arbitrary objects"
             )
-        return read_checkpoint(path, map_location if isinstance(map_location, (str,)) else "cpu")
+        return read_checkpoint(path, map_location if isinstance(map_location, str) else "cpu")
 
     def remove_checkpoint(self, path) -> None:
         from lightning.fabric.utilities.cloud_io import get_filesystem
