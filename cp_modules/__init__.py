@@ -1,6 +1,15 @@
 """cp_modules: context-parallel attention (PCP prefill, DCP decode) for PyTorch."""
 
 from cp_modules.config import ParallelConfig
+from cp_modules.modules import (
+    CPFlashAttention,
+    CPMLAAttention,
+    CPRuntime,
+    apply_tensor_parallel,
+    build_step_metadata,
+    cp_step,
+    restore_tokens,
+)
 from cp_modules.ops.correct_attn_out import correct_attn_out
 from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
@@ -10,6 +19,13 @@ from cp_modules.ops.pcp_select import pcp_select
 from cp_modules.partition import PCPPlan, pcp_gather_restore, pcp_prefill_attention, plan_pcp
 
 __all__ = [
+    "CPFlashAttention",
+    "CPMLAAttention",
+    "CPRuntime",
+    "apply_tensor_parallel",
+    "build_step_metadata",
+    "cp_step",
+    "restore_tokens",
     "DCPCommSpec",
     "PCPPlan",
     "ParallelConfig",
