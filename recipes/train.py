@@ -31,7 +31,14 @@ from torch.utils.data import DataLoader
 
 from cp_modules.integrations.lightning import CPFabricStrategy, CPTrainerStrategy
 from cp_modules.models import TinyLM, TinyLMConfig, parallelize_model
-from cp_modules.recipe_configs import BackendConf, Device, Family, ModelConf, ParallelConf
+from cp_modules.recipe_configs import (
+    BackendConf,
+    Device,
+    Family,
+    ModelConf,
+    ParallelConf,
+    load_config,
+)
 from cp_modules.training import ByteTextDataset, lm_cross_entropy
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
@@ -81,19 +88,21 @@ class TrainConf:
     workload: TrainWorkload = field(default_factory=TrainWorkload)
 
 
+def register_train_config() -> None:
+    """Store :class:`TrainConf` in Hydra's ConfigStore as ``train_schema`` (first in the
+    defaults of ``conf/train.yaml``), so overrides are type-checked when Hydra composes."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConf)
+
+
 def load_train_config(cfg: DictConfig) -> TrainConf:
     """The composed config as a validated :class:`TrainConf`.
 
     Raises:
         ValueError: for unknown keys, wrong types or enum values, or out-of-range values.
     """
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        conf = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConf), cfg))
-    except OmegaConfBaseException as e:
-        raise ValueError(f"invalid configuration: {e}") from e
+    conf = load_config(cfg, TrainConf)
     if conf.model.vocab_size < 256:
         raise ValueError(
             f"model.vocab_size={conf.model.vocab_size} is too small for byte-level tokens; need >= 256"
@@ -265,6 +274,9 @@ def run_trainer(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     m = trainer.callback_metrics
     return {k: (float(m[f"train/{k}"]) if f"train/{k}" in m else float("nan"))
             for k in ("first_loss", "last_loss", "steps", "tokens_per_s")}
+
+
+register_train_config()
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
