@@ -39,7 +39,7 @@ def _check_groups(rank, world_size):
         layout = rank_layout(c)
         assert g.mesh.mesh_dim_names == ("dp", "pp", "pcp", "tp")
         assert g.mesh.mesh.flatten().tolist() == list(range(world_size))
-        for kind in ("tp", "pcp", "dcp", "partial_tp", "ep", "dp"):
+        for kind in ("tp", "pcp", "dcp", "partial_tp", "ep", "dp", "replica"):
             group = getattr(g, kind)
             expected = layout.group_of(kind, rank)
             assert sorted(dist.get_process_group_ranks(group)) == sorted(expected), (c, kind)

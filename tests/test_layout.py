@@ -111,6 +111,7 @@ def test_ep_groups_span_dp_and_tp_not_pcp():
     layout = rank_layout(cfg(2, 2, 1, dp=2))
     # (dp, pcp, tp) = (2, 2, 2): rank = (d*2 + c)*2 + t
     assert layout.ep_groups == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert layout.replica_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert layout.dp_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
     for g in layout.ep_groups:
         assert len({layout.coords(r)["pcp"] for r in g}) == 1
@@ -123,7 +124,7 @@ def test_groups_partition_the_world(dp, pp, pcp, tp):
     for dcp in valid_dcp_sizes(tp, pcp):
         layout = rank_layout(cfg(tp, pcp, dcp, dp=dp, pp=pp))
         world = list(range(dp * pp * pcp * tp))
-        for kind in ("tp", "pcp", "dcp", "partial_tp", "dp", "pp", "ep"):
+        for kind in ("tp", "pcp", "dcp", "partial_tp", "dp", "pp", "ep", "replica"):
             groups = getattr(layout, f"{kind}_groups")
             assert sorted(r for g in groups for r in g) == world, kind
         for g in layout.dcp_groups:

@@ -40,6 +40,7 @@ class CPGroups:
     partial_tp: dist.ProcessGroup
     ep: dist.ProcessGroup
     dp: dist.ProcessGroup
+    replica: dist.ProcessGroup
 
     def ranks(self, kind: str) -> list[int]:
         """Global ranks of this rank's group of ``kind``."""
@@ -156,6 +157,7 @@ def init_cp_groups(
     dcp = _new_groups(layout.dcp_groups, rank, timeout)
     partial_tp = _new_groups(layout.partial_tp_groups, rank, timeout)
     ep = _new_groups(layout.ep_groups, rank, timeout)
+    replica = _new_groups(layout.replica_groups, rank, timeout)
     return CPGroups(
         config=config,
         layout=layout,
@@ -168,4 +170,5 @@ def init_cp_groups(
         partial_tp=partial_tp,
         ep=ep,
         dp=dp,
+        replica=replica,
     )

@@ -11,6 +11,8 @@ Group kinds (lists of global ranks):
 - partial_tp: within one pcp slice, the TP positions covered by one DCP group (the query
   all-gather group for decode).
 - ep: dp x tp, not pcp (for MoE layers).
+- replica: every rank of one data-parallel replica (pp x pcp x tp): the ranks that work on the
+  same batch.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class RankLayout:
     dp_groups: list[list[int]]
     pp_groups: list[list[int]]
     ep_groups: list[list[int]]
-
+    replica_groups: list[list[int]]
     sizes: tuple[int, int, int, int]  # (dp, pp, pcp, tp)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -86,6 +88,9 @@ def rank_layout(config: ParallelConfig) -> RankLayout:
     ep_groups = [
         [rank(d, p, c, t) for d in range(dp) for t in range(tp)] for p in range(pp) for c in range(pcp)
     ]
+    replica_groups = [
+        [rank(d, p, c, t) for p in range(pp) for c in range(pcp) for t in range(tp)] for d in range(dp)
+    ]
     layout = RankLayout(
         world_size=config.world_size,
         tp_groups=tp_groups,
@@ -95,6 +100,7 @@ def rank_layout(config: ParallelConfig) -> RankLayout:
         dp_groups=dp_groups,
         pp_groups=pp_groups,
         ep_groups=ep_groups,
+        replica_groups=replica_groups,
         sizes=(dp, pp, pcp, tp),
     )
     return layout

@@ -50,7 +50,7 @@ class CPRuntime:
     pcp_rank: int = 0
     pcp_group: str = ""
     dcp: DCPCommSpec | None = None
-    world_group: str = ""
+    batch_group: str = ""  # the ranks that must be given the same batch (one dp replica)
 
     @property
     def dcp_size(self) -> int:
@@ -68,7 +68,6 @@ class CPRuntime:
     @classmethod
     def from_groups(cls, groups, *, packed_a2a: bool = True) -> CPRuntime:
         """Runtime of this rank from its :class:`~cp_modules.distributed.groups.CPGroups`."""
-        import torch.distributed as dist
 
         c = groups.config
         return cls(
@@ -80,7 +79,7 @@ class CPRuntime:
             pcp_rank=groups.pcp_rank,
             pcp_group=groups.pcp_name,
             dcp=DCPCommSpec.from_groups(groups, packed=packed_a2a) if c.dcp > 1 else None,
-            world_group=dist.group.WORLD.group_name,
+            batch_group=groups.replica.group_name,
         )
 
 
@@ -173,9 +172,10 @@ def build_step_metadata(
         decode_threshold: requests with at most this many new tokens and a non-empty context
             run on the paged decode path (replicated over PCP, KV sharded over DCP).
         device: where the metadata tensors live.
-        check_consistency: compare a fingerprint of the batch across all ranks (one small
-            all-gather of a fixed size per step) so that ranks fed different batches fail
-            with a clear error instead of hanging or computing garbage in a later collective.
+        check_consistency: compare a fingerprint of the batch across the ranks of this data-
+            parallel replica (one small all-gather of a fixed size per step) so that ranks fed
+            different batches fail with a clear error instead of hanging or computing garbage
+            in a later collective.
 
     Raises:
         ValueError: for an inconsistent batch, a cached prefix without a block table, a
@@ -208,7 +208,7 @@ def build_step_metadata(
                 f"request needs {need} (virtual blocks of block_size*dcp = {virtual} tokens)"
             )
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    if check_consistency and runtime.world_group:
+    if check_consistency and runtime.batch_group:
         _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, block_size, dev)
     plan = plan_pcp(
         num_new, num_comp, runtime.pcp_size, runtime.pcp_rank, decode_threshold, device=dev
@@ -288,7 +288,7 @@ def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, bloc
 
     from cp_modules.distributed.collectives import all_gather, resolve_group
 
-    group = resolve_group(runtime.world_group)
+    group = resolve_group(runtime.batch_group)
     bt = -1 if block_table is None else int(block_table.shape[1])
     h = np.uint64(1469598103934665603)
     for v in np.concatenate([num_new, num_comp]):
@@ -298,7 +298,7 @@ def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, bloc
         dtype=torch.int64, device=dev,
     )
     world = dist.get_world_size(group)
-    everyone = all_gather(mine, runtime.world_group, world).view(world, mine.numel())
+    everyone = all_gather(mine, runtime.batch_group, world).view(world, mine.numel())
     bad = (everyone != mine).any(dim=1).nonzero().flatten().tolist()  # ok: host (once a step)
     if bad:
         raise ValueError(
