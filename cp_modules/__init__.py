@@ -10,6 +10,7 @@ from cp_modules.modules import (
     cp_step,
     restore_tokens,
 )
+from cp_modules.modules.hf_swap import swap_attention
 from cp_modules.ops.correct_attn_out import correct_attn_out
 from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
@@ -26,6 +27,7 @@ __all__ = [
     "build_step_metadata",
     "cp_step",
     "restore_tokens",
+    "swap_attention",
     "DCPCommSpec",
     "PCPPlan",
     "ParallelConfig",

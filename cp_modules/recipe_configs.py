@@ -87,7 +87,9 @@ class ModelConf:
 
     ``checkpoint``: a local HuggingFace model directory to load instead of random weights.
     MLA and MoE fields apply to ``deepseek_v3`` only (``first_k_dense_replace`` dense layers,
-    then MoE layers of ``num_experts`` routed experts plus one shared expert).
+    then MoE layers of ``num_experts`` routed experts plus one shared expert);
+    ``attention_bias`` (biases on q/k/v and o_proj) to ``llama`` only (Qwen2 always has q/k/v
+    biases).
     """
 
     family: Family = Family.llama
@@ -110,6 +112,7 @@ class ModelConf:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
     first_k_dense_replace: int = 1
+    attention_bias: bool = False
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
     seed: int = 0
@@ -220,7 +223,7 @@ class GenerateConf:
 class BenchmarkWorkload:
     """What ``recipes/benchmark.py`` runs (``conf/workload/benchmark``).
 
-    ``kernels``: scripts ``benchmarks/bench_<name>.py`` to run (CUDA only; skipped elsewhere or
+    ``kernels``: scripts ``benchmarks/bench_<name>.py`` (or ``benchmarks/<name>.py``) to run (CUDA only; skipped elsewhere or
     when absent) with ``kernel_args[name]``. ``generation``: end-to-end generation throughput of
     the ``parallel`` layout against one process, ``repeats`` timed runs after one warm-up.
     """

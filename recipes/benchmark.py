@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 recipes/benchmark.py backend=cuda workload/benchmark@workload=gpu
 
 Build: the composed config (``conf/benchmark.yaml``). Run: each ``benchmarks/bench_<name>.py``
-listed in ``workload.kernels`` as a subprocess (they need CUDA and no Hydra; skipped on CPU or
+(or ``benchmarks/<name>.py``) listed in ``workload.kernels`` as a subprocess (they need CUDA and no Hydra; skipped on CPU or
 when absent; they write their own dated results), then the generation workload on the
 ``parallel`` layout and on one process (warm-up, then the best of ``workload.repeats``).
 Report: tokens/s, time to first token, KV-cache blocks and peak memory per rank, greedy-token
@@ -37,6 +37,8 @@ def run_kernel_benchmarks(conf: BenchmarkConf, device: str) -> dict[str, str]:
     status = {}
     for name in conf.workload.kernels:
         script = ROOT / "benchmarks" / f"bench_{name}.py"
+        if not script.exists() and (ROOT / "benchmarks" / f"{name}.py").exists():
+            script = ROOT / "benchmarks" / f"{name}.py"  # e.g. suite.py
         if device != "cuda":
             status[name] = "skipped (needs CUDA)"
         elif not script.exists():
@@ -60,7 +62,7 @@ def hardware(device: str) -> str:
 
 def report(conf: BenchmarkConf, parallel: dict, single: dict) -> None:
     p = conf.parallel
-    print(f"generation: {conf.model.family.value} ({conf.model.dtype}), prompts {conf.workload.prompt_lens}, "
+    print(f"generation: {conf.model.checkpoint or conf.model.family.value} ({conf.model.dtype}), prompts {conf.workload.prompt_lens}, "
           f"{conf.workload.max_new_tokens} new tokens each")
     print(f"{'layout':<34}{'tok/s':>9}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}"
           f"{'KV blocks/rank':>16}")

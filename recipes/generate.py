@@ -38,7 +38,7 @@ def _show(ids: list[int], tokenizer, limit: int = 12) -> str:
 
 def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> None:
     p = conf.parallel
-    print(f"{conf.model.family.value} ({conf.model.dtype}) on {p.world_size} rank(s): tp={p.tp} "
+    print(f"{conf.model.checkpoint or conf.model.family.value} ({conf.model.dtype}) on {p.world_size} rank(s): tp={p.tp} "
           f"pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend.value}")
     for i, (prompt, out, why) in enumerate(zip(prompts, result.outputs, result.finish_reasons)):
         print(f"  [{i}] prompt {len(prompt):>5} tokens {_show(prompt, tokenizer)}")

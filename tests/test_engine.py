@@ -135,9 +135,10 @@ def test_compiled_engine_equals_eager_without_recompiles():
     counters = torch._dynamo.utils.counters
     counters.clear()
     engine = _engine("llama", compile=True, compile_backend="aot_eager")
-    assert engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW)).outputs == want
-    # Another batch composition reuses the prefill and decode graphs.
     engine.generate(_prompts((5, 11), seed=4), SamplingParams(max_new_tokens=3))
+    # A larger batch: other token counts, decode batch sizes down to 1, a larger KV cache;
+    # the prefill and decode graphs are reused.
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW)).outputs == want
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
     assert not counters["recompiles"]
@@ -191,3 +192,5 @@ def test_engine_rejects_bad_inputs():
         _engine("llama", max_num_tokens=0)
     with pytest.raises(ValueError, match="block_size"):
         _engine("llama", block_size=0)
+    with pytest.raises(ValueError, match="float64"):
+        GenerationEngine(swap_attention(build_model(_conf("llama")).double()))

@@ -35,21 +35,27 @@ class Case:
     backend: str = "ag_rs"
     interleave: int = 1
     num_kv_heads: int = 2
-    compile_backend: str | None = None
+    bias: bool = False  # Llama: biases on q/k/v and o_proj
+    tied: bool = False  # embedding and LM head share their weight
 
     @property
     def name(self) -> str:
-        c = f"-compile:{self.compile_backend}" if self.compile_backend else ""
-        return (f"{self.family}-kv{self.num_kv_heads}-tp{self.tp}-pcp{self.pcp}-dcp{self.dcp}-"
-                f"{self.backend}-I{self.interleave}{c}")
+        extra = ("-bias" if self.bias else "") + ("-tied" if self.tied else "")
+        return (f"{self.family}-kv{self.num_kv_heads}{extra}-tp{self.tp}-pcp{self.pcp}-"
+                f"dcp{self.dcp}-{self.backend}-I{self.interleave}")
+
+    @property
+    def model_key(self) -> tuple:
+        return (self.family, self.num_kv_heads if self.family != "deepseek_v3" else 8, self.bias, self.tied)
 
 
-def _model_conf(family: str, num_kv_heads: int):
+def _model_conf(family: str, num_kv_heads: int, bias: bool = False, tied: bool = False):
     from cp_modules.recipe_configs import Family, ModelConf
 
     if family == "deepseek_v3":
-        return ModelConf(family=Family.deepseek_v3, num_kv_heads=8, q_lora_rank=32)
-    return ModelConf(family=Family(family), num_kv_heads=num_kv_heads)
+        return ModelConf(family=Family.deepseek_v3, num_kv_heads=8, q_lora_rank=32, tie_word_embeddings=tied)
+    return ModelConf(family=Family(family), num_kv_heads=num_kv_heads, attention_bias=bias,
+                     tie_word_embeddings=tied)
 
 
 def _prompts() -> list[list[int]]:
@@ -73,11 +79,8 @@ def _rank_body(rank: int, world_size: int, cases: list[Case], prompts):
             dcp_kv_cache_interleave_size=c.interleave,
         )
         groups = init_cp_groups(config)
-        model = swap_attention(build_model(_model_conf(c.family, c.num_kv_heads)), groups)
-        engine = GenerationEngine(
-            model, groups, block_size=BLOCK_SIZE, max_num_tokens=BUDGET, progress=False,
-            compile=c.compile_backend is not None, compile_backend=c.compile_backend or "inductor",
-        )
+        model = swap_attention(build_model(_model_conf(*c.model_key)), groups)
+        engine = GenerationEngine(model, groups, block_size=BLOCK_SIZE, max_num_tokens=BUDGET, progress=False)
         res = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
         out.append((c.name, res.outputs, res.stats.peak_blocks))
     return out
@@ -93,10 +96,9 @@ def hf_reference():
     prompts = _prompts()
     cache = {}
 
-    def get(family: str, num_kv_heads: int):
-        key = (family, 8 if family == "deepseek_v3" else num_kv_heads)
+    def get(key: tuple):
         if key not in cache:
-            model = build_model(_model_conf(family, num_kv_heads))
+            model = build_model(_model_conf(*key))
             with torch.no_grad():
                 cache[key] = [
                     model.generate(
@@ -112,7 +114,7 @@ def hf_reference():
 
 def _check(results, cases, get_reference):
     for c in cases:
-        want = get_reference(c.family, c.num_kv_heads)
+        want = get_reference(c.model_key)
         assert all(len(w) == MAX_NEW_TOKENS for w in want)
         # KV memory per rank: a request of L tokens takes ceil(L / (block_size * dcp)) blocks.
         blocks = sum(dcp_num_blocks(n + MAX_NEW_TOKENS, BLOCK_SIZE, c.dcp) for n in PROMPT_LENS)
@@ -126,8 +128,8 @@ def _check(results, cases, get_reference):
 WORLD4 = [
     *(Case(f, 2, 2, 2) for f in ("llama", "qwen2", "deepseek_v3")),
     *(Case(f, 1, 4, 4, "a2a", interleave=2) for f in ("llama", "qwen2", "deepseek_v3")),
-    Case("llama", 4, 1, 2),  # 2 KV heads over 4 TP positions: replicated KV heads
-    Case("qwen2", 4, 1, 2, "a2a"),
+    Case("llama", 4, 1, 2, bias=True),  # 2 KV heads over 4 TP positions: replicated KV heads
+    Case("qwen2", 4, 1, 2, "a2a", tied=True),
     Case("deepseek_v3", 4, 1, 4, "a2a"),
     Case("llama", 2, 2, 4, "a2a", num_kv_heads=1),  # DCP over both TP positions: MQA only
     Case("deepseek_v3", 2, 2, 4, "ag_rs", interleave=2),
@@ -143,7 +145,8 @@ WORLD8 = [
 
 def test_world4_greedy_generation_equals_hf_generate(hf_reference):
     prompts, get = hf_reference
-    get("llama", 2)  # the parent builds references while nothing else runs
+    for c in WORLD4:  # the parent builds the references before the ranks start
+        get(c.model_key)
     results = run_distributed(_rank_body, 4, WORLD4, prompts, timeout_s=900, collective_timeout_s=120)
     _check(results, WORLD4, get)
 
@@ -151,5 +154,7 @@ def test_world4_greedy_generation_equals_hf_generate(hf_reference):
 @pytest.mark.slow
 def test_world8_greedy_generation_equals_hf_generate(hf_reference):
     prompts, get = hf_reference
+    for c in WORLD8:
+        get(c.model_key)
     results = run_distributed(_rank_body, 8, WORLD8, prompts, timeout_s=1200, collective_timeout_s=180)
     _check(results, WORLD8, get)

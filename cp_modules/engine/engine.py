@@ -101,8 +101,8 @@ class GenerationEngine:
         packed_a2a: one packed all-to-all for the ``a2a`` DCP combine (else two).
 
     Raises:
-        ValueError: for a model without swapped attention, a layout with dp or pp > 1, or sizes
-            out of range.
+        ValueError: for a model without swapped attention, a dtype the decode kernels do not
+            take, a layout with dp or pp > 1, or sizes out of range.
     """
 
     def __init__(
@@ -152,6 +152,11 @@ class GenerationEngine:
         weight = self.lm_head.weight
         self.device = weight.device
         self.dtype = weight.dtype
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"the model's dtype is {self.dtype}; the paged decode kernels take float32, "
+                "bfloat16 or float16: convert the model with model.to(dtype)"
+            )
         self.vocab_size = model.config.vocab_size
         self._cache_blocks = 0
         self._compiled = compile
@@ -193,12 +198,14 @@ class GenerationEngine:
                     rope_dim=layer.qk_rope_head_dim,
                 )
         if self._compiled:
-            # Cache sizes are fixed for the engine's life: keep them out of the dynamic shapes
-            # (duck sizing would otherwise tie them to equal-sized token counts and recompile).
+            # Block size and head sizes never change: static. The block count grows with the
+            # batch: unbacked, so a larger cache reuses the graphs and duck sizing never ties it
+            # to a token count that happens to be equal.
             for layer in self.layers:
                 caches = layer.kv_cache if isinstance(layer.kv_cache, tuple) else (layer.kv_cache,)
                 for c in caches:
                     torch._dynamo.mark_static(c)
+                    torch._dynamo.decorators.mark_unbacked(c, 0)
         self._cache_blocks = num_blocks
         self._bytes_per_block = per_block
         return num_blocks

@@ -84,6 +84,8 @@ def hf_config(conf: ModelConf):
     extra = {"head_dim": conf.head_dim} if conf.head_dim else {}
     if conf.family is Family.mistral:
         extra["sliding_window"] = None
+    if conf.family is Family.llama:
+        extra["attention_bias"] = conf.attention_bias
     return config_cls(num_key_value_heads=conf.num_kv_heads, **extra, **common)
 
 

@@ -50,8 +50,13 @@ def make_prompts(conf: GenerateConf) -> tuple[list[list[int]], object | None]:
 
         tok = AutoTokenizer.from_pretrained(conf.model.checkpoint, local_files_only=True)
         return [tok(p)["input_ids"] for p in w.prompts], tok
+    vocab_size = conf.model.vocab_size
+    if conf.model.checkpoint:
+        from transformers import AutoConfig
+
+        vocab_size = AutoConfig.from_pretrained(conf.model.checkpoint, local_files_only=True).vocab_size
     g = torch.Generator().manual_seed(w.seed)
-    return [torch.randint(0, conf.model.vocab_size, (n,), generator=g).tolist() for n in w.prompt_lens], None
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in w.prompt_lens], None
 
 
 def sampling_params(conf: GenerateConf) -> SamplingParams:
