@@ -22,6 +22,9 @@ What it does, in order:
 Results go to benchmarks/results/decode-<date>.json as {"date", "gpu", "torch", "triton",
 "metrics"}. Bandwidth counts each KV byte the attention must read once (K and V for GQA, the
 576-wide latent row for MLA); MLA also reports TFLOP/s, as 128 heads make it compute-bound.
+Each kernel shape is timed eagerly (``ms``: what an eager caller sees, host launch path
+included) and replayed from a CUDA graph (``graph_ms``: the device time, as in graph-captured
+decode); at small shapes the two differ by the eager launch path (~0.05-0.1 ms).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from cp_modules.cache import (  # noqa: E402
 )
 from cp_modules.kernels.paged_decode import (  # noqa: E402
     DecodeConfig,
+    choose_mla_num_splits,
     choose_num_splits,
     default_config,
     paged_attention_kernel,
@@ -185,13 +189,32 @@ def bench_ms(fn) -> float:
     return float(do_bench(fn, warmup=5, rep=30, return_mode="median"))
 
 
-def run_kernel_shape(model: Model, batch: int, ctx: int, splits=None, config=None) -> dict:
+def graph_ms(fn) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: the device time without the eager
+    launch path (Python, allocations, Triton's dispatch), which decode hides the same way."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = bench_ms(graph.replay)
+    del graph
+    return ms
+
+
+def run_kernel_shape(
+    model: Model, batch: int, ctx: int, splits=None, config=None, with_graph=False
+) -> dict:
     q, bt, seq, kv_len = make_inputs(model, batch, ctx)
     cfg = config or model.default_config()
-    used_splits = splits or choose_num_splits(
-        model.num_programs(batch, cfg), bt.shape[1] * BLOCK_SIZE,
-        num_sms(),
-    )  # fmt: skip
+    if model.mla:
+        used_splits = splits or choose_mla_num_splits(
+            model.num_programs(batch, cfg), bt.shape[1] * BLOCK_SIZE, num_sms(), cfg.block_n
+        )
+    else:
+        used_splits = splits or choose_num_splits(
+            model.num_programs(batch, cfg), bt.shape[1] * BLOCK_SIZE, num_sms()
+        )
     out, lse = model.kernel(q, bt, seq, kv_len, splits, cfg)
     res = {"batch": batch, "context": ctx, "num_splits": used_splits, "check": None}
     res["check"] = check(model, q, bt, seq, kv_len, out, lse)
@@ -203,6 +226,13 @@ def run_kernel_shape(model: Model, batch: int, ctx: int, splits=None, config=Non
         kv_tbps=model.kv_bytes(kv_len) / ms / 1e9,
         tflops=model.flops(kv_len) / ms / 1e9,
     )
+    if with_graph:
+        gms = graph_ms(lambda: model.kernel(q, bt, seq, kv_len, splits, cfg))
+        res.update(
+            graph_ms=gms,
+            graph_kv_tbps=model.kv_bytes(kv_len) / gms / 1e9,
+            graph_tflops=model.flops(kv_len) / gms / 1e9,
+        )
     return res
 
 
@@ -290,9 +320,11 @@ def main() -> int:
         model.allocate(triton.cdiv(max_tokens, BLOCK_SIZE) + 64)
         rows = []
         for b, c in combos:
-            res = run_kernel_shape(model, b, c)
+            res = run_kernel_shape(model, b, c, with_graph=True)
             print(f"[{name}] B={b:4d} ctx={c:6d} splits={res['num_splits']:3d} "
                   + (f"{res['ms']:.3f} ms {res['kv_tbps']:.2f} TB/s {res['tflops']:.0f} TFLOP/s"
+                     f" | graph {res['graph_ms']:.3f} ms {res['graph_kv_tbps']:.2f} TB/s "
+                     f"{res['graph_tflops']:.0f} TFLOP/s"
                      if res["check"]["ok"] else f"FAILED CHECK {res['check']}"), flush=True)  # fmt: skip
             if not res["check"]["ok"]:
                 failures.append((name, b, c))
@@ -312,8 +344,13 @@ def main() -> int:
             "skipped_over_cache_limit": skipped,
         }
         ok_rows = [r for r in rows if r["check"]["ok"]]
-        big = [r["kv_tbps"] for r in ok_rows if r["batch"] * r["context"] >= 1 << 20]
-        metrics["shapes"][name]["min_kv_tbps_where_B_ctx_ge_1M"] = min(big) if big else None
+        big = [r for r in ok_rows if r["batch"] * r["context"] >= 1 << 20]
+        metrics["shapes"][name]["min_kv_tbps_where_B_ctx_ge_1M"] = (
+            min(r["kv_tbps"] for r in big) if big else None
+        )
+        metrics["shapes"][name]["min_graph_kv_tbps_where_B_ctx_ge_1M"] = (
+            min(r["graph_kv_tbps"] for r in big) if big else None
+        )
 
         # DCP emulation: the shard one rank holds of 8 requests of 128k tokens.
         if not args.quick and time.monotonic() - t_start < TIME_BUDGET_S:
@@ -346,8 +383,9 @@ def main() -> int:
         # Config sweep on one bandwidth-bound and one split-KV shape.
         if not args.quick and time.monotonic() - t_start < TIME_BUDGET_S:
             if model.mla:
-                configs = [(32, 32, 8, 2), (16, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2),
-                           (32, 16, 4, 2), (64, 16, 8, 2), (16, 64, 4, 2)]  # fmt: skip
+                # (block_h, block_n, num_warps, num_stages, split_scores)
+                configs = [(64, 64, 8, 2, True), (64, 64, 8, 2, False), (64, 32, 8, 2, True),
+                           (64, 32, 8, 3, False), (64, 64, 16, 2, True)]  # fmt: skip
             else:
                 configs = [(16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 3), (16, 64, 8, 3),
                            (16, 64, 4, 2), (16, 128, 8, 2), (16, 64, 4, 4)]  # fmt: skip

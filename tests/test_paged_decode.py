@@ -17,6 +17,7 @@ from cp_modules.cache import (
 )
 from cp_modules.kernels.paged_decode import (
     DecodeConfig,
+    choose_mla_num_splits,
     choose_num_splits,
     default_config,
     paged_attention_kernel,
@@ -248,25 +249,32 @@ def test_gqa_kernel_matches_reference_interpreted(case):
 
 
 MLA_CASES = [
-    (64, 16, 20, 16, 16, 1, torch.float32),
-    (64, 16, 20, 8, 16, 3, torch.float32),
-    (512, 64, 16, 16, 16, 2, torch.float16),
+    (64, 16, 20, 16, 16, 1, torch.float32, False),
+    (64, 16, 20, 8, 16, 3, torch.float32, True),
+    (512, 64, 16, 16, 16, 2, torch.float16, False),
 ]
 
 
 @pytest.mark.parametrize(
-    ("rk", "rope", "h", "bs", "block_n", "splits", "dtype"),
+    ("rk", "rope", "h", "bs", "block_n", "splits", "dtype", "split_scores"),
     MLA_CASES,
-    ids=[f"R{c[0]}-P{c[1]}-H{c[2]}-BS{c[3]}-S{c[5]}-{str(c[6]).split('.')[-1]}" for c in MLA_CASES],
+    ids=[
+        f"R{c[0]}-P{c[1]}-H{c[2]}-BS{c[3]}-S{c[5]}-{str(c[6]).split('.')[-1]}"
+        + ("-split" if c[7] else "")
+        for c in MLA_CASES
+    ],
 )
-def test_mla_kernel_matches_reference_interpreted(rk, rope, h, bs, block_n, splits, dtype):
+def test_mla_kernel_matches_reference_interpreted(
+    rk, rope, h, bs, block_n, splits, dtype, split_scores
+):
     lengths, d, rank, il = [3, 120], 2, 1, 4  # rank 1 holds none of the first request
     shard = build_shard(lengths, bs=bs, d=d, rank=rank, interleave=il, dtype=dtype, mla=(rk, rope))
     rows, kv_len = _dcp_queries(lengths, d, rank, il, extra_tokens=0)
     assert kv_len.tolist() == [0, local_seq_len(120, d, rank, il)] == [0, 60]
     q = torch.randn(rows.numel(), h, rk + rope).to(dtype)
     scale = (128 + rope) ** -0.5
-    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1)
+    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1,
+                       split_scores=split_scores)  # fmt: skip
     out, lse = paged_mla_attention_kernel(q, shard.caches[0], shard.block_table, rows, kv_len,
                                           scale, rk, splits, config=cfg)  # fmt: skip
     args = (q, shard.caches[0], shard.block_table, rows, kv_len, scale, rk)
@@ -280,7 +288,8 @@ def test_default_tiles():
     assert (gqa.block_h, gqa.block_n) == (16, 64)
     assert default_config(1, 64, 64, 0).block_n == 64
     mla = default_config(128, 512, 512, 64)
-    assert (mla.block_h, mla.block_n, mla.num_warps) == (32, 32, 8)
+    assert (mla.block_h, mla.block_n, mla.num_warps) == (64, 64, 8)
+    assert default_config(16, 512, 512, 64).block_h == 16
 
 
 def test_split_count_depends_on_static_shapes_only():
@@ -290,6 +299,18 @@ def test_split_count_depends_on_static_shapes_only():
     assert choose_num_splits(8, 1024, 132) == 4
     assert choose_num_splits(1, 1 << 20, 132) == 64
     assert choose_num_splits(4, 100, 132) == 1
+
+
+def test_mla_split_count_minimises_the_waves_times_split_length():
+    # One MLA program per SM: the fewest splits within 2 % of the best waves x split length.
+    assert choose_mla_num_splits(2, 1 << 17, 132) == 64  # B=1: 128 programs of 32 tiles
+    assert choose_mla_num_splits(16, 1 << 17, 132) == 8  # B=8: 128 programs
+    assert choose_mla_num_splits(128, 1 << 17, 132) == 1
+    assert choose_mla_num_splits(96, 1 << 17, 132) == 4  # 3 full waves
+    assert choose_mla_num_splits(512, 1 << 17, 132) == 1
+    assert choose_mla_num_splits(2, 4096, 132) == 16  # capped by 256-token splits
+    assert choose_mla_num_splits(2, 100, 132) == 1
+    assert choose_mla_num_splits(0, 4096, 132) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,6 +422,26 @@ def test_gpu_kernels_match_reference(dtype, bs, interleave, kind, splits):
         out, lse = paged_mla_attention_kernel(*args, splits)
         ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
     check_against_reference(out, lse, ref, same, atol=1e-4, name=kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("splits", [None, 1, 7], ids=["Sauto", "S1", "S7"])
+def test_gpu_mla_128_heads_matches_reference(dtype, bs, splits):
+    """DeepSeek's shape: 128 heads in 64-head tiles, on a DCP shard with empty queries."""
+    d, rank, interleave = 2, 1, 4
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave, dtype=dtype,
+                        device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=1)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    assert (kv_len == 0).any()
+    q = torch.randn(rows.numel(), 128, 576, device="cuda", generator=gen).to(dtype)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    out, lse = paged_mla_attention_kernel(*args, splits)
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name="mla-128")
 
 
 @pytest.mark.gpu

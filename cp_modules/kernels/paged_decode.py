@@ -2,13 +2,22 @@
 
 Shape letters: T = queries, Hq = query heads, Hkv = KV heads, G = Hq // Hkv, Dk = key dim,
 Dpe = rope dim (MLA only), Dv = value dim, NB = physical blocks, BS = tokens per block,
-R = block-table rows, M = entries per row, S = KV splits.
+R = block-table rows, M = entries per row, S = KV splits, Rk = MLA latent width
+(kv_lora_rank; the MLA kernel's ``R``, with ``P`` = Dpe).
 
-One program serves one (KV head, head tile) pair of one query over one split of its KV range.
-All the query heads that share a KV head form the M dimension of ``tl.dot`` (padded to 16), so
-each K/V tile is read from HBM once for the whole group; MLA is the case Hkv = 1 with the 128
-heads cut into tiles, whose programs sit next to each other in the grid so the latent tile is
-shared through L2. Keys are read block-table-driven, tile by tile.
+GQA/MHA: one program serves one (KV head, head tile) pair of one query over one split of its
+KV range. All the query heads that share a KV head form the M dimension of ``tl.dot`` (padded
+to 16), so each K/V tile is read from HBM once for the whole group. Keys are read
+block-table-driven, tile by tile.
+
+MLA has its own kernel: one program takes 64 of the query's heads (two programs for
+DeepSeek's 128, next to each other in the grid so the latent tile is shared through L2) over
+one split. Each 64-token latent tile [64, Rk + Dpe] is loaded once into shared memory and
+serves as the keys of two score products (Rk and Dpe wide) and, through its first Rk columns,
+as the values. The [64, Rk] fp32 accumulator takes half the register file, so the program
+runs 8 warps (two warp groups, each holding half of the output columns) and fills shared
+memory (Q plus two latent tiles in flight): one program per SM, which the split count accounts
+for. With 128 heads the kernel is compute-bound (~242 FLOP per KV byte).
 
 Split-KV (flash-decoding): the split count S is chosen on the host from static shapes only
 (programs per split and the block table's capacity); each program takes an equal,
@@ -19,6 +28,7 @@ out = 0 and lse = -inf. Nothing here syncs with the host, so the launch is CUDA-
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,8 +38,10 @@ import triton.language as tl
 
 __all__ = [
     "DecodeConfig",
+    "choose_mla_num_splits",
     "choose_num_splits",
     "default_config",
+    "mla_default_config",
     "paged_attention_kernel",
     "paged_mla_attention_kernel",
 ]
@@ -40,6 +52,9 @@ _LOG2E = 1.0 / _LN2
 # they win in parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
+# Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
+# output), in units of one 64-token latent tile.
+_SPLIT_COST_TILES = 5
 
 
 @triton.jit
@@ -174,6 +189,131 @@ def _paged_attn_kernel(
         tl.store(l_ptrs, lse2, mask=h_mask)
 
 
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_mla_kernel(
+    Q,
+    C,
+    BT,
+    SEQ_IDX,
+    KV_LEN,
+    OUT,
+    LSE,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_btr,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    max_kv_len,
+    num_splits,
+    H: tl.constexpr,
+    NUM_HEAD_TILES: tl.constexpr,
+    PAGE: tl.constexpr,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    SPLIT_SCORES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_H heads of one query over one split of its KV range. A latent tile
+    # [BLOCK_N, R + P] is loaded once and serves as the keys of both score products
+    # (R wide and P wide) and, through its first R columns, as the values.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    t = (pid // NUM_HEAD_TILES).to(tl.int64)
+    offs_h = (pid % NUM_HEAD_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+
+    row = tl.load(SEQ_IDX + t).to(tl.int64)
+    kv_len = tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len)
+    kv_len = tl.maximum(kv_len, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    r_mask = offs_r < R
+    p_mask = offs_p < P
+    q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    q_pe = tl.load(q_rows + R + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    bt_row = BT + row * stride_btr
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        if PAGE % BLOCK_N == 0:
+            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            tok = blk * stride_cb + (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_cs
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            tok = blk * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cs
+        # Rows past the range are zero-filled: their NaN/garbage must not reach P @ V.
+        kv = tl.load(
+            C + tok[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+        )
+        k_pe = tl.load(
+            C + tok[:, None] + R + offs_p[None, :],
+            mask=n_mask[:, None] & p_mask[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
+        if SPLIT_SCORES:
+            # Two separate products (not one accumulating into the other) so that neither
+            # score product feeds a later product directly; see below.
+            s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+            s = s * qk_scale + s_pe * qk_scale
+        else:
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+            s = s * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        if SPLIT_SCORES:
+            # The compiler gives a score product whose result flows into another product the
+            # layout with every warp along the heads; with 64 heads and 8 warps that computes
+            # the scores twice. Passing P and the rescale factor through a (never-false)
+            # branch hides the chain, so the score tile is split over the warps by columns.
+            if kv_len > 0:
+                alpha = tl.exp2(m_i - m_new)
+                pv = p.to(kv.dtype)
+            else:
+                alpha = tl.exp2(m_i - m_new)
+                pv = p.to(kv.dtype)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            pv = p.to(kv.dtype)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(pv, kv, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_ptrs = OUT + t * stride_ot + offs_h[:, None] * stride_oh + split * stride_os + offs_r[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
+    l_ptrs = LSE + t * stride_lt + offs_h * stride_lh + split * stride_ls
+    if PARTIAL:
+        tl.store(l_ptrs, lse2, mask=h_mask)  # base 2, for the merge
+    else:
+        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
+
+
 @triton.jit
 def _merge_splits_kernel(
     PO,
@@ -225,28 +365,56 @@ def _merge_splits_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile sizes and launch parameters of the split kernel."""
+    """Tile sizes and launch parameters of the split kernel.
+
+    ``split_scores`` (MLA only): spread the score tile over the warps by columns instead of
+    computing it in every warp group; None picks it from the tile (64 heads on 8 warps).
+    """
 
     block_h: int
     block_n: int
     num_warps: int
     num_stages: int
+    split_scores: bool | None = None
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+@functools.lru_cache(maxsize=256)
 def default_config(group: int, dk: int, dv: int, dpe: int) -> DecodeConfig:
-    """Tiles for a head group of ``group`` query heads per KV head and these head dims."""
+    """Tiles for a head group of ``group`` query heads per KV head and these head dims.
+
+    A rope part (``dpe > 0``) means the MLA kernel: :func:`mla_default_config`.
+    """
+    if dpe > 0:
+        return mla_default_config(group)
     block_h = min(64, max(16, _pow2(group)))
     if dk + dpe > 256 or dv > 256:
-        # Wide rows (the MLA latent, 576 in / 512 out): a [BLOCK_H, Dv] fp32 accumulator lives
-        # in registers, so keep the head tile small and give it more warps.
+        # Wide rows: a [BLOCK_H, Dv] fp32 accumulator lives in registers, so keep the head
+        # tile small and give it more warps.
         return DecodeConfig(block_h=min(block_h, 32), block_n=32, num_warps=8, num_stages=2)
     return DecodeConfig(
         block_h=block_h, block_n=64 if max(dk, dv) <= 128 else 32, num_warps=4, num_stages=3
     )
+
+
+@functools.lru_cache(maxsize=64)
+def mla_default_config(heads: int) -> DecodeConfig:
+    """MLA tiles (latent 576 in / 512 out) for ``heads`` query heads.
+
+    The [BLOCK_H, 512] fp32 accumulator fills half the register file at 64 heads, so 64 heads
+    take 8 warps (two warp groups, each holding half of the output columns; the tensor-core
+    tile is 64 rows high). Q (72 KiB) and two 64-token latent tiles (2 x 72 KiB) fill shared
+    memory. Measured on an H200 (bf16): 64/64/8 warps/2 stages with the score tile split over
+    the warp groups ran at ~350 TFLOP/s; 32-token tiles, 16 warps or replicated scores ran
+    at 175-285.
+    """
+    block_h = min(64, max(16, _pow2(heads)))
+    if block_h >= 64:
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=2)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -273,6 +441,32 @@ def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
     want = triton.cdiv(2 * num_sms, num_programs)
     cap = max(1, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, _MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_mla_num_splits(
+    num_programs: int, max_kv_len: int, num_sms: int, block_n: int = 64
+) -> int:
+    """KV splits for MLA's ``num_programs`` (query, head-tile) programs, static shapes only.
+
+    An MLA program fills a multiprocessor's shared memory, so one runs per SM at a time. The
+    estimated makespan of ``s`` splits over a range of ``max_kv_len`` tokens (the block
+    table's capacity) is waves x (tiles per split + a fixed cost per program, larger when
+    partial outputs are written and merged); the count is the fewest splits within 2 % of the
+    best estimate, with splits no shorter than ``_MIN_SPLIT_TOKENS`` and at most
+    ``_MAX_SPLITS``. Memoised: it runs on every eager decode call.
+    """
+    if num_programs <= 0:
+        return 1
+    tiles = triton.cdiv(max(1, max_kv_len), block_n)
+    cap = max(1, min(_MAX_SPLITS, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS)))
+    costs = []
+    for s in range(1, cap + 1):
+        waves = triton.cdiv(num_programs * s, num_sms)
+        fixed = _SPLIT_COST_TILES if s > 1 else 1
+        costs.append(waves * (triton.cdiv(tiles, s) + fixed))
+    best = min(costs)
+    return next(s for s, c in enumerate(costs, 1) if c <= best * 1.02)
 
 
 def _launch(
@@ -310,15 +504,7 @@ def _launch(
         )
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (t * num_kv_heads * head_tiles, num_splits)
-    if num_splits == 1:
-        o_buf, l_buf = out, lse
-        so = (out.stride(0), out.stride(1), 0)
-        sl = (lse.stride(0), lse.stride(1), 0)
-    else:
-        o_buf = torch.empty(t, hq, num_splits, dv, dtype=torch.float32, device=q.device)
-        l_buf = torch.empty(t, hq, num_splits, dtype=torch.float32, device=q.device)
-        so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
-        sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
+    o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     _paged_attn_kernel[grid](
         q, k, v, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
         scale * _LOG2E,
@@ -335,15 +521,36 @@ def _launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_splits_kernel[(t, hq)](
-            o_buf, l_buf, out, lse,
-            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
-            l_buf.stride(0), l_buf.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), DV=dv, BLOCK_DV=_pow2(dv),
-            num_warps=4,
-        )  # fmt: skip
+        _launch_merge(o_buf, l_buf, out, lse)
     return out, lse
+
+
+def _split_buffers(
+    out: torch.Tensor, lse: torch.Tensor, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
+    """Where the split programs write: ``out``/``lse`` themselves, or fp32 partials."""
+    if num_splits == 1:
+        return out, lse, (out.stride(0), out.stride(1), 0), (lse.stride(0), lse.stride(1), 0)
+    t, hq, dv = out.shape
+    o_buf = torch.empty(t, hq, num_splits, dv, dtype=torch.float32, device=out.device)
+    l_buf = torch.empty(t, hq, num_splits, dtype=torch.float32, device=out.device)
+    so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
+    sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
+    return o_buf, l_buf, so, sl
+
+
+def _launch_merge(
+    o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    t, hq, num_splits, dv = o_buf.shape
+    _merge_splits_kernel[(t, hq)](
+        o_buf, l_buf, out, lse,
+        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
+        l_buf.stride(0), l_buf.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), DV=dv, BLOCK_DV=_pow2(dv),
+        num_warps=4,
+    )  # fmt: skip
 
 
 def paged_attention_kernel(
@@ -389,15 +596,44 @@ def paged_mla_attention_kernel(
     """Absorbed MLA decode: q [T, H, R + P] vs latent cache [NB, BS, R + P] -> (out [T, H, R], lse).
 
     The value of a token is the first R elements of its latent row, which the kernel reuses
-    from the key tile it already loaded.
+    from the key tile it already loaded. ``num_splits`` None or 0 picks the split count from
+    static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles.
     """
     assert q.stride(-1) == 1 and cache.stride(-1) == 1
+    t, h, _ = q.shape
     _, page, width = cache.shape
-    dpe = width - kv_lora_rank
-    strides = (cache.stride(0), cache.stride(1), 0)
-    return _launch(
-        q, cache, cache, block_table, query_seq_idx, query_kv_len, scale,
-        num_kv_heads=1, dk=kv_lora_rank, dpe=dpe, dv=kv_lora_rank, page=page,
-        stride_k=strides, stride_v=strides,
-        v_is_k=True, num_splits=num_splits, config=config,
+    rope = width - kv_lora_rank
+    out = q.new_empty(t, h, kv_lora_rank)
+    lse = q.new_empty(t, h, dtype=torch.float32)
+    if t == 0:
+        return out, lse
+    cfg = config or mla_default_config(h)
+    if config is None and q.element_size() > 2:
+        # fp32 tiles take twice the shared memory: fewer heads and tokens per program.
+        cfg = DecodeConfig(block_h=min(cfg.block_h, 16), block_n=32, num_warps=4, num_stages=2)
+    split_scores = cfg.split_scores
+    if split_scores is None:
+        split_scores = cfg.block_h >= 64 and cfg.num_warps >= 8
+    head_tiles = triton.cdiv(h, cfg.block_h)
+    max_kv_len = block_table.shape[1] * page
+    if not num_splits:
+        num_splits = choose_mla_num_splits(
+            t * head_tiles, max_kv_len, _num_sms(q.device), cfg.block_n
+        )
+    o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    _paged_mla_kernel[(t * head_tiles, num_splits)](
+        q, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
+        *so, *sl,
+        max_kv_len, num_splits,
+        H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, R=kv_lora_rank, P=rope,
+        BLOCK_R=_pow2(kv_lora_rank), BLOCK_P=_pow2(rope),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PARTIAL=num_splits > 1,
+        SPLIT_SCORES=bool(split_scores),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if num_splits > 1:
+        _launch_merge(o_buf, l_buf, out, lse)
+    return out, lse
