@@ -94,7 +94,9 @@ class GenerationEngine:
         num_blocks: KV-cache blocks per rank and layer; default: enough for every request of a
             ``generate`` call at full length.
         compile: ``torch.compile`` the prefill and the decode forward (dynamic shapes; the
-            attention op is opaque to the compiler, so new batch compositions reuse the graphs).
+            attention op is opaque to the compiler, so new batch compositions reuse the graphs:
+            one for prefill steps, one for decode steps and one for single-token decode steps,
+            which dynamic shapes specialize).
         compile_backend: the ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces
             without code generation).
         progress: show a progress bar (rank 0 only).
@@ -251,7 +253,7 @@ class GenerationEngine:
             while not sched.done:
                 batch = sched.schedule()
                 t_step = time.perf_counter()
-                tokens = self._step(batch, params, generator)
+                tokens = self._step(batch, params, generator, first=steps == 0)
                 now = time.perf_counter()
                 if batch.num_prefill_tokens:
                     prefill_s += now - t_step
@@ -285,20 +287,21 @@ class GenerationEngine:
             stats=stats,
         )
 
-    def _step(self, batch: StepBatch, params: SamplingParams, generator: torch.Generator) -> list[int]:
+    def _step(
+        self, batch: StepBatch, params: SamplingParams, generator: torch.Generator, first: bool
+    ) -> list[int]:
         """Run one step on this rank; return the sampled ids of ``batch.sample_requests``."""
         meta = build_step_metadata(
             self.runtime, batch.num_new, batch.num_computed, block_table=batch.block_table,
             block_size=self.block_size, device=self.device,
+            # Ranks given the same prompts schedule the same steps (the sampled ids are
+            # broadcast): compare the batch across ranks once per call, not at every step.
+            check_consistency=first,
         )
         # [1, T] ids and positions: one row of local tokens (fresh tensors, not views).
         ids = batch.input_ids.to(self.device, non_blocking=True)[None].index_select(1, meta.token_indices)
         positions = meta.positions[None].clone()
         forward = self._decode_fn if meta.all_decode else self._prefill_fn
-        if self._compiled and meta.all_decode:
-            # One decode graph for every batch size, 1 included (no 0/1 specialization).
-            torch._dynamo.decorators.mark_unbacked(ids, 1)
-            torch._dynamo.decorators.mark_unbacked(positions, 1)
         with cp_step(meta):
             hidden = forward(ids, positions)[0]
         if not batch.sample_requests:
