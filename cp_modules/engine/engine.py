@@ -3,10 +3,10 @@
 Each step the host scheduler picks decodes and prompt chunks (chunked prefill under a token
 budget), :func:`build_step_metadata` plans the step for this rank (DualChunkSwap share of the
 prompt tokens over PCP, decode tokens replicated, cache slots on this DCP shard), the model's
-own forward runs on the local tokens, hidden states are restored to batch order over PCP, and
-the LM head and the sampler run on the last token of every request that needs a next token.
-Sampled ids are broadcast from rank 0 and read on the host once per step: the only host sync
-of a step.
+own forward runs on the local tokens, and the LM head and the sampler run on the hidden state
+of the last token of every request that needs a next token (only those rows are gathered
+over PCP, in batch order). Sampled ids are broadcast from rank 0 and read on the host once per
+step: the only host sync of a step.
 
 Shapes: N = new tokens of the step (batch order), T = this rank's local tokens, S = requests
 sampled this step, V = vocabulary.
@@ -24,10 +24,11 @@ from torch import nn
 
 from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache, kv_cache_bytes_per_block
+from cp_modules.distributed.collectives import all_gather
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.modules.attention import CPFlashAttention
-from cp_modules.modules.context import CPRuntime, build_step_metadata, cp_step, restore_tokens
+from cp_modules.modules.context import CPRuntime, build_step_metadata, cp_step
 from cp_modules.modules.hf_swap import cp_attention_layers
 
 __all__ = ["GenerationEngine", "GenerationResult", "GenerationStats"]
@@ -307,13 +308,29 @@ class GenerationEngine:
         if not batch.sample_requests:
             return []
         rows = batch.sample_rows.to(self.device, non_blocking=True)
-        logits = self.lm_head(restore_tokens(hidden, meta).index_select(0, rows)).float()
+        logits = self.lm_head(_gather_rows(hidden, meta, rows)).float()
         tokens = sample_tokens(logits, params, generator)
         if self.world_size > 1:
             # Every rank holds the same logits and generator state; the broadcast makes the
             # choice identical even if a reduction order ever made logits differ in a last bit.
             dist.broadcast(tokens, src=0)
         return tokens.tolist()
+
+
+def _gather_rows(hidden: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (batch order) of the step's hidden states: ``[T, H] -> [S, H]``.
+
+    What ``restore_tokens(hidden, meta)[rows]`` returns, but each PCP rank contributes only S
+    rows to the all-gather instead of its T: a long prompt's hidden states stay where they are.
+    """
+    rt = meta.runtime
+    src = meta.plan.gather_index.index_select(0, rows)  # position in the all-gathered [P*T]
+    if rt.pcp_size == 1:
+        return hidden.index_select(0, src)
+    t, s = hidden.shape[0], rows.shape[0]
+    # Every rank sends the local rows at the owners' offsets; only the owner's copy is kept.
+    picked = all_gather(hidden.index_select(0, src % t), rt.pcp_group, rt.pcp_size)  # [P*S, H]
+    return picked.index_select(0, src // t * s + torch.arange(s, device=src.device))
 
 
 def _local_rows(linear: nn.Linear) -> int:

@@ -70,6 +70,8 @@ def _rope_from_hf(position_embeddings, kwargs, rotary) -> tuple[torch.Tensor, to
     if isinstance(position_embeddings, torch.Tensor) and position_embeddings.is_complex():
         # DeepSeek-V2 rotates interleaved pairs by complex factors e^{i θ}: the same rotation
         # as cos/sin over (x[2i], x[2i+1]), which the MLA module applies with rope_interleave.
+        # It returns the rotated dims in rotate-half order, V2 keeps them interleaved: q·k is
+        # unchanged because q and k share the order.
         f = position_embeddings[0]
         cos, sin = f.real, f.imag
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -127,7 +129,7 @@ class HFCPMLAAttention(CPMLAAttention):
     @classmethod
     def from_hf(cls, attn: nn.Module, config) -> HFCPMLAAttention:
         """Adapter owning ``attn``'s projection and norm modules (weights kept, not copied)."""
-        complex_rope = type(attn).__name__.startswith("DeepseekV2")
+        complex_rope = getattr(config, "model_type", "") == "deepseek_v2"
         if attn.kv_b_proj.bias is not None:
             raise ValueError("kv_b_proj with a bias cannot be absorbed into the MLA decode query")
         with torch.device("meta"):  # every parameter is replaced by attn's own below
