@@ -179,8 +179,9 @@ class GenerateWorkload:
     """Prompts, sampling and scheduling of ``recipes/generate.py`` (``conf/workload/generate``).
 
     Prompts are ``prompts`` (text, needs a checkpoint with a tokenizer) or, without them,
-    random ids of ``prompt_lens`` tokens drawn with ``seed``. ``max_num_tokens`` is the
-    per-step token budget (chunked prefill); ``check`` also generates on one process and fails
+    random ids of ``prompt_lens`` tokens drawn with ``seed``. ``eos_token_id``: the stop token
+    (None: the model's generation config's; the tiny models have none). ``max_num_tokens`` is
+    the per-step token budget (chunked prefill); ``check`` also generates on one process and fails
     unless greedy tokens are identical.
     """
 

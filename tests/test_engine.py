@@ -186,6 +186,8 @@ def test_engine_rejects_bad_inputs():
         engine.generate([[1, 2], []])
     with pytest.raises(ValueError, match="vocab_size=256"):
         engine.generate([[1, 256]])
+    with pytest.raises(ValueError, match="max_position_embeddings=4096"):
+        engine.generate([[1] * 4000], SamplingParams(max_new_tokens=100))
     with pytest.raises(ValueError, match="at least one prompt"):
         engine.generate([])
     with pytest.raises(ValueError, match="max_num_tokens"):

@@ -183,6 +183,8 @@ class GenerationEngine:
             return self._cache_blocks
         per_block = 0
         for layer in self.layers:
+            layer.kv_cache = None  # free the smaller cache before allocating the larger one
+        for layer in self.layers:
             if isinstance(layer, CPFlashAttention):
                 kv_heads = 1 if layer.kv_replica_index is not None else _local_rows(layer.k_proj) // layer.head_dim
                 layer.kv_cache = allocate_kv_cache(
@@ -232,11 +234,18 @@ class GenerationEngine:
         """Generate for every prompt (token ids); the same call, with the same inputs, on every rank.
 
         Raises:
-            ValueError: for empty prompts, ids outside the vocabulary, or a cache too small for
-                one request.
+            ValueError: for empty prompts, ids outside the vocabulary, requests longer than the
+                model's max_position_embeddings, or a cache too small for one request.
         """
         params = params or SamplingParams()
         prompts = self._check_prompts(prompts)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"the longest prompt plus max_new_tokens={params.max_new_tokens} is {longest} "
+                f"tokens, more than the model's max_position_embeddings={limit}"
+            )
         requests = [Request(i, p, params.max_new_tokens) for i, p in enumerate(prompts)]
         dcp = self.runtime.dcp_size
         need = self.num_blocks or sum(dcp_num_blocks(r.max_len, self.block_size, dcp) for r in requests)

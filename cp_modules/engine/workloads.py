@@ -29,6 +29,7 @@ __all__ = [
     "compare_outputs",
     "generate_on_rank",
     "make_prompts",
+    "sampling_params",
     "single_process",
 ]
 
@@ -59,11 +60,15 @@ def make_prompts(conf: GenerateConf) -> tuple[list[list[int]], object | None]:
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in w.prompt_lens], None
 
 
-def sampling_params(conf: GenerateConf) -> SamplingParams:
+def sampling_params(conf: GenerateConf, model=None) -> SamplingParams:
+    """The workload's sampling; without an ``eos_token_id`` the model's generation config's."""
     w = conf.workload
+    eos = w.eos_token_id
+    if eos is None and model is not None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     return SamplingParams(
         max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_k=w.top_k,
-        top_p=w.top_p, seed=w.seed, eos_token_id=w.eos_token_id,
+        top_p=w.top_p, seed=w.seed, eos_token_id=eos,
     )
 
 
@@ -105,7 +110,7 @@ def generate_on_rank(
         conf.model, conf.parallel, conf.backend, max_num_tokens=w.max_num_tokens,
         max_num_seqs=w.max_num_seqs, progress=w.progress,
     )
-    params = sampling_params(conf)
+    params = sampling_params(conf, engine.model)
     if conf.backend.compile:
         # Compile the prefill and decode graphs before the timed run.
         engine.generate(prompts, dataclasses.replace(params, max_new_tokens=2))
