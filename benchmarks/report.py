@@ -63,18 +63,24 @@ def goals(r: dict) -> list[dict]:
     for kind in ("gqa", "mla"):
         big = [x for x in dec.get(kind, {}).get("results", []) if x["batch"] * x["context"] >= 2**20 and "kv_tbps" in x]
         if big:
-            worst = min(big, key=lambda x: x["kv_tbps"])
+            worst = min(big, key=_decode_tbps)
             note = ""
             if kind == "mla":
                 note = ("128 heads share each 576-wide latent row: ~242 FLOP per KV byte, above the "
                         "H200 ridge (~206), so this shape is compute-bound and its TB/s ceiling is "
                         "~ matmul rate / 242")
-            add(f"paged decode {kind} KV TB/s, worst with B*ctx >= 1M (B={worst['batch']}, ctx={worst['context']})",
-                worst["kv_tbps"], 3.4, note=note)
+            add(f"paged decode {kind} KV TB/s (CUDA graph), worst with B*ctx >= 1M "
+                f"(B={worst['batch']}, ctx={worst['context']})", _decode_tbps(worst), 3.4, note=note)
         b1 = [x for x in dec.get(kind, {}).get("results", []) if x["batch"] == 1 and "kv_tbps" in x]
         if b1:
-            add(f"paged decode {kind} B=1 ctx={b1[-1]['context']} KV TB/s", b1[-1]["kv_tbps"], 3.4)
+            add(f"paged decode {kind} B=1 ctx={b1[-1]['context']} KV TB/s (CUDA graph)",
+                _decode_tbps(b1[-1]), 3.4, note=note if kind == "mla" else "")
     return out
+
+
+def _decode_tbps(x: dict) -> float:
+    """The kernel's own rate: CUDA-graph replay when measured (eager adds ~0.1 ms of launch)."""
+    return x.get("graph_kv_tbps", x["kv_tbps"])
 
 
 def flat_metrics(r: dict) -> dict:
@@ -95,6 +101,8 @@ def flat_metrics(r: dict) -> dict:
         for x in sv.get("results", []):
             if "kv_tbps" in x:
                 m[f"decode_{kind}_B{x['batch']}_ctx{x['context'] // 1024}k_TBps"] = x["kv_tbps"]
+            if "graph_kv_tbps" in x:
+                m[f"decode_{kind}_B{x['batch']}_ctx{x['context'] // 1024}k_graph_TBps"] = x["graph_kv_tbps"]
     for k, v in r.get("modules", {}).get("metrics", {}).items():
         m[f"module_{k}"] = v
     ce = r.get("ceilings", {}).get("metrics", {})
@@ -123,7 +131,7 @@ def plots(r: dict, stem: Path) -> list[str]:
             by_b: dict[int, list] = {}
             for x in sv.get("results", []):
                 if "kv_tbps" in x:
-                    by_b.setdefault(x["batch"], []).append((x["context"], x["kv_tbps"]))
+                    by_b.setdefault(x["batch"], []).append((x["context"], _decode_tbps(x)))
             for b, pts in sorted(by_b.items()):
                 pts.sort()
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"B={b}")
@@ -131,7 +139,7 @@ def plots(r: dict, stem: Path) -> list[str]:
             ax.axhline(3.4, color="r", ls=":", label="goal 3.4 TB/s")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context (tokens)")
-            ax.set_ylabel("KV read TB/s")
+            ax.set_ylabel("KV read TB/s (CUDA-graph replay)")
             ax.set_title(f"paged decode, {kind}")
             ax.legend(fontsize=7)
         fig.tight_layout()
