@@ -288,10 +288,10 @@ def pcp_prefill_attention_cuda(
     has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
-    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None
+    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    for seg in segments.tolist():
+    for seg in segments.tolist():  # ok: host (segments_host)
         q0, ql = seg[1], seg[2]
         if ql == 0:
             continue
@@ -331,7 +331,7 @@ def pcp_prefill_attention_backward_cuda(
     has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
-    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None
+    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
     # A query gets up to three block gradients (square, rectangle, prefix): dq is accumulated
     # in fp32 and rounded once. A key gets at most two (a request's head and tail blocks), and
     # adding two kernel outputs in place computes in fp32 and rounds once, so dk/dv stay in
@@ -340,7 +340,7 @@ def pcp_prefill_attention_backward_cuda(
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dpk = torch.zeros_like(prefix_k) if has_prefix else None
     dpv = torch.zeros_like(prefix_v) if has_prefix else None
-    for seg in segments.tolist():
+    for seg in segments.tolist():  # ok: host (segments_host)
         q0, ql = seg[1], seg[2]
         if ql == 0:
             continue

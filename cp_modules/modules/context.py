@@ -144,9 +144,9 @@ def _check_batch(num_new: np.ndarray, num_computed: np.ndarray) -> None:
             f"length, got {num_new.shape} and {num_computed.shape}"
         )
     if (num_new < 1).any():
-        raise ValueError(f"every request needs >= 1 new token, got num_new_tokens={num_new.tolist()}")
+        raise ValueError(f"every request needs >= 1 new token, got num_new_tokens={num_new.tolist()}")  # ok: host (numpy)
     if (num_computed < 0).any():
-        raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed.tolist()}")
+        raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed.tolist()}")  # ok: host (numpy)
 
 
 def build_step_metadata(

@@ -221,7 +221,7 @@ def pcp_prefill_attention(
             if cu[0] != 0 or cu[-1] != prefix_k.shape[0] or bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(
                     f"prefix_cu_seqlens must rise from 0 to the {prefix_k.shape[0]} prefix "
-                    f"tokens, got {cu.tolist()}"
+                    f"tokens, got {cu.tolist()}"  # ok: host (error path, CPU tensor)
                 )
     return torch.ops.cp.pcp_prefill_attention(
         q, k_full, v_full, plan.segments_host, prefix_k, prefix_v, prefix_cu_seqlens, scale
