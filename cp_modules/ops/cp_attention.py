@@ -109,8 +109,7 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
                 f"KV cache holds [heads, dim] = {list(k_cache.shape[2:])} per token but the layer "
                 f"produces {list(k.shape[1:])} on this rank"
             )
-    out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    out_shape = (q.shape[0], q.shape[1], v.shape[2])
     if meta.all_decode:
         # Decode tokens are replicated on every PCP rank in batch order: nothing to gather.
         k_full, v_full = k, v
@@ -129,8 +128,12 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
                 prefix_v=_read_prefix(v_cache, meta),
                 prefix_cu_seqlens=meta.prefix_cu_seqlens,
             )
+        # Fresh outputs of the prefill op: decode rows are written into them in place.
         out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
-        out, lse = out.clone(), lse.clone()
+        lse = lse.float()
+    else:
+        out = q.new_zeros(out_shape)
+        lse = torch.full(out_shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     if meta.has_decode:
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
@@ -284,8 +287,7 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             raise ValueError(
                 f"MLA cache rows hold {cache.shape[-1]} values but the latent has {latent.shape[-1]}"
             )
-    out = torch.zeros((q.shape[0], h, dv), dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float32, device=q.device)
+    out_shape = (q.shape[0], h, dv)
     latent_full = latent if meta.all_decode else _gather(latent, meta)
     if has_cache:
         if meta.slot_mapping is None:
@@ -297,8 +299,12 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
         if meta.has_prefix:
             pk, pv = _up_project(_read_prefix(cache, meta), w_uk, w_uv, rk, h)
             prefix = dict(prefix_k=pk, prefix_v=pv, prefix_cu_seqlens=meta.prefix_cu_seqlens)
+        # Fresh outputs of the prefill op: decode rows are written into them in place.
         out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
-        out, lse = out.clone(), lse.clone()
+        lse = lse.float()
+    else:
+        out = q.new_zeros(out_shape)
+        lse = torch.full(out_shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     if meta.has_decode:
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
