@@ -16,6 +16,7 @@ error of the dense fused kernel and of plain PyTorch attention in bf16.
 A shape that fails is reported as failed, without speeds, and the script exits with status 1.
 
 Metrics per shape and P: per-rank forward / backward time, ratio = rank time / (dense time / P)
+(dense and rank timings alternate over 3 rounds, medians kept, so clock drift cancels)
 (worst and mean over ranks; goals: worst forward <= 1.05 for the balance and <= 1.10 for
 forward and backward), peak memory of a rank vs dense. Fused select: GB/s moved (read +
 written) for the six outputs of the worst rank at S = 128k, P = 4 (goal >= 3.4 TB/s), next
@@ -133,8 +134,11 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def time_rank(plan, q, k, v, dout, scale):
-    """(forward ms, backward ms, peak MiB) of one rank's head/tail attention."""
+ROUNDS = 3
+
+
+def rank_fns(plan, q, k, v, dout, scale):
+    """(forward, backward, forward + backward) callables of one rank's head/tail attention."""
     ql, dl = q[plan.token_indices], dout[plan.token_indices]
     args = (plan.segments_host, None, None, None, scale)
 
@@ -142,14 +146,15 @@ def time_rank(plan, q, k, v, dout, scale):
         return pcp_prefill_attention_cuda(ql, k, v, *args)
 
     o, lse = forward()
-    t_fwd = do_bench(forward, return_mode="median")
-    t_bwd = do_bench(
+    return (
+        forward,
         lambda: pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, lse, *args),
-        return_mode="median",
+        lambda: pcp_prefill_attention_backward_cuda(dl, ql, k, v, *forward(), *args),
     )
-    # A rank holds the gathered K/V (k, v: already allocated) plus its own activations.
-    peak = peak_mib(lambda: pcp_prefill_attention_backward_cuda(dl, ql, k, v, *forward(), *args))
-    return t_fwd, t_bwd, peak
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
 
 
 def bench_shape(name, pcps, check_only=False):
@@ -235,28 +240,40 @@ def bench_shape(name, pcps, check_only=False):
         res["correct"] = ok
         return res, ok
 
-    t_fwd = do_bench(dense_fwd, return_mode="median")
-    t_bwd = do_bench(
-        lambda: attention_block_backward(
+    def dense_bwd():
+        return attention_block_backward(
             dout, q, k, v, out_d, lse_d, scale=scale, causal=True, backend=backend
-        ),
-        return_mode="median",
-    )
-    res["dense_ms"] = {"fwd": t_fwd, "bwd": t_bwd}
+        )
+
     res["dense_peak_mib"] = peak_mib(
         lambda: attention_block_backward(
             dout, q, k, v, *dense_fwd(), scale=scale, causal=True, backend=backend
         )
     )
+    # Dense and per-rank timings alternate over a few rounds (medians kept), so a drift of the
+    # GPU clock during the run moves the baseline and the ranks alike.
+    dense_f, dense_b = [], []
     for P in pcps:
-        times = [
-            time_rank(plan_pcp([S], [0], P, r, device=DEVICE), q, k, v, dout, scale)
+        fns = [
+            rank_fns(plan_pcp([S], [0], P, r, device=DEVICE), q, k, v, dout, scale)
             for r in range(P)
         ]
-        fwd, bwd, peaks = (list(x) for x in zip(*times))
+        fwd_runs, bwd_runs = [[] for _ in range(P)], [[] for _ in range(P)]
+        for _ in range(ROUNDS):
+            dense_f.append(do_bench(dense_fwd, return_mode="median"))
+            dense_b.append(do_bench(dense_bwd, return_mode="median"))
+            for r, (f, b, _) in enumerate(fns):
+                fwd_runs[r].append(do_bench(f, return_mode="median"))
+                bwd_runs[r].append(do_bench(b, return_mode="median"))
+        t_fwd, t_bwd = median(dense_f[-ROUNDS:]), median(dense_b[-ROUNDS:])
+        fwd, bwd = [median(x) for x in fwd_runs], [median(x) for x in bwd_runs]
+        # A rank holds the gathered K/V (k, v: already allocated) plus its own activations.
+        peaks = [peak_mib(both) for _, _, both in fns]
+        del fns
         ideal_f, ideal_b = t_fwd / P, t_bwd / P
         entry = res["pcp"][P]
         entry.update(
+            dense_ms={"fwd": t_fwd, "bwd": t_bwd},
             fwd_ms=fwd,
             bwd_ms=bwd,
             fwd_ratio_worst=max(fwd) / ideal_f,
@@ -277,6 +294,7 @@ def bench_shape(name, pcps, check_only=False):
             f"{res['dense_peak_mib']:.0f} MiB",
             flush=True,
         )
+    res["dense_ms"] = {"fwd": median(dense_f), "bwd": median(dense_b)}
     res["correct"] = True
     return res, True
 

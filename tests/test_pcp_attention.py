@@ -11,11 +11,15 @@ import torch
 
 from cp_modules.kernels.pcp_attention import (
     BLOCK_BACKENDS,
+    CUDNN_GQA,
+    _rows,
+    _square_groups,
     attention_block_backward,
     attention_block_forward,
     merge_partials_triton,
     pcp_prefill_attention_backward_cuda,
     pcp_prefill_attention_cuda,
+    sum_pieces_into,
 )
 from cp_modules.partition import pcp_prefill_attention, plan_pcp
 from cp_modules.reference.pcp_attention import (
@@ -32,6 +36,7 @@ BATCHES = {
     "odd-lengths": ([37, 5, 3, 20], [0, 0, 0, 0]),
     "decodes-in-front": ([1, 1, 19, 4], [7, 3, 0, 0]),
     "chunked-prefill": ([29, 2, 6], [13, 5, 0]),
+    "equal-lengths": ([24, 24, 24], [0, 0, 0]),
 }
 HEADS = {
     "GQA-4-2-D16": (4, 2, 16, 16),
@@ -122,6 +127,68 @@ def test_block_decomposition_equals_reference(pcp, batch):
             assert (a is None) == (b is None)
             if a is not None:
                 assert max_abs_err(a, b) < 1e-12
+
+
+def test_head_and_tail_squares_share_one_call():
+    # Equal-length requests: every rank's head and tail squares pair up (one batched call
+    # whose second batch entry is a strided view: no copy), and the pair equals two calls.
+    n, m = BATCHES["equal-lengths"]
+    q, k, v, _, _ = _tensors(n, m, 4, 2, 16, 8, torch.float64, seed=5)
+    for pcp in (2, 4):
+        for r in range(pcp):
+            plan = plan_pcp(n, m, pcp, r)
+            segs = [s for s in plan.segments_host.tolist() if s[2] > 0]
+            groups = _square_groups(segs)
+            assert [len(g) for g in groups] == [2] * len(n)
+            ql = q[plan.token_indices].contiguous()
+            for a, b in groups:
+                L = segs[a][2]
+                qs = [segs[a][1], segs[b][1]]
+                ks = [s[3] + s[4] - L for s in (segs[a], segs[b])]
+                pair_q, pair_k = _rows(ql, qs, L), _rows(k, ks, L)
+                assert pair_q.data_ptr() == ql[qs[0]].data_ptr()
+                assert pair_k.data_ptr() == k[ks[0]].data_ptr()
+                assert torch.equal(pair_q[1], ql[qs[1] : qs[1] + L])
+                assert torch.equal(pair_k[1], k[ks[1] : ks[1] + L])
+                both = attention_block_forward(
+                    pair_q, pair_k, _rows(v, ks, L), scale=0.3, causal=True
+                )
+                for j in range(2):
+                    one = attention_block_forward(
+                        ql[qs[j] : qs[j] + L], k[ks[j] : ks[j] + L], v[ks[j] : ks[j] + L],
+                        scale=0.3, causal=True,
+                    )  # fmt: skip
+                    assert torch.equal(both[0][j], one[0]) and torch.equal(both[1][j], one[1])
+    # Unequal squares, or a second segment that does not start later, run alone.
+    assert _square_groups([[0, 0, 5, 0, 5], [0, 5, 4, 0, 20]]) == [[0], [1]]
+    assert _square_groups([[0, 0, 5, 10, 5], [1, 5, 5, 0, 5]]) == [[0], [1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_sum_pieces_writes_each_row_once(dtype):
+    g = torch.Generator().manual_seed(7)
+    n = 40
+    # Overlaps of 1 to 4 pieces, uncovered rows, an empty piece, a piece ending at n.
+    spans = [(0, 10), (5, 12), (8, 3), (30, 10), (20, 0), (6, 4)]
+    pieces = [(a, torch.randn(m, 3, 4, generator=g).to(dtype)) for a, m in spans]
+    dst = torch.full((n, 3, 4), float("nan"), dtype=dtype)
+    sum_pieces_into(dst, pieces)
+    want = torch.zeros(n, 3, 4, dtype=torch.float64)
+    count = torch.zeros(n, dtype=torch.long)
+    for a, x in pieces:
+        want[a : a + x.shape[0]] += x.double()
+        count[a : a + x.shape[0]] += 1
+    assert count.max() == 4 and (count == 0).any()
+    if dtype == torch.float64:
+        assert max_abs_err(dst, want) < 1e-13
+    else:
+        # Rounded once from the fp32 sum: within half a bf16 ulp of the exact sum (for
+        # two pieces the fp32 sum of two bf16 values is exact).
+        exact = want.to(dtype).double()
+        assert torch.equal(dst.double()[count <= 2], exact[count <= 2])
+        ulp = want.abs().clamp_min(1e-30) * 2**-8
+        assert ((dst.double() - want).abs() <= ulp).all()
+    assert torch.all(dst[count == 0] == 0)
 
 
 def _partials(num, L, H, D, dtype, device="cpu"):
@@ -344,7 +411,8 @@ def test_gpu_block_backends_forward_and_backward(backend, causal, dims):
     qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
     params = torch.backends.cuda.SDPAParams(qt, kt, vt, None, 0.0, causal, hq != hkv)
     usable = {
-        "cudnn": hq == hkv and torch.backends.cuda.can_use_cudnn_attention(params, False),
+        "cudnn": (hq == hkv or CUDNN_GQA)
+        and torch.backends.cuda.can_use_cudnn_attention(params, False),
         "flash": dqk == dv and torch.backends.cuda.can_use_flash_attention(params, False),
         "reference": True,
     }
@@ -369,6 +437,37 @@ def test_gpu_block_backends_forward_and_backward(backend, causal, dims):
     base = torch.autograd.grad(same, lp, dout)
     for name, a, b, c in zip(["dq", "dk", "dv"], got, want, base):
         assert_close_to_reference(a, b, c, atol=1e-5, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+@pytest.mark.parametrize("dims", [(8, 8, 128), (8, 2, 128)], ids=["MHA", "GQA"])
+def test_gpu_paired_squares_equal_separate_calls(backend, dims):
+    # Two squares read through one strided [2, L, H, D] view (batch stride = distance between
+    # the blocks) give what two separate calls give, forward and backward.
+    hq, hkv, d = dims
+    T, N, L = 700, 1500, 256
+    q = torch.randn(T, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(N, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn(T, hq, d, device="cuda", dtype=torch.bfloat16)
+    qs, ks = [10, 400], [100, 1111]
+    pair = [_rows(x, s, L) for x, s in ((q, qs), (k, ks), (v, ks))]
+    if backend == "cudnn" and hq != hkv and not CUDNN_GQA:
+        pytest.skip("this PyTorch's cuDNN entry takes no GQA")
+    out, lse = attention_block_forward(*pair, scale=0.1, causal=True, backend=backend)
+    grads = attention_block_backward(
+        _rows(dout, qs, L), *pair, out, lse, scale=0.1, causal=True, backend=backend
+    )
+    for j, (a, b) in enumerate(zip(qs, ks)):
+        one = (q[a : a + L], k[b : b + L], v[b : b + L])
+        o, s = attention_block_forward(*one, scale=0.1, causal=True, backend=backend)
+        g = attention_block_backward(
+            dout[a : a + L], *one, out[j], lse[j], scale=0.1, causal=True, backend=backend
+        )
+        assert max_abs_err(out[j], o) == 0 and max_abs_err(lse[j], s) < 1e-6
+        # Kernels may accumulate in a different order between calls: within 2 bf16 ulps.
+        for name, x, y in zip(("dq", "dk", "dv"), (t[j] for t in grads), g):
+            assert max_abs_err(x, y) <= 2**-7 * y.abs().max().item(), name
 
 
 def _low_precision_attention(q, k, v, *, scale, causal):
