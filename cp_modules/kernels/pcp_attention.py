@@ -23,7 +23,6 @@ nothing here reads device memory on the host.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -401,8 +400,14 @@ def pcp_prefill_attention_cuda(
     return out, lse
 
 
-def _intervals(n: int, pieces: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int, list[int]]]:
-    """Runs ``(first, end, indices of the pieces covering them)`` that tile rows 0..n."""
+def sum_pieces_into(dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows)``; 0 elsewhere.
+
+    Each run of rows covered by the same pieces is written once: zero-filled, copied, or the
+    sum of its pieces computed in fp32 and rounded once (what ``a + b`` of two half tensors
+    does) — so no zeroed buffer is read back and each gradient block is read exactly once.
+    """
+    n = dst.shape[0]
     events: dict[int, list[int]] = {0: [], n: []}
     for idx, (first, x) in enumerate(pieces):
         if x.shape[0] == 0:
@@ -412,52 +417,26 @@ def _intervals(n: int, pieces: list[tuple[int, torch.Tensor]]) -> list[tuple[int
         events.setdefault(first + x.shape[0], []).append(~idx)
     active: list[int] = []
     points = sorted(events)
-    runs = []
     for a, b in zip(points, points[1:]):
         for e in events[a]:
             if e >= 0:
                 active.append(e)
             else:
                 active.remove(~e)
-        runs.append((a, b, list(active)))
-    return runs
-
-
-def _write_run(dst: torch.Tensor, pieces, a: int, b: int, idx: list[int]) -> None:
-    rows = dst[a:b]
-    parts = [pieces[i][1][a - pieces[i][0] : b - pieces[i][0]] for i in idx]
-    if not parts:
-        rows.zero_()
-    elif len(parts) == 1:
-        rows.copy_(parts[0])
-    elif len(parts) == 2 and dst.dtype == parts[0].dtype == parts[1].dtype:
-        torch.add(parts[0], parts[1], out=rows)
-    else:
-        acc = parts[0].to(lse_dtype(dst.dtype))
-        for p in parts[1:]:
-            acc = acc + p
-        rows.copy_(acc)
-
-
-def sum_pieces_into(dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows)``; 0 elsewhere.
-
-    Each run of rows covered by the same pieces is written once: zero-filled, copied, or the
-    sum of its pieces computed in fp32 and rounded once (what ``a + b`` of two half tensors
-    does) — so no zeroed buffer is read back and each gradient block is read exactly once.
-    """
-    for a, b, idx in _intervals(dst.shape[0], pieces):
-        _write_run(dst, pieces, a, b, idx)
+        rows = dst[a:b]
+        parts = [pieces[i][1][a - pieces[i][0] : b - pieces[i][0]] for i in active]
+        if not parts:
+            rows.zero_()
+        elif len(parts) == 1:
+            rows.copy_(parts[0])
+        elif len(parts) == 2 and dst.dtype == parts[0].dtype == parts[1].dtype:
+            torch.add(parts[0], parts[1], out=rows)
+        else:
+            acc = parts[0].to(lse_dtype(dst.dtype))
+            for p in parts[1:]:
+                acc = acc + p
+            rows.copy_(acc)
     return dst
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 def pcp_prefill_attention_backward_cuda(
@@ -496,38 +475,7 @@ def pcp_prefill_attention_backward_cuda(
     dq_p: list[tuple[int, torch.Tensor]] = []
     dk_p: dict[str, list[tuple[int, torch.Tensor]]] = {"new": [], "prefix": []}
     dv_p: dict[str, list[tuple[int, torch.Tensor]]] = {"new": [], "prefix": []}
-    # Unmasked blocks first: most key rows are covered by a rectangle alone, and their copies
-    # into dk/dv can then run on a side stream while the squares' backward computes.
-    for seg in segs:
-        r = slice(seg[1], seg[1] + seg[2])
-        for where, first, kb, vb in _other_blocks(seg, k, v, prefix_k, prefix_v, prefix_cu):
-            gq, gk, gv = block_backward(
-                dout[r], q[r], kb, vb, out[r], lse[r], scale=scale, causal=False
-            )
-            dq_p.append((seg[1], gq))
-            dk_p[where].append((first, gk))
-            dv_p[where].append((first, gv))
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    num_early = len(dk_p["new"])
-    groups = _square_groups(segs)
-    for group in groups:
-        ql = segs[group[0]][2]
-        for i in group:
-            s = _square_start(segs[i])
-            dk_p["new"].append((s, k[s : s + ql]))  # placeholders: same rows, filled below
-            dv_p["new"].append((s, v[s : s + ql]))
-    runs = _intervals(k.shape[0], dk_p["new"])
-    early = [run for run in runs if all(i < num_early for i in run[2])]
-    late = [run for run in runs if not all(i < num_early for i in run[2])]
-    side = _side_stream(k.device) if k.is_cuda and early and late else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(k.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for a, b, idx in early:
-            _write_run(dk, dk_p["new"], a, b, idx)
-            _write_run(dv, dv_p["new"], a, b, idx)
-    pos = num_early
-    for group in groups:
+    for group in _square_groups(segs):
         ql = segs[group[0]][2]
         qs = [segs[i][1] for i in group]
         ks = [_square_start(segs[i]) for i in group]
@@ -545,17 +493,20 @@ def pcp_prefill_attention_backward_cuda(
             gq, gk, gv = (x.unsqueeze(0) for x in (gq, gk, gv))
         for j in range(len(group)):
             dq_p.append((qs[j], gq[j]))
-            dk_p["new"][pos] = (ks[j], gk[j])
-            dv_p["new"][pos] = (ks[j], gv[j])
-            pos += 1
-    for a, b, idx in late:
-        _write_run(dk, dk_p["new"], a, b, idx)
-        _write_run(dv, dv_p["new"], a, b, idx)
+            dk_p["new"].append((ks[j], gk[j]))
+            dv_p["new"].append((ks[j], gv[j]))
+    for seg in segs:
+        r = slice(seg[1], seg[1] + seg[2])
+        for where, first, kb, vb in _other_blocks(seg, k, v, prefix_k, prefix_v, prefix_cu):
+            gq, gk, gv = block_backward(
+                dout[r], q[r], kb, vb, out[r], lse[r], scale=scale, causal=False
+            )
+            dq_p.append((seg[1], gq))
+            dk_p[where].append((first, gk))
+            dv_p[where].append((first, gv))
     dq = sum_pieces_into(torch.empty_like(q), dq_p)
+    dk = sum_pieces_into(torch.empty_like(k), dk_p["new"])
+    dv = sum_pieces_into(torch.empty_like(v), dv_p["new"])
     dpk = sum_pieces_into(torch.empty_like(prefix_k), dk_p["prefix"]) if has_prefix else None
     dpv = sum_pieces_into(torch.empty_like(prefix_v), dv_p["prefix"]) if has_prefix else None
-    if side is not None:
-        # The side stream's copies are done (and the blocks they read stay alive) before any
-        # later work on the caller's stream.
-        torch.cuda.current_stream(k.device).wait_stream(side)
     return dq, dk, dv, dpk, dpv
