@@ -412,12 +412,14 @@ def flex_paged_kv(caches: tuple[torch.Tensor, ...], kv_lora_rank: int | None = N
     return tuple(c.view(1, nb * bs, hkv, c.shape[-1]).transpose(1, 2) for c in (k, v))
 
 
-def flex_paged_decode(attn, q, key, value, block_mask, scale, with_lse=True):
+def flex_paged_decode(attn, q, key, value, block_mask, scale, with_lse=True, kernel_options=None):
     """One decode query per request through ``attn`` (flex_attention, compiled or not):
     q [B, Hq, Dqk] -> out [B, Hq, Dv] and lse [B, Hq] (natural log; None unless ``with_lse``:
     compiled flex on CPU does not return it)."""
     qf = q.unsqueeze(2)  # [B, Hq, 1, D]: query batch B, KV batch 1 broadcast through the mask
     kw = dict(block_mask=block_mask, scale=scale, enable_gqa=True)
+    if kernel_options:
+        kw["kernel_options"] = kernel_options
     if not with_lse:
         return attn(qf, key, value, **kw).squeeze(2), None
     if AuxRequest is not None:
@@ -426,6 +428,9 @@ def flex_paged_decode(attn, q, key, value, block_mask, scale, with_lse=True):
     else:
         out, lse = attn(qf, key, value, **kw, return_lse=True)
     return out.squeeze(2), lse.squeeze(2)
+
+
+FLEX_KERNEL_OPTIONS = (None, {"BLOCK_N": 64}, {"BLOCK_N": 32, "num_stages": 1})
 
 
 def run_flex_shape(model: Model, batch: int, ctx: int, ours_out: torch.Tensor | None) -> dict:
@@ -438,9 +443,30 @@ def run_flex_shape(model: Model, batch: int, ctx: int, ours_out: torch.Tensor | 
     time to build the mask, ``compile_s`` that of the first call.
     """
     q, bt, seq, kv_len = make_inputs(model, batch, ctx)
-    rows = bt[seq.long()]
-    num_blocks = model.caches[0].shape[0]
-    key, value = flex_paged_kv(model.caches, MLA_RK if model.mla else None)
+    # Flex reads its own pool holding exactly the batch's pages, in a fresh scrambled order
+    # (copied outside any timing; same values, so ``check`` against the big cache holds). With
+    # the whole benchmark cache as the pool, the KV sequence exceeds 2**31 elements and the
+    # flex_decoding template of torch 2.11 fails to compile in its 64-bit index path
+    # ("Ternary expression with dynamic condition has inconsistent types int64 and int32").
+    flat = bt.long().flatten()
+    per_token = model.caches[0][0, 0].numel()
+    if flat.numel() * BLOCK_SIZE * per_token >= 2**31:
+        return {
+            "batch": batch,
+            "context": ctx,
+            "skipped": "pool over 2**31 elements: flex_decoding's 64-bit index path does not "
+            "compile in this torch (int64/int32 ternary)",
+        }
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    slot = torch.randperm(flat.numel(), device=DEVICE, generator=g)
+    pool = []
+    for c in model.caches:
+        x = torch.empty((flat.numel(), *c.shape[1:]), dtype=c.dtype, device=DEVICE)
+        x[slot] = c[flat]
+        pool.append(x)
+    rows = slot.view(bt.shape).to(torch.int32)[seq.long()]
+    num_blocks = flat.numel()
+    key, value = flex_paged_kv(tuple(pool), MLA_RK if model.mla else None)
     res: dict = {
         "batch": batch,
         "context": ctx,
@@ -453,37 +479,49 @@ def run_flex_shape(model: Model, batch: int, ctx: int, ours_out: torch.Tensor | 
         ),
         "query": f"[B, {model.heads}, 1, {model.dq}], KV batch 1 broadcast by the block mask",
         "block_mask_block_size": [FLEX_Q_BLOCK, BLOCK_SIZE],
+        "pool": f"{num_blocks} pages holding the batch's pages in a scrambled order",
     }
     best = None
     for variant, full in (("partial", False), ("full", True)):
-        torch._dynamo.reset()
         entry: dict = {}
-        try:
-            mask = flex_paged_block_mask(
-                rows, kv_len, BLOCK_SIZE, num_blocks, DEVICE, full_blocks=full
-            )
-            entry["mask_ms"] = bench_ms(
-                lambda full=full: flex_paged_block_mask(
+        errors = []
+        # Flex's own tile choice first; if its kernel does not compile for this shape, KV
+        # tiles no larger than the page (the mask's KV block), then smaller and single-staged.
+        for options in FLEX_KERNEL_OPTIONS:
+            torch._dynamo.reset()
+            entry = {"kernel_options": options}
+            try:
+                mask = flex_paged_block_mask(
                     rows, kv_len, BLOCK_SIZE, num_blocks, DEVICE, full_blocks=full
                 )
-            )
-            attn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+                entry["mask_ms"] = bench_ms(
+                    lambda full=full: flex_paged_block_mask(
+                        rows, kv_len, BLOCK_SIZE, num_blocks, DEVICE, full_blocks=full
+                    )
+                )
+                attn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
-            def call(attn=attn, mask=mask):
-                return flex_paged_decode(attn, q, key, value, mask, model.scale)
+                def call(attn=attn, mask=mask, options=options):
+                    return flex_paged_decode(
+                        attn, q, key, value, mask, model.scale, kernel_options=options
+                    )
 
-            t0 = time.monotonic()
-            out, lse = call()
-            torch.cuda.synchronize()
-            entry["compile_s"] = time.monotonic() - t0
-        except Exception as e:  # noqa: BLE001 - a shape flex cannot serve is a result here
-            res[variant] = {
-                **entry,
-                "error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}",
-            }
+                t0 = time.monotonic()
+                out, lse = call()
+                torch.cuda.synchronize()
+                entry["compile_s"] = time.monotonic() - t0
+                break
+            except Exception as e:  # noqa: BLE001 - a shape flex cannot serve is a result here
+                text = " ".join(str(e).split())
+                errors.append(f"{options}: {type(e).__name__}: {text[:300]} ... {text[-500:]}")
+                entry = {}
+            finally:
+                torch.cuda.empty_cache()
+        if errors:
+            entry["failed_attempts"] = errors
+        if "compile_s" not in entry:
+            res[variant] = {**entry, "error": errors[-1][:200]}
             continue
-        finally:
-            torch.cuda.empty_cache()
         entry["check"] = check(model, q, bt, seq, kv_len, out, lse)
         if ours_out is not None:
             entry["max_abs_diff_vs_ours"] = (out.float() - ours_out.float()).abs().max().item()
@@ -589,6 +627,10 @@ def main() -> int:
                 res["flex"] = fx = run_flex_shape(model, b, c, ours)
                 flex_s += time.monotonic() - t_flex
                 flex_wall[name] = flex_s
+                if "skipped" in fx:
+                    print(f"        flex skipped: {fx['skipped']}", flush=True)
+                    rows.append(res)
+                    continue
                 errors = [fx[k].get("error") for k in ("partial", "full")]
                 if all(errors):
                     flex_dead = f"B={b} ctx={c}: {errors[0]}"
