@@ -15,10 +15,16 @@ merged exactly by their LSEs in one Triton pass that writes the segment's rows o
 On the H200 this beats bottom-right-causal kernels by ~1.7x (see the PCP table of the
 toolchain notes). Each block runs on the fastest kernel PyTorch
 ships for its shape (cuDNN, else FlashAttention-2, else the fp32 reference for shapes and
-dtypes neither serves). The backward runs the same blocks with the *merged* output and LSE,
-so each block's probabilities are its share of the full softmax and the block gradients sum to
-the gradient of the whole attention. Lengths come from the host copy of the plan's segments:
-nothing here reads device memory on the host.
+dtypes neither serves). A rank's head and tail squares of equal size run as one batched call
+(a strided view, no copy): small causal squares are the least efficient blocks. The backward
+runs the same blocks with the *merged* output and LSE, so each block's probabilities are its
+share of the full softmax and the block gradients sum to the gradient of the whole attention;
+each gradient row is then written once (:func:`sum_pieces_into`). Lengths come from the host
+copy of the plan's segments: nothing here reads device memory on the host.
+
+Measured on an H200 (bf16, 32 heads): cuDNN's non-causal backward runs at ~300 TFLOP/s for
+Dqk 192 / Dv 128 (MLA prefill) against ~470 for its causal one and ~550 at D = 128, so MLA's
+rectangles make its PCP backward ~1.4-1.6x dense/P while MHA and GQA stay within ~1.1x.
 """
 
 from __future__ import annotations
