@@ -4,7 +4,7 @@ Every PCP rank's work is simulated on the one GPU: rank r's DualChunkSwap querie
 r, tail chunk 2P-1-r) attend the full K/V prefix they need, exactly as
 ``cp::pcp_prefill_attention`` runs it on that rank (causal square + rectangle + LSE merge on
 PyTorch's fused kernels), forward and backward. The baseline is dense causal attention of the
-whole sequence on the fastest kernel PyTorch ships for the shape (cuDNN for MHA and MLA).
+whole sequence on the fastest kernel PyTorch ships for the shape (cuDNN for all of them here).
 
 Shapes (bf16, one sequence of S tokens): MHA 32 heads x 128 at S = 32k and 128k; GQA 32/8 x 128
 and MLA prefill (qk 192 / v 128, 32 heads) at S = 32k; P in {2, 4, 8}.
