@@ -14,14 +14,16 @@ What it does, in order:
      reported as failed, without a speed, and the script exits non-zero at the end.
   2. The same shapes through SDPA on a contiguous copy of the KV (cuDNN, flash, mem-efficient
      where they accept the shape), with and without the time of gathering the pages.
-  3. FlexAttention (torch.compile'd) on the paged cache itself, no gather: the cache viewed as one
-     KV sequence [1, Hkv, NB*64, D] (a view, no copy), the query batch as flex's batch, and a
-     BlockMask whose KV block is the page, listing each request's pages in order with a mask_mod
+  3. FlexAttention (torch.compile'd) on a paged pool itself, no gather: a pool holding exactly
+     the batch's pages in a scrambled order (torch 2.11's flex_decoding does not compile past
+     2**31 KV elements), viewed as one KV sequence [1, Hkv, NB*64, D], the query batch as flex's
+     batch, and a BlockMask whose KV block is the page, listing each request's pages in order with a mask_mod
      that maps physical KV indices back to logical positions (an inverse page table). Two forms:
      all pages partial, and whole pages full with the tail partial. For B in {1, 8, 64} and
      contexts {16k, 128k}, while under ~30 s per model; checked like the kernels (a failed check
-     gives no speed), with the mask build time (``mask_ms``) and compile time kept apart. A
-     shape flex cannot compile (MLA's 576/512 head dims may not fit) is recorded as its error.
+     gives no speed), with the mask build time (``mask_ms``) and compile time kept apart. GQA
+     by default; MLA with ``--flex-models gqa mla`` (its 576/512 flex kernel did not finish
+     compiling within minutes). A shape flex cannot compile is recorded as its error.
   4. DCP emulation: one rank's shard of B=8 requests of 128k tokens for D in {1, 2, 4, 8} (time,
      blocks and bytes allocated per rank).
   5. A small sweep of tile configurations and split counts on representative shapes, so the
