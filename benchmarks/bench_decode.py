@@ -17,8 +17,9 @@ What it does, in order:
   3. FlexAttention (torch.compile'd) on a paged pool itself, no gather: a pool holding exactly
      the batch's pages in a scrambled order (torch 2.11's flex_decoding does not compile past
      2**31 KV elements), viewed as one KV sequence [1, Hkv, NB*64, D], the query batch as flex's
-     batch, and a BlockMask whose KV block is the page, listing each request's pages in order with a mask_mod
-     that maps physical KV indices back to logical positions (an inverse page table). Two forms:
+     batch, and a BlockMask whose KV block is the page, listing each request's pages in order
+     with a mask_mod that maps physical KV indices back to logical positions (an inverse page
+     table). Two forms:
      all pages partial, and whole pages full with the tail partial. For B in {1, 8, 64} and
      contexts {16k, 128k}, while under ~30 s per model; checked like the kernels (a failed check
      gives no speed), with the mask build time (``mask_ms``) and compile time kept apart. GQA
