@@ -163,10 +163,11 @@ class Model:
     def flops(self, kv_len: torch.Tensor) -> float:
         return float(kv_len.double().sum()) * self.heads * 2 * (self.dq + self.dv)
 
-    def default_config(self) -> DecodeConfig:
+    def default_config(self, split: bool = True) -> DecodeConfig:
+        """The kernel's own tiles (GQA's depend on whether the KV range is split)."""
         if self.mla:
             return default_config(MLA_H, MLA_RK, MLA_RK, MLA_ROPE)
-        return default_config(GQA_HQ // GQA_HKV, GQA_D, GQA_D, 0)
+        return default_config(GQA_HQ // GQA_HKV, GQA_D, GQA_D, 0, split)
 
     def num_programs(self, batch: int, cfg: DecodeConfig) -> int:
         group = self.heads if self.mla else GQA_HQ // GQA_HKV
@@ -245,19 +246,24 @@ def run_kernel_shape(
         used_splits = splits or choose_num_splits(
             model.num_programs(batch, cfg), bt.shape[1] * BLOCK_SIZE, num_sms()
         )
-    out, lse = model.kernel(q, bt, seq, kv_len, splits, cfg)
-    res = {"batch": batch, "context": ctx, "num_splits": used_splits, "check": None}
+    if config is None and not model.mla and used_splits == 1:
+        cfg = model.default_config(split=False)  # what the kernel picks without splits
+    # ``config`` (None unless a sweep overrides it) goes to the kernel, so that the default
+    # path is the one timed.
+    out, lse = model.kernel(q, bt, seq, kv_len, splits, config)
+    res = {"batch": batch, "context": ctx, "num_splits": used_splits, "config": cfg.__dict__}
+    res["check"] = None
     res["check"] = check(model, q, bt, seq, kv_len, out, lse)
     if not res["check"]["ok"]:
         return res
-    ms = bench_ms(lambda: model.kernel(q, bt, seq, kv_len, splits, cfg))
+    ms = bench_ms(lambda: model.kernel(q, bt, seq, kv_len, splits, config))
     res.update(
         ms=ms,
         kv_tbps=model.kv_bytes(kv_len) / ms / 1e9,
         tflops=model.flops(kv_len) / ms / 1e9,
     )
     if with_graph:
-        gms = graph_ms(lambda: model.kernel(q, bt, seq, kv_len, splits, cfg))
+        gms = graph_ms(lambda: model.kernel(q, bt, seq, kv_len, splits, config))
         res.update(
             graph_ms=gms,
             graph_kv_tbps=model.kv_bytes(kv_len) / gms / 1e9,
@@ -660,6 +666,7 @@ def main() -> int:
             rows.append(res)
         metrics["shapes"][name] = {
             "config": model.default_config().__dict__,
+            "config_without_splits": model.default_config(split=False).__dict__,
             "results": rows,
             "skipped_over_cache_limit": skipped,
         }
@@ -725,7 +732,6 @@ def main() -> int:
                     if b != 1 or elapsed() > TIME_BUDGET_S:
                         break
                     res = run_kernel_shape(model, b, c, splits=splits)
-                    res["config"] = model.default_config().__dict__
                     sweep.append(res)
             metrics["shapes"][name]["sweep"] = sweep
             for r in sweep:

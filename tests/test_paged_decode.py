@@ -248,6 +248,20 @@ def test_gqa_kernel_matches_reference_interpreted(case):
     check_against_reference(out, lse, ref, same, name=case.id)
 
 
+def test_gqa_kernel_default_tiles_without_splits_interpreted():
+    # One split: the kernel takes default_config(split=False), whose 128-token tile spans
+    # several 16-token pages (tokens gathered one by one) and the shard's end.
+    lengths, d, rank, il = [5, 300], 2, 1, 1
+    shard = build_shard(lengths, bs=16, d=d, rank=rank, interleave=il, dtype=torch.float32,
+                        hkv=2, dk=32)  # fmt: skip
+    rows, kv_len = _dcp_queries(lengths, d, rank, il, extra_tokens=1)
+    assert int(kv_len.max()) == local_seq_len(300, d, rank, il) == 150
+    q = torch.randn(rows.numel(), 8, 32)
+    args = (q, *shard.caches, shard.block_table, rows, kv_len, 32**-0.5)
+    out, lse = paged_attention_kernel(*args, 1)
+    check_against_reference(out, lse, paged_attention_ref(*args), None, name="unsplit")
+
+
 MLA_CASES = [
     (64, 16, 20, 16, 16, 1, torch.float32, False),
     (64, 16, 20, 8, 16, 3, torch.float32, True),
@@ -287,6 +301,11 @@ def test_default_tiles():
     gqa = default_config(4, 128, 128, 0)
     assert (gqa.block_h, gqa.block_n) == (16, 64)
     assert default_config(1, 64, 64, 0).block_n == 64
+    # Without KV splits the GQA tile grows to 128 tokens on 8 warps; the head tile stays, so
+    # the split count chosen from it still holds.
+    unsplit = default_config(4, 128, 128, 0, split=False)
+    assert (unsplit.block_h, unsplit.block_n, unsplit.num_warps) == (16, 128, 8)
+    assert default_config(4, 256, 256, 0, split=False).block_n == 32
     mla = default_config(128, 512, 512, 64)
     assert (mla.block_h, mla.block_n, mla.num_warps) == (64, 64, 8)
     assert default_config(16, 512, 512, 64).block_h == 16
