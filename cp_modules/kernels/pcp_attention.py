@@ -25,6 +25,10 @@ copy of the plan's segments: nothing here reads device memory on the host.
 Measured on an H200 (bf16, 32 heads): cuDNN's non-causal backward runs at ~300 TFLOP/s for
 Dqk 192 / Dv 128 (MLA prefill) against ~470 for its causal one and ~550 at D = 128, so MLA's
 rectangles make its PCP backward ~1.4-1.6x dense/P while MHA and GQA stay within ~1.1x.
+Merging the head's and tail's rectangles into one call, folding a square into a tall causal
+call, overlapping the squares on a second stream, one FlexAttention call per rank and
+splitting rectangles into causal pairs were measured and are not faster for these shapes
+(benchmarks/2026-11-30-pcp-block-variants.md).
 """
 
 from __future__ import annotations
