@@ -8,7 +8,8 @@ R = block-table rows, M = entries per row, S = KV splits, Rk = MLA latent width
 GQA/MHA: one program serves one (KV head, head tile) pair of one query over one split of its
 KV range. All the query heads that share a KV head form the M dimension of ``tl.dot`` (padded
 to 16), so each K/V tile is read from HBM once for the whole group. Keys are read
-block-table-driven, tile by tile.
+block-table-driven, tile by tile: 64 tokens when the KV range is split, 128 when it is not
+(:func:`default_config`).
 
 MLA has its own kernel: one program takes 64 of the query's heads (two programs for
 DeepSeek's 128, next to each other in the grid so the latent tile is shared through L2) over
