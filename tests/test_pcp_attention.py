@@ -19,7 +19,9 @@ from cp_modules.kernels.pcp_attention import (
     merge_partials_triton,
     pcp_prefill_attention_backward_cuda,
     pcp_prefill_attention_cuda,
+    rectangle_backward_causal_pairs,
     sum_pieces_into,
+    sum_rows_triton,
 )
 from cp_modules.partition import pcp_prefill_attention, plan_pcp
 from cp_modules.reference.pcp_attention import (
@@ -97,11 +99,13 @@ def test_all_ranks_equal_dense_forward_and_backward(pcp, batch, heads):
         assert max_abs_err(a, b) < 1e-12, name
 
 
+@pytest.mark.parametrize("pairs", [None, True], ids=["auto", "causal-pairs"])
 @pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
-def test_block_decomposition_equals_reference(pcp, batch):
+def test_block_decomposition_equals_reference(pcp, batch, pairs):
     # The CUDA path (causal square + rectangle + prefix, merged by LSE; block backward with the
-    # merged output and LSE) run with the reference as its block kernel.
+    # merged output and LSE) run with the reference as its block kernel; "causal-pairs" runs
+    # every unmasked block with at least as many keys as queries as causal pairs.
     n, m = BATCHES[batch]
     q, k, v, pk, pv = _tensors(n, m, 4, 2, 16, 8, torch.float64, seed=1)
     for r in range(pcp):
@@ -121,12 +125,44 @@ def test_block_decomposition_equals_reference(pcp, batch):
         finite = torch.isfinite(ref_lse)
         assert max_abs_err(lse[finite], ref_lse[finite]) < 1e-12
         dout = torch.randn_like(out)
-        got = pcp_prefill_attention_backward_cuda(dout, ql, k, v, ref_out, ref_lse, *args)
+        got = pcp_prefill_attention_backward_cuda(
+            dout, ql, k, v, ref_out, ref_lse, *args, causal_pairs=pairs
+        )
         want = pcp_prefill_attention_backward_reference(dout, ql, k, v, ref_out, ref_lse, *args)
         for a, b in zip(got, want):
             assert (a is None) == (b is None)
             if a is not None:
                 assert max_abs_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("dims", [(4, 2, 12, 8), (2, 2, 8, 8)], ids=["GQA-Dqk12-Dv8", "MHA-D8"])
+@pytest.mark.parametrize("L,M", [(5, 5), (5, 15), (4, 11), (2, 7)], ids=lambda x: str(x))
+def test_rectangle_causal_pairs_equal_unmasked_backward(L, M, dims):
+    # Lower triangles plus reversed strict upper triangles (plus the keys past the last whole
+    # tile) give the unmasked block's gradients; each key row gets its pieces exactly once.
+    hq, hkv, dqk, dv = dims
+    g = torch.Generator().manual_seed(L * 100 + M)
+    q = torch.randn(L, hq, dqk, generator=g, dtype=torch.float64)
+    k = torch.randn(M, hkv, dqk, generator=g, dtype=torch.float64)
+    v = torch.randn(M, hkv, dv, generator=g, dtype=torch.float64)
+    out, lse = attention_with_lse(q, k, v, scale=0.4, causal=False)
+    dout = torch.randn_like(out)
+    want = attention_with_lse_backward(dout, q, k, v, out, lse, scale=0.4, causal=False)
+    calls = []
+
+    def block_backward(*args, causal, **kw):
+        calls.append((args[1].shape[0], args[2].shape[0], causal))
+        return attention_block_backward(*args, causal=causal, **kw)
+
+    pq, pk, pv = rectangle_backward_causal_pairs(
+        dout, q, k, v, out, lse, scale=0.4, block_backward=block_backward
+    )
+    got = [sum_pieces_into(torch.empty_like(x), p) for x, p in ((q, pq), (k, pk), (v, pv))]
+    for name, a, b in zip("qkv", got, want):
+        assert max_abs_err(a, b) < 1e-12, name
+    tiles = M // L
+    assert calls.count((L, L, True)) == tiles and calls.count((L - 1, L - 1, True)) == tiles
+    assert len(calls) == 2 * tiles + (M % L > 0)
 
 
 def test_head_and_tail_squares_share_one_call():
@@ -164,15 +200,20 @@ def test_head_and_tail_squares_share_one_call():
     assert _square_groups([[0, 0, 5, 10, 5], [1, 5, 5, 0, 5]]) == [[0], [1]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
-def test_sum_pieces_writes_each_row_once(dtype):
+def _check_sum_pieces(dtype, device):
     g = torch.Generator().manual_seed(7)
     n = 40
-    # Overlaps of 1 to 4 pieces, uncovered rows, an empty piece, a piece ending at n.
+    # Overlaps of 1 to 4 pieces, uncovered rows, an empty piece, a piece ending at n; every
+    # other piece stored last-row-first and marked reversed.
     spans = [(0, 10), (5, 12), (8, 3), (30, 10), (20, 0), (6, 4)]
     pieces = [(a, torch.randn(m, 3, 4, generator=g).to(dtype)) for a, m in spans]
-    dst = torch.full((n, 3, 4), float("nan"), dtype=dtype)
-    sum_pieces_into(dst, pieces)
+    stored = [
+        (a, x.flip(0).to(device), True) if i % 2 else (a, x.to(device))
+        for i, (a, x) in enumerate(pieces)
+    ]
+    dst = torch.full((n, 3, 4), float("nan"), dtype=dtype, device=device)
+    sum_pieces_into(dst, stored)
+    dst = dst.cpu()
     want = torch.zeros(n, 3, 4, dtype=torch.float64)
     count = torch.zeros(n, dtype=torch.long)
     for a, x in pieces:
@@ -189,6 +230,29 @@ def test_sum_pieces_writes_each_row_once(dtype):
         ulp = want.abs().clamp_min(1e-30) * 2**-8
         assert ((dst.double() - want).abs() <= ulp).all()
     assert torch.all(dst[count == 0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_sum_pieces_writes_each_row_once(dtype):
+    _check_sum_pieces(dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_sum_pieces_fused(dtype):
+    # On CUDA runs of 2-4 pieces (and single reversed ones) go through sum_rows_triton.
+    _check_sum_pieces(dtype, "cuda")
+
+
+def test_sum_rows_triton_reads_reversed_parts():
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randn(m, 2, 5, generator=g) for m in (9, 6, 12))
+    rows = torch.full((8, 2, 5), float("nan"))
+    # rows[i] = a[1 + i] + b[5 - i] (b read backwards) + c[11 - i]; rows 1..6 of the buffer.
+    sum_rows_triton(rows[1:7], [(a, 1, 1), (b, 5, -1), (c, 11, -1)])
+    want = a[1:7] + b.flip(0) + c.flip(0)[:6]
+    assert max_abs_err(rows[1:7], want) < 1e-6
+    assert torch.isnan(rows[0]).all() and torch.isnan(rows[7]).all()
 
 
 def _partials(num, L, H, D, dtype, device="cpu"):
@@ -393,6 +457,34 @@ def test_gpu_all_ranks_equal_dense(case, pcp, dtype):
     for name, a, b, c in zip(["dq", "dk", "dv", "dprefix_k", "dprefix_v"], totals, g32, gsame):
         c = c if dtype != torch.float32 else None
         assert_close_to_reference(a, b, c, atol=1e-3 if c is not None else 1e-4, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dims", [(8, 8, 128, 128), (8, 2, 64, 64), (4, 4, 192, 128)], ids=["MHA", "GQA", "MLA"]
+)
+def test_gpu_rectangle_causal_pairs_equal_unmasked_backward(dims):
+    # On the GPU kernels (cuDNN where it serves the shape): 2 whole tiles and a remainder.
+    hq, hkv, dqk, dv = dims
+    L, M = 320, 777
+    q, k, v = (
+        torch.randn(s, h, d, device="cuda", dtype=torch.bfloat16)
+        for s, h, d in ((L, hq, dqk), (M, hkv, dqk), (M, hkv, dv))
+    )
+    q32, k32, v32 = (x.float() for x in (q, k, v))
+    out32, lse32 = attention_with_lse(q32, k32, v32, scale=0.1, causal=False)
+    out, lse = attention_block_forward(q, k, v, scale=0.1, causal=False)
+    dout = torch.randn_like(out)
+    pieces = rectangle_backward_causal_pairs(dout, q, k, v, out, lse, scale=0.1)
+    got = [sum_pieces_into(torch.empty_like(x), p) for x, p in zip((q, k, v), pieces)]
+    want = attention_with_lse_backward(
+        dout.float(), q32, k32, v32, out32, lse32, scale=0.1, causal=False
+    )
+    lp = [x.clone().requires_grad_() for x in (q, k, v)]
+    same = _low_precision_attention(*lp, scale=0.1, causal=False)
+    base = torch.autograd.grad(same, lp, dout)
+    for name, a, b, c in zip(["dq", "dk", "dv"], got, want, base):
+        assert_close_to_reference(a, b, c, atol=1e-5, name=name)
 
 
 @pytest.mark.gpu

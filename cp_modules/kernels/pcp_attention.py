@@ -23,12 +23,14 @@ each gradient row is then written once (:func:`sum_pieces_into`). Lengths come f
 copy of the plan's segments: nothing here reads device memory on the host.
 
 Measured on an H200 (bf16, 32 heads): cuDNN's non-causal backward runs at ~300 TFLOP/s for
-Dqk 192 / Dv 128 (MLA prefill) against ~470 for its causal one and ~550 at D = 128, so MLA's
-rectangles make its PCP backward ~1.4-1.6x dense/P while MHA and GQA stay within ~1.1x.
+Dqk 192 / Dv 128 (MLA prefill) against ~470 for a large causal call and ~550 at D = 128.
+Rectangles of at least :data:`CAUSAL_PAIRS_MIN_ROWS` MLA queries therefore run their backward
+as causal pairs (:func:`rectangle_backward_causal_pairs`), summed with row-reversed reads
+(:func:`sum_rows_triton`); smaller ones stay non-causal. For a 32k sequence MLA's PCP
+backward is 1.23 / 1.46 / 1.59x dense/P at P = 2 / 4 / 8, MHA's and GQA's within ~1.1x.
 Merging the head's and tail's rectangles into one call, folding a square into a tall causal
-call, overlapping the squares on a second stream, one FlexAttention call per rank and
-splitting rectangles into causal pairs were measured and are not faster for these shapes
-(benchmarks/2026-11-30-pcp-block-variants.md).
+call, overlapping the squares on a second stream and one FlexAttention call per rank were
+measured and are not faster (benchmarks/2026-11-30-pcp-block-variants.md).
 """
 
 from __future__ import annotations
@@ -48,13 +50,17 @@ from cp_modules.reference.pcp_attention import (
 
 __all__ = [
     "BLOCK_BACKENDS",
+    "CAUSAL_PAIRS_MIN_ROWS",
     "attention_block_backward",
     "attention_block_forward",
     "merge_partials_into",
     "merge_partials_triton",
     "pcp_prefill_attention_backward_cuda",
     "pcp_prefill_attention_cuda",
+    "rectangle_backward_causal_pairs",
     "select_block_backend",
+    "sum_pieces_into",
+    "sum_rows_triton",
 ]
 
 BLOCK_BACKENDS = ("cudnn", "flash", "reference")
@@ -410,16 +416,67 @@ def pcp_prefill_attention_cuda(
     return out, lse
 
 
-def sum_pieces_into(dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows)``; 0 elsewhere.
+@triton.jit
+def _sum_rows_kernel(
+    dst, p0, p1, p2, p3, r0, r1, r2, r3, d0, d1, d2, d3, num_rows, row_len,
+    NUM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # dst row i = sum over pieces k < NUM of piece k's row (r_k + i * d_k), d_k = +1 or -1;
+    # one program: BLOCK consecutive elements of the flattened rows.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_rows * row_len
+    i = offs // row_len
+    col = offs % row_len
+    acc = tl.load(p0 + (r0 + i * d0) * row_len + col, mask=mask, other=0.0).to(tl.float32)
+    if NUM > 1:
+        acc += tl.load(p1 + (r1 + i * d1) * row_len + col, mask=mask, other=0.0).to(tl.float32)
+    if NUM > 2:
+        acc += tl.load(p2 + (r2 + i * d2) * row_len + col, mask=mask, other=0.0).to(tl.float32)
+    if NUM > 3:
+        acc += tl.load(p3 + (r3 + i * d3) * row_len + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
+
+
+def sum_rows_triton(rows: torch.Tensor, parts: list[tuple[torch.Tensor, int, int]]) -> None:
+    """``rows`` [n, ...] (contiguous) = the fp32 sum of 1-4 parts, rounded once.
+
+    A part is (piece, row of the piece that lands on rows[0], +1 or -1): -1 reads the piece's
+    rows backwards, so a gradient computed on reversed operands is summed without a flipped
+    copy. Pieces are contiguous with rows' row size.
+    """
+    num = len(parts)
+    assert 1 <= num <= 4 and rows.is_contiguous()
+    n, row_len = rows.shape[0], rows[0].numel()
+    if n * row_len == 0:
+        return
+    for x, first, step in parts:
+        assert x.is_contiguous() and x[0].numel() == row_len
+        assert 0 <= first < x.shape[0] and 0 <= first + (n - 1) * step < x.shape[0]
+    ps = [p for p, _, _ in parts] + [parts[0][0]] * (4 - num)
+    firsts = [f for _, f, _ in parts] + [0] * (4 - num)
+    steps = [d for _, _, d in parts] + [1] * (4 - num)
+    block = 1024
+    _sum_rows_kernel[(triton.cdiv(n * row_len, block),)](
+        rows, *ps, *firsts, *steps, n, row_len, NUM=num, BLOCK=block
+    )
+
+
+Piece = tuple[int, torch.Tensor] | tuple[int, torch.Tensor, bool]
+
+
+def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
+    """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows[, reversed])``;
+    0 elsewhere. A reversed piece holds its rows last-first (natural row ``first + j`` is its
+    row ``len - 1 - j``).
 
     Each run of rows covered by the same pieces is written once: zero-filled, copied, or the
-    sum of its pieces computed in fp32 and rounded once (what ``a + b`` of two half tensors
-    does) — so no zeroed buffer is read back and each gradient block is read exactly once.
+    sum of its pieces computed in fp32 and rounded once (``a + b`` for two pieces of the
+    result's dtype, else :func:`sum_rows_triton` on CUDA for up to 4 pieces, reversed ones
+    included) — so no zeroed buffer is read back and each gradient block is read once.
     """
     n = dst.shape[0]
     events: dict[int, list[int]] = {0: [], n: []}
-    for idx, (first, x) in enumerate(pieces):
+    for idx, (first, x, *_) in enumerate(pieces):
         if x.shape[0] == 0:
             continue
         assert 0 <= first and first + x.shape[0] <= n
@@ -434,19 +491,124 @@ def sum_pieces_into(dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -
             else:
                 active.remove(~e)
         rows = dst[a:b]
-        parts = [pieces[i][1][a - pieces[i][0] : b - pieces[i][0]] for i in active]
+        # (piece, its row for natural row a, step)
+        parts = []
+        for i in active:
+            first, x, *rev = pieces[i]
+            if rev and rev[0]:
+                parts.append((x, first + x.shape[0] - 1 - a, -1))
+            else:
+                parts.append((x, a - first, 1))
+        natural = all(d == 1 for _, _, d in parts)
+        fused = (
+            dst.is_cuda
+            and 1 <= len(parts) <= 4
+            and rows.is_contiguous()
+            and all(x.is_contiguous() for x, _, _ in parts)
+        )
+        xs = [
+            x[f : f + b - a] if d == 1 else x[f - (b - a) + 1 : f + 1].flip(0)
+            for x, f, d in (parts if natural or not fused else [])
+        ]
         if not parts:
             rows.zero_()
-        elif len(parts) == 1:
-            rows.copy_(parts[0])
-        elif len(parts) == 2 and dst.dtype == parts[0].dtype == parts[1].dtype:
-            torch.add(parts[0], parts[1], out=rows)
+        elif natural and len(xs) == 1:
+            rows.copy_(xs[0])
+        elif natural and len(xs) == 2 and dst.dtype == xs[0].dtype == xs[1].dtype:
+            torch.add(xs[0], xs[1], out=rows)
+        elif fused:
+            sum_rows_triton(rows, parts)
         else:
-            acc = parts[0].to(lse_dtype(dst.dtype))
-            for p in parts[1:]:
-                acc = acc + p
-            rows.copy_(acc)
+            if len(xs) == 1:
+                rows.copy_(xs[0])
+            else:
+                acc = xs[0].to(lse_dtype(dst.dtype))
+                for x in xs[1:]:
+                    acc = acc + x
+                rows.copy_(acc)
     return dst
+
+
+# Unmasked blocks of at least this many queries run their backward as causal pairs (see
+# :func:`rectangle_backward_causal_pairs`) when cuDNN serves them and Dqk != Dv (MLA's 192 /
+# 128). Measured on an H200 (bf16, 32 heads, Dqk 192 / Dv 128): cuDNN's non-causal backward
+# runs at ~300 TFLOP/s at every shape tried; its causal one at 295 over 2k-wide tiles and 376
+# over 4k-wide ones. In the PCP backward of a 32k sequence (worst rank / (dense / P)) they
+# took P = 2 (8k-row chunks) from 1.43 to 1.22 (with :func:`sum_rows_triton`; 1.32 without);
+# at P = 4 (4k rows) they were no faster (1.456 vs 1.465) and took 0.8 GB more memory. At
+# D = 128 the non-causal backward is the faster one.
+CAUSAL_PAIRS_MIN_ROWS = 8192
+
+
+def _causal_pairs(policy: bool | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    L, M = q.shape[0], k.shape[0]
+    if L < 2 or M < L:
+        return False
+    if policy is not None:
+        return policy
+    return (
+        L >= CAUSAL_PAIRS_MIN_ROWS
+        and q.shape[-1] != v.shape[-1]
+        and select_block_backend(q, k, v, True) == "cudnn"
+    )
+
+
+def rectangle_backward_causal_pairs(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    block_backward: BlockBackward = attention_block_backward,
+) -> tuple[list[Piece], list[Piece], list[Piece]]:
+    """Backward of an unmasked block (q [L, ...] against k, v [M, ...], M >= L) as causal calls.
+
+    The keys are cut into L-wide tiles. An unmasked L x L tile is its lower triangle (a causal
+    call) plus its strict upper triangle; with queries and keys in reversed order the strict
+    upper triangle is the causal (L - 1)-square of q[:-1] against k[1:]. So each tile takes two
+    causal calls (the reversed operands are copies), and keys past the last whole tile take
+    one unmasked call. The probabilities come from the merged ``out`` and ``lse``, so the
+    pieces add up to the block's gradients exactly.
+
+    Returns:
+        (dq, dk, dv) pieces for :func:`sum_pieces_into`, rows relative to q and to k / v:
+        dq as one fp32 piece, the strict upper triangles' dk / dv as reversed pieces.
+    """
+    L, M = q.shape[0], k.shape[0]
+    span = M // L * L
+    dout_r, q_r, out_r, lse_r = (x.flip(0) for x in (dout, q, out, lse))
+    k_r, v_r = k[:span].flip(0), v[:span].flip(0)
+    dq = torch.zeros(q.shape, dtype=lse_dtype(q.dtype), device=q.device)
+    dq_up = torch.zeros_like(dq[1:])  # reversed rows of q[:-1]
+    dk_p: list[Piece] = []
+    dv_p: list[Piece] = []
+    for a in range(0, span, L):
+        gq, gk, gv = block_backward(
+            dout, q, k[a : a + L], v[a : a + L], out, lse, scale=scale, causal=True
+        )
+        dq += gq
+        dk_p.append((a, gk))
+        dv_p.append((a, gv))
+        f = span - a - L  # the tile's first row in k_r
+        gq, gk, gv = block_backward(
+            dout_r[1:], q_r[1:], k_r[f : f + L - 1], v_r[f : f + L - 1], out_r[1:], lse_r[1:],
+            scale=scale, causal=True,
+        )  # fmt: skip
+        dq_up += gq
+        dk_p.append((a + 1, gk, True))
+        dv_p.append((a + 1, gv, True))
+    dq[:-1] += dq_up.flip(0)
+    if span < M:
+        gq, gk, gv = block_backward(
+            dout, q, k[span:], v[span:], out, lse, scale=scale, causal=False
+        )
+        dq += gq
+        dk_p.append((span, gk))
+        dv_p.append((span, gv))
+    return [(0, dq)], dk_p, dv_p
 
 
 def pcp_prefill_attention_backward_cuda(
@@ -463,13 +625,15 @@ def pcp_prefill_attention_backward_cuda(
     scale: float,
     *,
     block_backward: BlockBackward = attention_block_backward,
+    causal_pairs: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`pcp_prefill_attention_cuda`, block by block.
 
     Every block (the paired squares, each rectangle and prefix) yields (dq, dk, dv) for its
-    rows; :func:`sum_pieces_into` then writes each gradient once. A query gets up to three
-    pieces (square, rectangle, prefix), a new key up to two (a request's head and tail), so
-    the sums are exact fp32 sums of the kernels' outputs rounded once.
+    rows; :func:`sum_pieces_into` then writes each gradient once. Pieces are the kernels'
+    outputs, summed in fp32 and rounded once per row. ``causal_pairs``: whether unmasked
+    blocks run as causal pairs (:func:`rectangle_backward_causal_pairs`); None decides per
+    block (:data:`CAUSAL_PAIRS_MIN_ROWS`).
 
     Returns:
         dq [T, Hq, Dqk], dk [N, Hkv, Dqk], dv [N, Hkv, Dv], dprefix_k, dprefix_v (None
@@ -482,9 +646,9 @@ def pcp_prefill_attention_backward_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    dq_p: list[tuple[int, torch.Tensor]] = []
-    dk_p: dict[str, list[tuple[int, torch.Tensor]]] = {"new": [], "prefix": []}
-    dv_p: dict[str, list[tuple[int, torch.Tensor]]] = {"new": [], "prefix": []}
+    dq_p: list[Piece] = []
+    dk_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
+    dv_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
     for group in _square_groups(segs):
         ql = segs[group[0]][2]
         qs = [segs[i][1] for i in group]
@@ -508,12 +672,19 @@ def pcp_prefill_attention_backward_cuda(
     for seg in segs:
         r = slice(seg[1], seg[1] + seg[2])
         for where, first, kb, vb in _other_blocks(seg, k, v, prefix_k, prefix_v, prefix_cu):
-            gq, gk, gv = block_backward(
-                dout[r], q[r], kb, vb, out[r], lse[r], scale=scale, causal=False
-            )
-            dq_p.append((seg[1], gq))
-            dk_p[where].append((first, gk))
-            dv_p[where].append((first, gv))
+            if _causal_pairs(causal_pairs, q[r], kb, vb):
+                pq, pk, pv = rectangle_backward_causal_pairs(
+                    dout[r], q[r], kb, vb, out[r], lse[r], scale=scale,
+                    block_backward=block_backward,
+                )  # fmt: skip
+            else:
+                gq, gk, gv = block_backward(
+                    dout[r], q[r], kb, vb, out[r], lse[r], scale=scale, causal=False
+                )
+                pq, pk, pv = [(0, gq)], [(0, gk)], [(0, gv)]
+            dq_p += [(seg[1] + a, *rest) for a, *rest in pq]
+            dk_p[where] += [(first + a, *rest) for a, *rest in pk]
+            dv_p[where] += [(first + a, *rest) for a, *rest in pv]
     dq = sum_pieces_into(torch.empty_like(q), dq_p)
     dk = sum_pieces_into(torch.empty_like(k), dk_p["new"])
     dv = sum_pieces_into(torch.empty_like(v), dv_p["new"])
