@@ -252,7 +252,6 @@ def run_kernel_shape(
     # path is the one timed.
     out, lse = model.kernel(q, bt, seq, kv_len, splits, config)
     res = {"batch": batch, "context": ctx, "num_splits": used_splits, "config": cfg.__dict__}
-    res["check"] = None
     res["check"] = check(model, q, bt, seq, kv_len, out, lse)
     if not res["check"]["ok"]:
         return res

@@ -464,6 +464,12 @@ def sum_rows_triton(rows: torch.Tensor, parts: list[tuple[torch.Tensor, int, int
 Piece = tuple[int, torch.Tensor] | tuple[int, torch.Tensor, bool]
 
 
+def _part_rows(part: tuple[torch.Tensor, int, int], n: int) -> torch.Tensor:
+    # ``n`` rows of a (piece, first row, step) part in natural order (a copy when reversed).
+    x, first, step = part
+    return x[first : first + n] if step == 1 else x[first - n + 1 : first + 1].flip(0)
+
+
 def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
     """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows[, reversed])``;
     0 elsewhere. A reversed piece holds its rows last-first (natural row ``first + j`` is its
@@ -499,33 +505,28 @@ def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
                 parts.append((x, first + x.shape[0] - 1 - a, -1))
             else:
                 parts.append((x, a - first, 1))
+        n_rows = b - a
         natural = all(d == 1 for _, _, d in parts)
         fused = (
             dst.is_cuda
-            and 1 <= len(parts) <= 4
+            and len(parts) <= 4
             and rows.is_contiguous()
             and all(x.is_contiguous() for x, _, _ in parts)
         )
-        xs = [
-            x[f : f + b - a] if d == 1 else x[f - (b - a) + 1 : f + 1].flip(0)
-            for x, f, d in (parts if natural or not fused else [])
-        ]
         if not parts:
             rows.zero_()
-        elif natural and len(xs) == 1:
-            rows.copy_(xs[0])
-        elif natural and len(xs) == 2 and dst.dtype == xs[0].dtype == xs[1].dtype:
-            torch.add(xs[0], xs[1], out=rows)
+        elif natural and len(parts) == 1:
+            rows.copy_(_part_rows(parts[0], n_rows))
+        elif natural and len(parts) == 2 and dst.dtype == parts[0][0].dtype == parts[1][0].dtype:
+            torch.add(*(_part_rows(p, n_rows) for p in parts), out=rows)
         elif fused:
             sum_rows_triton(rows, parts)
         else:
-            if len(xs) == 1:
-                rows.copy_(xs[0])
-            else:
-                acc = xs[0].to(lse_dtype(dst.dtype))
-                for x in xs[1:]:
-                    acc = acc + x
-                rows.copy_(acc)
+            xs = [_part_rows(p, n_rows) for p in parts]
+            acc = xs[0].to(lse_dtype(dst.dtype))
+            for x in xs[1:]:
+                acc = acc + x
+            rows.copy_(acc)
     return dst
 
 
