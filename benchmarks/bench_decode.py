@@ -29,6 +29,10 @@ What it does, in order:
      blocks and bytes allocated per rank).
   5. A small sweep of tile configurations and split counts on representative shapes, so the
      defaults can be revisited from the results.
+  6. MLA with fewer query heads per GPU (``--mla-heads``, default 16 32 64: DeepSeek's 128 heads
+     split by tensor parallelism) on four shapes, with the FLOP per KV byte of each: 128 heads
+     make MLA decode compute-bound, fewer make it bandwidth-bound. ``--only-mla-heads`` runs
+     just this section (decode-mla-heads-<date>.json).
 
 Results go to benchmarks/results/decode-<date>.json as {"date", "gpu", "torch", "triton",
 "metrics"}; the SDPA and FlexAttention numbers sit in each shape's row under "sdpa" and "flex"
@@ -71,6 +75,7 @@ from cp_modules.kernels.paged_decode import (  # noqa: E402
     choose_mla_num_splits,
     choose_num_splits,
     default_config,
+    mla_programs_per_sm,
     paged_attention_kernel,
     paged_mla_attention_kernel,
 )
@@ -101,6 +106,10 @@ TIME_BUDGET_S = 170.0  # optional sections (SDPA, DCP emulation, sweep) are skip
 DEVICE = "cuda"
 DCP_BATCH, DCP_LENGTH = 8, 131072
 SWEEP_SHAPES = ((64, 16384), (1, 131072))
+# MLA with fewer query heads per GPU (DeepSeek's 128 split by tensor parallelism, or gathered
+# from a smaller DCP group): the FLOP per KV byte falls with the heads, and with them whether
+# the kernel is compute- or bandwidth-bound.
+MLA_HEAD_SHAPES = ((1, 131072), (8, 131072), (64, 32768), (256, 16384))
 FLEX_BATCHES = (1, 8, 64)
 FLEX_CONTEXTS = (16384, 131072)
 FLEX_BUDGET_S = 30.0  # per model: wall time the flex comparison may add, compiles included
@@ -110,11 +119,11 @@ FLEX_Q_BLOCK = 128  # the block mask's query block: flex_decoding needs a multip
 class Model:
     """One attention flavour: its cache, kernel, reference and byte/FLOP counts."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, heads: int | None = None):
         self.name = name
         self.mla = name == "mla"
         if self.mla:
-            self.heads, self.dq, self.dv = MLA_H, MLA_RK + MLA_ROPE, MLA_RK
+            self.heads, self.dq, self.dv = heads or MLA_H, MLA_RK + MLA_ROPE, MLA_RK
             self.scale = (128 + MLA_ROPE) ** -0.5
             bpb = kv_cache_bytes_per_block(
                 BLOCK_SIZE, kv_lora_rank=MLA_RK, rope_dim=MLA_ROPE, dtype=DTYPE
@@ -166,7 +175,7 @@ class Model:
     def default_config(self, split: bool = True) -> DecodeConfig:
         """The kernel's own tiles (GQA's depend on whether the KV range is split)."""
         if self.mla:
-            return default_config(MLA_H, MLA_RK, MLA_RK, MLA_ROPE)
+            return default_config(self.heads, MLA_RK, MLA_RK, MLA_ROPE)
         return default_config(GQA_HQ // GQA_HKV, GQA_D, GQA_D, 0, split)
 
     def num_programs(self, batch: int, cfg: DecodeConfig) -> int:
@@ -240,7 +249,11 @@ def run_kernel_shape(
     cfg = config or model.default_config()
     if model.mla:
         used_splits = splits or choose_mla_num_splits(
-            model.num_programs(batch, cfg), bt.shape[1] * BLOCK_SIZE, num_sms(), cfg.block_n
+            model.num_programs(batch, cfg),
+            bt.shape[1] * BLOCK_SIZE,
+            num_sms(),
+            cfg.block_n,
+            mla_programs_per_sm(cfg),
         )
     else:
         used_splits = splits or choose_num_splits(
@@ -269,6 +282,27 @@ def run_kernel_shape(
             graph_tflops=model.flops(kv_len) / gms / 1e9,
         )
     return res
+
+
+def run_mla_heads(heads_list: list[int]) -> list[dict]:
+    """MLA rows for other head counts than DeepSeek's 128 (CUDA-graph replay included)."""
+    rows = []
+    for heads in heads_list:
+        model = Model("mla", heads)
+        max_tokens = max(b * c for b, c in MLA_HEAD_SHAPES)
+        model.allocate(triton.cdiv(max_tokens, BLOCK_SIZE) + 64)
+        for b, c in MLA_HEAD_SHAPES:
+            res = run_kernel_shape(model, b, c, with_graph=True)
+            res["heads"] = heads
+            # FLOP per KV byte: the kernel is bandwidth-bound below the GPU's ridge point.
+            res["flop_per_kv_byte"] = heads * 2 * (model.dq + model.dv) / model.bytes_per_token
+            rows.append(res)
+            print(f"[mla heads={heads:3d}] B={b:4d} ctx={c:6d} splits={res['num_splits']:3d} "
+                  + (f"graph {res['graph_kv_tbps']:.2f} TB/s {res['graph_tflops']:.0f} TFLOP/s"
+                     if res["check"]["ok"] else f"FAILED CHECK {res['check']}"), flush=True)  # fmt: skip
+        model.caches = ()
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run_sdpa_shape(model: Model, batch: int, ctx: int, ours_out: torch.Tensor | None) -> dict:
@@ -574,6 +608,18 @@ def main() -> int:
         help="models compared with FlexAttention (MLA's 576/512 flex kernel did not finish "
         "compiling within ~3 minutes with torch 2.11 on an H200, so it is opt-in)",
     )
+    parser.add_argument(
+        "--mla-heads",
+        nargs="*",
+        type=int,
+        default=[16, 32, 64],
+        help="also time MLA with these query-head counts (shapes MLA_HEAD_SHAPES); none to skip",
+    )
+    parser.add_argument(
+        "--only-mla-heads",
+        action="store_true",
+        help="run only the MLA head-count section (writes decode-mla-heads-<date>.json)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -593,7 +639,7 @@ def main() -> int:
     flex_skipped: list = []
     flex_failed: list = []  # FlexAttention shapes whose output failed the check (no speed kept)
 
-    for name in ("gqa", "mla"):
+    for name in () if args.only_mla_heads else ("gqa", "mla"):
         model = Model(name)
         combos = [
             (b, c) for b in batches for c in contexts
@@ -740,6 +786,11 @@ def main() -> int:
         model.caches = ()
         torch.cuda.empty_cache()
 
+    if args.mla_heads and not args.quick:
+        metrics["mla_heads"] = run_mla_heads(args.mla_heads)
+        failures += [("mla", r["heads"], r["batch"], r["context"])
+                     for r in metrics["mla_heads"] if not r["check"]["ok"]]  # fmt: skip
+
     metrics["flex"] = {
         "shapes": {"batches": FLEX_BATCHES, "contexts": FLEX_CONTEXTS},
         "wall_s": flex_wall,
@@ -761,7 +812,8 @@ def main() -> int:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"decode{'-quick' if args.quick else ''}-{date}.json"
+    kind = "-mla-heads" if args.only_mla_heads else "-quick" if args.quick else ""
+    path = out_dir / f"decode{kind}-{date}.json"
     path.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {path} in {metrics['wall_s']:.0f} s")
     if flex_failed:

@@ -27,7 +27,8 @@ KINDS = ("lse_combine", "decode", "pcp", "modules", "ceilings")
 def latest(results: Path) -> dict[str, dict]:
     found = {}
     for kind in KINDS:
-        files = sorted(results.glob(f"{kind}-*.json"))
+        # Dated full runs only (not decode-quick-* or decode-mla-heads-* partial runs).
+        files = sorted(results.glob(f"{kind}-[0-9]*.json"))
         if files:
             found[kind] = json.loads(files[-1].read_text())
             found[kind]["_file"] = files[-1].name
@@ -103,6 +104,9 @@ def flat_metrics(r: dict) -> dict:
                 m[f"decode_{kind}_B{x['batch']}_ctx{x['context'] // 1024}k_TBps"] = x["kv_tbps"]
             if "graph_kv_tbps" in x:
                 m[f"decode_{kind}_B{x['batch']}_ctx{x['context'] // 1024}k_graph_TBps"] = x["graph_kv_tbps"]
+    for x in r.get("decode", {}).get("metrics", {}).get("mla_heads", []):
+        if "graph_kv_tbps" in x:
+            m[f"decode_mla_H{x['heads']}_B{x['batch']}_ctx{x['context'] // 1024}k_graph_TBps"] = x["graph_kv_tbps"]
     for k, v in r.get("modules", {}).get("metrics", {}).items():
         m[f"module_{k}"] = v
     ce = r.get("ceilings", {}).get("metrics", {})
@@ -197,6 +201,16 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
              "| goal | measured | target | met | note |", "|---|---|---|---|---|"]
     for x in g:
         lines.append(f"| {x['goal']} | {x['value']} | {x['target']} | {'yes' if x['met'] else 'NO'} | {x['note']} |")
+    heads = r.get("decode", {}).get("metrics", {}).get("mla_heads", [])
+    if heads:
+        lines += ["", "## MLA decode by query heads per GPU (bf16, CUDA graph)", "",
+                  "128 heads (the goal rows) are compute-bound; DeepSeek's heads split by tensor "
+                  "parallelism are not. FLOP per KV byte against the H200's ridge (~206).", "",
+                  "| heads | B | context | splits | FLOP/byte | TB/s | TFLOP/s |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['heads']} | {x['batch']} | {x['context']} | {x['num_splits']} | "
+                  f"{x['flop_per_kv_byte']:.0f} | {x['graph_kv_tbps']:.2f} | {x['graph_tflops']:.0f} |"
+                  for x in heads if "graph_kv_tbps" in x]
     mod = r.get("modules", {}).get("metrics", {})
     if mod:
         lines += ["", "## One attention layer (one rank, bf16)", "", "| metric | value |", "|---|---|"]

@@ -20,6 +20,8 @@ from cp_modules.kernels.paged_decode import (
     choose_mla_num_splits,
     choose_num_splits,
     default_config,
+    mla_default_config,
+    mla_programs_per_sm,
     paged_attention_kernel,
     paged_mla_attention_kernel,
 )
@@ -215,6 +217,7 @@ GQA_CASES = [
     GQACase(8, 2, 32, 8, 16, 3, torch.float32),  # GQA 4, tiles gather across blocks
     GQACase(6, 1, 64, 16, 32, 2, torch.float16),  # group of 6 (not a power of two)
     GQACase(2, 1, 128, 32, 32, None, torch.float32),  # head dim 128, split count chosen
+    GQACase(4, 2, 16, 16, 16, 21, torch.float32),  # more splits than the merge's chunk of 16
 ]
 
 
@@ -266,6 +269,8 @@ MLA_CASES = [
     (64, 16, 20, 16, 16, 1, torch.float32, False),
     (64, 16, 20, 8, 16, 3, torch.float32, True),
     (512, 64, 16, 16, 16, 2, torch.float16, False),
+    # More splits than tiles (most of them empty) and than the merge's chunk of 16.
+    (64, 16, 20, 16, 16, 40, torch.float32, False),
 ]
 
 
@@ -330,6 +335,19 @@ def test_mla_split_count_minimises_the_waves_times_split_length():
     assert choose_mla_num_splits(2, 4096, 132) == 16  # capped by 256-token splits
     assert choose_mla_num_splits(2, 100, 132) == 1
     assert choose_mla_num_splits(0, 4096, 132) == 1
+
+
+def test_mla_split_count_fills_two_programs_per_sm_for_small_head_tiles():
+    # 16 or 32 heads: one head tile per query, two programs per SM (264 slots on 132 SMs).
+    cfg16, cfg128 = mla_default_config(16), mla_default_config(128)
+    assert mla_programs_per_sm(cfg16) == mla_programs_per_sm(mla_default_config(32)) == 2
+    assert mla_programs_per_sm(cfg128) == 1
+    assert choose_mla_num_splits(1, 1 << 17, 132, 64, 2) == 256  # B=1: 256 splits of 8 tiles
+    assert choose_mla_num_splits(8, 1 << 17, 132, 64, 2) == 32  # 256 programs, one wave
+    assert choose_mla_num_splits(64, 1 << 15, 132, 64, 2) == 4
+    assert choose_mla_num_splits(256, 1 << 14, 132, 64, 2) == 1
+    # However long the table, one wave within the cap (the fewest splits within 2 %).
+    assert 240 <= choose_mla_num_splits(1, 1 << 24, 132, 64, 2) <= 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,7 +433,7 @@ GPU_LENGTHS = [1, 2, 17, 300, 1025, 4097, 7000]
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
 @pytest.mark.parametrize("interleave", [1, 16], ids=["I1", "I16"])
 @pytest.mark.parametrize("kind", ["gqa-32-8-128", "gqa-8-8-64", "mla-16-576"])
-@pytest.mark.parametrize("splits", [None, 1, 7], ids=["Sauto", "S1", "S7"])
+@pytest.mark.parametrize("splits", [None, 1, 7, 130], ids=["Sauto", "S1", "S7", "S130"])
 def test_gpu_kernels_match_reference(dtype, bs, interleave, kind, splits):
     d, rank = 4, 3  # the short requests leave rank 3 empty
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -16,9 +16,11 @@ DeepSeek's 128, next to each other in the grid so the latent tile is shared thro
 one split. Each 64-token latent tile [64, Rk + Dpe] is loaded once into shared memory and
 serves as the keys of two score products (Rk and Dpe wide) and, through its first Rk columns,
 as the values. The [64, Rk] fp32 accumulator takes half the register file, so the program
-runs 8 warps (two warp groups, each holding half of the output columns) and fills shared
-memory (Q plus two latent tiles in flight): one program per SM, which the split count accounts
-for. With 128 heads the kernel is compute-bound (~242 FLOP per KV byte).
+runs 8 warps (two warp groups, each holding half of the output columns) and fills most of
+shared memory (two latent tiles in flight): one program per SM. Fewer heads (16 or 32, as with
+tensor-parallel DeepSeek) take one 4-warp program per query, two per SM; the split count
+accounts for either (:func:`mla_programs_per_sm`). With 128 heads the kernel is compute-bound
+(~242 FLOP per KV byte); with 16 it is bandwidth-bound (~30).
 
 Split-KV (flash-decoding): the split count S is chosen on the host from static shapes only
 (programs per split and the block table's capacity); each program takes an equal,
@@ -43,6 +45,7 @@ __all__ = [
     "choose_num_splits",
     "default_config",
     "mla_default_config",
+    "mla_programs_per_sm",
     "paged_attention_kernel",
     "paged_mla_attention_kernel",
 ]
@@ -53,6 +56,9 @@ _LOG2E = 1.0 / _LN2
 # they win in parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
+# MLA with few heads per program is bandwidth-bound and wants every SM's program slots busy,
+# which at B = 1 takes more splits than GQA's cap (the merge reads the partials in chunks).
+_MLA_MAX_SPLITS = 256
 # Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
 # output), in units of one 64-token latent tile.
 _SPLIT_COST_TILES = 5
@@ -332,31 +338,38 @@ def _merge_splits_kernel(
     stride_lh,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    # One program: one (query, head) row. The split LSEs (base 2) are read at once; the fp32
+    # partial outputs CHUNK_S splits at a time, so a [CHUNK_S, Dv] tile is all that lives in
+    # registers whatever the split count.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    lse_row = PLSE + t * stride_plt + h * stride_plh
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
-    lse2 = tl.load(
-        PLSE + t * stride_plt + h * stride_plh + offs_s, mask=s_mask, other=float("-inf")
-    )
+    lse2 = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse2, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse2 - m_safe)
-    total = tl.sum(w, 0)
+    total = tl.sum(tl.exp2(lse2 - m_safe), 0)
     offs_dv = tl.arange(0, BLOCK_DV)
-    po = tl.load(
-        PO + t * stride_pot + h * stride_poh + offs_s[:, None] * stride_pos + offs_dv[None, :],
-        mask=s_mask[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )
-    out = tl.sum(po * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    dv_mask = offs_dv < DV
+    po_row = PO + t * stride_pot + h * stride_poh
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, CHUNK_S):
+        offs_c = s0 + tl.arange(0, CHUNK_S)
+        c_mask = offs_c < NUM_SPLITS
+        w = tl.exp2(tl.load(lse_row + offs_c, mask=c_mask, other=float("-inf")) - m_safe)
+        po = tl.load(
+            po_row + offs_c[:, None] * stride_pos + offs_dv[None, :],
+            mask=c_mask[:, None] & dv_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(po * w[:, None], 0)
+    out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(
-        OUT + t * stride_ot + h * stride_oh + offs_dv,
-        out.to(OUT.dtype.element_ty),
-        mask=offs_dv < DV,
+        OUT + t * stride_ot + h * stride_oh + offs_dv, out.to(OUT.dtype.element_ty), mask=dv_mask
     )
     lse = tl.where(
         total > 0.0, (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0))), float("-inf")
@@ -454,26 +467,44 @@ def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
     return max(1, min(want, cap, _MAX_SPLITS))
 
 
+def mla_programs_per_sm(cfg: DecodeConfig) -> int:
+    """How many MLA programs of these tiles one SM runs at a time (shared memory, registers).
+
+    The default tiles with Triton 3.6 on an H200 (bf16, Rk 512 + P 64, 2 stages): 16 heads on
+    4 warps take 92 KB of shared memory and 255 registers a thread, 32 heads 113 KB and 255,
+    so two fit in an SM (228 KB, 64k registers); 64 heads on 8 warps take ~148 KB (one). With
+    split counts that fill two programs per SM, 16 and 32 heads read 3.1-4.3 TB/s at B = 8
+    and 64, against 2.0-2.9 with one per SM.
+    """
+    return 1 if cfg.block_h >= 64 or cfg.num_warps >= 8 else 2
+
+
 @functools.lru_cache(maxsize=1024)
 def choose_mla_num_splits(
-    num_programs: int, max_kv_len: int, num_sms: int, block_n: int = 64
+    num_programs: int,
+    max_kv_len: int,
+    num_sms: int,
+    block_n: int = 64,
+    programs_per_sm: int = 1,
 ) -> int:
     """KV splits for MLA's ``num_programs`` (query, head-tile) programs, static shapes only.
 
-    An MLA program fills a multiprocessor's shared memory, so one runs per SM at a time. The
-    estimated makespan of ``s`` splits over a range of ``max_kv_len`` tokens (the block
-    table's capacity) is waves x (tiles per split + a fixed cost per program, larger when
-    partial outputs are written and merged); the count is the fewest splits within 2 % of the
-    best estimate, with splits no shorter than ``_MIN_SPLIT_TOKENS`` and at most
-    ``_MAX_SPLITS``. Memoised: it runs on every eager decode call.
+    An MLA program fills much of a multiprocessor's shared memory, so ``programs_per_sm`` of
+    them (:func:`mla_programs_per_sm`) run per SM at a time. The estimated makespan of ``s``
+    splits over a range of ``max_kv_len`` tokens (the block table's capacity) is waves x
+    (tiles per split + a fixed cost per program, larger when partial outputs are written and
+    merged); the count is the fewest splits within 2 % of the best estimate, with splits no
+    shorter than ``_MIN_SPLIT_TOKENS`` and at most ``_MLA_MAX_SPLITS``. Memoised: it runs on
+    every eager decode call.
     """
     if num_programs <= 0:
         return 1
+    slots = num_sms * max(1, programs_per_sm)
     tiles = triton.cdiv(max(1, max_kv_len), block_n)
-    cap = max(1, min(_MAX_SPLITS, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS)))
+    cap = max(1, min(_MLA_MAX_SPLITS, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS)))
     costs = []
     for s in range(1, cap + 1):
-        waves = triton.cdiv(num_programs * s, num_sms)
+        waves = triton.cdiv(num_programs * s, slots)
         fixed = _SPLIT_COST_TILES if s > 1 else 1
         costs.append(waves * (triton.cdiv(tiles, s) + fixed))
     best = min(costs)
@@ -561,7 +592,8 @@ def _launch_merge(
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
         l_buf.stride(0), l_buf.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), DV=dv, BLOCK_DV=_pow2(dv),
+        NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), CHUNK_S=min(16, _pow2(num_splits)),
+        DV=dv, BLOCK_DV=_pow2(dv),
         num_warps=4,
     )  # fmt: skip
 
@@ -631,7 +663,7 @@ def paged_mla_attention_kernel(
     max_kv_len = block_table.shape[1] * page
     if not num_splits:
         num_splits = choose_mla_num_splits(
-            t * head_tiles, max_kv_len, _num_sms(q.device), cfg.block_n
+            t * head_tiles, max_kv_len, _num_sms(q.device), cfg.block_n, mla_programs_per_sm(cfg)
         )
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     _paged_mla_kernel[(t * head_tiles, num_splits)](
