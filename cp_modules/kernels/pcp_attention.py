@@ -31,8 +31,9 @@ backward is 1.23 / 1.46 / 1.59x dense/P at P = 2 / 4 / 8, MHA's and GQA's 1.05-1
 at P = 8, where cuDNN's own kernels take dense/P and the gradient sums, its per-call dO.O and
 dQ conversion and the zero rows add ~8 %).
 Merging the head's and tail's rectangles into one call, folding a square into a tall causal
-call, overlapping the squares on a second stream and one FlexAttention call per rank were
-measured and are not faster (benchmarks/2026-11-30-pcp-block-variants.md).
+call, overlapping the squares on a second stream, one FlexAttention call per rank and cuDNN
+frontend calls with band / bottom-right masks writing into the gradient buffers were measured
+and are not faster (benchmarks/2026-11-30-pcp-block-variants.md).
 """
 
 from __future__ import annotations
