@@ -480,7 +480,7 @@ def mla_programs_per_sm(cfg: DecodeConfig) -> int:
     The default tiles with Triton 3.6 on an H200 (bf16, Rk 512 + P 64, 2 stages): 16 heads on
     4 warps take 92 KB of shared memory and 255 registers a thread, 32 heads 113 KB and 255,
     so two fit in an SM (228 KB, 64k registers); 64 heads on 8 warps take 224 KB (one). With
-    split counts that fill two programs per SM, 16 and 32 heads read 3.1-4.3 TB/s at B = 8
+    split counts that fill two programs per SM, 16 and 32 heads read 3.0-4.3 TB/s at B = 8
     and 64, against 2.0-2.9 with one per SM.
     """
     return 1 if cfg.block_h >= 64 or cfg.num_warps >= 8 else 2
