@@ -61,8 +61,10 @@ def test_every_world4_configuration_mixed_schedule():
 
 def test_world2_configurations_and_training():
     cases = _sweep(2) + [
-        VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention=att, mode="train", seq_lens=[21, 3, 9])
+        VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention=att, mode="train", seq_lens=lens)
         for att in ("gqa", "mla")
+        # Padded chunks, and lengths that are multiples of 2 * pcp (no padding row at all).
+        for lens in ([21, 3, 9], [16, 8])
     ]
     _assert_all_within(run_distributed(_run_cases, 2, cases, timeout_s=900), cases)
 

@@ -200,6 +200,39 @@ def test_head_and_tail_squares_share_one_call():
     assert _square_groups([[0, 0, 5, 10, 5], [1, 5, 5, 0, 5]]) == [[0], [1]]
 
 
+@pytest.mark.parametrize("length", [48, 45], ids=["no-padding", "padded"])
+def test_forward_merges_into_the_squares_output(length):
+    # One request: a rank's head and tail squares are its rows in order, so without padding
+    # the forward merges the rectangle into the squares' output in place (the result shares
+    # its storage, as a plain tensor, not a view); with padding it falls back to a fresh
+    # result whose padding rows are 0 / -inf.
+    q, k, v, _, _ = _tensors([length], [0], 4, 2, 16, 8, torch.float64, seed=3)
+    padded_ranks = 0
+    for pcp in (2, 4):
+        for r in range(pcp):
+            plan = plan_pcp([length], [0], pcp, r)
+            args = (plan.segments_host, None, None, None, 0.3)
+            ql = q[plan.token_indices].contiguous()
+            firsts = []
+
+            def block_forward(q_, k_, v_, *, scale, causal):
+                o, s = attention_block_forward(q_, k_, v_, scale=scale, causal=causal)
+                if causal:
+                    firsts.append(o.data_ptr())
+                return o, s
+
+            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, block_forward=block_forward)
+            ref_out, ref_lse = pcp_prefill_attention_reference(ql, k, v, *args)
+            assert max_abs_err(out, ref_out) < 1e-12
+            valid = plan.local_valid
+            assert max_abs_err(lse[valid], ref_lse[valid]) < 1e-12
+            assert out._base is None and out.is_contiguous()
+            assert (out.data_ptr() == firsts[0]) == bool(valid.all())
+            assert torch.all(out[~valid] == 0) and torch.all(lse[~valid] == float("-inf"))
+            padded_ranks += int(not valid.all())
+    assert padded_ranks == (0 if length % 8 == 0 else 2)
+
+
 def _check_sum_pieces(dtype, device):
     g = torch.Generator().manual_seed(7)
     n = 40
@@ -408,6 +441,8 @@ GPU_CASES = {
     "MHA-D128-prefix": ([700, 1, 1, 333, 64], [0, 90, 40, 250, 0], 4, 4, 128, 128),
     "GQA-8-2-D128": ([1000, 17, 3], [0, 0, 0], 8, 2, 128, 128),
     "MLA-192-128-prefix": ([513, 1, 900], [0, 30, 128], 4, 4, 192, 128),
+    # One request without padding: the result is the squares' output, merged in place.
+    "GQA-one-request": ([1536], [0], 8, 2, 128, 128),
 }
 
 

@@ -276,7 +276,8 @@ def merge_partials_into(
     otherwise (and a plain copy for a single partial).
     """
     if len(outs) == 1:
-        out.copy_(outs[0])
+        if not _same_view(out, outs[0]):
+            out.copy_(outs[0])
         lse.copy_(lses[0])
         return
     fused = out.is_cuda and len(outs) in (2, 3) and lse.dtype == torch.float32
@@ -286,6 +287,12 @@ def merge_partials_into(
     o, s = merge_partials_reference(outs, lses, out.dtype)
     out.copy_(o)
     lse.copy_(s)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    )
 
 
 def _host(segments: torch.Tensor) -> torch.Tensor:
@@ -393,10 +400,11 @@ def pcp_prefill_attention_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    T, rows_shape = q.shape[0], (q.shape[1], v.shape[2])
     squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for group in _square_groups(segs):
+    out = None
+    groups = _square_groups(segs)
+    for group in groups:
         ql = segs[group[0]][2]
         ks = [_square_start(segs[i]) for i in group]
         o, s = block_forward(
@@ -408,6 +416,23 @@ def pcp_prefill_attention_cuda(
         )
         for j, i in enumerate(group):
             squares[i] = (o[j], s[j]) if len(group) > 1 else (o, s)
+        if len(groups) == 1 and [segs[i][1] for i in group] == list(range(0, T, ql)):
+            if o.is_contiguous():
+                # The squares' output holds every row of the result in order (one request's
+                # head and tail, no padding): merge into it in place instead of copying. A
+                # plain tensor on the same storage, not a view, so that callers may still
+                # write into the op's output in place under autograd.
+                out = o.new_empty(0).set_(
+                    o.untyped_storage(),
+                    o.storage_offset(),
+                    (T, *rows_shape),
+                    (rows_shape[0] * rows_shape[1], rows_shape[1], 1),
+                )
+    if out is None:
+        out = q.new_empty(T, *rows_shape)
+        _fill_uncovered(out, segs, 0.0)
+    lse = torch.empty(q.shape[:2], dtype=lse_dtype(q.dtype), device=q.device)
+    _fill_uncovered(lse, segs, float("-inf"))
     for i, seg in enumerate(segs):
         r = slice(seg[1], seg[1] + seg[2])
         outs, lses = [squares[i][0]], [squares[i][1]]
@@ -417,6 +442,27 @@ def pcp_prefill_attention_cuda(
             lses.append(s)
         merge_partials_into(outs, lses, out[r], lse[r])
     return out, lse
+
+
+def _fill_uncovered(x: torch.Tensor, segs: list[list[int]], value: float) -> None:
+    """Fill the rows of ``x`` that no segment's queries cover (padding) with ``value``.
+
+    The merges write every covered row, so the rest is all that needs initialising; past a
+    handful of separate runs one fill of the whole tensor costs less than many small ones.
+    """
+    spans = sorted((seg[1], seg[1] + seg[2]) for seg in segs)
+    gaps, pos = [], 0
+    for a, b in spans:
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < x.shape[0]:
+        gaps.append((pos, x.shape[0]))
+    if len(gaps) > 4:
+        x.fill_(value)
+        return
+    for a, b in gaps:
+        x[a:b].fill_(value)
 
 
 @triton.jit

@@ -45,12 +45,38 @@ def _gather(x: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
     return gathered.index_select(0, meta.plan.gather_index)
 
 
-def _scatter_grad(dx_full: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
-    """Backward of :func:`_gather`: put rows back in gathered order and reduce-scatter."""
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, meta: CPStepMetadata):
+    """:func:`_gather` of K and V [T, Hkv, D] in one collective; each result is contiguous.
+
+    The local rows travel as one [T, 2, Hkv, D] block; the restore indexes the gathered rows
+    of K and of V at once into a fresh [2, N, Hkv, D] tensor, so no further copy is needed.
+    """
+    rt = meta.runtime
+    local = torch.stack((k, v), dim=1)
+    gathered = all_gather(local, rt.pcp_group, rt.pcp_size)
+    kv = gathered.transpose(0, 1).index_select(1, meta.plan.gather_index)
+    return kv[0], kv[1]
+
+
+def _scatter_grad(meta: CPStepMetadata, *dx_full: torch.Tensor) -> torch.Tensor:
+    """Backward of :func:`_gather` (one gradient) or :func:`_gather_kv` (dK and dV): put the
+    rows back in gathered order and reduce-scatter them; returns [T, ...] (or [T, 2, ...]).
+
+    Each restored row lands on its own gathered row (the restore is injective), so the rows are
+    copied, not accumulated, and only padding rows (none when N = P * T) start at zero.
+    """
     rt = meta.runtime
     t = meta.num_local_tokens
-    buf = dx_full.new_zeros((rt.pcp_size * t, *dx_full.shape[1:]))
-    buf.index_add_(0, meta.plan.gather_index, dx_full)
+    n, inner = dx_full[0].shape[0], dx_full[0].shape[1:]
+    shape = (rt.pcp_size * t, len(dx_full), *inner) if len(dx_full) > 1 else (rt.pcp_size * t, *inner)
+    alloc = dx_full[0].new_zeros if n < rt.pcp_size * t else dx_full[0].new_empty
+    buf = alloc(shape)
+    idx = meta.plan.gather_index
+    if len(dx_full) == 1:
+        buf.index_copy_(0, idx, dx_full[0])
+    else:
+        for j, dx in enumerate(dx_full):
+            buf.select(1, j).index_copy_(0, idx, dx)
     return reduce_scatter(buf, rt.pcp_group, rt.pcp_size)
 
 
@@ -114,8 +140,7 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
         # Decode tokens are replicated on every PCP rank in batch order: nothing to gather.
         k_full, v_full = k, v
     else:
-        kv = _gather(torch.stack((k, v)).transpose(0, 1).flatten(1, 2), meta)
-        k_full, v_full = kv.unflatten(1, (2, k.shape[1])).unbind(1)
+        k_full, v_full = _gather_kv(k, v, meta)
     if has_cache:
         if meta.slot_mapping is None:
             raise RuntimeError("a KV cache was given but the step has no block table")
@@ -191,15 +216,13 @@ def _gqa_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     meta = current_step()
     _check_no_prefix_for_training(meta)
-    kv = _gather(torch.stack((k, v)).transpose(0, 1).flatten(1, 2), meta)
-    k_full, v_full = kv.unflatten(1, (2, k.shape[1])).unbind(1)
+    k_full, v_full = _gather_kv(k, v, meta)
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-        dout.contiguous(), q, k_full.contiguous(), v_full.contiguous(), out, lse,
+        dout.contiguous(), q, k_full, v_full, out, lse,
         meta.plan.segments_host, None, None, None, scale,
-    )
-    dkv = _scatter_grad(torch.stack((dk_full, dv_full), 1).flatten(1, 2), meta)
-    dk, dv = dkv.unflatten(1, (2, k.shape[1])).unbind(1)
-    return dq, dk.contiguous(), dv.contiguous()
+    )  # fmt: skip
+    dkv = _scatter_grad(meta, dk_full, dv_full)
+    return dq, dkv[:, 0].contiguous(), dkv[:, 1].contiguous()
 
 
 @_gqa_attention_backward.register_fake
@@ -390,7 +413,7 @@ def _mla_attention_backward(
     dw_uv = torch.einsum("nhd,nc->hdc", dv_full, kv_c)
     # Each rank's weight gradient covers its own queries' share of the keys' gradient; the
     # gathered latent is identical on every PCP rank, so the weight gradients are partial sums.
-    d_latent = _scatter_grad(d_latent_full, meta)
+    d_latent = _scatter_grad(meta, d_latent_full)
     return dq, d_latent.contiguous(), dw_uk, dw_uv
 
 
