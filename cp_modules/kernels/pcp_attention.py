@@ -11,7 +11,9 @@ fused attention kernel serves at full speed:
 * the *rectangle*: the same queries against the ``k_len - q_len`` keys before them, no mask;
 * the *prefix*: the same queries against the request's cached prefix, no mask;
 
-merged exactly by their LSEs in one Triton pass that writes the segment's rows of the result.
+merged exactly by their LSEs in one Triton pass that writes the segment's rows of the result
+(in place over the squares' output when that holds every row in order: one request, no
+padding; otherwise a fresh result whose padding rows alone are initialised).
 On the H200 this beats bottom-right-causal kernels by ~1.7x (see the PCP table of the
 toolchain notes). Each block runs on the fastest kernel PyTorch
 ships for its shape (cuDNN, else FlashAttention-2, else the fp32 reference for shapes and
