@@ -68,9 +68,8 @@ def _scatter_grad(meta: CPStepMetadata, *dx_full: torch.Tensor) -> torch.Tensor:
     rt = meta.runtime
     t = meta.num_local_tokens
     n, inner = dx_full[0].shape[0], dx_full[0].shape[1:]
-    rows = rt.pcp_size * t
-    shape = (rows, len(dx_full), *inner) if len(dx_full) > 1 else (rows, *inner)
-    alloc = dx_full[0].new_zeros if n < rows else dx_full[0].new_empty
+    shape = (rt.pcp_size * t, len(dx_full), *inner) if len(dx_full) > 1 else (rt.pcp_size * t, *inner)
+    alloc = dx_full[0].new_zeros if n < rt.pcp_size * t else dx_full[0].new_empty
     buf = alloc(shape)
     idx = meta.plan.gather_index
     if len(dx_full) == 1:
