@@ -215,7 +215,7 @@ def test_forward_merges_into_the_squares_output(length):
             ql = q[plan.token_indices].contiguous()
             firsts = []
 
-            def block_forward(q_, k_, v_, *, scale, causal):
+            def block_forward(q_, k_, v_, *, scale, causal, firsts=firsts):
                 o, s = attention_block_forward(q_, k_, v_, scale=scale, causal=causal)
                 if causal:
                     firsts.append(o.data_ptr())

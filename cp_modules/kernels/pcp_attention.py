@@ -292,9 +292,7 @@ def merge_partials_into(
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-    )
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _host(segments: torch.Tensor) -> torch.Tensor:
