@@ -29,13 +29,14 @@ Dqk 192 / Dv 128 (MLA prefill) against ~470 for a large causal call and ~550 at 
 Rectangles of at least :data:`CAUSAL_PAIRS_MIN_ROWS` MLA queries therefore run their backward
 as causal pairs (:func:`rectangle_backward_causal_pairs`), summed with row-reversed reads
 (:func:`sum_rows_triton`); smaller ones stay non-causal. For a 32k sequence MLA's PCP
-backward is 1.23 / 1.46 / 1.59x dense/P at P = 2 / 4 / 8, MHA's and GQA's 1.05-1.12x (the most
-at P = 8, where cuDNN's own kernels take dense/P and the gradient sums, its per-call dO.O and
-dQ conversion and the zero rows add ~8 %).
+backward is 1.23 / 1.48 / 1.59x dense/P at P = 2 / 4 / 8, MHA's and GQA's 1.04-1.11x (the most
+at P = 8, where cuDNN's own block kernels take less than dense/P and the gradient sums and
+copies, its per-call dO.O and dQ conversion and the zero rows add ~8 %).
 Merging the head's and tail's rectangles into one call, folding a square into a tall causal
-call, overlapping the squares on a second stream, one FlexAttention call per rank and cuDNN
-frontend calls with band / bottom-right masks writing into the gradient buffers were measured
-and are not faster (benchmarks/2026-11-30-pcp-block-variants.md).
+call, overlapping the squares on a second stream, one FlexAttention call per rank, cuDNN
+frontend calls with band / bottom-right masks writing into the gradient buffers and one Triton
+launch assembling every gradient row were measured and are not faster
+(benchmarks/2026-11-30-pcp-block-variants.md).
 """
 
 from __future__ import annotations
