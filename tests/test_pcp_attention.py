@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_modules.kernels import pcp_attention as pcp_kernels
 from cp_modules.kernels.pcp_attention import (
     BLOCK_BACKENDS,
     CUDNN_GQA,
     _rows,
     _square_groups,
-    assemble_into,
     attention_block_backward,
     attention_block_forward,
     merge_partials_triton,
@@ -277,69 +275,6 @@ def test_sum_pieces_writes_each_row_once(dtype):
 def test_gpu_sum_pieces_fused(dtype):
     # On CUDA runs of 2-4 pieces (and single reversed ones) go through sum_rows_triton.
     _check_sum_pieces(dtype, "cuda")
-
-
-def _assemble_jobs(dtype, device, widths=((3, 4), (5, 3))):
-    # Per result: overlaps of 0 to 4 natural pieces, uncovered rows, an empty piece.
-    g = torch.Generator().manual_seed(11)
-    jobs = []
-    for j, w in enumerate(widths):
-        n = 40 + j
-        spans = [(0, 10), (5, 12), (8, 3), (30, n - 30), (20, 0), (6, 4)]
-        pieces = [(a, torch.randn(m, *w, generator=g).to(dtype).to(device)) for a, m in spans]
-        jobs.append((torch.full((n, *w), float("nan"), dtype=dtype, device=device), pieces))
-    return jobs
-
-
-@pytest.mark.parametrize("item", [1 << 20, 7], ids=["one-item-per-run", "many-items"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_assemble_into_equals_sum_pieces(dtype, item, monkeypatch):
-    # One Triton launch (interpreter here) for several results == sum_pieces_into per result,
-    # bit for bit; items split inside a run. bf16 rows of 8 and 16 elements keep every offset a
-    # 16-byte multiple; fp32 rows of 15 elements (60 bytes) do not.
-    monkeypatch.setattr(pcp_kernels, "_ASSEMBLE_ITEM", item)
-    widths = ((2, 4), (4, 4)) if dtype == torch.bfloat16 else ((3, 5), (2, 4))
-    jobs = _assemble_jobs(dtype, "cpu", widths)
-    want = [sum_pieces_into(torch.empty_like(d), p) for d, p in jobs]
-    table, aligned = pcp_kernels._assemble_table(jobs, jobs[0][0])
-    assert aligned == (dtype == torch.bfloat16)
-    assert len(table) // 7 > (2 * 6 if item == 7 else 0)
-    assemble_into(jobs, fused=True)
-    for (d, pieces), w in zip(jobs, want):
-        if dtype == torch.float32:
-            assert torch.equal(d, w)
-        else:
-            # The interpreter rounds fp32 -> bf16 its own way (the GPU test checks bit
-            # equality): within one bf16 ulp of the exact sum.
-            exact = torch.zeros(d.shape, dtype=torch.float64)
-            for a, x in pieces:
-                exact[a : a + x.shape[0]] += x.double()
-            assert ((d.double() - exact).abs() <= exact.abs() * 2**-7).all()
-            assert torch.equal(d == 0, w == 0)
-
-
-def test_assemble_into_falls_back_where_the_kernel_does_not_apply():
-    jobs = _assemble_jobs(torch.float32, "cpu")
-    first, x = jobs[0][1][1]
-    jobs[0][1][1] = (first, x.flip(0).contiguous(), True)  # a reversed piece
-    assert pcp_kernels._assemble_table(jobs, jobs[0][0]) is None
-    want = [sum_pieces_into(torch.empty_like(d), p) for d, p in jobs]
-    assemble_into(jobs, fused=True)
-    for (d, _), w in zip(jobs, want):
-        assert torch.equal(d, w)
-    jobs64 = _assemble_jobs(torch.float64, "cpu")
-    assert pcp_kernels._assemble_table(jobs64, jobs64[0][0]) is None  # sums in fp32 only
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_assemble_into_equals_sum_pieces(dtype, monkeypatch):
-    monkeypatch.setattr(pcp_kernels, "_ASSEMBLE_ITEM", 64)
-    jobs = _assemble_jobs(dtype, "cuda", widths=((8, 128), (2, 128)))
-    want = [sum_pieces_into(torch.empty_like(d), p) for d, p in jobs]
-    assemble_into(jobs)
-    for (d, _), w in zip(jobs, want):
-        assert torch.equal(d, w)
 
 
 def test_sum_rows_triton_reads_reversed_parts():

@@ -33,9 +33,10 @@ backward is 1.23 / 1.48 / 1.59x dense/P at P = 2 / 4 / 8, MHA's and GQA's 1.04-1
 at P = 8, where cuDNN's own block kernels take less than dense/P and the gradient sums and
 copies, its per-call dO.O and dQ conversion and the zero rows add ~8 %).
 Merging the head's and tail's rectangles into one call, folding a square into a tall causal
-call, overlapping the squares on a second stream, one FlexAttention call per rank and cuDNN
-frontend calls with band / bottom-right masks writing into the gradient buffers were measured
-and are not faster (benchmarks/2026-11-30-pcp-block-variants.md).
+call, overlapping the squares on a second stream, one FlexAttention call per rank, cuDNN
+frontend calls with band / bottom-right masks writing into the gradient buffers and one Triton
+launch assembling every gradient row were measured and are not faster
+(benchmarks/2026-11-30-pcp-block-variants.md).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ __all__ = [
     "BLOCK_BACKENDS",
     "CAUSAL_PAIRS_MIN_ROWS",
     "attention_block_backward",
-    "assemble_into",
     "attention_block_forward",
     "merge_partials_into",
     "merge_partials_triton",
@@ -520,38 +520,6 @@ def _part_rows(part: tuple[torch.Tensor, int, int], n: int) -> torch.Tensor:
     return x[first : first + n] if step == 1 else x[first - n + 1 : first + 1].flip(0)
 
 
-def _runs(
-    n: int, pieces: list[Piece]
-) -> list[tuple[int, int, list[tuple[torch.Tensor, int, int]]]]:
-    """Split rows [0, n) into runs covered by the same pieces: (start, end, parts), a part being
-    (piece, its row for natural row ``start``, step +1 or -1 for a reversed piece)."""
-    events: dict[int, list[int]] = {0: [], n: []}
-    for idx, (first, x, *_) in enumerate(pieces):
-        if x.shape[0] == 0:
-            continue
-        assert 0 <= first and first + x.shape[0] <= n
-        events.setdefault(first, []).append(idx)
-        events.setdefault(first + x.shape[0], []).append(~idx)
-    active: list[int] = []
-    points = sorted(events)
-    runs = []
-    for a, b in zip(points, points[1:]):
-        for e in events[a]:
-            if e >= 0:
-                active.append(e)
-            else:
-                active.remove(~e)
-        parts = []
-        for i in active:
-            first, x, *rev = pieces[i]
-            if rev and rev[0]:
-                parts.append((x, first + x.shape[0] - 1 - a, -1))
-            else:
-                parts.append((x, a - first, 1))
-        runs.append((a, b, parts))
-    return runs
-
-
 def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
     """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows[, reversed])``;
     0 elsewhere. A reversed piece holds its rows last-first (natural row ``first + j`` is its
@@ -561,10 +529,32 @@ def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
     sum of its pieces computed in fp32 and rounded once (``a + b`` for two pieces of the
     result's dtype, else :func:`sum_rows_triton` on CUDA for up to 4 pieces, reversed ones
     included) — so no zeroed buffer is read back and each gradient block is read once.
-    :func:`assemble_into` does the same for several results in one kernel launch.
     """
-    for a, b, parts in _runs(dst.shape[0], pieces):
+    n = dst.shape[0]
+    events: dict[int, list[int]] = {0: [], n: []}
+    for idx, (first, x, *_) in enumerate(pieces):
+        if x.shape[0] == 0:
+            continue
+        assert 0 <= first and first + x.shape[0] <= n
+        events.setdefault(first, []).append(idx)
+        events.setdefault(first + x.shape[0], []).append(~idx)
+    active: list[int] = []
+    points = sorted(events)
+    for a, b in zip(points, points[1:]):
+        for e in events[a]:
+            if e >= 0:
+                active.append(e)
+            else:
+                active.remove(~e)
         rows = dst[a:b]
+        # (piece, its row for natural row a, step)
+        parts = []
+        for i in active:
+            first, x, *rev = pieces[i]
+            if rev and rev[0]:
+                parts.append((x, first + x.shape[0] - 1 - a, -1))
+            else:
+                parts.append((x, a - first, 1))
         n_rows = b - a
         natural = all(d == 1 for _, _, d in parts)
         fused = (
@@ -588,111 +578,6 @@ def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
                 acc = acc + x
             rows.copy_(acc)
     return dst
-
-
-@triton.jit
-def _assemble_kernel(TABLE, REF, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-    # One program: one work item of the table, 7 int64 each: the destination's and up to four
-    # sources' element offsets from REF, the number of sources and the number of elements (all
-    # contiguous). Destination = the fp32 sum of the sources, rounded once (0 with none).
-    row = TABLE + tl.program_id(0).to(tl.int64) * 7
-    dst = REF + tl.multiple_of(tl.load(row), ALIGN)
-    s0 = REF + tl.multiple_of(tl.load(row + 1), ALIGN)
-    s1 = REF + tl.multiple_of(tl.load(row + 2), ALIGN)
-    s2 = REF + tl.multiple_of(tl.load(row + 3), ALIGN)
-    s3 = REF + tl.multiple_of(tl.load(row + 4), ALIGN)
-    num = tl.load(row + 5)
-    # Element counts are ALIGN multiples too: a mask that is constant over ALIGN elements is
-    # what lets the loads and stores below be 16-byte vectors.
-    n = tl.multiple_of(tl.load(row + 6), ALIGN)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        if num > 0:
-            acc += tl.load(s0 + offs, mask=mask, other=0.0).to(tl.float32)
-        if num > 1:
-            acc += tl.load(s1 + offs, mask=mask, other=0.0).to(tl.float32)
-        if num > 2:
-            acc += tl.load(s2 + offs, mask=mask, other=0.0).to(tl.float32)
-        if num > 3:
-            acc += tl.load(s3 + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + offs, acc.to(REF.dtype.element_ty), mask=mask)
-
-
-# Elements per work item of :func:`assemble_into` (1 MiB of bf16): about a thousand items for a
-# PCP rank's gradients at 32k tokens, several per SM.
-_ASSEMBLE_ITEM = 1 << 19
-
-
-def _assemble_table(jobs, ref: torch.Tensor) -> tuple[list[int], bool] | None:
-    """Work items of :func:`assemble_into` as a flat int64 list, and whether every offset and
-    length is a multiple of 16 bytes; None where a job needs :func:`sum_pieces_into` instead (a reversed
-    or non-contiguous piece, another dtype, more than four pieces over a row)."""
-    if ref.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return None  # the kernel sums in fp32
-    esize, base = ref.element_size(), ref.data_ptr()
-    table: list[int] = []
-    aligned = True
-    for dst, pieces in jobs:
-        if not dst.is_contiguous() or dst.dtype != ref.dtype or dst.device != ref.device:
-            return None
-        row_len = dst[0].numel() if dst.shape[0] else 0
-        for a, b, parts in _runs(dst.shape[0], pieces):
-            if len(parts) > 4:
-                return None
-            for x, _, step in parts:
-                if step != 1 or not x.is_contiguous() or x.dtype != ref.dtype:
-                    return None
-                if x.device != ref.device or x[0].numel() != row_len:
-                    return None
-            addrs = [dst.data_ptr() + a * row_len * esize]
-            addrs += [x.data_ptr() + r * row_len * esize for x, r, _ in parts]
-            offs = []
-            for addr in addrs:
-                off, rem = divmod(addr - base, esize)
-                assert rem == 0
-                aligned &= (off * esize) % 16 == 0
-                offs.append(off)
-            total = (b - a) * row_len
-            aligned &= (total * esize) % 16 == 0
-            for start in range(0, total, _ASSEMBLE_ITEM):
-                srcs = [o + start for o in offs[1:]] + [0] * (4 - len(parts))
-                table += [offs[0] + start, *srcs, len(parts), min(_ASSEMBLE_ITEM, total - start)]
-    return table, aligned
-
-
-def assemble_into(
-    jobs: list[tuple[torch.Tensor, list[Piece]]], *, fused: bool | None = None
-) -> None:
-    """:func:`sum_pieces_into` for several results (say dq, dk, dv) in one kernel launch.
-
-    On CUDA, when every piece is in natural row order, contiguous and of the results' dtype,
-    one Triton launch walks a table of contiguous work items (zero-fill, copy or fp32 sum
-    rounded once, exactly as :func:`sum_pieces_into`) instead of a launch per run of rows;
-    otherwise each result goes through :func:`sum_pieces_into`. ``fused`` True takes the
-    Triton path wherever the pieces allow it on any device (the interpreter on CPU), False
-    never.
-    """
-    jobs = [(dst, pieces) for dst, pieces in jobs if dst.numel()]
-    if not jobs:
-        return
-    ref = jobs[0][0]
-    use = ref.is_cuda if fused is None else fused
-    plan = _assemble_table(jobs, ref) if use else None
-    if plan is None:
-        for dst, pieces in jobs:
-            sum_pieces_into(dst, pieces)
-        return
-    table, aligned = plan
-    if not table:
-        return
-    host = torch.tensor(table, dtype=torch.int64)
-    if ref.is_cuda:
-        host = host.pin_memory()
-    dev = host.to(ref.device, non_blocking=True)
-    align = 16 // ref.element_size() if aligned else 1
-    _assemble_kernel[(len(table) // 7,)](dev, ref, ALIGN=align, BLOCK=4096, num_warps=8)
 
 
 # Unmasked blocks of at least this many queries run their backward as causal pairs (see
@@ -851,11 +736,9 @@ def pcp_prefill_attention_backward_cuda(
             dq_p += [(seg[1] + a, *rest) for a, *rest in pq]
             dk_p[where] += [(first + a, *rest) for a, *rest in pk]
             dv_p[where] += [(first + a, *rest) for a, *rest in pv]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    jobs = [(dq, dq_p), (dk, dk_p["new"]), (dv, dv_p["new"])]
-    dpk = dpv = None
-    if has_prefix:
-        dpk, dpv = torch.empty_like(prefix_k), torch.empty_like(prefix_v)
-        jobs += [(dpk, dk_p["prefix"]), (dpv, dv_p["prefix"])]
-    assemble_into(jobs)
+    dq = sum_pieces_into(torch.empty_like(q), dq_p)
+    dk = sum_pieces_into(torch.empty_like(k), dk_p["new"])
+    dv = sum_pieces_into(torch.empty_like(v), dv_p["new"])
+    dpk = sum_pieces_into(torch.empty_like(prefix_k), dk_p["prefix"]) if has_prefix else None
+    dpv = sum_pieces_into(torch.empty_like(prefix_v), dv_p["prefix"]) if has_prefix else None
     return dq, dk, dv, dpk, dpv
