@@ -214,6 +214,16 @@ def test_restore_contract_and_balance(case):
     assert torch.equal(restored, torch.arange(total))
     assert torch.equal(gathered[plans[0].gather_index], torch.arange(total))
     assert torch.equal(plans[0].restore_index.sort().values, torch.arange(gathered.numel()))
+    # The runs spell gather_index out, in restored order, never crossing a rank's block.
+    t = plans[0].num_local_tokens_padded
+    runs = plans[0].gather_runs_host
+    assert runs.device.type == "cpu" and bool((runs[:, 2] > 0).all())
+    assert torch.equal(runs[:, 0], torch.cumsum(runs[:, 2], 0) - runs[:, 2])
+    spelled = [torch.arange(g, g + k) for _, g, k in runs.tolist()]
+    assert torch.equal(
+        torch.cat(spelled + [torch.zeros(0, dtype=torch.long)]), plans[0].gather_index
+    )
+    assert all(g // t == (g + k - 1) // t for _, g, k in runs.tolist())
 
     # Every real prefill token is on exactly one rank; decode tokens on every rank.
     starts = np.concatenate([[0], np.cumsum(n)[:-1]])

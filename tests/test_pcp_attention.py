@@ -6,6 +6,8 @@ Single process: every PCP rank of a batch is simulated in turn against the same 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from cp_modules.kernels.pcp_attention import (
     sum_pieces_into,
     sum_rows_triton,
 )
+from cp_modules.ops.cp_attention import _gathered_targets
 from cp_modules.partition import pcp_prefill_attention, plan_pcp
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
@@ -275,6 +278,54 @@ def test_sum_pieces_writes_each_row_once(dtype):
 def test_gpu_sum_pieces_fused(dtype):
     # On CUDA runs of 2-4 pieces (and single reversed ones) go through sum_rows_triton.
     _check_sum_pieces(dtype, "cuda")
+
+
+def _check_backward_into_gathered_rows(pcp, batch, dtype, device):
+    # dK / dV summed straight into an all-gathered layout (the training path's reduce-scatter
+    # buffer, per rank dK rows then dV rows) equal the restored-order result placed there;
+    # the buffer's padding rows are zero.
+    n, m = BATCHES[batch]
+    q, k, v, _, _ = _tensors(n, m, 4, 2, 64, 64, dtype, device, seed=5)
+    for r in range(pcp):
+        plan = plan_pcp(n, m, pcp, r, device=device)
+        t = plan.num_local_tokens_padded
+        ql = q[plan.token_indices]
+        out, lse = pcp_prefill_attention_cuda(ql, k, v, plan.segments_host, None, None, None, 0.3)
+        dout = torch.randn_like(out)
+        args = (dout, ql, k, v, out, lse, plan.segments_host, None, None, None, 0.3)
+        dq, dk, dv, _, _ = pcp_prefill_attention_backward_cuda(*args)
+        buf = torch.full((pcp, 2, t, *k.shape[1:]), float("nan"), dtype=dtype, device=device)
+        meta = SimpleNamespace(plan=plan, num_local_tokens=t)
+        dk_into, dv_into = _gathered_targets(meta, buf)
+        got = pcp_prefill_attention_backward_cuda(*args, dk_into=dk_into, dv_into=dv_into)
+        assert got[1] is None and got[2] is None
+        if device == "cuda":
+            # cuDNN accumulates dQ with atomics in no fixed order: two calls differ by roundings.
+            assert max_abs_err(got[0], dq) <= 4 * torch.finfo(dtype).eps * dq.abs().max().item()
+        else:
+            assert torch.equal(got[0], dq)
+        flat = buf.transpose(0, 1).reshape(2, pcp * t, *k.shape[1:])
+        assert torch.equal(flat[0][plan.gather_index], dk)
+        assert torch.equal(flat[1][plan.gather_index], dv)
+        pad = torch.ones(pcp * t, dtype=torch.bool, device=device)
+        pad[plan.gather_index] = False
+        assert bool(pad.any()) == (batch != "equal-lengths")
+        assert torch.all(flat[:, pad] == 0)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
+@pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
+def test_backward_into_gathered_rows(pcp, batch):
+    _check_backward_into_gathered_rows(pcp, batch, torch.float64, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
+def test_gpu_backward_into_gathered_rows(pcp, dtype):
+    # dK / dV bit-identical to the restored-order result: the same kernels, sums and roundings.
+    for batch in BATCHES:
+        _check_backward_into_gathered_rows(pcp, batch, dtype, "cuda")
 
 
 def test_sum_rows_triton_reads_reversed_parts():

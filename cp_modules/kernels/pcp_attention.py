@@ -520,18 +520,31 @@ def _part_rows(part: tuple[torch.Tensor, int, int], n: int) -> torch.Tensor:
     return x[first : first + n] if step == 1 else x[first - n + 1 : first + 1].flip(0)
 
 
-def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
+def sum_pieces_into(
+    dst: torch.Tensor | list[tuple[int, torch.Tensor]], pieces: list[Piece]
+) -> torch.Tensor | list[tuple[int, torch.Tensor]]:
     """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows[, reversed])``;
     0 elsewhere. A reversed piece holds its rows last-first (natural row ``first + j`` is its
     row ``len - 1 - j``).
+
+    ``dst`` may also be a list of ``(first row, rows)`` targets that tile rows ``[0, N)`` in
+    order, each a tensor of its own (views into a buffer laid out differently, e.g. the
+    all-gathered order that a reduce-scatter takes), so the result lands there without an
+    index copy.
 
     Each run of rows covered by the same pieces is written once: zero-filled, copied, or the
     sum of its pieces computed in fp32 and rounded once (``a + b`` for two pieces of the
     result's dtype, else :func:`sum_rows_triton` on CUDA for up to 4 pieces, reversed ones
     included) — so no zeroed buffer is read back and each gradient block is read once.
     """
-    n = dst.shape[0]
+    targets = [(0, dst)] if isinstance(dst, torch.Tensor) else dst
+    n = 0
+    for first, rows in targets:
+        assert first == n, "targets must tile the rows in order"
+        n += rows.shape[0]
     events: dict[int, list[int]] = {0: [], n: []}
+    for first, _ in targets:
+        events.setdefault(first, [])
     for idx, (first, x, *_) in enumerate(pieces):
         if x.shape[0] == 0:
             continue
@@ -540,13 +553,17 @@ def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
         events.setdefault(first + x.shape[0], []).append(~idx)
     active: list[int] = []
     points = sorted(events)
+    t = -1
     for a, b in zip(points, points[1:]):
         for e in events[a]:
             if e >= 0:
                 active.append(e)
             else:
                 active.remove(~e)
-        rows = dst[a:b]
+        while t + 1 < len(targets) and targets[t + 1][0] <= a:
+            t += 1
+        t_first, t_rows = targets[t]
+        rows = t_rows[a - t_first : b - t_first]
         # (piece, its row for natural row a, step)
         parts = []
         for i in active:
@@ -558,7 +575,7 @@ def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
         n_rows = b - a
         natural = all(d == 1 for _, _, d in parts)
         fused = (
-            dst.is_cuda
+            rows.is_cuda
             and len(parts) <= 4
             and rows.is_contiguous()
             and all(x.is_contiguous() for x, _, _ in parts)
@@ -567,13 +584,13 @@ def sum_pieces_into(dst: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
             rows.zero_()
         elif natural and len(parts) == 1:
             rows.copy_(_part_rows(parts[0], n_rows))
-        elif natural and len(parts) == 2 and dst.dtype == parts[0][0].dtype == parts[1][0].dtype:
+        elif natural and len(parts) == 2 and rows.dtype == parts[0][0].dtype == parts[1][0].dtype:
             torch.add(*(_part_rows(p, n_rows) for p in parts), out=rows)
         elif fused:
             sum_rows_triton(rows, parts)
         else:
             xs = [_part_rows(p, n_rows) for p in parts]
-            acc = xs[0].to(lse_dtype(dst.dtype))
+            acc = xs[0].to(lse_dtype(rows.dtype))
             for x in xs[1:]:
                 acc = acc + x
             rows.copy_(acc)
@@ -677,14 +694,20 @@ def pcp_prefill_attention_backward_cuda(
     *,
     block_backward: BlockBackward = attention_block_backward,
     causal_pairs: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    dk_into: list[tuple[int, torch.Tensor]] | None = None,
+    dv_into: list[tuple[int, torch.Tensor]] | None = None,
+) -> tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+]:
     """Gradients of :func:`pcp_prefill_attention_cuda`, block by block.
 
     Every block (the paired squares, each rectangle and prefix) yields (dq, dk, dv) for its
     rows; :func:`sum_pieces_into` then writes each gradient once. Pieces are the kernels'
     outputs, summed in fp32 and rounded once per row. ``causal_pairs``: whether unmasked
     blocks run as causal pairs (:func:`rectangle_backward_causal_pairs`); None decides per
-    block (:data:`CAUSAL_PAIRS_MIN_ROWS`).
+    block (:data:`CAUSAL_PAIRS_MIN_ROWS`). ``dk_into`` / ``dv_into``: targets tiling the N
+    rows of dK / dV (see :func:`sum_pieces_into`) that receive the gradient instead of a
+    fresh tensor; that result is then None.
 
     Returns:
         dq [T, Hq, Dqk], dk [N, Hkv, Dqk], dv [N, Hkv, Dv], dprefix_k, dprefix_v (None
@@ -737,8 +760,15 @@ def pcp_prefill_attention_backward_cuda(
             dk_p[where] += [(first + a, *rest) for a, *rest in pk]
             dv_p[where] += [(first + a, *rest) for a, *rest in pv]
     dq = sum_pieces_into(torch.empty_like(q), dq_p)
-    dk = sum_pieces_into(torch.empty_like(k), dk_p["new"])
-    dv = sum_pieces_into(torch.empty_like(v), dv_p["new"])
+    dk = dv = None
+    if dk_into is None:
+        dk = sum_pieces_into(torch.empty_like(k), dk_p["new"])
+    else:
+        sum_pieces_into(dk_into, dk_p["new"])
+    if dv_into is None:
+        dv = sum_pieces_into(torch.empty_like(v), dv_p["new"])
+    else:
+        sum_pieces_into(dv_into, dv_p["new"])
     dpk = sum_pieces_into(torch.empty_like(prefix_k), dk_p["prefix"]) if has_prefix else None
     dpv = sum_pieces_into(torch.empty_like(prefix_v), dv_p["prefix"]) if has_prefix else None
     return dq, dk, dv, dpk, dpv

@@ -24,6 +24,10 @@ from __future__ import annotations
 import torch
 
 from cp_modules.distributed.collectives import all_gather, reduce_scatter
+from cp_modules.kernels.pcp_attention import (
+    pcp_prefill_attention_backward_cuda,
+    sum_pieces_into,
+)
 from cp_modules.modules.context import CPStepMetadata, current_step
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
@@ -58,25 +62,18 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, meta: CPStepMetadata):
     return kv[0], kv[1]
 
 
-def _scatter_grad(meta: CPStepMetadata, *dx_full: torch.Tensor) -> torch.Tensor:
-    """Backward of :func:`_gather` (one gradient) or :func:`_gather_kv` (dK and dV): put the
-    rows back in gathered order and reduce-scatter them; returns [T, ...] (or [T, 2, ...]).
+def _scatter_grad(meta: CPStepMetadata, dx_full: torch.Tensor) -> torch.Tensor:
+    """Backward of :func:`_gather`: put the rows back in all-gathered order and reduce-scatter
+    them; returns [T, ...].
 
     Each restored row lands on its own gathered row (the restore is injective), so the rows are
     copied, not accumulated, and only padding rows (none when N = P * T) start at zero.
     """
     rt = meta.runtime
-    t = meta.num_local_tokens
-    n, inner = dx_full[0].shape[0], dx_full[0].shape[1:]
-    shape = (rt.pcp_size * t, len(dx_full), *inner) if len(dx_full) > 1 else (rt.pcp_size * t, *inner)
-    alloc = dx_full[0].new_zeros if n < rt.pcp_size * t else dx_full[0].new_empty
-    buf = alloc(shape)
-    idx = meta.plan.gather_index
-    if len(dx_full) == 1:
-        buf.index_copy_(0, idx, dx_full[0])
-    else:
-        for j, dx in enumerate(dx_full):
-            buf.select(1, j).index_copy_(0, idx, dx)
+    rows = rt.pcp_size * meta.num_local_tokens
+    alloc = dx_full.new_zeros if dx_full.shape[0] < rows else dx_full.new_empty
+    buf = alloc((rows, *dx_full.shape[1:]))
+    buf.index_copy_(0, meta.plan.gather_index, dx_full)
     return reduce_scatter(buf, rt.pcp_group, rt.pcp_size)
 
 
@@ -213,21 +210,57 @@ def _gqa_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dkv): dkv [2, T, Hkv, D] holds dK then dV (one reduce-scatter result; an op's
+    outputs may not alias, so autograd splits it)."""
     meta = current_step()
     _check_no_prefix_for_training(meta)
     k_full, v_full = _gather_kv(k, v, meta)
-    dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-        dout.contiguous(), q, k_full, v_full, out, lse,
-        meta.plan.segments_host, None, None, None, scale,
-    )  # fmt: skip
-    dkv = _scatter_grad(meta, dk_full, dv_full)
-    return dq, dkv[:, 0].contiguous(), dkv[:, 1].contiguous()
+    rt = meta.runtime
+    t = meta.num_local_tokens
+    # The reduce-scatter input: per rank, its dK rows then its dV rows, so the result splits
+    # into contiguous dK and dV without a copy.
+    buf = k.new_empty((rt.pcp_size, 2, t, *k.shape[1:]))
+    dk_into, dv_into = _gathered_targets(meta, buf)
+    args = (dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host)
+    if q.is_cuda:
+        # The kernels' gradient blocks are summed straight into the gathered layout.
+        dq, *_ = pcp_prefill_attention_backward_cuda(
+            *args, None, None, None, scale, dk_into=dk_into, dv_into=dv_into
+        )
+    else:
+        dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
+            *args, None, None, None, scale
+        )
+        sum_pieces_into(dk_into, [(0, dk_full)])
+        sum_pieces_into(dv_into, [(0, dv_full)])
+    dkv = reduce_scatter(buf.view(-1, *k.shape[1:]), rt.pcp_group, rt.pcp_size)
+    return dq, dkv.view(2, t, *k.shape[1:])
+
+
+def _gathered_targets(meta: CPStepMetadata, buf: torch.Tensor):
+    """Targets (:func:`sum_pieces_into`) that put restored dK / dV rows into ``buf``
+    [P, 2, T, ...] at their all-gathered places; the padding places are zero-filled here."""
+    t = meta.num_local_tokens
+    runs = meta.plan.gather_runs_host
+    dk_into, dv_into = [], []
+    for first, g, n in runs.tolist():  # ok: host (CPU tensor)
+        p, row = divmod(g, t)
+        dk_into.append((first, buf[p, 0, row : row + n]))
+        dv_into.append((first, buf[p, 1, row : row + n]))
+    n_real = int(runs[:, 2].sum())  # ok: host (CPU tensor)
+    if n_real < buf.shape[0] * t:
+        covered = torch.zeros(buf.shape[0] * t, dtype=torch.bool)
+        for _, g, n in runs.tolist():  # ok: host (CPU tensor)
+            covered[g : g + n] = True
+        pad = torch.nonzero(~covered).squeeze(1).to(buf.device)
+        buf[(pad // t)[:, None], torch.arange(2, device=buf.device), (pad % t)[:, None]] = 0
+    return dk_into, dv_into
 
 
 @_gqa_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return torch.empty_like(q), k.new_empty((2, *k.shape))
 
 
 def _gqa_setup(ctx, inputs, output):
@@ -240,8 +273,8 @@ def _gqa_setup(ctx, inputs, output):
 
 def _gqa_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cp.gqa_attention_backward(dout, q, k, v, out, lse, ctx.scale)
-    return dq, dk, dv, None
+    dq, dkv = torch.ops.cp.gqa_attention_backward(dout, q, k, v, out, lse, ctx.scale)
+    return dq, dkv[0], dkv[1], None
 
 
 _gqa_attention.register_autograd(_gqa_backward, setup_context=_gqa_setup)

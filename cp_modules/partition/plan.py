@@ -58,6 +58,9 @@ class PCPPlan:
         unpad_mask: [P·T] bool, keeps the real tokens of the restored order (and one copy of
             each decode token).
         gather_index: [N] int64, ``restore_index[unpad_mask]``: all-gathered → original order.
+        gather_runs_host: [K, 3] int64 on CPU, ``gather_index`` as runs of consecutive rows:
+            ``(first restored row, first all-gathered row, length)``, in restored order, each
+            run within one rank's rows. All-gathered rows outside every run are padding.
         num_scheduled_tokens, num_computed_tokens: [R] int64, the inputs.
         is_decode: [R] bool, requests replicated on every rank instead of split.
         chunk_size: [R] int64, ``c`` (for a decode: its ``n``).
@@ -103,6 +106,7 @@ class PCPPlan:
     key_offsets: torch.Tensor
     segments: torch.Tensor
     segments_host: torch.Tensor
+    gather_runs_host: torch.Tensor
     prefix_cu_seqlens: torch.Tensor
     prefix_cu_seqlens_host: torch.Tensor
     q_head_index: torch.Tensor
@@ -132,6 +136,18 @@ def _ragged_arange(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     owner = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
     offset = np.arange(owner.size, dtype=np.int64) - np.repeat(_exclusive_cumsum(lengths), lengths)
     return owner, offset
+
+
+def _runs(index: np.ndarray, rows_per_rank: int) -> np.ndarray:
+    # [K, 3] (position, index[position], length) for the maximal runs of ``index`` rising by 1
+    # that stay within one rank's block of ``rows_per_rank`` rows.
+    if index.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    brk = np.ones(index.size, dtype=bool)
+    brk[1:] = (np.diff(index) != 1) | (index[1:] % max(rows_per_rank, 1) == 0)
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, index.size))
+    return np.stack([starts, index[starts], lengths], 1).astype(np.int64)
 
 
 def _to_device(
@@ -298,6 +314,7 @@ def plan_pcp(
         k_tail_index=ranges(key_offsets, tail_k),
     )
     return PCPPlan(
+        gather_runs_host=torch.from_numpy(_runs(gather_index, num_local)),
         pcp_size=P,
         pcp_rank=r,
         num_reqs=num_reqs,
