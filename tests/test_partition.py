@@ -224,6 +224,8 @@ def test_restore_contract_and_balance(case):
         torch.cat(spelled + [torch.zeros(0, dtype=torch.long)]), plans[0].gather_index
     )
     assert all(g // t == (g + k - 1) // t for _, g, k in runs.tolist())
+    every = torch.cat((plans[0].gather_index, plans[0].gather_pad_index))
+    assert torch.equal(every.sort().values, torch.arange(pcp * t))
 
     # Every real prefill token is on exactly one rank; decode tokens on every rank.
     starts = np.concatenate([[0], np.cumsum(n)[:-1]])

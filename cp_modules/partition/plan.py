@@ -58,6 +58,9 @@ class PCPPlan:
         unpad_mask: [P·T] bool, keeps the real tokens of the restored order (and one copy of
             each decode token).
         gather_index: [N] int64, ``restore_index[unpad_mask]``: all-gathered → original order.
+        gather_pad_index: [P·T - N] int64, ``restore_index[~unpad_mask]``: the all-gathered
+            rows that ``gather_index`` leaves out (padding slots, and the other ranks' copies
+            of decode tokens).
         gather_runs_host: [K, 3] int64 on CPU, ``gather_index`` as runs of consecutive rows:
             ``(first restored row, first all-gathered row, length)``, in restored order, each
             run within one rank's rows. All-gathered rows outside every run are padding.
@@ -94,6 +97,7 @@ class PCPPlan:
     restore_index: torch.Tensor
     unpad_mask: torch.Tensor
     gather_index: torch.Tensor
+    gather_pad_index: torch.Tensor
     num_scheduled_tokens: torch.Tensor
     num_computed_tokens: torch.Tensor
     is_decode: torch.Tensor
@@ -296,6 +300,7 @@ def plan_pcp(
         restore_index=restore_index,
         unpad_mask=unpad_mask,
         gather_index=gather_index,
+        gather_pad_index=restore_index[~unpad_mask],
         num_scheduled_tokens=n,
         num_computed_tokens=computed,
         is_decode=is_decode,
