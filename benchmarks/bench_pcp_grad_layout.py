@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import sys
+from statistics import median_high as median
 from types import SimpleNamespace
 
 import torch
@@ -54,10 +55,6 @@ SHAPES = {
     "mha-32k-pad": (32768 - 7, 32, 32, 128),
     "mha-128k": (131072, 32, 32, 128),
 }
-
-
-def median(xs):
-    return sorted(xs)[len(xs) // 2]
 
 
 def max_diff(a, b):
