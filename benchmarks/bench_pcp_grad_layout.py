@@ -13,7 +13,8 @@ sequence on one GPU (the reduce-scatter itself is not run):
 - ``kernels``: the kernel function alone, restored order (what ``bench_pcp.py`` times).
 
 Ratios are rank time / (cuDNN dense causal backward / P); dense and rank timings alternate over
-``ROUNDS`` rounds (medians). Also checks that ``direct`` equals ``restored`` (dK / dV
+``ROUNDS`` rounds (medians). Peak memory: allocated while a variant runs, above its inputs
+(worst rank). Also checks that ``direct`` equals ``restored`` (dK / dV
 bit for bit; dQ within cuDNN's run-to-run variation, shown next to two ``restored`` calls).
 
     python benchmarks/bench_pcp_grad_layout.py [mha-32k gqa-32k mha-32k-pad mha-128k]
@@ -55,6 +56,18 @@ SHAPES = {
     "mha-32k-pad": (32768 - 7, 32, 32, 128),
     "mha-128k": (131072, 32, 32, 128),
 }
+
+
+def peak_mib(fn) -> float:
+    # Peak memory allocated while ``fn`` runs and its results live, above what was allocated
+    # before.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    res = fn()
+    torch.cuda.synchronize()
+    del res
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def max_diff(a, b):
@@ -114,7 +127,16 @@ def bench_shape(name):
             diff = [max_diff(x, y) for x, y in zip(a, b)]
             noise = [max_diff(x, y) for x, y in zip(a, a2)]
             assert diff[1] == diff[2] == 0.0, (name, P, r, diff)
-            checks.append({"rank": r, "direct_vs_restored": diff, "restored_vs_restored": noise})
+            del a, b, a2
+            peaks = {key: peak_mib(fn) for key, fn in fns.items()}
+            checks.append(
+                {
+                    "rank": r,
+                    "direct_vs_restored": diff,
+                    "restored_vs_restored": noise,
+                    "peak_mib": peaks,
+                }
+            )
         times = {key: [[] for _ in range(P)] for key in ("restored", "direct", "kernels")}
         dense_ms = []
         for rnd in range(ROUNDS):
@@ -126,6 +148,9 @@ def bench_shape(name):
         per = median(dense_ms) / P
         entry = {"dense_over_P_ms": per, "checks": checks}
         line = [f"[{name}] P={P} dense/P {per:.3f} ms"]
+        for key in times:
+            entry.setdefault("worst_peak_mib", {})[key] = max(c["peak_mib"][key] for c in checks)
+        line.append(f"peak MiB {entry['worst_peak_mib']}")
         for key, ts in times.items():
             ms = [median(x) for x in ts]
             ratios = [x / per for x in ms]
