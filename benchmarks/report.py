@@ -4,7 +4,7 @@
     python benchmarks/report.py [--results benchmarks/results] [--out benchmarks]
 
 Reads the newest ``<kind>-<date>.json`` of each kind (lse_combine, decode, pcp, modules,
-ceilings), checks the goals the kernel issues set, adds the collective cost model, and writes
+ceilings, pcp-grad-layout), checks the goals the kernel issues set, adds the collective cost model, and writes
 ``<out>/<date>-<gpu>.json`` ({"date","gpu","torch","triton","metrics"}), ``<date>-<gpu>.md`` and
 plots (``<date>-<gpu>-decode.png``, ``-pcp.png``, ``-roofline.png``). Needs no GPU.
 """
@@ -21,7 +21,8 @@ sys.path.insert(0, str(HERE))
 
 import cost_model  # noqa: E402
 
-KINDS = ("lse_combine", "decode", "pcp", "modules", "ceilings")
+KINDS = ("lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout")
+GRAD_LAYOUTS = ("restored", "direct", "kernels")
 
 
 def latest(results: Path) -> dict[str, dict]:
@@ -109,6 +110,10 @@ def flat_metrics(r: dict) -> dict:
             m[f"decode_mla_H{x['heads']}_B{x['batch']}_ctx{x['context'] // 1024}k_graph_TBps"] = x["graph_kv_tbps"]
     for k, v in r.get("modules", {}).get("metrics", {}).items():
         m[f"module_{k}"] = v
+    for shape, sv in r.get("pcp-grad-layout", {}).get("shapes", {}).items():
+        for p, e in sv.items():
+            for key in GRAD_LAYOUTS:
+                m[f"pcp_train_{shape}_P{p}_{key}_bwd_ratio_worst"] = e[key]["worst"]
     ce = r.get("ceilings", {}).get("metrics", {})
     for k in ("copy_TBps", "matmul_bf16_TFLOPs"):
         if k in ce:
@@ -215,6 +220,19 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
     if mod:
         lines += ["", "## One attention layer (one rank, bf16)", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" for k, v in mod.items()]
+    gl = r.get("pcp-grad-layout", {}).get("shapes", {})
+    if gl:
+        lines += ["", "## PCP training backward: K/V gradients for the reduce-scatter (one rank at a time, bf16)", "",
+                  "Worst / mean rank time / (dense backward / P). restored: gradients in restored order, "
+                  "then index-copied into the all-gathered buffer (the former path); direct: summed "
+                  "straight into it (the current path for long sequences); kernels: the kernel "
+                  "function alone, as bench_pcp times it (a separate run from the goal rows; the same code "
+                  "moves by 2-3 % between processes).", "",
+                  "| shape | P | " + " | ".join(GRAD_LAYOUTS) + " |", "|---|---|---|---|---|"]
+        for shape, sv in gl.items():
+            for p, e in sv.items():
+                lines.append(f"| {shape} | {p} | " + " | ".join(
+                    f"{e[k]['worst']:.3f} / {e[k]['mean']:.3f}" for k in GRAD_LAYOUTS) + " |")
     ce = r.get("ceilings", {}).get("metrics", {})
     if ce:
         lines += ["", "## Ceilings and dense prefill kernels (same run)", "",
