@@ -11,6 +11,19 @@ if "TRITON_INTERPRET" not in os.environ:
     except ImportError:  # pragma: no cover
         pass
 
+# A private compile cache per test session: torch keys cached compiled graphs (forward and
+# backward) on the traced graph, not on the Python autograd formula or schema of the custom
+# ops inside it, so a cache written by another version of this package can serve a stale
+# backward.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="cp_modules_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
 import pytest
 import torch
 
