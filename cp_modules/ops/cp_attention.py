@@ -64,13 +64,14 @@ def _scatter_grad(meta: CPStepMetadata, dx_full: torch.Tensor) -> torch.Tensor:
     them; returns [T, ...].
 
     Each restored row lands on its own gathered row (the restore is injective), so the rows are
-    copied, not accumulated, and only padding rows (none when N = P * T) start at zero.
+    copied, not accumulated, and only the padding rows (none when N = P * T) are zeroed.
     """
     rt = meta.runtime
-    rows = rt.pcp_size * meta.num_local_tokens
-    alloc = dx_full.new_zeros if dx_full.shape[0] < rows else dx_full.new_empty
-    buf = alloc((rows, *dx_full.shape[1:]))
+    buf = dx_full.new_empty((rt.pcp_size * meta.num_local_tokens, *dx_full.shape[1:]))
     buf.index_copy_(0, meta.plan.gather_index, dx_full)
+    pad = meta.plan.gather_pad_index
+    if pad.numel():
+        buf.index_fill_(0, pad, 0.0)
     return reduce_scatter(buf, rt.pcp_group, rt.pcp_size)
 
 
