@@ -47,6 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_modules.kernels.pcp_varlen import (
+    pcp_prefill_attention_varlen,
+    pcp_prefill_attention_varlen_backward,
+)
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
     attention_with_lse_backward,
@@ -102,6 +106,28 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     if q.shape[-1] == v.shape[-1] and torch.backends.cuda.can_use_flash_attention(params, False):
         return "flash"
     return "reference"
+
+
+# Batches of at least this many non-empty segments run as one varlen call
+# (:mod:`cp_modules.kernels.pcp_varlen`) when FlashAttention-2 serves them and there is no
+# cached prefix. Not yet measured: set from benchmarks/bench_pcp_varlen.py on a GPU.
+VARLEN_MIN_SEGMENTS = None
+
+
+def _use_varlen(
+    policy: bool | None, segs: list[list[int]], q: torch.Tensor, v: torch.Tensor, has_prefix: bool
+) -> bool:
+    if has_prefix or q.shape[-1] != v.shape[-1]:
+        return False
+    if policy is not None:
+        return policy
+    if VARLEN_MIN_SEGMENTS is None or q.device.type != "cuda":
+        return False
+    if sum(1 for seg in segs if seg[2] > 0) < VARLEN_MIN_SEGMENTS:
+        return False
+    x = q[:1].unsqueeze(0).transpose(1, 2)
+    params = torch.backends.cuda.SDPAParams(x, x, x, None, 0.0, True, False)
+    return torch.backends.cuda.can_use_flash_attention(params, False)
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:
@@ -382,6 +408,7 @@ def pcp_prefill_attention_cuda(
     scale: float,
     *,
     block_forward: BlockForward = attention_block_forward,
+    varlen: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head/tail attention of the local queries by blocks; same contract as the reference.
 
@@ -391,6 +418,10 @@ def pcp_prefill_attention_cuda(
         host (or the three None); scale: softmax scale.
         block_forward: the per-block kernel (tests pass the reference to check the
             decomposition on CPU).
+        varlen: run every segment in one varlen call instead
+            (:func:`~cp_modules.kernels.pcp_varlen.pcp_prefill_attention_varlen`; only without
+            a prefix and with equal query / value head dims); None decides
+            (:data:`VARLEN_MIN_SEGMENTS`).
 
     Returns:
         out [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] fp32 (-inf on padding).
@@ -401,6 +432,8 @@ def pcp_prefill_attention_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
+    if _use_varlen(varlen, segs, q, v, has_prefix):
+        return pcp_prefill_attention_varlen(q, k, v, segments, scale)
     T, rows_shape = q.shape[0], (q.shape[1], v.shape[2])
     squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     out = None
@@ -696,6 +729,7 @@ def pcp_prefill_attention_backward_cuda(
     causal_pairs: bool | None = None,
     dk_into: list[tuple[int, torch.Tensor]] | None = None,
     dv_into: list[tuple[int, torch.Tensor]] | None = None,
+    varlen: bool | None = None,
 ) -> tuple[
     torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
 ]:
@@ -707,7 +741,8 @@ def pcp_prefill_attention_backward_cuda(
     blocks run as causal pairs (:func:`rectangle_backward_causal_pairs`); None decides per
     block (:data:`CAUSAL_PAIRS_MIN_ROWS`). ``dk_into`` / ``dv_into``: targets tiling the N
     rows of dK / dV (see :func:`sum_pieces_into`) that receive the gradient instead of a
-    fresh tensor; that result is then None.
+    fresh tensor; that result is then None. ``varlen``: as in
+    :func:`pcp_prefill_attention_cuda`.
 
     Returns:
         dq [T, Hq, Dqk], dk [N, Hkv, Dqk], dv [N, Hkv, Dv], dprefix_k, dprefix_v (None
@@ -720,6 +755,13 @@ def pcp_prefill_attention_backward_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
+    if _use_varlen(varlen, segs, q, v, has_prefix):
+        dq, dk, dv = pcp_prefill_attention_varlen_backward(dout, q, k, v, out, lse, segments, scale)
+        if dk_into is not None:
+            sum_pieces_into(dk_into, [(0, dk)])
+            sum_pieces_into(dv_into, [(0, dv)])
+            dk = dv = None
+        return dq, dk, dv, None, None
     dq_p: list[Piece] = []
     dk_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
     dv_p: dict[str, list[Piece]] = {"new": [], "prefix": []}

@@ -1,0 +1,149 @@
+"""One varlen call for all segments == the head/tail reference (batches without a prefix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_modules.kernels.pcp_varlen import (
+    pcp_prefill_attention_varlen,
+    pcp_prefill_attention_varlen_backward,
+    varlen_pack,
+)
+from cp_modules.partition import plan_pcp
+from cp_modules.reference.pcp_attention import (
+    pcp_prefill_attention_backward_reference,
+    pcp_prefill_attention_reference,
+)
+from cp_modules.testing.numerics import max_abs_err
+
+BATCHES = {
+    "odd-lengths": [37, 5, 3, 20],
+    "one-request": [64],
+    "shorter-than-2P": [3, 1, 2, 40],
+    "many-requests": [9, 17, 4, 30, 1, 12, 25, 8, 3, 16],
+}
+
+
+def _tensors(n, hq, hkv, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = sum(n)
+    return tuple(
+        torch.randn(N, h, d, generator=g).to(device=device, dtype=dtype) for h in (hq, hkv, hkv)
+    )
+
+
+def test_pack_spells_out_every_segment():
+    plan = plan_pcp([37, 5, 3, 20], [0] * 4, 4, 1)
+    pack = varlen_pack(plan.segments_host, "cpu")
+    q_rows, k_rows = [], []
+    for _, qs, ql, ks, kl in plan.segments_host.tolist():
+        if ql:
+            q_rows += range(qs, qs + ql)
+            k_rows += range(ks, ks + kl)
+    assert pack.q_index.tolist() == q_rows and pack.k_index.tolist() == k_rows
+    assert pack.cu_q.dtype == pack.cu_k.dtype == torch.int32
+    assert pack.cu_q.tolist() == pack.cu_q_host and pack.cu_k.tolist() == pack.cu_k_host
+    assert pack.cu_q_host[-1] == len(q_rows) and pack.cu_k_host[-1] == len(k_rows)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
+@pytest.mark.parametrize("pcp", [1, 2, 4], ids=lambda p: f"P{p}")
+def test_varlen_equals_reference_forward_and_backward(pcp, batch):
+    n = BATCHES[batch]
+    q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu")
+    for r in range(pcp):
+        plan = plan_pcp(n, [0] * len(n), pcp, r)
+        ql = q[plan.token_indices]
+        args = (plan.segments_host, None, None, None, 0.3)
+        want_out, want_lse = pcp_prefill_attention_reference(ql, k, v, *args)
+        out, lse = pcp_prefill_attention_varlen(ql, k, v, plan.segments_host, 0.3)
+        assert max_abs_err(out, want_out) < 1e-12
+        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+        fin = torch.isfinite(want_lse)
+        assert max_abs_err(lse[fin], want_lse[fin]) < 1e-12
+        dout = torch.randn_like(out)
+        want = pcp_prefill_attention_backward_reference(dout, ql, k, v, want_out, want_lse, *args)
+        got = pcp_prefill_attention_varlen_backward(
+            dout, ql, k, v, want_out, want_lse, plan.segments_host, 0.3
+        )
+        for name, a, b in zip(("dq", "dk", "dv"), got, want[:3]):
+            assert max_abs_err(a, b) < 1e-12, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
+def test_gpu_varlen_flash_equals_reference(pcp, dtype):
+    # FlashAttention-2's varlen call against the packed reference on the same packing, in fp32
+    # from the same low-precision inputs: within a few units of the inputs' precision.
+    from cp_modules.kernels.pcp_varlen import (
+        varlen_backward_flash,
+        varlen_backward_reference,
+        varlen_forward_flash,
+        varlen_forward_reference,
+    )
+
+    n = BATCHES["many-requests"] + [700, 1000]
+    q, k, v = _tensors(n, 8, 2, 128, dtype, "cuda", seed=3)
+    eps = torch.finfo(dtype).eps
+    for r in range(pcp):
+        plan = plan_pcp(n, [0] * len(n), pcp, r, device="cuda")
+        pack = varlen_pack(plan.segments_host, "cuda")
+        qp = q[plan.token_indices].index_select(0, pack.q_index)
+        kp, vp = k.index_select(0, pack.k_index), v.index_select(0, pack.k_index)
+        o, s = varlen_forward_flash(qp, kp, vp, pack, 0.1)
+        o_ref, s_ref = varlen_forward_reference(qp, kp, vp, pack, 0.1)
+        assert max_abs_err(o, o_ref) <= 8 * eps * o_ref.abs().max().item()
+        assert max_abs_err(s, s_ref) <= 1e-3
+        do = torch.randn_like(o)
+        got = varlen_backward_flash(do, qp, kp, vp, o, s, pack, 0.1)
+        want = varlen_backward_reference(
+            do.float(), qp.float(), kp.float(), vp.float(), o.float(), s, pack, 0.1
+        )
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
+
+
+@pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
+def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
+    # varlen=True routes pcp_prefill_attention_cuda and its backward through the varlen call
+    # (reference kernels on CPU); with a cached prefix they keep the block path.
+    from cp_modules.kernels.pcp_attention import (
+        attention_block_backward,
+        pcp_prefill_attention_backward_cuda,
+        pcp_prefill_attention_cuda,
+    )
+
+    n = BATCHES["many-requests"]
+    q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu", seed=2)
+    for r in range(pcp):
+        plan = plan_pcp(n, [0] * len(n), pcp, r)
+        ql = q[plan.token_indices]
+        args = (plan.segments_host, None, None, None, 0.3)
+        want_out, want_lse = pcp_prefill_attention_reference(ql, k, v, *args)
+        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=True)
+        assert max_abs_err(out, want_out) < 1e-12
+        dout = torch.randn_like(out)
+        want = pcp_prefill_attention_backward_reference(dout, ql, k, v, want_out, want_lse, *args)
+        calls = []
+
+        def counting(*a, calls=calls, **kw):
+            calls.append(1)
+            return attention_block_backward(*a, **kw)
+
+        got = pcp_prefill_attention_backward_cuda(
+            dout, ql, k, v, want_out, want_lse, *args, varlen=True, block_backward=counting
+        )
+        assert not calls
+        for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+            assert max_abs_err(a, b) < 1e-12, name
+        # Into targets (the training layout): two halves of a buffer, in order.
+        buf = torch.full((2, k.shape[0], *k.shape[1:]), float("nan"), dtype=k.dtype)
+        half = k.shape[0] // 2
+        into = [[(0, buf[j, :half]), (half, buf[j, half:])] for j in range(2)]
+        got = pcp_prefill_attention_backward_cuda(
+            dout, ql, k, v, want_out, want_lse, *args, varlen=True, dk_into=into[0], dv_into=into[1]
+        )
+        assert got[1] is None and got[2] is None
+        assert max_abs_err(buf[0], want[1]) < 1e-12 and max_abs_err(buf[1], want[2]) < 1e-12
