@@ -2,15 +2,18 @@
 
 The block path runs each request's head and tail chunk as separate kernel calls (and sums
 their gradients row run by row); ``cp_modules.kernels.pcp_varlen`` runs every segment in one
-FlashAttention-2 varlen call. For batches of R requests of L tokens (bf16, 32 query heads,
-8 KV heads, D = 128) and P ranks, every rank's forward and backward are timed both ways on one
-GPU (triton ``do_bench`` medians, alternating), with the host time of one call (launches only,
-no synchronisation) next to it, and the two paths' outputs and gradients compared.
+FlashAttention-2 varlen call. For batches of R requests of L tokens (bf16; GQA: 32 query
+heads, 8 KV heads, D = 128; MLA prefill: 32 heads, Dqk 192, Dv 128) and P ranks, the first and
+last rank's forward and backward are timed both ways on one GPU (triton ``do_bench`` medians,
+alternating; a host-bound path is timed at its launch rate), with the host time of one call
+(launches only, no synchronisation) next to it, and the two paths' outputs and gradients
+compared. The varlen packing is built once per plan, as in a model's layers.
 
-    python benchmarks/bench_pcp_varlen.py [--pcp 8] [--batches 1x32768 8x4096 32x4096 64x512]
+    python benchmarks/bench_pcp_varlen.py [--pcp 2 8] [--shapes gqa mla] [--batches 1x32768 ...]
 
-Writes ``benchmarks/results/pcp-varlen-<date>.json`` (or under $OUT). The crossover sets
-``VARLEN_MIN_SEGMENTS`` in ``cp_modules/kernels/pcp_attention.py``.
+Writes ``benchmarks/results/pcp-varlen-<date>.json`` (or under $OUT). The mean forward FLOPs
+per segment where the two paths cross set ``VARLEN_MAX_FLOP_PER_SEGMENT`` in
+``cp_modules/kernels/pcp_attention.py``.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ sys.path.insert(0, str(ROOT))
 from cp_modules.kernels.pcp_attention import (  # noqa: E402
     pcp_prefill_attention_backward_cuda,
     pcp_prefill_attention_cuda,
+    segment_flop,
 )
 from cp_modules.partition import plan_pcp  # noqa: E402
 
-HQ, HKV, D = 32, 8, 128
+SHAPES = {"gqa": (32, 8, 128, 128), "mla": (32, 32, 192, 128)}  # Hq, Hkv, Dqk, Dv
 
 
 def host_ms(fn, reps=5):
@@ -55,18 +59,19 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def bench(R, L, P, rounds):
+def bench(shape, R, L, P, rounds):
+    hq, hkv, dqk, dv = SHAPES[shape]
     n = [L] * R
     N = sum(n)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
-        torch.randn(N, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        for h in (HQ, HKV, HKV)
+        torch.randn(N, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
     )
-    dout = torch.randn(N, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    scale = D**-0.5
+    dout = torch.randn(N, hq, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    scale = dqk**-0.5
     ranks = []
-    for r in range(P):
+    for r in sorted({0, P - 1}):
         plan = plan_pcp(n, [0] * R, P, r, device="cuda")
         ql, dl = q[plan.token_indices], dout[plan.token_indices]
         args = (plan.segments_host, None, None, None, scale)
@@ -89,16 +94,17 @@ def bench(R, L, P, rounds):
             "lse": (sv[valid] - sb[valid]).abs().max().item(),
             "dq_dk_dv": [rel_err(a, b) for a, b in zip(gv[:3], gb[:3])],
         }
-        ranks.append({"fns": fns, "err": err})
-    out = {"R": R, "L": L, "P": P, "ranks": []}
-    for r, x in enumerate(ranks):
+        flop = [f for f in segment_flop(plan.segments_host.tolist(), hq, dqk, dv) if f > 0]
+        ranks.append({"rank": r, "fns": fns, "err": err, "flop_per_segment": sum(flop) / len(flop)})
+    out = {"shape": shape, "R": R, "L": L, "P": P, "ranks": []}
+    for x in ranks:
         times = {f"{p}_{d}": [] for p in ("blocks", "varlen") for d in ("fwd", "bwd")}
         for rnd in range(rounds):
             order = ["blocks", "varlen"] if rnd % 2 == 0 else ["varlen", "blocks"]
             for p in order:
                 times[f"{p}_fwd"].append(do_bench(x["fns"][p][0]))
                 times[f"{p}_bwd"].append(do_bench(x["fns"][p][1]))
-        entry = {"rank": r, "err": x["err"]}
+        entry = {k: x[k] for k in ("rank", "err", "flop_per_segment")}
         entry.update({k: median(v) for k, v in times.items()})
         for p in ("blocks", "varlen"):
             entry[f"{p}_host_fwd_ms"] = host_ms(x["fns"][p][0])
@@ -110,7 +116,7 @@ def bench(R, L, P, rounds):
     }
     out["worst_ms"] = worst
     print(
-        f"R={R} L={L} P={P}: worst rank fwd blocks {worst['blocks_fwd']:.3f} varlen "
+        f"{shape} R={R} L={L} P={P} flop/seg {ranks[0]['flop_per_segment']:.2e}: worst rank fwd blocks {worst['blocks_fwd']:.3f} varlen "
         f"{worst['varlen_fwd']:.3f} ms, bwd blocks {worst['blocks_bwd']:.3f} varlen "
         f"{worst['varlen_bwd']:.3f} ms; max rel err {max(max(e['err']['dq_dk_dv']) for e in out['ranks']):.2e}",
         flush=True,
@@ -120,26 +126,33 @@ def bench(R, L, P, rounds):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pcp", type=int, nargs="+", default=[8])
-    ap.add_argument("--batches", nargs="+", default=["1x32768", "8x4096", "32x4096", "64x512"])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pcp", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument(
+        "--batches",
+        nargs="+",
+        default=["1x32768", "2x16384", "4x8192", "8x4096", "1x8192", "2x4096", "16x1024", "64x512"],
+    )
+    ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args(argv)
     res = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"},
+        "shapes": {k: dict(zip(("Hq", "Hkv", "Dqk", "Dv"), v)) for k, v in SHAPES.items()},
+        "dtype": "bfloat16",
         "runs": [],
     }
-    for P in a.pcp:
-        for b in a.batches:
-            R, L = (int(x) for x in b.split("x"))
-            res["runs"].append(bench(R, L, P, a.rounds))
-            torch.cuda.empty_cache()
     where = pathlib.Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
     path = where / f"pcp-varlen-{res['date']}.json"
-    path.write_text(json.dumps(res, indent=1))
+    for shape in a.shapes:
+        for P in a.pcp:
+            for b in a.batches:
+                R, L = (int(x) for x in b.split("x"))
+                res["runs"].append(bench(shape, R, L, P, a.rounds))
+                path.write_text(json.dumps(res, indent=1))  # after every run: partial results
+                torch.cuda.empty_cache()
     print(f"wrote {path}")
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cp_modules.kernels.pcp_attention import segment_flop
 from cp_modules.kernels.pcp_varlen import (
     pcp_prefill_attention_varlen,
     pcp_prefill_attention_varlen_backward,
     varlen_pack,
+    varlen_pack_cached,
 )
 from cp_modules.partition import plan_pcp
 from cp_modules.reference.pcp_attention import (
@@ -25,11 +27,12 @@ BATCHES = {
 }
 
 
-def _tensors(n, hq, hkv, d, dtype, device, seed=0):
+def _tensors(n, hq, hkv, d, dtype, device, seed=0, dv=None):
     g = torch.Generator().manual_seed(seed)
     N = sum(n)
     return tuple(
-        torch.randn(N, h, d, generator=g).to(device=device, dtype=dtype) for h in (hq, hkv, hkv)
+        torch.randn(N, h, dd, generator=g).to(device=device, dtype=dtype)
+        for h, dd in ((hq, d), (hkv, d), (hkv, dv or d))
     )
 
 
@@ -47,11 +50,31 @@ def test_pack_spells_out_every_segment():
     assert pack.cu_q_host[-1] == len(q_rows) and pack.cu_k_host[-1] == len(k_rows)
 
 
+def test_pack_is_built_once_per_segments_tensor():
+    plan = plan_pcp([37, 5, 3, 20], [0] * 4, 2, 0)
+    first = varlen_pack_cached(plan.segments_host, "cpu")
+    assert varlen_pack_cached(plan.segments_host, "cpu") is first
+    # An equal but distinct tensor, or the same one modified in place, gets its own packing.
+    other = plan.segments_host.clone()
+    assert varlen_pack_cached(other, "cpu") is not first
+    other[0, 2] = 0
+    rebuilt = varlen_pack_cached(other, "cpu")
+    assert rebuilt.cu_q_host[-1] == first.cu_q_host[-1] - int(plan.segments_host[0, 2])
+
+
+def test_segment_flop_counts_bottom_right_causal_pairs():
+    segs = [[0, 0, 3, 0, 7], [0, 3, 0, 0, 0], [1, 3, 5, 2, 5], [2, 8, 1, 0, 9]]
+    for got, (_, _, ql, _, kl) in zip(segment_flop(segs, 4, 6, 2), segs):
+        pairs = sum(kl - ql + i + 1 for i in range(ql))  # query i sees kl - ql + i + 1 keys
+        assert got == 2 * pairs * 4 * (6 + 2)
+
+
 @pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
 @pytest.mark.parametrize("pcp", [1, 2, 4], ids=lambda p: f"P{p}")
-def test_varlen_equals_reference_forward_and_backward(pcp, batch):
+@pytest.mark.parametrize("dims", [(8, 8), (12, 8)], ids=["gqa", "mla-dims"])
+def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims):
     n = BATCHES[batch]
-    q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu")
+    q, k, v = _tensors(n, 4, 2, dims[0], torch.float64, "cpu", dv=dims[1])
     for r in range(pcp):
         plan = plan_pcp(n, [0] * len(n), pcp, r)
         ql = q[plan.token_indices]
@@ -74,9 +97,13 @@ def test_varlen_equals_reference_forward_and_backward(pcp, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
-def test_gpu_varlen_flash_equals_reference(pcp, dtype):
+@pytest.mark.parametrize(
+    "shape", [(8, 2, 128, 128), (8, 8, 192, 128)], ids=["gqa-128", "mla-192-128"]
+)
+def test_gpu_varlen_flash_equals_reference(pcp, dtype, shape):
     # FlashAttention-2's varlen call against the packed reference on the same packing, in fp32
-    # from the same low-precision inputs: within a few units of the inputs' precision.
+    # from the same low-precision inputs: within a few units of the inputs' precision. MLA's
+    # narrower values go through the zero-padding.
     from cp_modules.kernels.pcp_varlen import (
         varlen_backward_flash,
         varlen_backward_reference,
@@ -84,8 +111,9 @@ def test_gpu_varlen_flash_equals_reference(pcp, dtype):
         varlen_forward_reference,
     )
 
+    hq, hkv, d, dv = shape
     n = BATCHES["many-requests"] + [700, 1000]
-    q, k, v = _tensors(n, 8, 2, 128, dtype, "cuda", seed=3)
+    q, k, v = _tensors(n, hq, hkv, d, dtype, "cuda", seed=3, dv=dv)
     eps = torch.finfo(dtype).eps
     for r in range(pcp):
         plan = plan_pcp(n, [0] * len(n), pcp, r, device="cuda")
@@ -147,3 +175,38 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
         )
         assert got[1] is None and got[2] is None
         assert max_abs_err(buf[0], want[1]) < 1e-12 and max_abs_err(buf[1], want[2]) < 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["gqa-128", "mla-192-128"])
+def test_gpu_automatic_choice_follows_segment_size(dims):
+    # Many short requests take the varlen call, one long request the blocks; either way the
+    # result equals the block path's (bf16, same tolerance as the kernel test above).
+    from cp_modules.kernels.pcp_attention import (
+        _use_varlen,
+        pcp_prefill_attention_backward_cuda,
+        pcp_prefill_attention_cuda,
+    )
+
+    d, dv = dims
+    for n, want_varlen in (([512] * 16, True), ([16384], False)):
+        q, k, v = _tensors(n, 8, 8, d, torch.bfloat16, "cuda", seed=4, dv=dv)
+        plan = plan_pcp(n, [0] * len(n), 2, 1, device="cuda")
+        ql = q[plan.token_indices]
+        segs = plan.segments_host.tolist()
+        for direction in ("forward", "backward"):
+            assert _use_varlen(None, segs, ql, v, False, direction) is want_varlen, direction
+        args = (plan.segments_host, None, None, None, d**-0.5)
+        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
+        ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=not want_varlen)
+        valid = plan.local_valid
+        eps = torch.finfo(torch.bfloat16).eps
+        assert max_abs_err(out[valid], ref_out[valid]) <= 8 * eps * ref_out.abs().max().item()
+        assert max_abs_err(lse[valid], ref_lse[valid]) <= 1e-3
+        dout = torch.randn_like(out)
+        got = pcp_prefill_attention_backward_cuda(dout, ql, k, v, out, lse, *args)
+        want = pcp_prefill_attention_backward_cuda(
+            dout, ql, k, v, out, lse, *args, varlen=not want_varlen
+        )
+        for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+            assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name

@@ -108,22 +108,48 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     return "reference"
 
 
-# Batches of at least this many non-empty segments run as one varlen call
-# (:mod:`cp_modules.kernels.pcp_varlen`) when FlashAttention-2 serves them and there is no
-# cached prefix. Not yet measured: set from benchmarks/bench_pcp_varlen.py on a GPU.
-VARLEN_MIN_SEGMENTS = None
+# A batch without a cached prefix runs as one varlen call (:mod:`cp_modules.kernels.pcp_varlen`)
+# when its segments are small: when their forward attention FLOPs (2 per multiply-add, mean over
+# the non-empty segments) are below these. The block path pays host time per segment (several
+# launches and sums each) and wins on long segments, where cuDNN's kernels are faster than
+# FlashAttention-2's; FA-2's backward is the slower one, the more so at MLA's head dim 192 with
+# zero-padded values ("backward_padded"). Crossovers measured on an H200 with
+# benchmarks/bench_pcp_varlen.py (benchmarks/results/pcp-varlen-2026-11-30.json): forward
+# 4e10-7e10 (GQA) and ~5e10 (MLA), backward ~3e10 (GQA) and ~1e10 (MLA). An empty dict: never.
+VARLEN_MAX_FLOP_PER_SEGMENT: dict[str, float] = {
+    "forward": 5e10,
+    "backward": 3e10,
+    "backward_padded": 1e10,
+}
+
+
+def segment_flop(segs: list[list[int]], num_heads: int, d_qk: int, d_v: int) -> list[int]:
+    """Forward attention FLOPs of each segment (bottom-right causal: query i of a segment of
+    q_len queries and k_len keys sees k_len - q_len + i + 1 keys)."""
+    return [
+        2 * (ql * kl - ql * (ql - 1) // 2) * num_heads * (d_qk + d_v) for _, _, ql, _, kl in segs
+    ]
 
 
 def _use_varlen(
-    policy: bool | None, segs: list[list[int]], q: torch.Tensor, v: torch.Tensor, has_prefix: bool
+    policy: bool | None,
+    segs: list[list[int]],
+    q: torch.Tensor,
+    v: torch.Tensor,
+    has_prefix: bool,
+    direction: str,
 ) -> bool:
-    if has_prefix or q.shape[-1] != v.shape[-1]:
+    if has_prefix:
         return False
     if policy is not None:
         return policy
-    if VARLEN_MIN_SEGMENTS is None or q.device.type != "cuda":
+    if direction == "backward" and v.shape[-1] != q.shape[-1]:
+        direction = "backward_padded"
+    limit = VARLEN_MAX_FLOP_PER_SEGMENT.get(direction)
+    if limit is None or q.device.type != "cuda":
         return False
-    if sum(1 for seg in segs if seg[2] > 0) < VARLEN_MIN_SEGMENTS:
+    flop = [f for f in segment_flop(segs, q.shape[1], q.shape[2], v.shape[2]) if f > 0]
+    if not flop or sum(flop) >= limit * len(flop):
         return False
     x = q[:1].unsqueeze(0).transpose(1, 2)
     params = torch.backends.cuda.SDPAParams(x, x, x, None, 0.0, True, False)
@@ -420,8 +446,7 @@ def pcp_prefill_attention_cuda(
             decomposition on CPU).
         varlen: run every segment in one varlen call instead
             (:func:`~cp_modules.kernels.pcp_varlen.pcp_prefill_attention_varlen`; only without
-            a prefix and with equal query / value head dims); None decides
-            (:data:`VARLEN_MIN_SEGMENTS`).
+            a prefix); None decides (:data:`VARLEN_MAX_FLOP_PER_SEGMENT`).
 
     Returns:
         out [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] fp32 (-inf on padding).
@@ -432,7 +457,7 @@ def pcp_prefill_attention_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    if _use_varlen(varlen, segs, q, v, has_prefix):
+    if _use_varlen(varlen, segs, q, v, has_prefix, "forward"):
         return pcp_prefill_attention_varlen(q, k, v, segments, scale)
     T, rows_shape = q.shape[0], (q.shape[1], v.shape[2])
     squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -755,7 +780,7 @@ def pcp_prefill_attention_backward_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    if _use_varlen(varlen, segs, q, v, has_prefix):
+    if _use_varlen(varlen, segs, q, v, has_prefix, "backward"):
         dq, dk, dv = pcp_prefill_attention_varlen_backward(dout, q, k, v, out, lse, segments, scale)
         if dk_into is not None:
             sum_pieces_into(dk_into, [(0, dk)])

@@ -12,7 +12,14 @@ share their first keys, so the packed K/V hold ``sum(k_len)`` rows (about ``N (1
 and their gradients are added back per restored row (at most two contributions a row).
 
 Without a cached prefix only (training and plain prefill); the kernel is FlashAttention-2's
-varlen entry in PyTorch on CUDA (equal query/value head dims), the reference on CPU.
+varlen entry in PyTorch on CUDA, the reference on CPU. FlashAttention-2 wants one head dim for
+queries, keys and values: narrower values (MLA's 128 against 192) are zero-padded to the query
+dim and the padding columns of the output dropped (the backward likewise pads ``dout`` and
+``out``, whose padding adds nothing to ``rowsum(dout * out)``).
+
+The packing depends only on the plan's segments, so it is built once per plan and kept on the
+plan's host segments tensor (:func:`varlen_pack_cached`): every layer of a step, forward and
+backward, reuses it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ __all__ = [
     "pcp_prefill_attention_varlen",
     "pcp_prefill_attention_varlen_backward",
     "varlen_pack",
+    "varlen_pack_cached",
 ]
 
 
@@ -91,6 +99,26 @@ def varlen_pack(segments: torch.Tensor, device: torch.device | str) -> VarlenPac
     )
 
 
+_PACK_ATTR = "_cp_varlen_pack"
+
+
+def varlen_pack_cached(segments: torch.Tensor, device: torch.device | str) -> VarlenPack:
+    """:func:`varlen_pack`, memoised on ``segments`` (per device, dropped if it is modified)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), segments._version)
+    cached = getattr(segments, _PACK_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    pack = varlen_pack(segments, device)
+    try:
+        setattr(segments, _PACK_ATTR, (key, pack))
+    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes
+        pass
+    return pack
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -133,12 +161,18 @@ def varlen_backward_reference(dop, qp, kp, vp, op, lsep, pack: VarlenPack, scale
     )
 
 
+def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+
 def varlen_forward_flash(qp, kp, vp, pack: VarlenPack, scale: float):
     """FlashAttention-2's varlen forward (bottom-right causal): (out, lse [Tq, Hq] fp32)."""
+    dv = vp.shape[-1]
     res = torch.ops.aten._flash_attention_forward(
-        qp, kp, vp, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, 0.0, True, False, scale=scale
-    )
-    out, lse = res[0], res[1]
+        qp, kp, _pad_to(vp, qp.shape[-1]), pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, 0.0,
+        True, False, scale=scale,
+    )  # fmt: skip
+    out, lse = res[0][..., :dv], res[1]
     if lse.shape != (qp.shape[1], qp.shape[0]):
         raise RuntimeError(
             f"unexpected varlen LSE layout {tuple(lse.shape)} for {qp.shape[0]} packed queries "
@@ -151,10 +185,12 @@ def varlen_backward_flash(dop, qp, kp, vp, op, lsep, pack: VarlenPack, scale: fl
     """FlashAttention-2's varlen backward: (dq, dk, dv) in the inputs' dtype."""
     seed = torch.empty(2, dtype=torch.uint64, device=qp.device)
     unused = torch.empty((), dtype=torch.uint64, device=qp.device)
-    return torch.ops.aten._flash_attention_backward(
-        dop, qp, kp, vp, op, lsep.t().contiguous(), pack.cu_q, pack.cu_k,
-        pack.max_q, pack.max_k, 0.0, True, seed, unused, scale=scale,
+    d, dv = qp.shape[-1], vp.shape[-1]
+    dq, dk, dvp = torch.ops.aten._flash_attention_backward(
+        _pad_to(dop, d), qp, kp, _pad_to(vp, d), _pad_to(op, d), lsep.t().contiguous(),
+        pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, 0.0, True, seed, unused, scale=scale,
     )  # fmt: skip
+    return dq, dk, dvp[..., :dv]
 
 
 def _kernels(device: torch.device):
@@ -182,7 +218,7 @@ def pcp_prefill_attention_varlen(
     without a prefix: out [T, Hq, Dv] (0 on padding rows), lse [T, Hq] fp32 (-inf there).
     ``forward`` overrides the kernel (tests pass the reference).
     """
-    pack = pack or varlen_pack(segments, q.device)
+    pack = pack or varlen_pack_cached(segments, q.device)
     forward = forward or _kernels(q.device)[0]
     qp = q.index_select(0, pack.q_index)
     kp, vp = k.index_select(0, pack.k_index), v.index_select(0, pack.k_index)
@@ -210,7 +246,7 @@ def pcp_prefill_attention_varlen_backward(
     """Gradients of :func:`pcp_prefill_attention_varlen`: dq [T], dk [N], dv [N] in the
     inputs' dtypes (0 on rows nothing reaches). A key row gets up to two contributions (the
     request's head and tail segments), added in the result's dtype."""
-    pack = pack or varlen_pack(segments, q.device)
+    pack = pack or varlen_pack_cached(segments, q.device)
     backward = backward or _kernels(q.device)[1]
     qi, ki = pack.q_index, pack.k_index
     gq, gk, gv = backward(
