@@ -11,6 +11,9 @@ compared. The varlen packing is built once per plan, as in a model's layers.
 
     python benchmarks/bench_pcp_varlen.py [--pcp 2 8] [--shapes gqa mla] [--batches 1x32768 ...]
 
+A batch ``RxL+C`` gives every request a cached prefix of C tokens (chunked prefill: forward
+and backward over the prefix too).
+
 Writes ``benchmarks/results/pcp-varlen-<date>.json`` (or under $OUT). The mean forward FLOPs
 per segment where the two paths cross set ``VARLEN_MAX_FLOP_PER_SEGMENT`` in
 ``cp_modules/kernels/pcp_attention.py``.
@@ -59,7 +62,7 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def bench(shape, R, L, P, rounds):
+def bench(shape, R, L, P, rounds, C=0):
     hq, hkv, dqk, dv = SHAPES[shape]
     n = [L] * R
     N = sum(n)
@@ -68,13 +71,18 @@ def bench(shape, R, L, P, rounds):
         torch.randn(N, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
         for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
     )
+    pk, pv = (
+        torch.randn(R * C, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        for d in (dqk, dv)
+    )
     dout = torch.randn(N, hq, dv, device="cuda", dtype=torch.bfloat16, generator=g)
     scale = dqk**-0.5
     ranks = []
     for r in sorted({0, P - 1}):
-        plan = plan_pcp(n, [0] * R, P, r, device="cuda")
+        plan = plan_pcp(n, [C] * R, P, r, device="cuda")
         ql, dl = q[plan.token_indices], dout[plan.token_indices]
-        args = (plan.segments_host, None, None, None, scale)
+        pre = (pk, pv, plan.prefix_cu_seqlens_host) if C else (None, None, None)
+        args = (plan.segments_host, *pre, scale)
         fns = {}
         for name, vl in (("blocks", False), ("varlen", True)):
             o, s = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=vl)
@@ -92,11 +100,12 @@ def bench(shape, R, L, P, rounds):
         err = {
             "out": rel_err(ov[valid], ob[valid]),
             "lse": (sv[valid] - sb[valid]).abs().max().item(),
-            "dq_dk_dv": [rel_err(a, b) for a, b in zip(gv[:3], gb[:3])],
+            "grads": [rel_err(a, b) for a, b in zip(gv, gb) if a is not None],
         }
-        flop = [f for f in segment_flop(plan.segments_host.tolist(), hq, dqk, dv) if f > 0]
+        cu = plan.prefix_cu_seqlens_host.tolist() if C else None
+        flop = [f for f in segment_flop(plan.segments_host.tolist(), hq, dqk, dv, cu) if f > 0]
         ranks.append({"rank": r, "fns": fns, "err": err, "flop_per_segment": sum(flop) / len(flop)})
-    out = {"shape": shape, "R": R, "L": L, "P": P, "ranks": []}
+    out = {"shape": shape, "R": R, "L": L, "prefix": C, "P": P, "ranks": []}
     for x in ranks:
         times = {f"{p}_{d}": [] for p in ("blocks", "varlen") for d in ("fwd", "bwd")}
         for rnd in range(rounds):
@@ -116,9 +125,9 @@ def bench(shape, R, L, P, rounds):
     }
     out["worst_ms"] = worst
     print(
-        f"{shape} R={R} L={L} P={P} flop/seg {ranks[0]['flop_per_segment']:.2e}: worst rank fwd blocks {worst['blocks_fwd']:.3f} varlen "
+        f"{shape} R={R} L={L} prefix={C} P={P} flop/seg {ranks[0]['flop_per_segment']:.2e}: worst rank fwd blocks {worst['blocks_fwd']:.3f} varlen "
         f"{worst['varlen_fwd']:.3f} ms, bwd blocks {worst['blocks_bwd']:.3f} varlen "
-        f"{worst['varlen_bwd']:.3f} ms; max rel err {max(max(e['err']['dq_dk_dv']) for e in out['ranks']):.2e}",
+        f"{worst['varlen_bwd']:.3f} ms; max rel err {max(max(e['err']['grads']) for e in out['ranks']):.2e}",
         flush=True,
     )
     return out
@@ -149,8 +158,9 @@ def main(argv=None):
     for shape in a.shapes:
         for P in a.pcp:
             for b in a.batches:
-                R, L = (int(x) for x in b.split("x"))
-                res["runs"].append(bench(shape, R, L, P, a.rounds))
+                R, rest = b.split("x")
+                L, _, C = rest.partition("+")
+                res["runs"].append(bench(shape, int(R), int(L), P, a.rounds, int(C or 0)))
                 path.write_text(json.dumps(res, indent=1))  # after every run: partial results
                 torch.cuda.empty_cache()
     print(f"wrote {path}")

@@ -4,7 +4,7 @@
     python benchmarks/report.py [--results benchmarks/results] [--out benchmarks]
 
 Reads the newest ``<kind>-<date>.json`` of each kind (lse_combine, decode, pcp, modules,
-ceilings, pcp-grad-layout), checks the goals the kernel issues set, adds the collective cost model, and writes
+ceilings, pcp-grad-layout, pcp-varlen), checks the goals the kernel issues set, adds the collective cost model, and writes
 ``<out>/<date>-<gpu>.json`` ({"date","gpu","torch","triton","metrics"}), ``<date>-<gpu>.md`` and
 plots (``<date>-<gpu>-decode.png``, ``-pcp.png``, ``-roofline.png``). Needs no GPU.
 """
@@ -21,7 +21,10 @@ sys.path.insert(0, str(HERE))
 
 import cost_model  # noqa: E402
 
-KINDS = ("lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout")
+sys.path.insert(0, str(HERE.parent))
+from cp_modules.kernels.pcp_attention import VARLEN_MAX_FLOP_PER_SEGMENT  # noqa: E402
+
+KINDS = ("lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout", "pcp-varlen")
 GRAD_LAYOUTS = ("restored", "direct", "kernels")
 
 
@@ -233,6 +236,26 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
             for p, e in sv.items():
                 lines.append(f"| {shape} | {p} | " + " | ".join(
                     f"{e[k]['worst']:.3f} / {e[k]['mean']:.3f}" for k in GRAD_LAYOUTS) + " |")
+    vl = r.get("pcp-varlen", {}).get("runs", [])
+    if vl:
+        lines += ["", "## PCP with many requests: blocks against one varlen call (one rank at a time, bf16)", "",
+                  "Worst of the first and last rank, ms (triton do_bench; a host-bound path is timed at its "
+                  "launch rate). FLOP/seg: mean forward FLOPs per segment, which picks the path "
+                  "(VARLEN_MAX_FLOP_PER_SEGMENT in cp_modules/kernels/pcp_attention.py); picked: the "
+                  "automatic choice's time over the better of the two.", "",
+                  "| shape | P | requests x tokens | FLOP/seg | fwd blocks / varlen | bwd blocks / varlen | picked fwd / bwd |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in vl:
+            w, f = x["worst_ms"], x["ranks"][0]["flop_per_segment"]
+            pick = []
+            for d in ("fwd", "bwd"):
+                key = "forward" if d == "fwd" else ("backward_padded" if x["shape"] == "mla" else "backward")
+                path = "varlen" if f < VARLEN_MAX_FLOP_PER_SEGMENT.get(key, 0) else "blocks"
+                pick.append(f"{path} {w[f'{path}_{d}'] / min(w[f'blocks_{d}'], w[f'varlen_{d}']):.2f}")
+            pre = f" + {x['prefix']} cached" if x.get("prefix") else ""
+            lines.append(f"| {x['shape']} | {x['P']} | {x['R']} x {x['L']}{pre} | {f:.1e} | "
+                         f"{w['blocks_fwd']:.2f} / {w['varlen_fwd']:.2f} | "
+                         f"{w['blocks_bwd']:.2f} / {w['varlen_bwd']:.2f} | {' / '.join(pick)} |")
     ce = r.get("ceilings", {}).get("metrics", {})
     if ce:
         lines += ["", "## Ceilings and dense prefill kernels (same run)", "",

@@ -498,10 +498,18 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["blocks", "varlen"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
-def test_gpu_all_ranks_equal_dense(case, pcp, dtype):
+def test_gpu_all_ranks_equal_dense(case, pcp, dtype, path, monkeypatch):
+    # "varlen": every batch through the one-call path (FlashAttention-2 serves 16-bit dtypes).
+    from cp_modules.kernels import pcp_attention as kernels
+
+    if path == "varlen" and dtype == torch.float32:
+        pytest.skip("FlashAttention-2 takes 16-bit inputs only")
+    limits = dict.fromkeys(kernels.VARLEN_MAX_FLOP_PER_SEGMENT, float("inf"))
+    monkeypatch.setattr(kernels, "VARLEN_MAX_FLOP_PER_SEGMENT", limits if path == "varlen" else {})
     n, m, hq, hkv, dqk, dv = GPU_CASES[case]
     scale = dqk**-0.5
     t32 = _tensors(n, m, hq, hkv, dqk, dv, torch.float32, "cuda")

@@ -25,6 +25,17 @@ BATCHES = {
     "shorter-than-2P": [3, 1, 2, 40],
     "many-requests": [9, 17, 4, 30, 1, 12, 25, 8, 3, 16],
 }
+# Cached-prefix lengths per request (chunked prefill; a request of one new token after a
+# prefix is a decode, replicated on every rank). None: no prefix.
+PREFIXES = {
+    "no-prefix": None,
+    "prefix": {
+        "odd-lengths": [0, 11, 6, 0],
+        "one-request": [23],
+        "shorter-than-2P": [5, 9, 0, 2],
+        "many-requests": [0, 4, 0, 7, 30, 0, 1, 0, 12, 3],
+    },
+}
 
 
 def _tensors(n, hq, hkv, d, dtype, device, seed=0, dv=None):
@@ -36,13 +47,18 @@ def _tensors(n, hq, hkv, d, dtype, device, seed=0, dv=None):
     )
 
 
-def test_pack_spells_out_every_segment():
-    plan = plan_pcp([37, 5, 3, 20], [0] * 4, 4, 1)
-    pack = varlen_pack(plan.segments_host, "cpu")
+@pytest.mark.parametrize("prefix", [None, [4, 0, 7, 2]], ids=["no-prefix", "prefix"])
+def test_pack_spells_out_every_segment(prefix):
+    plan = plan_pcp([37, 5, 3, 20], prefix or [0] * 4, 4, 1)
+    cu = plan.prefix_cu_seqlens_host.tolist() if prefix else None
+    pack = varlen_pack(plan.segments_host, "cpu", cu)
     q_rows, k_rows = [], []
-    for _, qs, ql, ks, kl in plan.segments_host.tolist():
+    for req, qs, ql, ks, kl in plan.segments_host.tolist():
         if ql:
             q_rows += range(qs, qs + ql)
+            if cu:  # the request's prefix rows, then its new rows after all C prefix rows
+                k_rows += range(cu[req], cu[req + 1])
+                ks += cu[-1]
             k_rows += range(ks, ks + kl)
     assert pack.q_index.tolist() == q_rows and pack.k_index.tolist() == k_rows
     assert pack.cu_q.dtype == pack.cu_k.dtype == torch.int32
@@ -60,11 +76,17 @@ def test_pack_is_built_once_per_segments_tensor():
     other[0, 2] = 0
     rebuilt = varlen_pack_cached(other, "cpu")
     assert rebuilt.cu_q_host[-1] == first.cu_q_host[-1] - int(plan.segments_host[0, 2])
+    # Another prefix is another packing.
+    with_prefix = varlen_pack_cached(plan.segments_host, "cpu", [0, 3, 3, 3, 9])
+    assert with_prefix.cu_k_host[-1] > first.cu_k_host[-1]
 
 
-def test_segment_flop_counts_bottom_right_causal_pairs():
+@pytest.mark.parametrize("prefix_cu", [None, [0, 4, 4, 10]], ids=["no-prefix", "prefix"])
+def test_segment_flop_counts_bottom_right_causal_pairs(prefix_cu):
     segs = [[0, 0, 3, 0, 7], [0, 3, 0, 0, 0], [1, 3, 5, 2, 5], [2, 8, 1, 0, 9]]
-    for got, (_, _, ql, _, kl) in zip(segment_flop(segs, 4, 6, 2), segs):
+    for got, (req, _, ql, _, kl) in zip(segment_flop(segs, 4, 6, 2, prefix_cu), segs):
+        if prefix_cu:
+            kl += prefix_cu[req + 1] - prefix_cu[req]
         pairs = sum(kl - ql + i + 1 for i in range(ql))  # query i sees kl - ql + i + 1 keys
         assert got == 2 * pairs * 4 * (6 + 2)
 
@@ -72,15 +94,22 @@ def test_segment_flop_counts_bottom_right_causal_pairs():
 @pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
 @pytest.mark.parametrize("pcp", [1, 2, 4], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("dims", [(8, 8), (12, 8)], ids=["gqa", "mla-dims"])
-def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims):
+@pytest.mark.parametrize("prefix", list(PREFIXES), ids=list(PREFIXES))
+def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims, prefix):
     n = BATCHES[batch]
+    m = PREFIXES[prefix][batch] if PREFIXES[prefix] else [0] * len(n)
     q, k, v = _tensors(n, 4, 2, dims[0], torch.float64, "cpu", dv=dims[1])
+    pk, pv = _tensors([sum(m)], 4, 2, dims[0], torch.float64, "cpu", seed=7, dv=dims[1])[1:]
     for r in range(pcp):
-        plan = plan_pcp(n, [0] * len(n), pcp, r)
+        plan = plan_pcp(n, m, pcp, r)
         ql = q[plan.token_indices]
-        args = (plan.segments_host, None, None, None, 0.3)
+        cu = plan.prefix_cu_seqlens_host if sum(m) else None
+        pre = (pk, pv, cu) if sum(m) else (None, None, None)
+        args = (plan.segments_host, *pre, 0.3)
         want_out, want_lse = pcp_prefill_attention_reference(ql, k, v, *args)
-        out, lse = pcp_prefill_attention_varlen(ql, k, v, plan.segments_host, 0.3)
+        out, lse = pcp_prefill_attention_varlen(
+            ql, k, v, plan.segments_host, 0.3, *pre[:2], None if cu is None else cu.tolist()
+        )
         assert max_abs_err(out, want_out) < 1e-12
         assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
         fin = torch.isfinite(want_lse)
@@ -88,9 +117,11 @@ def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims):
         dout = torch.randn_like(out)
         want = pcp_prefill_attention_backward_reference(dout, ql, k, v, want_out, want_lse, *args)
         got = pcp_prefill_attention_varlen_backward(
-            dout, ql, k, v, want_out, want_lse, plan.segments_host, 0.3
-        )
-        for name, a, b in zip(("dq", "dk", "dv"), got, want[:3]):
+            dout, ql, k, v, want_out, want_lse, plan.segments_host, 0.3,
+            *pre[:2], None if cu is None else cu.tolist(),
+        )  # fmt: skip
+        assert len(got) == (5 if sum(m) else 3)
+        for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
             assert max_abs_err(a, b) < 1e-12, name
 
 
@@ -136,7 +167,7 @@ def test_gpu_varlen_flash_equals_reference(pcp, dtype, shape):
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
 def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
     # varlen=True routes pcp_prefill_attention_cuda and its backward through the varlen call
-    # (reference kernels on CPU); with a cached prefix they keep the block path.
+    # (reference kernels on CPU).
     from cp_modules.kernels.pcp_attention import (
         attention_block_backward,
         pcp_prefill_attention_backward_cuda,

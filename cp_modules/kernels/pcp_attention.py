@@ -108,8 +108,8 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     return "reference"
 
 
-# A batch without a cached prefix runs as one varlen call (:mod:`cp_modules.kernels.pcp_varlen`)
-# when its segments are small: when their forward attention FLOPs (2 per multiply-add, mean over
+# A batch runs as one varlen call (:mod:`cp_modules.kernels.pcp_varlen`) when its segments are
+# small: when their forward attention FLOPs (2 per multiply-add, mean over
 # the non-empty segments) are below these. The block path pays host time per segment (several
 # launches and sums each) and wins on long segments, where cuDNN's kernels are faster than
 # FlashAttention-2's; FA-2's backward is the slower one, the more so at MLA's head dim 192 with
@@ -123,12 +123,22 @@ VARLEN_MAX_FLOP_PER_SEGMENT: dict[str, float] = {
 }
 
 
-def segment_flop(segs: list[list[int]], num_heads: int, d_qk: int, d_v: int) -> list[int]:
+def segment_flop(
+    segs: list[list[int]],
+    num_heads: int,
+    d_qk: int,
+    d_v: int,
+    prefix_cu: list[int] | None = None,
+) -> list[int]:
     """Forward attention FLOPs of each segment (bottom-right causal: query i of a segment of
-    q_len queries and k_len keys sees k_len - q_len + i + 1 keys)."""
-    return [
-        2 * (ql * kl - ql * (ql - 1) // 2) * num_heads * (d_qk + d_v) for _, _, ql, _, kl in segs
-    ]
+    q_len queries and k_len keys, its request's cached prefix included, sees
+    k_len - q_len + i + 1 keys)."""
+    flop = []
+    for req, _, ql, _, kl in segs:
+        if prefix_cu is not None:
+            kl += prefix_cu[req + 1] - prefix_cu[req]
+        flop.append(2 * (ql * kl - ql * (ql - 1) // 2) * num_heads * (d_qk + d_v))
+    return flop
 
 
 def _use_varlen(
@@ -136,11 +146,9 @@ def _use_varlen(
     segs: list[list[int]],
     q: torch.Tensor,
     v: torch.Tensor,
-    has_prefix: bool,
+    prefix_cu: list[int] | None,
     direction: str,
 ) -> bool:
-    if has_prefix:
-        return False
     if policy is not None:
         return policy
     if direction == "backward" and v.shape[-1] != q.shape[-1]:
@@ -148,7 +156,7 @@ def _use_varlen(
     limit = VARLEN_MAX_FLOP_PER_SEGMENT.get(direction)
     if limit is None or q.device.type != "cuda":
         return False
-    flop = [f for f in segment_flop(segs, q.shape[1], q.shape[2], v.shape[2]) if f > 0]
+    flop = [f for f in segment_flop(segs, q.shape[1], q.shape[2], v.shape[2], prefix_cu) if f > 0]
     if not flop or sum(flop) >= limit * len(flop):
         return False
     x = q[:1].unsqueeze(0).transpose(1, 2)
@@ -445,8 +453,8 @@ def pcp_prefill_attention_cuda(
         block_forward: the per-block kernel (tests pass the reference to check the
             decomposition on CPU).
         varlen: run every segment in one varlen call instead
-            (:func:`~cp_modules.kernels.pcp_varlen.pcp_prefill_attention_varlen`; only without
-            a prefix); None decides (:data:`VARLEN_MAX_FLOP_PER_SEGMENT`).
+            (:func:`~cp_modules.kernels.pcp_varlen.pcp_prefill_attention_varlen`); None
+            decides (:data:`VARLEN_MAX_FLOP_PER_SEGMENT`).
 
     Returns:
         out [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] fp32 (-inf on padding).
@@ -457,8 +465,8 @@ def pcp_prefill_attention_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    if _use_varlen(varlen, segs, q, v, has_prefix, "forward"):
-        return pcp_prefill_attention_varlen(q, k, v, segments, scale)
+    if _use_varlen(varlen, segs, q, v, prefix_cu, "forward"):
+        return pcp_prefill_attention_varlen(q, k, v, segments, scale, prefix_k, prefix_v, prefix_cu)
     T, rows_shape = q.shape[0], (q.shape[1], v.shape[2])
     squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     out = None
@@ -780,13 +788,15 @@ def pcp_prefill_attention_backward_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    if _use_varlen(varlen, segs, q, v, has_prefix, "backward"):
-        dq, dk, dv = pcp_prefill_attention_varlen_backward(dout, q, k, v, out, lse, segments, scale)
+    if _use_varlen(varlen, segs, q, v, prefix_cu, "backward"):
+        dq, dk, dv, *dprefix = pcp_prefill_attention_varlen_backward(
+            dout, q, k, v, out, lse, segments, scale, prefix_k, prefix_v, prefix_cu
+        )
         if dk_into is not None:
             sum_pieces_into(dk_into, [(0, dk)])
             sum_pieces_into(dv_into, [(0, dv)])
             dk = dv = None
-        return dq, dk, dv, None, None
+        return (dq, dk, dv, *dprefix) if dprefix else (dq, dk, dv, None, None)
     dq_p: list[Piece] = []
     dk_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
     dv_p: dict[str, list[Piece]] = {"new": [], "prefix": []}

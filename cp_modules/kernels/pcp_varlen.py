@@ -11,8 +11,10 @@ The keys of the segments are packed one after another; a request's head and tail
 share their first keys, so the packed K/V hold ``sum(k_len)`` rows (about ``N (1 + 1/2P)``)
 and their gradients are added back per restored row (at most two contributions a row).
 
-Without a cached prefix only (training and plain prefill); the kernel is FlashAttention-2's
-varlen entry in PyTorch on CUDA, the reference on CPU. FlashAttention-2 wants one head dim for
+A cached prefix (chunked prefill) joins the same call: a segment's keys are its request's
+prefix rows followed by its new keys, taken from the prefix and new K/V laid end to end, and
+bottom-right alignment lets every query see the whole prefix. The kernel is
+FlashAttention-2's varlen entry in PyTorch on CUDA, the reference on CPU. FlashAttention-2 wants one head dim for
 queries, keys and values: narrower values (MLA's 128 against 192) are zero-padded to the query
 dim and the padding columns of the output dropped (the backward likewise pads ``dout`` and
 ``out``, whose padding adds nothing to ``rowsum(dout * out)``).
@@ -50,7 +52,8 @@ class VarlenPack:
 
     Attributes:
         q_index: [Tq] int64, local query rows of the segments, segment by segment.
-        k_index: [Tk] int64, restored K/V rows of the segments, segment by segment.
+        k_index: [Tk] int64, K/V rows of the segments, segment by segment: rows of
+            ``cat([prefix, new])`` (the new rows offset by the prefix rows C; C = 0 without).
         cu_q, cu_k: [S' + 1] int32, cumulative query / key counts (S' non-empty segments).
         cu_q_host, cu_k_host: the same as host lists.
         max_q, max_k: the longest segment's query / key count.
@@ -75,14 +78,25 @@ def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts, lengths) + np.arange(total) - offsets
 
 
-def varlen_pack(segments: torch.Tensor, device: torch.device | str) -> VarlenPack:
-    """The packing of a plan's segments ([S, 5] int64 on the host, ``SEGMENT_FIELDS``)."""
-    segs = segments.numpy()
+def varlen_pack(
+    segments: torch.Tensor, device: torch.device | str, prefix_cu: list[int] | None = None
+) -> VarlenPack:
+    """The packing of a plan's segments ([S, 5] int64 on the host, ``SEGMENT_FIELDS``), with
+    the requests' cached prefixes ragged by ``prefix_cu`` ([R + 1] host ints) if given."""
+    segs = (segments if segments.device.type == "cpu" else segments.cpu()).numpy()
     keep = segs[:, 2] > 0
-    _, qs, ql, ks, kl = (segs[keep, j] for j in range(5))
+    req, qs, ql, ks, kl = (segs[keep, j] for j in range(5))
+    if prefix_cu is None:
+        k_rows, k_len = _ragged(ks, kl), kl
+    else:
+        pcu = np.asarray(prefix_cu, dtype=np.int64)
+        ps, pl = pcu[req], pcu[req + 1] - pcu[req]
+        # Per segment its prefix rows, then its new rows (offset by the C prefix rows).
+        k_rows = _ragged(np.stack([ps, ks + pcu[-1]], 1).ravel(), np.stack([pl, kl], 1).ravel())
+        k_len = pl + kl
     cu_q = np.concatenate([[0], np.cumsum(ql)]).astype(np.int64)
-    cu_k = np.concatenate([[0], np.cumsum(kl)]).astype(np.int64)
-    host = torch.from_numpy(np.concatenate([_ragged(qs, ql), _ragged(ks, kl), cu_q, cu_k]))
+    cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int64)
+    host = torch.from_numpy(np.concatenate([_ragged(qs, ql), k_rows, cu_q, cu_k]))
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)
@@ -95,23 +109,26 @@ def varlen_pack(segments: torch.Tensor, device: torch.device | str) -> VarlenPac
         cu_q_host=cu_q.tolist(),
         cu_k_host=cu_k.tolist(),
         max_q=int(ql.max()) if ql.size else 0,
-        max_k=int(kl.max()) if kl.size else 0,
+        max_k=int(k_len.max()) if k_len.size else 0,
     )
 
 
 _PACK_ATTR = "_cp_varlen_pack"
 
 
-def varlen_pack_cached(segments: torch.Tensor, device: torch.device | str) -> VarlenPack:
-    """:func:`varlen_pack`, memoised on ``segments`` (per device, dropped if it is modified)."""
+def varlen_pack_cached(
+    segments: torch.Tensor, device: torch.device | str, prefix_cu: list[int] | None = None
+) -> VarlenPack:
+    """:func:`varlen_pack`, memoised on ``segments`` (per device and prefix, dropped if
+    ``segments`` is modified)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), segments._version)
+    key = (str(device), segments._version, None if prefix_cu is None else tuple(prefix_cu))
     cached = getattr(segments, _PACK_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    pack = varlen_pack(segments, device)
+    pack = varlen_pack(segments, device, prefix_cu)
     try:
         setattr(segments, _PACK_ATTR, (key, pack))
     except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes
@@ -208,18 +225,24 @@ def pcp_prefill_attention_varlen(
     v: torch.Tensor,
     segments: torch.Tensor,
     scale: float,
+    prefix_k: torch.Tensor | None = None,
+    prefix_v: torch.Tensor | None = None,
+    prefix_cu: list[int] | None = None,
     *,
     pack: VarlenPack | None = None,
     forward=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head/tail attention of the local queries in one varlen call (no cached prefix).
+    """Head/tail attention of the local queries (and cached prefixes) in one varlen call.
 
-    Same contract as :func:`~cp_modules.reference.pcp_attention.pcp_prefill_attention_reference`
-    without a prefix: out [T, Hq, Dv] (0 on padding rows), lse [T, Hq] fp32 (-inf there).
+    Same contract as :func:`~cp_modules.reference.pcp_attention.pcp_prefill_attention_reference`:
+    out [T, Hq, Dv] (0 on padding rows), lse [T, Hq] fp32 (-inf there). ``prefix_*``: the
+    requests' cached keys / values ragged by ``prefix_cu`` (host ints), or None.
     ``forward`` overrides the kernel (tests pass the reference).
     """
-    pack = pack or varlen_pack_cached(segments, q.device)
+    pack = pack or varlen_pack_cached(segments, q.device, prefix_cu)
     forward = forward or _kernels(q.device)[0]
+    if prefix_cu is not None:
+        k, v = torch.cat([prefix_k, k]), torch.cat([prefix_v, v])
     qp = q.index_select(0, pack.q_index)
     kp, vp = k.index_select(0, pack.k_index), v.index_select(0, pack.k_index)
     op, lsep = forward(qp, kp, vp, pack, scale)
@@ -239,15 +262,23 @@ def pcp_prefill_attention_varlen_backward(
     lse: torch.Tensor,
     segments: torch.Tensor,
     scale: float,
+    prefix_k: torch.Tensor | None = None,
+    prefix_v: torch.Tensor | None = None,
+    prefix_cu: list[int] | None = None,
     *,
     pack: VarlenPack | None = None,
     backward=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`pcp_prefill_attention_varlen`: dq [T], dk [N], dv [N] in the
-    inputs' dtypes (0 on rows nothing reaches). A key row gets up to two contributions (the
-    request's head and tail segments), added in the result's dtype."""
-    pack = pack or varlen_pack_cached(segments, q.device)
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of :func:`pcp_prefill_attention_varlen`: dq [T], dk [N], dv [N] and, with a
+    prefix, dprefix_k [C], dprefix_v [C], in the inputs' dtypes (0 on rows nothing reaches). A
+    key row gets up to two contributions (the request's head and tail segments), added in the
+    result's dtype."""
+    pack = pack or varlen_pack_cached(segments, q.device, prefix_cu)
     backward = backward or _kernels(q.device)[1]
+    num_prefix = 0
+    if prefix_cu is not None:
+        num_prefix = prefix_k.shape[0]
+        k, v = torch.cat([prefix_k, k]), torch.cat([prefix_v, v])
     qi, ki = pack.q_index, pack.k_index
     gq, gk, gv = backward(
         dout.index_select(0, qi), q.index_select(0, qi), k.index_select(0, ki),
@@ -256,4 +287,6 @@ def pcp_prefill_attention_varlen_backward(
     dq = torch.zeros_like(q).index_copy_(0, qi, gq.to(q.dtype))
     dk = torch.zeros_like(k).index_add_(0, ki, gk.to(k.dtype))
     dv = torch.zeros_like(v).index_add_(0, ki, gv.to(v.dtype))
-    return dq, dk, dv
+    if prefix_cu is None:
+        return dq, dk, dv
+    return dq, dk[num_prefix:], dv[num_prefix:], dk[:num_prefix], dv[:num_prefix]
