@@ -226,7 +226,7 @@ def test_gpu_automatic_choice_follows_segment_size(dims):
         ql = q[plan.token_indices]
         segs = plan.segments_host.tolist()
         for direction in ("forward", "backward"):
-            assert _use_varlen(None, segs, ql, v, False, direction) is want_varlen, direction
+            assert _use_varlen(None, segs, ql, v, None, direction) is want_varlen, direction
         args = (plan.segments_host, None, None, None, d**-0.5)
         out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
         ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=not want_varlen)
