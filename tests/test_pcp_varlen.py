@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,18 +53,30 @@ def test_pack_spells_out_every_segment(prefix):
     plan = plan_pcp([37, 5, 3, 20], prefix or [0] * 4, 4, 1)
     cu = plan.prefix_cu_seqlens_host.tolist() if prefix else None
     pack = varlen_pack(plan.segments_host, "cpu", cu)
-    q_rows, k_rows = [], []
-    for req, qs, ql, ks, kl in plan.segments_host.tolist():
-        if ql:
-            q_rows += range(qs, qs + ql)
-            if cu:  # the request's prefix rows, then its new rows after all C prefix rows
-                k_rows += range(cu[req], cu[req + 1])
-                ks += cu[-1]
-            k_rows += range(ks, ks + kl)
+    segs = [s for s in plan.segments_host.tolist() if s[2]]
+    if prefix:  # requests with a prefix first
+        segs.sort(key=lambda s: (cu[s[0] + 1] == cu[s[0]], s[0]))
+    q_rows, k_rows, q_of = [], [], [0] * 4
+    for req, qs, ql, ks, kl in segs:
+        q_rows += range(qs, qs + ql)
+        k_rows += range(ks, ks + kl)
+        q_of[req] += ql
     assert pack.q_index.tolist() == q_rows and pack.k_index.tolist() == k_rows
-    assert pack.cu_q.dtype == pack.cu_k.dtype == torch.int32
-    assert pack.cu_q.tolist() == pack.cu_q_host and pack.cu_k.tolist() == pack.cu_k_host
-    assert pack.cu_q_host[-1] == len(q_rows) and pack.cu_k_host[-1] == len(k_rows)
+    new = pack.new
+    assert new.causal and new.cu_q.dtype == new.cu_k.dtype == torch.int32
+    assert new.cu_q.tolist() == new.cu_q_host == [0, *np.cumsum([s[2] for s in segs])]
+    assert new.cu_k.tolist() == new.cu_k_host == [0, *np.cumsum([s[4] for s in segs])]
+    if not prefix:
+        assert pack.prefix is None
+        return
+    # One unmasked sequence per request: its queries here (if it has a prefix) over its prefix.
+    pre = pack.prefix
+    assert not pre.causal and pre.cu_k_host == cu and pre.cu_k.tolist() == cu
+    rows = [q_of[r] if prefix[r] else 0 for r in range(4)]
+    assert pre.cu_q_host == [0, *np.cumsum(rows)] and pre.cu_q.tolist() == pre.cu_q_host
+    # Those queries are the leading packed rows, request by request.
+    lead = [s for s in segs if prefix[s[0]]]
+    assert q_rows[: pre.cu_q_host[-1]] == [i for s in lead for i in range(s[1], s[1] + s[2])]
 
 
 def test_pack_is_built_once_per_segments_tensor():
@@ -75,10 +88,10 @@ def test_pack_is_built_once_per_segments_tensor():
     assert varlen_pack_cached(other, "cpu") is not first
     other[0, 2] = 0
     rebuilt = varlen_pack_cached(other, "cpu")
-    assert rebuilt.cu_q_host[-1] == first.cu_q_host[-1] - int(plan.segments_host[0, 2])
+    assert rebuilt.new.cu_q_host[-1] == first.new.cu_q_host[-1] - int(plan.segments_host[0, 2])
     # Another prefix is another packing.
     with_prefix = varlen_pack_cached(plan.segments_host, "cpu", [0, 3, 3, 3, 9])
-    assert with_prefix.cu_k_host[-1] > first.cu_k_host[-1]
+    assert first.prefix is None and with_prefix.prefix.cu_k_host == [0, 3, 3, 3, 9]
 
 
 @pytest.mark.parametrize("prefix_cu", [None, [0, 4, 4, 10]], ids=["no-prefix", "prefix"])
@@ -125,42 +138,57 @@ def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims, prefix):
             assert max_abs_err(a, b) < 1e-12, name
 
 
+GPU_BATCHES = {
+    # name: (num_scheduled, num_computed); the P = 4 ranks of "short-with-prefix" include ones
+    # where a request with a prefix has no queries (a sequence of no queries in the call).
+    "many-requests": (BATCHES["many-requests"] + [700, 1000], [0] * 12),
+    "many-with-prefix": (
+        BATCHES["many-requests"] + [700, 1000],
+        [0, 4, 0, 7, 30, 0, 1, 0, 12, 3, 500, 0],
+    ),
+    "short-with-prefix": ([3, 1, 2, 40, 300], [5, 9, 0, 2, 129]),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize(
     "shape", [(8, 2, 128, 128), (8, 8, 192, 128)], ids=["gqa-128", "mla-192-128"]
 )
-def test_gpu_varlen_flash_equals_reference(pcp, dtype, shape):
-    # FlashAttention-2's varlen call against the packed reference on the same packing, in fp32
-    # from the same low-precision inputs: within a few units of the inputs' precision. MLA's
-    # narrower values go through the zero-padding.
-    from cp_modules.kernels.pcp_varlen import (
-        varlen_backward_flash,
-        varlen_backward_reference,
-        varlen_forward_flash,
-        varlen_forward_reference,
-    )
-
+@pytest.mark.parametrize("batch", list(GPU_BATCHES), ids=list(GPU_BATCHES))
+def test_gpu_varlen_flash_equals_reference(batch, shape, pcp, dtype):
+    # The varlen path on FlashAttention-2 against the head/tail reference in fp32 on the same
+    # (low-precision) inputs: within a few units of the inputs' precision. MLA's narrower
+    # values go through the zero-padding; a prefix through the second, unmasked call.
     hq, hkv, d, dv = shape
-    n = BATCHES["many-requests"] + [700, 1000]
+    n, m = GPU_BATCHES[batch]
     q, k, v = _tensors(n, hq, hkv, d, dtype, "cuda", seed=3, dv=dv)
+    pk, pv = _tensors([sum(m)], hq, hkv, d, dtype, "cuda", seed=5, dv=dv)[1:]
     eps = torch.finfo(dtype).eps
     for r in range(pcp):
-        plan = plan_pcp(n, [0] * len(n), pcp, r, device="cuda")
-        pack = varlen_pack(plan.segments_host, "cuda")
-        qp = q[plan.token_indices].index_select(0, pack.q_index)
-        kp, vp = k.index_select(0, pack.k_index), v.index_select(0, pack.k_index)
-        o, s = varlen_forward_flash(qp, kp, vp, pack, 0.1)
-        o_ref, s_ref = varlen_forward_reference(qp, kp, vp, pack, 0.1)
-        assert max_abs_err(o, o_ref) <= 8 * eps * o_ref.abs().max().item()
-        assert max_abs_err(s, s_ref) <= 1e-3
-        do = torch.randn_like(o)
-        got = varlen_backward_flash(do, qp, kp, vp, o, s, pack, 0.1)
-        want = varlen_backward_reference(
-            do.float(), qp.float(), kp.float(), vp.float(), o.float(), s, pack, 0.1
+        plan = plan_pcp(n, m, pcp, r, device="cuda")
+        ql = q[plan.token_indices]
+        cu = plan.prefix_cu_seqlens_host if sum(m) else None
+        pre = (pk, pv, cu) if sum(m) else (None, None, None)
+        pre_host = (*pre[:2], None if cu is None else cu.tolist())
+        out, lse = pcp_prefill_attention_varlen(ql, k, v, plan.segments_host, 0.1, *pre_host)
+        f32 = [None if x is None or x.dtype == torch.int64 else x.float() for x in (ql, k, v, *pre)]
+        args32 = (plan.segments_host, f32[3], f32[4], cu, 0.1)
+        o_ref, s_ref = pcp_prefill_attention_reference(*f32[:3], *args32)
+        valid = plan.local_valid
+        assert max_abs_err(out[valid], o_ref[valid]) <= 8 * eps * o_ref.abs().max().item()
+        assert max_abs_err(lse[valid], s_ref[valid]) <= 1e-3
+        assert torch.all(out[~valid] == 0) and torch.all(lse[~valid] == float("-inf"))
+        do = torch.randn_like(out)
+        got = pcp_prefill_attention_varlen_backward(
+            do, ql, k, v, out, lse, plan.segments_host, 0.1, *pre_host
         )
-        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        want = pcp_prefill_attention_backward_reference(do.float(), *f32[:3], o_ref, s_ref, *args32)
+        names = ("dq", "dk", "dv", "dprefix_k", "dprefix_v")
+        assert len(got) == (5 if sum(m) else 3)
+        for name, a, b in zip(names, got, want):
+            assert a.dtype == dtype, name
             assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
 
 

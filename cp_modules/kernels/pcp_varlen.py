@@ -5,23 +5,28 @@ or tail chunk on this rank) as its own kernel calls and sums its gradients row r
 with tens of requests a step is bound by host time. Here every segment is one sequence of a
 varlen call: its real queries against its keys ``[k_start, k_start + k_len)``, causal
 aligned at the bottom right (query ``i`` of a segment sees its keys ``0 .. k_len - q_len +
-i``), so one call serves the whole batch and needs no LSE merge.
+i``), so one call serves the whole batch.
 
 The keys of the segments are packed one after another; a request's head and tail segments
 share their first keys, so the packed K/V hold ``sum(k_len)`` rows (about ``N (1 + 1/2P)``)
 and their gradients are added back per restored row (at most two contributions a row).
 
-A cached prefix (chunked prefill) joins the same call: a segment's keys are its request's
-prefix rows followed by its new keys, taken from the prefix and new K/V laid end to end, and
-bottom-right alignment lets every query see the whole prefix. The kernel is
-FlashAttention-2's varlen entry in PyTorch on CUDA, the reference on CPU. FlashAttention-2 wants one head dim for
-queries, keys and values: narrower values (MLA's 128 against 192) are zero-padded to the query
-dim and the padding columns of the output dropped (the backward likewise pads ``dout`` and
-``out``, whose padding adds nothing to ``rowsum(dout * out)``).
+A cached prefix (chunked prefill) is a second, unmasked varlen call: one sequence per request,
+the queries of all its segments against its prefix rows, read where they lie (``cu_k`` is the
+prefix's own ``prefix_cu``; a request without queries here is a sequence of no queries), so
+no prefix row is copied; the two partials are merged by LSE. The segments of requests with a
+prefix are packed first, so that call's queries are the leading packed rows. The backward
+runs both calls with the merged output and LSE and adds the query gradients.
 
-The packing depends only on the plan's segments, so it is built once per plan and kept on the
-plan's host segments tensor (:func:`varlen_pack_cached`): every layer of a step, forward and
-backward, reuses it.
+The kernel is FlashAttention-2's varlen entry in PyTorch on CUDA, the reference on CPU.
+FlashAttention-2 wants one head dim for queries, keys and values: narrower values (MLA's 128
+against 192) are zero-padded to the query dim and the padding columns of the output dropped
+(the backward likewise pads ``dout`` and ``out``, whose padding adds nothing to
+``rowsum(dout * out)``).
+
+The packing depends only on the plan's segments (and prefix lengths), so it is built once per
+plan and kept on the plan's host segments tensor (:func:`varlen_pack_cached`): every layer of
+a step, forward and backward, reuses it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from cp_modules.reference.pcp_attention import (
 )
 
 __all__ = [
+    "VarlenCall",
     "VarlenPack",
     "pcp_prefill_attention_varlen",
     "pcp_prefill_attention_varlen_backward",
@@ -47,26 +53,44 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class VarlenPack:
-    """Where the varlen call's packed rows come from.
+class VarlenCall:
+    """The sequences of one varlen call: packed query rows ``[cu_q[i], cu_q[i + 1])`` attend
+    key rows ``[cu_k[i], cu_k[i + 1])``.
 
     Attributes:
-        q_index: [Tq] int64, local query rows of the segments, segment by segment.
-        k_index: [Tk] int64, K/V rows of the segments, segment by segment: rows of
-            ``cat([prefix, new])`` (the new rows offset by the prefix rows C; C = 0 without).
-        cu_q, cu_k: [S' + 1] int32, cumulative query / key counts (S' non-empty segments).
+        cu_q, cu_k: [S + 1] int32 on the device.
         cu_q_host, cu_k_host: the same as host lists.
-        max_q, max_k: the longest segment's query / key count.
+        max_q, max_k: the longest sequence's query / key count.
+        causal: bottom-right causal (the new keys) or unmasked (a cached prefix).
     """
 
-    q_index: torch.Tensor
-    k_index: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     cu_q_host: list[int]
     cu_k_host: list[int]
     max_q: int
     max_k: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class VarlenPack:
+    """Where the varlen calls' packed rows come from.
+
+    Attributes:
+        q_index: [Tq] int64, local query rows of the segments, segment by segment, the
+            segments of requests with a cached prefix first.
+        k_index: [Tk] int64, restored K/V rows of the segments, in the same segment order.
+        new: the causal call over the segments' new keys.
+        prefix: the unmasked call of the leading ``prefix.cu_q_host[-1]`` packed queries over
+            the cached prefix rows as they lie, one sequence per request; None without a
+            prefix.
+    """
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    new: VarlenCall
+    prefix: VarlenCall | None
 
 
 def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -78,38 +102,58 @@ def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts, lengths) + np.arange(total) - offsets
 
 
+def _cumsum0(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
+
+
 def varlen_pack(
     segments: torch.Tensor, device: torch.device | str, prefix_cu: list[int] | None = None
 ) -> VarlenPack:
-    """The packing of a plan's segments ([S, 5] int64 on the host, ``SEGMENT_FIELDS``), with
-    the requests' cached prefixes ragged by ``prefix_cu`` ([R + 1] host ints) if given."""
+    """The packing of a plan's segments ([S, 5] int64, ``SEGMENT_FIELDS``), with the
+    requests' cached prefixes ragged by ``prefix_cu`` ([R + 1] host ints) if given."""
     segs = (segments if segments.device.type == "cpu" else segments.cpu()).numpy()
-    keep = segs[:, 2] > 0
-    req, qs, ql, ks, kl = (segs[keep, j] for j in range(5))
-    if prefix_cu is None:
-        k_rows, k_len = _ragged(ks, kl), kl
-    else:
-        pcu = np.asarray(prefix_cu, dtype=np.int64)
-        ps, pl = pcu[req], pcu[req + 1] - pcu[req]
-        # Per segment its prefix rows, then its new rows (offset by the C prefix rows).
-        k_rows = _ragged(np.stack([ps, ks + pcu[-1]], 1).ravel(), np.stack([pl, kl], 1).ravel())
-        k_len = pl + kl
-    cu_q = np.concatenate([[0], np.cumsum(ql)]).astype(np.int64)
-    cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int64)
-    host = torch.from_numpy(np.concatenate([_ragged(qs, ql), k_rows, cu_q, cu_k]))
+    segs = segs[segs[:, 2] > 0]
+    pcu = None if prefix_cu is None else np.asarray(prefix_cu, dtype=np.int64)
+    if pcu is not None:
+        # Segments of requests with a prefix first, by request; the rest keep their order.
+        has = (pcu[segs[:, 0] + 1] - pcu[segs[:, 0]]) > 0
+        segs = segs[np.lexsort((segs[:, 0], ~has))]
+    req, qs, ql, ks, kl = (segs[:, j] for j in range(5))
+    parts = [_ragged(qs, ql), _ragged(ks, kl), _cumsum0(ql), _cumsum0(kl)]
+    if pcu is not None:
+        # Per request: its queries here if it has a prefix (else none), against its prefix.
+        plen = pcu[1:] - pcu[:-1]
+        rows = np.bincount(req, weights=ql, minlength=plen.size).astype(np.int64)
+        rows[plen == 0] = 0
+        parts += [_cumsum0(rows), pcu]
+    host = torch.from_numpy(np.concatenate(parts))
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)
-    nq, nk, ns = int(cu_q[-1]), int(cu_k[-1]), cu_q.size
+    views, at = [], 0
+    for p in parts:
+        views.append(dev[at : at + p.size])
+        at += p.size
+
+    def call(cu_q: np.ndarray, cu_k: np.ndarray, dq, dk, causal: bool) -> VarlenCall:
+        return VarlenCall(
+            cu_q=dq.to(torch.int32),
+            cu_k=dk.to(torch.int32),
+            cu_q_host=cu_q.tolist(),
+            cu_k_host=cu_k.tolist(),
+            max_q=int(np.diff(cu_q).max()) if cu_q.size > 1 else 0,
+            max_k=int(np.diff(cu_k).max()) if cu_k.size > 1 else 0,
+            causal=causal,
+        )
+
+    prefix = None
+    if pcu is not None and int(parts[4][-1]) > 0:
+        prefix = call(parts[4], parts[5], views[4], views[5], causal=False)
     return VarlenPack(
-        q_index=dev[:nq],
-        k_index=dev[nq : nq + nk],
-        cu_q=dev[nq + nk : nq + nk + ns].to(torch.int32),
-        cu_k=dev[nq + nk + ns :].to(torch.int32),
-        cu_q_host=cu_q.tolist(),
-        cu_k_host=cu_k.tolist(),
-        max_q=int(ql.max()) if ql.size else 0,
-        max_k=int(k_len.max()) if k_len.size else 0,
+        q_index=views[0],
+        k_index=views[1],
+        new=call(parts[2], parts[3], views[2], views[3], causal=True),
+        prefix=prefix,
     )
 
 
@@ -139,55 +183,44 @@ def varlen_pack_cached(
 # --------------------------------------------------------------------------- kernels
 
 
-def varlen_forward_reference(qp, kp, vp, pack: VarlenPack, scale: float):
+def varlen_forward_reference(qp, kp, vp, c: VarlenCall, scale: float):
     """(out [Tq, Hq, Dv], lse [Tq, Hq]) of the packed sequences, one by one (the oracle)."""
-    outs, lses = [], []
-    cq, ck = pack.cu_q_host, pack.cu_k_host
-    for i in range(len(cq) - 1):
-        o, s = attention_with_lse(
-            qp[cq[i] : cq[i + 1]], kp[ck[i] : ck[i + 1]], vp[ck[i] : ck[i + 1]],
-            scale=scale, causal=True,
-        )  # fmt: skip
-        outs.append(o)
-        lses.append(s)
-    if not outs:
-        return qp.new_empty(0, qp.shape[1], vp.shape[2]), qp.new_empty(
-            0, qp.shape[1], dtype=lse_dtype(qp.dtype)
-        )
-    return torch.cat(outs), torch.cat(lses)
-
-
-def varlen_backward_reference(dop, qp, kp, vp, op, lsep, pack: VarlenPack, scale: float):
-    """(dq, dk, dv) of the packed sequences in their inputs' dtypes (the oracle)."""
-    dqs, dks, dvs = [], [], []
-    cq, ck = pack.cu_q_host, pack.cu_k_host
+    out = qp.new_zeros(qp.shape[0], qp.shape[1], vp.shape[2])
+    lse = qp.new_full(qp.shape[:2], float("-inf"), dtype=lse_dtype(qp.dtype))
+    cq, ck = c.cu_q_host, c.cu_k_host
     for i in range(len(cq) - 1):
         rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if rq.start == rq.stop:
+            continue
+        out[rq], lse[rq] = attention_with_lse(qp[rq], kp[rk], vp[rk], scale=scale, causal=c.causal)
+    return out, lse
+
+
+def varlen_backward_reference(dop, qp, kp, vp, op, lsep, c: VarlenCall, scale: float):
+    """(dq, dk, dv) of the packed sequences in their inputs' dtypes (the oracle)."""
+    dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
+    cq, ck = c.cu_q_host, c.cu_k_host
+    for i in range(len(cq) - 1):
+        rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if rq.start == rq.stop:
+            continue
         gq, gk, gv = attention_with_lse_backward(
-            dop[rq], qp[rq], kp[rk], vp[rk], op[rq], lsep[rq], scale=scale, causal=True
+            dop[rq], qp[rq], kp[rk], vp[rk], op[rq], lsep[rq], scale=scale, causal=c.causal
         )
-        dqs.append(gq)
-        dks.append(gk)
-        dvs.append(gv)
-    if not dqs:
-        return torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
-    return (
-        torch.cat(dqs).to(qp.dtype),
-        torch.cat(dks).to(kp.dtype),
-        torch.cat(dvs).to(vp.dtype),
-    )
+        dq[rq], dk[rk], dv[rk] = gq, gk, gv
+    return dq, dk, dv
 
 
 def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
     return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
 
 
-def varlen_forward_flash(qp, kp, vp, pack: VarlenPack, scale: float):
-    """FlashAttention-2's varlen forward (bottom-right causal): (out, lse [Tq, Hq] fp32)."""
+def varlen_forward_flash(qp, kp, vp, c: VarlenCall, scale: float):
+    """FlashAttention-2's varlen forward: (out, lse [Tq, Hq] fp32)."""
     dv = vp.shape[-1]
     res = torch.ops.aten._flash_attention_forward(
-        qp, kp, _pad_to(vp, qp.shape[-1]), pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, 0.0,
-        True, False, scale=scale,
+        qp, kp, _pad_to(vp, qp.shape[-1]), c.cu_q, c.cu_k, c.max_q, c.max_k, 0.0, c.causal,
+        False, scale=scale,
     )  # fmt: skip
     out, lse = res[0][..., :dv], res[1]
     if lse.shape != (qp.shape[1], qp.shape[0]):
@@ -198,14 +231,14 @@ def varlen_forward_flash(qp, kp, vp, pack: VarlenPack, scale: float):
     return out, lse.t()
 
 
-def varlen_backward_flash(dop, qp, kp, vp, op, lsep, pack: VarlenPack, scale: float):
+def varlen_backward_flash(dop, qp, kp, vp, op, lsep, c: VarlenCall, scale: float):
     """FlashAttention-2's varlen backward: (dq, dk, dv) in the inputs' dtype."""
     seed = torch.empty(2, dtype=torch.uint64, device=qp.device)
     unused = torch.empty((), dtype=torch.uint64, device=qp.device)
     d, dv = qp.shape[-1], vp.shape[-1]
     dq, dk, dvp = torch.ops.aten._flash_attention_backward(
         _pad_to(dop, d), qp, kp, _pad_to(vp, d), _pad_to(op, d), lsep.t().contiguous(),
-        pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, 0.0, True, seed, unused, scale=scale,
+        c.cu_q, c.cu_k, c.max_q, c.max_k, 0.0, c.causal, seed, unused, scale=scale,
     )  # fmt: skip
     return dq, dk, dvp[..., :dv]
 
@@ -232,24 +265,29 @@ def pcp_prefill_attention_varlen(
     pack: VarlenPack | None = None,
     forward=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head/tail attention of the local queries (and cached prefixes) in one varlen call.
+    """Head/tail attention of the local queries (and cached prefixes) by varlen calls.
 
     Same contract as :func:`~cp_modules.reference.pcp_attention.pcp_prefill_attention_reference`:
     out [T, Hq, Dv] (0 on padding rows), lse [T, Hq] fp32 (-inf there). ``prefix_*``: the
     requests' cached keys / values ragged by ``prefix_cu`` (host ints), or None.
     ``forward`` overrides the kernel (tests pass the reference).
     """
+    from cp_modules.kernels.pcp_attention import merge_partials_into
+
     pack = pack or varlen_pack_cached(segments, q.device, prefix_cu)
     forward = forward or _kernels(q.device)[0]
-    if prefix_cu is not None:
-        k, v = torch.cat([prefix_k, k]), torch.cat([prefix_v, v])
     qp = q.index_select(0, pack.q_index)
     kp, vp = k.index_select(0, pack.k_index), v.index_select(0, pack.k_index)
-    op, lsep = forward(qp, kp, vp, pack, scale)
+    op, lsep = forward(qp, kp, vp, pack.new, scale)
+    lsep = lsep.to(lse_dtype(q.dtype))
+    if pack.prefix is not None:
+        n1 = pack.prefix.cu_q_host[-1]
+        o1, s1 = forward(qp[:n1], prefix_k, prefix_v, pack.prefix, scale)
+        merge_partials_into([op[:n1], o1], [lsep[:n1], s1.to(lsep.dtype)], op[:n1], lsep[:n1])
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     out.index_copy_(0, pack.q_index, op.to(out.dtype))
-    lse.index_copy_(0, pack.q_index, lsep.to(lse.dtype))
+    lse.index_copy_(0, pack.q_index, lsep)
     return out, lse
 
 
@@ -275,18 +313,24 @@ def pcp_prefill_attention_varlen_backward(
     result's dtype."""
     pack = pack or varlen_pack_cached(segments, q.device, prefix_cu)
     backward = backward or _kernels(q.device)[1]
-    num_prefix = 0
-    if prefix_cu is not None:
-        num_prefix = prefix_k.shape[0]
-        k, v = torch.cat([prefix_k, k]), torch.cat([prefix_v, v])
     qi, ki = pack.q_index, pack.k_index
+    dop, qp, op, lsep = (x.index_select(0, qi) for x in (dout, q, out, lse))
     gq, gk, gv = backward(
-        dout.index_select(0, qi), q.index_select(0, qi), k.index_select(0, ki),
-        v.index_select(0, ki), out.index_select(0, qi), lse.index_select(0, qi), pack, scale,
-    )  # fmt: skip
+        dop, qp, k.index_select(0, ki), v.index_select(0, ki), op, lsep, pack.new, scale
+    )
+    dprefix = ()
+    if prefix_cu is not None:
+        if pack.prefix is None:  # no query here has a prefix
+            dprefix = (torch.zeros_like(prefix_k), torch.zeros_like(prefix_v))
+        else:
+            n1 = pack.prefix.cu_q_host[-1]
+            gq1, gpk, gpv = backward(
+                dop[:n1], qp[:n1], prefix_k, prefix_v, op[:n1], lsep[:n1], pack.prefix, scale
+            )
+            gq = gq.to(lse_dtype(gq.dtype))  # the two calls' query gradients, summed in fp32
+            gq[:n1] += gq1
+            dprefix = (gpk.to(prefix_k.dtype), gpv.to(prefix_v.dtype))
     dq = torch.zeros_like(q).index_copy_(0, qi, gq.to(q.dtype))
     dk = torch.zeros_like(k).index_add_(0, ki, gk.to(k.dtype))
     dv = torch.zeros_like(v).index_add_(0, ki, gv.to(v.dtype))
-    if prefix_cu is None:
-        return dq, dk, dv
-    return dq, dk[num_prefix:], dv[num_prefix:], dk[:num_prefix], dv[:num_prefix]
+    return (dq, dk, dv, *dprefix)
