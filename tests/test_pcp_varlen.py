@@ -269,3 +269,33 @@ def test_gpu_automatic_choice_follows_segment_size(dims):
         )
         for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
             assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
+
+
+def test_environment_forces_the_varlen_path_through_the_op(monkeypatch):
+    # CP_PCP_VARLEN=always sends the CPU op (forward and backward, with a prefix) through the
+    # varlen packing on the reference kernels; the results equal the reference's.
+    from cp_modules.ops import pcp_attention as ops
+
+    n, m = [37, 5, 1, 20], [0, 6, 9, 3]
+    q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu", seed=6)
+    pk, pv = _tensors([sum(m)], 4, 2, 8, torch.float64, "cpu", seed=8)[1:]
+    plan = plan_pcp(n, m, 2, 1)
+    args = (q[plan.token_indices], k, v, plan.segments_host, pk, pv)
+    args = (*args, plan.prefix_cu_seqlens_host, 0.3)
+    calls = []
+    for name in ("pcp_prefill_attention_varlen", "pcp_prefill_attention_varlen_backward"):
+        fn = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, fn=fn, **kw: calls.append(fn) or fn(*a, **kw))
+    monkeypatch.setenv("CP_PCP_VARLEN", "always")
+    out, lse = torch.ops.cp.pcp_prefill_attention(*args)
+    want_out, want_lse = pcp_prefill_attention_reference(*args)
+    assert max_abs_err(out, want_out) < 1e-12 and torch.equal(lse.isinf(), want_lse.isinf())
+    dout = torch.randn_like(out)
+    got = torch.ops.cp.pcp_prefill_attention_backward(dout, *args[:3], out, lse, *args[3:])
+    want = pcp_prefill_attention_backward_reference(dout, *args[:3], out, lse, *args[3:])
+    for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
+        assert max_abs_err(a, b) < 1e-12, name
+    assert len(calls) == 2
+    monkeypatch.setenv("CP_PCP_VARLEN", "sometimes")
+    with pytest.raises(ValueError, match="CP_PCP_VARLEN='sometimes'.*auto, always or never"):
+        torch.ops.cp.pcp_prefill_attention(*args)

@@ -41,6 +41,7 @@ launch assembling every gradient row were measured and are not faster
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -117,11 +118,24 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 # benchmarks/bench_pcp_varlen.py (benchmarks/results/pcp-varlen-2026-11-30.json and a run
 # before it; the host-bound block times move by up to 2x between runs): forward 3e10-8e10
 # (GQA and MLA), backward 3e10-8e10 (GQA) and 1e10-4e10 (MLA). An empty dict: never.
+# The environment variable CP_PCP_VARLEN=always / never overrides the choice (auto: this).
 VARLEN_MAX_FLOP_PER_SEGMENT: dict[str, float] = {
     "forward": 5e10,
     "backward": 5e10,
     "backward_padded": 3e10,
 }
+VARLEN_ENV = "CP_PCP_VARLEN"
+_VARLEN_ENV_VALUES = {"": None, "auto": None, "always": True, "1": True, "never": False, "0": False}
+
+
+def varlen_override() -> bool | None:
+    """The path forced by ``CP_PCP_VARLEN`` (always / never), or None (auto, or unset)."""
+    value = os.environ.get(VARLEN_ENV, "").strip().lower()
+    if value not in _VARLEN_ENV_VALUES:
+        raise ValueError(
+            f"{VARLEN_ENV}={value!r} is not understood: use auto, always or never (or 1 / 0)"
+        )
+    return _VARLEN_ENV_VALUES[value]
 
 
 def segment_flop(
@@ -142,6 +156,12 @@ def segment_flop(
     return flop
 
 
+def _flash_serves(q: torch.Tensor) -> bool:
+    x = q[:1].unsqueeze(0).transpose(1, 2)
+    params = torch.backends.cuda.SDPAParams(x, x, x, None, 0.0, True, False)
+    return torch.backends.cuda.can_use_flash_attention(params, False)
+
+
 def _use_varlen(
     policy: bool | None,
     segs: list[list[int]],
@@ -150,7 +170,15 @@ def _use_varlen(
     prefix_cu: list[int] | None,
     direction: str,
 ) -> bool:
+    if policy is None:
+        policy = varlen_override()
     if policy is not None:
+        if policy and q.device.type == "cuda" and not _flash_serves(q):
+            raise ValueError(
+                f"the varlen PCP path was requested but FlashAttention-2 does not serve "
+                f"{q.dtype} queries of head dim {q.shape[-1]} on this GPU (it takes float16 / "
+                f"bfloat16, head dims up to 256); unset {VARLEN_ENV} or pass varlen=None"
+            )
         return policy
     if direction == "backward" and v.shape[-1] != q.shape[-1]:
         direction = "backward_padded"
@@ -160,9 +188,7 @@ def _use_varlen(
     flop = [f for f in segment_flop(segs, q.shape[1], q.shape[2], v.shape[2], prefix_cu) if f > 0]
     if not flop or sum(flop) >= limit * len(flop):
         return False
-    x = q[:1].unsqueeze(0).transpose(1, 2)
-    params = torch.backends.cuda.SDPAParams(x, x, x, None, 0.0, True, False)
-    return torch.backends.cuda.can_use_flash_attention(params, False)
+    return _flash_serves(q)
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:
@@ -455,7 +481,7 @@ def pcp_prefill_attention_cuda(
             decomposition on CPU).
         varlen: run every segment in one varlen call instead
             (:func:`~cp_modules.kernels.pcp_varlen.pcp_prefill_attention_varlen`); None
-            decides (:data:`VARLEN_MAX_FLOP_PER_SEGMENT`).
+            decides (``CP_PCP_VARLEN``, else :data:`VARLEN_MAX_FLOP_PER_SEGMENT`).
 
     Returns:
         out [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] fp32 (-inf on padding).

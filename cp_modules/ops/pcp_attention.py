@@ -8,8 +8,9 @@ The per-request metadata travels as tensors (the plan's host copy of its segment
 batch composition changes only tensor sizes and a compiled caller does not recompile; the loop
 over requests lives inside the op. Autograd is registered on the op: its backward is a second
 op (``cp::pcp_prefill_attention_backward``) that recomputes block probabilities from the saved
-merged output and LSE. CPU runs the pure-PyTorch reference; CUDA runs the block decomposition
-on PyTorch's fused attention kernels.
+merged output and LSE. CPU runs the pure-PyTorch reference (or, with ``CP_PCP_VARLEN=always``,
+the varlen packing on reference kernels); CUDA runs the block decomposition on PyTorch's fused
+attention kernels, or one varlen call for batches of small segments.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import torch
 from cp_modules.kernels.pcp_attention import (
     pcp_prefill_attention_backward_cuda,
     pcp_prefill_attention_cuda,
+    varlen_override,
+)
+from cp_modules.kernels.pcp_varlen import (
+    pcp_prefill_attention_varlen,
+    pcp_prefill_attention_varlen_backward,
 )
 from cp_modules.ops._lib import lib
 from cp_modules.partition.plan import PCPPlan
@@ -41,8 +47,18 @@ lib.define(
 )
 
 
+def _host_cu(prefix_k, prefix_cu_seqlens):
+    has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
+    return prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
+
+
 @torch.library.impl("cp::pcp_prefill_attention", "CPU", lib=lib)
 def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
+    if varlen_override():  # CP_PCP_VARLEN=always: the varlen packing on the reference kernels
+        cu = _host_cu(prefix_k, prefix_cu_seqlens)
+        return pcp_prefill_attention_varlen(
+            q, k, v, segments, scale, prefix_k if cu else None, prefix_v if cu else None, cu
+        )
     return pcp_prefill_attention_reference(
         q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
     )
@@ -69,9 +85,17 @@ def _no_prefix_grad(x: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
 
 @torch.library.impl("cp::pcp_prefill_attention_backward", "CPU", lib=lib)
 def _backward_cpu(dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
-    dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_reference(
-        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
-    )
+    if varlen_override():
+        cu = _host_cu(prefix_k, prefix_cu_seqlens)
+        dq, dk, dv, *dprefix = pcp_prefill_attention_varlen_backward(
+            dout, q, k, v, out, lse, segments, scale,
+            prefix_k if cu else None, prefix_v if cu else None, cu,
+        )  # fmt: skip
+        dpk, dpv = dprefix if dprefix else (None, None)
+    else:
+        dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_reference(
+            dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
+        )
     return dq, dk, dv, _no_prefix_grad(k, dpk), _no_prefix_grad(v, dpv)
 
 
