@@ -110,15 +110,15 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 
 
 # A batch runs as one varlen call (:mod:`cp_modules.kernels.pcp_varlen`) when its segments are
-# small: when their forward attention FLOPs (2 per multiply-add, mean over
-# the non-empty segments) are below these. The block path pays host time per segment (several
-# launches and sums each) and wins on long segments, where cuDNN's kernels are faster than
-# FlashAttention-2's; FA-2's backward is the slower one, the more so at MLA's head dim 192 with
-# zero-padded values ("backward_padded"). Crossovers measured on an H200 with
-# benchmarks/bench_pcp_varlen.py (benchmarks/results/pcp-varlen-2026-11-30.json and a run
-# before it; the host-bound block times move by up to 2x between runs): forward 3e10-8e10
-# (GQA and MLA), backward 3e10-8e10 (GQA) and 1e10-4e10 (MLA). An empty dict: never.
-# The environment variable CP_PCP_VARLEN=always / never overrides the choice (auto: this).
+# small: when their forward attention FLOPs (2 per multiply-add, mean over the non-empty
+# segments) are below these. The block path pays host time per segment (several launches and
+# sums each) and wins on long segments, where cuDNN's kernels are faster than FlashAttention-2's;
+# FA-2's backward is the slower one, the more so at MLA's head dim 192 with zero-padded values
+# ("backward_padded"). Crossovers measured on an H200 with benchmarks/bench_pcp_varlen.py
+# (benchmarks/results/pcp-varlen-2026-11-30.json and pcp-varlen-earlier-run-2026-11-30.json;
+# the host-bound block times move by up to 2x between runs): forward 3e10-8e10 (GQA and MLA),
+# backward 3e10-8e10 (GQA) and 1e10-4e10 (MLA). An empty dict: never. The environment
+# variable CP_PCP_VARLEN=always / never overrides the choice (auto: this).
 VARLEN_MAX_FLOP_PER_SEGMENT: dict[str, float] = {
     "forward": 5e10,
     "backward": 5e10,
