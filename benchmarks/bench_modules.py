@@ -11,12 +11,17 @@ v 128) as CPMLAAttention, bf16, one rank (tp = pcp = dcp = 1: what one rank of a
 runs per layer, minus its collectives):
   - prefill of one 32k-token prompt (the PCP path with P = 1), eager and compiled;
   - decode of B = 64 requests with 32k cached tokens each (paged cache, block size 64), eager,
-    compiled, and the compiled step replayed as a CUDA graph.
+    compiled, and the compiled step replayed as a CUDA graph;
+  - prefill of 64 prompts of 512 tokens, eager, with the PCP attention forced onto its block
+    path, forced onto one varlen call, and as chosen automatically, outputs compared
+    (``--many-only``: this alone over 64 x 512 ... 2 x 16384, written to
+    modules-many-<date>.json).
 Before timing, each layer's prefill output is checked against the same projections run through
 dense causal SDPA on a 2k prompt (the 2x tolerance rule against a bf16 reference); the decode
 kernels are checked by bench_decode.py, and here the CUDA-graph replay is compared with the eager
 step. Peak memory of the eager prefill is reported.
-Results: benchmarks/results/modules-<date>.json ({"date","gpu","torch","triton","metrics"}).
+Results: benchmarks/results/modules-<date>.json ({"date","gpu","torch","triton","metrics"};
+modules-many-<date>.json with --many-only, under $OUT if set).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +42,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache  # noqa: E402
+from cp_modules.kernels.pcp_attention import VARLEN_ENV  # noqa: E402
 from cp_modules.modules import (  # noqa: E402
     CPFlashAttention,
     CPMLAAttention,
@@ -125,6 +132,34 @@ def bench_prefill(name, layer, seq, metrics):
     metrics[f"{name}_prefill{seq // 1024}k_compiled_ms"] = t_comp
 
 
+MANY_SHAPES = ((64, 512), (32, 1024), (16, 2048), (8, 4096), (4, 8192), (2, 16384))
+
+
+def bench_prefill_many(name, layer, batch, length, metrics):
+    """Prefill of ``batch`` prompts of ``length`` tokens, eager, with the PCP attention on its
+    block path (``CP_PCP_VARLEN=never``), on the varlen call (``always``) and as chosen
+    (``auto``); the block and varlen outputs are compared first."""
+    x = torch.randn(batch * length, layer.hidden_size, device=DEV, dtype=DT)
+    meta = build_step_metadata(RT, [length] * batch, device=DEV)
+    xl = x[meta.token_indices]
+    times, outs = {}, {}
+    with torch.no_grad(), cp_step(meta):
+        for path in ("never", "always", "auto"):
+            os.environ[VARLEN_ENV] = path
+            outs[path] = layer(xl, meta.positions).float()
+            times[path] = do_bench(lambda: layer(xl, meta.positions), warmup=3, rep=20)
+    os.environ.pop(VARLEN_ENV)
+    diff = (outs["always"] - outs["never"]).abs().max().item()
+    scale = outs["never"].abs().max().item()
+    key = f"{name}_prefill_{batch}x{length}"
+    metrics[f"{key}_blocks_eager_ms"] = times["never"]
+    metrics[f"{key}_varlen_eager_ms"] = times["always"]
+    metrics[f"{key}_auto_eager_ms"] = times["auto"]
+    metrics[f"{key}_paths_rel_maxdiff"] = diff / scale
+    if not diff <= 2e-2 * scale:
+        raise SystemExit(f"{name}: block and varlen prefill outputs differ: {diff:.3e} (max {scale:.3e})")
+
+
 def bench_decode(name, layer, batch, ctx, metrics, block_size=64):
     blocks_per = -(-(ctx + 1) // block_size)
     nb = batch * blocks_per + 1
@@ -171,15 +206,23 @@ def bench_decode(name, layer, batch, ctx, metrics, block_size=64):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--many-only",
+        action="store_true",
+        help="only the many-prompt prefill (writes modules-many-<date>.json)",
+    )
     args = ap.parse_args()
     seq, batch, ctx = (8192, 16, 8192) if args.quick else (32768, 64, 32768)
     metrics: dict[str, float] = {}
     for name, build in (("llama3_8b", llama_layer), ("deepseek_v3_mla", mla_layer)):
         torch.manual_seed(0)
         layer = build()
-        check_prefill(name, layer, metrics)
-        bench_prefill(name, layer, seq, metrics)
-        bench_decode(name, layer, batch, ctx, metrics)
+        if not args.many_only:
+            check_prefill(name, layer, metrics)
+            bench_prefill(name, layer, seq, metrics)
+            bench_decode(name, layer, batch, ctx, metrics)
+        for b, n in MANY_SHAPES if args.many_only else MANY_SHAPES[:1]:
+            bench_prefill_many(name, layer, b, n, metrics)
         print(json.dumps({k: round(v, 4) for k, v in metrics.items() if k.startswith(name)}), flush=True)
     out = {
         "date": datetime.date.today().isoformat(),
@@ -188,7 +231,8 @@ def main() -> int:
         "triton": triton.__version__,
         "metrics": metrics,
     }
-    path = REPO / "benchmarks" / "results" / f"modules-{out['date']}.json"
+    kind = "modules-many" if args.many_only else "modules"
+    path = Path(os.environ.get("OUT", REPO / "benchmarks" / "results")) / f"{kind}-{out['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

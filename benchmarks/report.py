@@ -249,7 +249,7 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
             w, f = x["worst_ms"], x["ranks"][0]["flop_per_segment"]
             pick = []
             for d in ("fwd", "bwd"):
-                key = "forward" if d == "fwd" else ("backward_padded" if x["shape"] == "mla" else "backward")
+                key = ("forward" if d == "fwd" else "backward") + ("_padded" if x["shape"] == "mla" else "")
                 path = "varlen" if f < VARLEN_MAX_FLOP_PER_SEGMENT.get(key, 0) else "blocks"
                 pick.append(f"{path} {w[f'{path}_{d}'] / min(w[f'blocks_{d}'], w[f'varlen_{d}']):.2f}")
             pre = f" + {x['prefix']} cached" if x.get("prefix") else ""

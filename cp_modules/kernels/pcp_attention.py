@@ -112,17 +112,23 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 # A batch runs as one varlen call (:mod:`cp_modules.kernels.pcp_varlen`) when its segments are
 # small: when their forward attention FLOPs (2 per multiply-add, mean over the non-empty
 # segments) are below these. The block path pays host time per segment (several launches and
-# sums each) and wins on long segments, where cuDNN's kernels are faster than FlashAttention-2's;
-# FA-2's backward is the slower one, the more so at MLA's head dim 192 with zero-padded values
-# ("backward_padded"). Crossovers measured on an H200 with benchmarks/bench_pcp_varlen.py
+# sums each) and wins on long segments, where cuDNN's kernels are faster than FlashAttention-2's.
+# Crossovers of the attention alone, measured on an H200 with benchmarks/bench_pcp_varlen.py
 # (benchmarks/results/pcp-varlen-2026-11-30.json and pcp-varlen-earlier-run-2026-11-30.json;
-# the host-bound block times move by up to 2x between runs): forward 3e10-8e10 (GQA and MLA),
-# backward 3e10-8e10 (GQA) and 1e10-4e10 (MLA). An empty dict: never. The environment
-# variable CP_PCP_VARLEN=always / never overrides the choice (auto: this).
+# the host-bound block times move by up to 2x between runs): 3e10-8e10 for GQA (forward and
+# backward). In a whole layer the projections' GPU time hides part of the block path's host
+# time, and the varlen call's copies grow with the heads: with MLA's head dim 192 (values
+# zero-padded to it: "_padded") and 128 heads on one rank, 64 prompts of 512 tokens (5.4e9 a
+# segment) ran the DeepSeek-V3 layer in 38.6 ms with the varlen call against 31.0 with blocks
+# (benchmarks/results/modules-many-2026-11-30.json), while the Llama-3-8B layer went from 28.2
+# to 7.4 ms (1.1e9 a segment). So MLA switches only below that: 4e9 (its attention-alone
+# crossovers were 1e10-5e10). An empty dict: never. The environment variable
+# CP_PCP_VARLEN=always / never overrides the choice (auto: this).
 VARLEN_MAX_FLOP_PER_SEGMENT: dict[str, float] = {
     "forward": 5e10,
     "backward": 5e10,
-    "backward_padded": 3e10,
+    "forward_padded": 4e9,
+    "backward_padded": 4e9,
 }
 VARLEN_ENV = "CP_PCP_VARLEN"
 _VARLEN_ENV_VALUES = {"": None, "auto": None, "always": True, "1": True, "never": False, "0": False}
@@ -180,8 +186,8 @@ def _use_varlen(
                 f"bfloat16, head dims up to 256); unset {VARLEN_ENV} or pass varlen=None"
             )
         return policy
-    if direction == "backward" and v.shape[-1] != q.shape[-1]:
-        direction = "backward_padded"
+    if v.shape[-1] != q.shape[-1]:
+        direction += "_padded"
     limit = VARLEN_MAX_FLOP_PER_SEGMENT.get(direction)
     if limit is None or q.device.type != "cuda":
         return False
