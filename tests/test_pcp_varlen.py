@@ -104,6 +104,24 @@ def test_segment_flop_counts_bottom_right_causal_pairs(prefix_cu):
         assert got == 2 * pairs * 4 * (6 + 2)
 
 
+def test_switch_points_by_direction_and_head_dims():
+    # MLA's narrower (zero-padded) values take the "_padded" switch, in both directions.
+    from cp_modules.kernels.pcp_attention import VARLEN_MAX_FLOP_PER_SEGMENT as limits
+    from cp_modules.kernels.pcp_attention import varlen_limit
+
+    for direction in ("forward", "backward"):
+        assert varlen_limit(direction, 128, 128) == limits[direction]
+        assert varlen_limit(direction, 192, 128) == limits[direction + "_padded"]
+    # The measured DeepSeek-V3 layer (128 heads, 64 x 512 tokens, P = 1: 5.4e9 a segment) ran
+    # slower through the varlen call, the Llama-3-8B one (1.1e9) faster.
+    plan = plan_pcp([512] * 64, [0] * 64, 1, 0)
+    segs = [s for s in plan.segments_host.tolist() if s[2]]
+    mla = segment_flop(segs, 128, 192, 128)
+    llama = segment_flop(segs, 32, 128, 128)
+    assert sum(mla) / len(mla) >= varlen_limit("forward", 192, 128)
+    assert sum(llama) / len(llama) < varlen_limit("forward", 128, 128)
+
+
 @pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
 @pytest.mark.parametrize("pcp", [1, 2, 4], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("dims", [(8, 8), (12, 8)], ids=["gqa", "mla-dims"])

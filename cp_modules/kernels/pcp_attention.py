@@ -162,6 +162,13 @@ def segment_flop(
     return flop
 
 
+def varlen_limit(direction: str, d_qk: int, d_v: int) -> float | None:
+    """The FLOPs-per-segment switch of ``direction`` (forward / backward) for these head
+    dims: the ``_padded`` one when the values are narrower than the queries (MLA)."""
+    key = direction + ("_padded" if d_v != d_qk else "")
+    return VARLEN_MAX_FLOP_PER_SEGMENT.get(key)
+
+
 def _flash_serves(q: torch.Tensor) -> bool:
     x = q[:1].unsqueeze(0).transpose(1, 2)
     params = torch.backends.cuda.SDPAParams(x, x, x, None, 0.0, True, False)
@@ -186,9 +193,7 @@ def _use_varlen(
                 f"bfloat16, head dims up to 256); unset {VARLEN_ENV} or pass varlen=None"
             )
         return policy
-    if v.shape[-1] != q.shape[-1]:
-        direction += "_padded"
-    limit = VARLEN_MAX_FLOP_PER_SEGMENT.get(direction)
+    limit = varlen_limit(direction, q.shape[-1], v.shape[-1])
     if limit is None or q.device.type != "cuda":
         return False
     flop = [f for f in segment_flop(segs, q.shape[1], q.shape[2], v.shape[2], prefix_cu) if f > 0]
