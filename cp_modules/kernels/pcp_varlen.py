@@ -139,8 +139,8 @@ def varlen_pack(
         return VarlenCall(
             cu_q=dq.to(torch.int32),
             cu_k=dk.to(torch.int32),
-            cu_q_host=cu_q.tolist(),
-            cu_k_host=cu_k.tolist(),
+            cu_q_host=cu_q.tolist(),  # ok: host (numpy)
+            cu_k_host=cu_k.tolist(),  # ok: host (numpy)
             max_q=int(np.diff(cu_q).max()) if cu_q.size > 1 else 0,
             max_k=int(np.diff(cu_k).max()) if cu_k.size > 1 else 0,
             causal=causal,
