@@ -292,7 +292,7 @@ def test_gpu_automatic_choice_follows_segment_size(dims):
 def test_environment_forces_the_varlen_path_through_the_op(monkeypatch):
     # CP_PCP_VARLEN=always sends the CPU op (forward and backward, with a prefix) through the
     # varlen packing on the reference kernels; the results equal the reference's.
-    from cp_modules.ops import pcp_attention as ops
+    from cp_modules.kernels import pcp_attention as kernels
 
     n, m = [37, 5, 1, 20], [0, 6, 9, 3]
     q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu", seed=6)
@@ -302,8 +302,8 @@ def test_environment_forces_the_varlen_path_through_the_op(monkeypatch):
     args = (*args, plan.prefix_cu_seqlens_host, 0.3)
     calls = []
     for name in ("pcp_prefill_attention_varlen", "pcp_prefill_attention_varlen_backward"):
-        fn = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, fn=fn, **kw: calls.append(fn) or fn(*a, **kw))
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, **kw: calls.append(fn) or fn(*a, **kw))
     monkeypatch.setenv("CP_PCP_VARLEN", "always")
     out, lse = torch.ops.cp.pcp_prefill_attention(*args)
     want_out, want_lse = pcp_prefill_attention_reference(*args)

@@ -22,10 +22,6 @@ from cp_modules.kernels.pcp_attention import (
     pcp_prefill_attention_cuda,
     varlen_override,
 )
-from cp_modules.kernels.pcp_varlen import (
-    pcp_prefill_attention_varlen,
-    pcp_prefill_attention_varlen_backward,
-)
 from cp_modules.ops._lib import lib
 from cp_modules.partition.plan import PCPPlan
 from cp_modules.reference.pcp_attention import (
@@ -47,17 +43,12 @@ lib.define(
 )
 
 
-def _host_cu(prefix_k, prefix_cu_seqlens):
-    has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
-    return prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-
-
 @torch.library.impl("cp::pcp_prefill_attention", "CPU", lib=lib)
 def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
-    if varlen_override():  # CP_PCP_VARLEN=always: the varlen packing on the reference kernels
-        cu = _host_cu(prefix_k, prefix_cu_seqlens)
-        return pcp_prefill_attention_varlen(
-            q, k, v, segments, scale, prefix_k if cu else None, prefix_v if cu else None, cu
+    if varlen_override():
+        # CP_PCP_VARLEN=always: the kernel entry takes the varlen packing (reference kernels).
+        return pcp_prefill_attention_cuda(
+            q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
         )
     return pcp_prefill_attention_reference(
         q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
@@ -85,17 +76,15 @@ def _no_prefix_grad(x: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
 
 @torch.library.impl("cp::pcp_prefill_attention_backward", "CPU", lib=lib)
 def _backward_cpu(dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
-    if varlen_override():
-        cu = _host_cu(prefix_k, prefix_cu_seqlens)
-        dq, dk, dv, *dprefix = pcp_prefill_attention_varlen_backward(
-            dout, q, k, v, out, lse, segments, scale,
-            prefix_k if cu else None, prefix_v if cu else None, cu,
-        )  # fmt: skip
-        dpk, dpv = dprefix if dprefix else (None, None)
-    else:
-        dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_reference(
-            dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
-        )
+    # CP_PCP_VARLEN=always: the kernel entry takes the varlen packing (reference kernels).
+    grads = (
+        pcp_prefill_attention_backward_cuda
+        if varlen_override()
+        else pcp_prefill_attention_backward_reference
+    )
+    dq, dk, dv, dpk, dpv = grads(
+        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
+    )
     return dq, dk, dv, _no_prefix_grad(k, dpk), _no_prefix_grad(v, dpv)
 
 
