@@ -143,12 +143,16 @@ def bench_prefill_many(name, layer, batch, length, metrics):
     meta = build_step_metadata(RT, [length] * batch, device=DEV)
     xl = x[meta.token_indices]
     times, outs = {}, {}
+    before = os.environ.get(VARLEN_ENV)
     with torch.no_grad(), cp_step(meta):
         for path in ("never", "always", "auto"):
             os.environ[VARLEN_ENV] = path
             outs[path] = layer(xl, meta.positions).float()
             times[path] = do_bench(lambda: layer(xl, meta.positions), warmup=3, rep=20)
-    os.environ.pop(VARLEN_ENV)
+    if before is None:
+        os.environ.pop(VARLEN_ENV)
+    else:
+        os.environ[VARLEN_ENV] = before
     diff = (outs["always"] - outs["never"]).abs().max().item()
     scale = outs["never"].abs().max().item()
     key = f"{name}_prefill_{batch}x{length}"

@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE))
 import cost_model  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))
-from cp_modules.kernels.pcp_attention import VARLEN_MAX_FLOP_PER_SEGMENT  # noqa: E402
+from cp_modules.kernels.pcp_attention import varlen_limit  # noqa: E402
 
 KINDS = ("lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout", "pcp-varlen")
 GRAD_LAYOUTS = ("restored", "direct", "kernels")
@@ -245,12 +245,14 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
                   "automatic choice's time over the better of the two.", "",
                   "| shape | P | requests x tokens | FLOP/seg | fwd blocks / varlen | bwd blocks / varlen | picked fwd / bwd |",
                   "|---|---|---|---|---|---|---|"]
+        shapes = r["pcp-varlen"]["shapes"]
         for x in vl:
             w, f = x["worst_ms"], x["ranks"][0]["flop_per_segment"]
+            dims = (shapes[x["shape"]]["Dqk"], shapes[x["shape"]]["Dv"])
             pick = []
             for d in ("fwd", "bwd"):
-                key = ("forward" if d == "fwd" else "backward") + ("_padded" if x["shape"] == "mla" else "")
-                path = "varlen" if f < VARLEN_MAX_FLOP_PER_SEGMENT.get(key, 0) else "blocks"
+                limit = varlen_limit("forward" if d == "fwd" else "backward", *dims)
+                path = "varlen" if limit is not None and f < limit else "blocks"
                 pick.append(f"{path} {w[f'{path}_{d}'] / min(w[f'blocks_{d}'], w[f'varlen_{d}']):.2f}")
             pre = f" + {x['prefix']} cached" if x.get("prefix") else ""
             lines.append(f"| {x['shape']} | {x['P']} | {x['R']} x {x['L']}{pre} | {f:.1e} | "
