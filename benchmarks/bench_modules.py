@@ -14,8 +14,8 @@ runs per layer, minus its collectives):
     compiled, and the compiled step replayed as a CUDA graph;
   - prefill of 64 prompts of 512 tokens, eager, with the PCP attention forced onto its block
     path, forced onto one varlen call, and as chosen automatically, outputs compared
-    (``--many-only``: this alone over 64 x 512 ... 2 x 16384, written to
-    modules-many-<date>.json).
+    (``--many-only``: this alone over 64 x 512 ... 2 x 16384, also for the MLA layer with 32
+    heads (a tp = 4 rank's share), written to modules-many-<date>.json).
 Before timing, each layer's prefill output is checked against the same projections run through
 dense causal SDPA on a 2k prompt (the 2x tolerance rule against a bf16 reference); the decode
 kernels are checked by bench_decode.py, and here the CUDA-graph replay is compared with the eager
@@ -61,11 +61,16 @@ def llama_layer():
     return CPFlashAttention(4096, 32, 8, 128, rope_theta=500000.0).to(DEV, DT)
 
 
-def mla_layer():
+def mla_layer(heads=128):
     return CPMLAAttention(
-        7168, 128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        7168, heads, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128,
     ).to(DEV, DT)
+
+
+def mla_layer_tp4():
+    # A tensor-parallel rank's share of the DeepSeek-V3 layer at tp = 4: 32 of its 128 heads.
+    return mla_layer(32)
 
 
 def dense_reference(layer, x, dtype):
@@ -218,7 +223,10 @@ def main() -> int:
     args = ap.parse_args()
     seq, batch, ctx = (8192, 16, 8192) if args.quick else (32768, 64, 32768)
     metrics: dict[str, float] = {}
-    for name, build in (("llama3_8b", llama_layer), ("deepseek_v3_mla", mla_layer)):
+    layers = [("llama3_8b", llama_layer), ("deepseek_v3_mla", mla_layer)]
+    if args.many_only:
+        layers.append(("deepseek_v3_mla_32heads", mla_layer_tp4))
+    for name, build in layers:
         torch.manual_seed(0)
         layer = build()
         if not args.many_only:

@@ -4,7 +4,7 @@
     python benchmarks/report.py [--results benchmarks/results] [--out benchmarks]
 
 Reads the newest ``<kind>-<date>.json`` of each kind (lse_combine, decode, pcp, modules,
-ceilings, pcp-grad-layout, pcp-varlen), checks the goals the kernel issues set, adds the collective cost model, and writes
+ceilings, pcp-grad-layout, pcp-varlen, modules-many), checks the goals the kernel issues set, adds the collective cost model, and writes
 ``<out>/<date>-<gpu>.json`` ({"date","gpu","torch","triton","metrics"}), ``<date>-<gpu>.md`` and
 plots (``<date>-<gpu>-decode.png``, ``-pcp.png``, ``-roofline.png``). Needs no GPU.
 """
@@ -22,9 +22,19 @@ sys.path.insert(0, str(HERE))
 import cost_model  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))
-from cp_modules.kernels.pcp_attention import varlen_limit  # noqa: E402
+from cp_modules.kernels.pcp_attention import segment_flop, varlen_limit  # noqa: E402
+from cp_modules.partition import plan_pcp  # noqa: E402
 
-KINDS = ("lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout", "pcp-varlen")
+KINDS = (
+    "lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout", "pcp-varlen",
+    "modules-many",
+)
+# (query heads, Dqk, Dv) of bench_modules.py's layers, for their FLOPs per segment.
+LAYER_DIMS = {
+    "llama3_8b": (32, 128, 128),
+    "deepseek_v3_mla": (128, 192, 128),
+    "deepseek_v3_mla_32heads": (32, 192, 128),
+}
 GRAD_LAYOUTS = ("restored", "direct", "kernels")
 
 
@@ -258,6 +268,30 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
             lines.append(f"| {x['shape']} | {x['P']} | {x['R']} x {x['L']}{pre} | {f:.1e} | "
                          f"{w['blocks_fwd']:.2f} / {w['varlen_fwd']:.2f} | "
                          f"{w['blocks_bwd']:.2f} / {w['varlen_bwd']:.2f} | {' / '.join(pick)} |")
+    mm = r.get("modules-many", {}).get("metrics", {})
+    if mm:
+        lines += ["", "## Whole layers with many prompts: blocks against one varlen call (one rank, P = 1, forward, bf16)", "",
+                  "bench_modules.py --many-only: one attention layer (projections included), eager, ms; "
+                  "auto: the automatic choice as run, picked: the path it takes and its time over the "
+                  "better of the two.", "",
+                  "| layer | requests x tokens | FLOP/seg | blocks | varlen | auto | picked |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, (heads, dqk, dv) in LAYER_DIMS.items():
+            for key in sorted((k for k in mm if k.startswith(f"{name}_prefill_") and k.endswith("_blocks_eager_ms")),
+                              key=lambda k: -int(k.split("_prefill_")[1].split("x")[0])):
+                stem = key[: -len("blocks_eager_ms")]
+                shape = stem.split("_prefill_")[1].rstrip("_")
+                if not shape[0].isdigit() or stem.split("_prefill_")[0] != name:
+                    continue
+                b, n = (int(x) for x in shape.split("x"))
+                plan = plan_pcp([n] * b, [0] * b, 1, 0)
+                flop = segment_flop([x for x in plan.segments_host.tolist() if x[2]], heads, dqk, dv)
+                f = sum(flop) / len(flop)
+                t = {p: mm[f"{stem}{p}_eager_ms"] for p in ("blocks", "varlen", "auto")}
+                limit = varlen_limit("forward", dqk, dv)
+                path = "varlen" if limit is not None and f < limit else "blocks"
+                lines.append(f"| {name} | {b} x {n} | {f:.1e} | {t['blocks']:.2f} | {t['varlen']:.2f} | "
+                             f"{t['auto']:.2f} | {path} {t[path] / min(t['blocks'], t['varlen']):.2f} |")
     ce = r.get("ceilings", {}).get("metrics", {})
     if ce:
         lines += ["", "## Ceilings and dense prefill kernels (same run)", "",

@@ -79,6 +79,78 @@ def test_pack_spells_out_every_segment(prefix):
     assert q_rows[: pre.cu_q_host[-1]] == [i for s in lead for i in range(s[1], s[1] + s[2])]
 
 
+@pytest.mark.parametrize("prefix", [None, [4, 0, 7, 2]], ids=["no-prefix", "prefix"])
+def test_in_place_calls_tile_the_local_rows(prefix):
+    # One sequence per segment at its own rows, one without keys per run of padding rows; the
+    # new keys and the prefix read where they lie, the backward's keys packed.
+    plan = plan_pcp([37, 5, 3, 20], prefix or [0] * 4, 4, 1)
+    cu = plan.prefix_cu_seqlens_host.tolist() if prefix else None
+    T = plan.segments_host[:, 1:3].sum(1).max().item() + 3  # three padding rows at the end
+    pack = varlen_pack(plan.segments_host, "cpu", cu, T)
+    calls = pack.in_place
+    segs = sorted((s for s in plan.segments_host.tolist() if s[2]), key=lambda s: s[1])
+    covered = {i for s in segs for i in range(s[1], s[1] + s[2])}
+    new = calls.new
+    assert new.cu_q_host[0] == 0 and new.cu_q_host[-1] == T
+    assert calls.pad_rows.tolist() == [i for i in range(T) if i not in covered]
+    seen, packed = 0, 0
+    for i in range(len(new.cu_q_host) - 1):
+        rows = range(new.cu_q_host[i], new.cu_q_host[i + 1])
+        seg = [s for s in segs if s[1] == rows.start and s[2] == len(rows)]
+        keys = new.key_range(i)
+        if not seg:  # padding
+            assert not set(rows) & covered and keys.start == keys.stop
+            assert calls.backward is None or calls.backward.key_range(i) == slice(packed, packed)
+            continue
+        req, _, _, ks, kl = seg[0]
+        seen += 1
+        assert keys == slice(ks, ks + kl) and new.causal
+        if calls.backward is not None:
+            assert calls.backward.key_range(i) == slice(packed, packed + kl)
+        packed += kl
+    assert seen == len(segs)
+    assert (calls.backward is None) == bool(prefix)
+    if not prefix:
+        return
+    # The prefix call: one sequence per request, over all its rows here, against its prefix.
+    pre, empty = calls.prefix, []
+    assert not pre.causal and pre.cu_q_host[0] == 0 and pre.cu_q_host[-1] == T
+    for i in range(len(pre.cu_q_host) - 1):
+        rows = range(pre.cu_q_host[i], pre.cu_q_host[i + 1])
+        reqs = {s[0] for s in segs if s[1] in rows}
+        assert len(reqs) <= 1
+        if not reqs:
+            assert not set(rows) & covered and pre.key_range(i).start == pre.key_range(i).stop
+            continue
+        req = reqs.pop()
+        assert all(s[1] in rows and s[1] + s[2] <= rows.stop for s in segs if s[0] == req)
+        assert pre.key_range(i) == slice(cu[req], cu[req + 1])
+        if not prefix[req]:
+            empty += rows
+    assert calls.no_prefix_rows.tolist() == empty
+    # Overlapping segments have no in-place form.
+    bad = plan.segments_host.clone()
+    bad[1, 1] = bad[0, 1]
+    assert varlen_pack(bad, "cpu", cu, T).in_place is None
+
+
+def test_interleaved_requests_take_one_prefix_sequence_per_segment():
+    # Rows of requests 0 and 1 interleave (not a plan's layout, but a valid segment list):
+    # the prefix call falls back to a sequence per segment; results still equal the reference.
+    segs = torch.tensor([[0, 0, 3, 0, 3], [1, 3, 2, 5, 2], [0, 6, 2, 0, 5], [1, 8, 1, 5, 3]])
+    cu = [0, 4, 6]
+    q, k, v = _tensors([10], 4, 2, 8, torch.float64, "cpu", seed=9)
+    pk, pv = _tensors([6], 4, 2, 8, torch.float64, "cpu", seed=10)[1:]
+    pack = varlen_pack(segs, "cpu", cu, 10)
+    assert len(pack.in_place.prefix.cu_q_host) - 1 == len(pack.in_place.new.cu_q_host) - 1
+    args = (segs, pk, pv, torch.tensor(cu), 0.3)
+    want_out, want_lse = pcp_prefill_attention_reference(q, k, v, *args)
+    out, lse = pcp_prefill_attention_varlen(q, k, v, segs, 0.3, pk, pv, cu, pack=pack)
+    assert max_abs_err(out, want_out) < 1e-12
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and max_abs_err(lse[fin], want_lse[fin]) < 1e-12
+
+
 def test_pack_is_built_once_per_segments_tensor():
     plan = plan_pcp([37, 5, 3, 20], [0] * 4, 2, 0)
     first = varlen_pack_cached(plan.segments_host, "cpu")
@@ -92,6 +164,9 @@ def test_pack_is_built_once_per_segments_tensor():
     # Another prefix is another packing.
     with_prefix = varlen_pack_cached(plan.segments_host, "cpu", [0, 3, 3, 3, 9])
     assert first.prefix is None and with_prefix.prefix.cu_k_host == [0, 3, 3, 3, 9]
+    # And another row count.
+    rows = varlen_pack_cached(plan.segments_host, "cpu", None, 40)
+    assert rows is not first and rows.in_place.num_rows == 40 and first.in_place is None
 
 
 @pytest.mark.parametrize("prefix_cu", [None, [0, 4, 4, 10]], ids=["no-prefix", "prefix"])
@@ -112,14 +187,19 @@ def test_switch_points_by_direction_and_head_dims():
     for direction in ("forward", "backward"):
         assert varlen_limit(direction, 128, 128) == limits[direction]
         assert varlen_limit(direction, 192, 128) == limits[direction + "_padded"]
-    # The measured DeepSeek-V3 layer (128 heads, 64 x 512 tokens, P = 1: 5.4e9 a segment) ran
-    # slower through the varlen call, the Llama-3-8B one (1.1e9) faster.
-    plan = plan_pcp([512] * 64, [0] * 64, 1, 0)
-    segs = [s for s in plan.segments_host.tolist() if s[2]]
-    mla = segment_flop(segs, 128, 192, 128)
-    llama = segment_flop(segs, 32, 128, 128)
-    assert sum(mla) / len(mla) >= varlen_limit("forward", 192, 128)
-    assert sum(llama) / len(llama) < varlen_limit("forward", 128, 128)
+
+    # The measured whole layers (one rank, P = 1, forward): the varlen call was faster for 64
+    # prompts of 512 tokens in the Llama-3-8B layer and the 32-head DeepSeek-V3 one, blocks for
+    # 8 x 4096 (Llama) and 16 x 2048 (DeepSeek, 32 heads).
+    def mean_flop(batch, length, heads, dqk, dv):
+        plan = plan_pcp([length] * batch, [0] * batch, 1, 0)
+        flop = segment_flop([s for s in plan.segments_host.tolist() if s[2]], heads, dqk, dv)
+        return sum(flop) / len(flop)
+
+    assert mean_flop(64, 512, 32, 128, 128) < varlen_limit("forward", 128, 128)
+    assert mean_flop(8, 4096, 32, 128, 128) >= varlen_limit("forward", 128, 128)
+    assert mean_flop(64, 512, 32, 192, 128) < varlen_limit("forward", 192, 128)
+    assert mean_flop(16, 2048, 32, 192, 128) >= varlen_limit("forward", 192, 128)
 
 
 @pytest.mark.parametrize("batch", list(BATCHES), ids=list(BATCHES))
@@ -138,22 +218,31 @@ def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims, prefix):
         pre = (pk, pv, cu) if sum(m) else (None, None, None)
         args = (plan.segments_host, *pre, 0.3)
         want_out, want_lse = pcp_prefill_attention_reference(ql, k, v, *args)
-        out, lse = pcp_prefill_attention_varlen(
-            ql, k, v, plan.segments_host, 0.3, *pre[:2], None if cu is None else cu.tolist()
-        )
-        assert max_abs_err(out, want_out) < 1e-12
-        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-        fin = torch.isfinite(want_lse)
-        assert max_abs_err(lse[fin], want_lse[fin]) < 1e-12
-        dout = torch.randn_like(out)
+        dout = torch.randn_like(want_out)
+        dout[~plan.local_valid] = 100.0  # nothing may flow from the padding rows' gradient
         want = pcp_prefill_attention_backward_reference(dout, ql, k, v, want_out, want_lse, *args)
-        got = pcp_prefill_attention_varlen_backward(
-            dout, ql, k, v, want_out, want_lse, plan.segments_host, 0.3,
-            *pre[:2], None if cu is None else cu.tolist(),
-        )  # fmt: skip
-        assert len(got) == (5 if sum(m) else 3)
-        for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
-            assert max_abs_err(a, b) < 1e-12, name
+        cu_host = None if cu is None else cu.tolist()
+        # The calls over the rows as they lie (the default), and the packed rows.
+        packs = {
+            "in-place": varlen_pack(plan.segments_host, "cpu", cu_host, ql.shape[0]),
+            "packed": varlen_pack(plan.segments_host, "cpu", cu_host),
+        }
+        assert packs["in-place"].in_place is not None and packs["packed"].in_place is None
+        for layout, pack in packs.items():
+            out, lse = pcp_prefill_attention_varlen(
+                ql, k, v, plan.segments_host, 0.3, *pre[:2], cu_host, pack=pack
+            )
+            assert max_abs_err(out, want_out) < 1e-12, layout
+            assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), layout
+            fin = torch.isfinite(want_lse)
+            assert max_abs_err(lse[fin], want_lse[fin]) < 1e-12, layout
+            got = pcp_prefill_attention_varlen_backward(
+                dout, ql, k, v, want_out, want_lse, plan.segments_host, 0.3, *pre[:2], cu_host,
+                pack=pack,
+            )  # fmt: skip
+            assert len(got) == (5 if sum(m) else 3)
+            for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
+                assert max_abs_err(a, b) < 1e-12, (layout, name)
 
 
 GPU_BATCHES = {
@@ -190,24 +279,35 @@ def test_gpu_varlen_flash_equals_reference(batch, shape, pcp, dtype):
         cu = plan.prefix_cu_seqlens_host if sum(m) else None
         pre = (pk, pv, cu) if sum(m) else (None, None, None)
         pre_host = (*pre[:2], None if cu is None else cu.tolist())
-        out, lse = pcp_prefill_attention_varlen(ql, k, v, plan.segments_host, 0.1, *pre_host)
         f32 = [None if x is None or x.dtype == torch.int64 else x.float() for x in (ql, k, v, *pre)]
         args32 = (plan.segments_host, f32[3], f32[4], cu, 0.1)
         o_ref, s_ref = pcp_prefill_attention_reference(*f32[:3], *args32)
         valid = plan.local_valid
-        assert max_abs_err(out[valid], o_ref[valid]) <= 8 * eps * o_ref.abs().max().item()
-        assert max_abs_err(lse[valid], s_ref[valid]) <= 1e-3
-        assert torch.all(out[~valid] == 0) and torch.all(lse[~valid] == float("-inf"))
-        do = torch.randn_like(out)
-        got = pcp_prefill_attention_varlen_backward(
-            do, ql, k, v, out, lse, plan.segments_host, 0.1, *pre_host
-        )
+        do = torch.randn_like(o_ref).to(dtype)
+        do[~valid] = 100.0  # nothing may flow from the padding rows' gradient
         want = pcp_prefill_attention_backward_reference(do.float(), *f32[:3], o_ref, s_ref, *args32)
-        names = ("dq", "dk", "dv", "dprefix_k", "dprefix_v")
-        assert len(got) == (5 if sum(m) else 3)
-        for name, a, b in zip(names, got, want):
-            assert a.dtype == dtype, name
-            assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
+        # Over the rows as they lie (the default: padding rows are sequences without keys,
+        # whatever the kernel leaves there is overwritten), and over packed rows.
+        packs = {
+            "in-place": varlen_pack(plan.segments_host, "cuda", pre_host[2], ql.shape[0]),
+            "packed": varlen_pack(plan.segments_host, "cuda", pre_host[2]),
+        }
+        for layout, pack in packs.items():
+            out, lse = pcp_prefill_attention_varlen(
+                ql, k, v, plan.segments_host, 0.1, *pre_host, pack=pack
+            )
+            assert out.is_contiguous() and lse.is_contiguous() and out._base is None, layout
+            assert max_abs_err(out[valid], o_ref[valid]) <= 8 * eps * o_ref.abs().max().item()
+            assert max_abs_err(lse[valid], s_ref[valid]) <= 1e-3, layout
+            assert torch.all(out[~valid] == 0) and torch.all(lse[~valid] == float("-inf"))
+            got = pcp_prefill_attention_varlen_backward(
+                do, ql, k, v, out, lse, plan.segments_host, 0.1, *pre_host, pack=pack
+            )
+            names = ("dq", "dk", "dv", "dprefix_k", "dprefix_v")
+            assert len(got) == (5 if sum(m) else 3)
+            for name, a, b in zip(names, got, want):
+                assert a.dtype == dtype, (layout, name)
+                assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), (layout, name)
 
 
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")

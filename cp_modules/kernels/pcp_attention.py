@@ -112,23 +112,25 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 # A batch runs as one varlen call (:mod:`cp_modules.kernels.pcp_varlen`) when its segments are
 # small: when their forward attention FLOPs (2 per multiply-add, mean over the non-empty
 # segments) are below these. The block path pays host time per segment (several launches and
-# sums each) and wins on long segments, where cuDNN's kernels are faster than FlashAttention-2's.
-# Crossovers of the attention alone, measured on an H200 with benchmarks/bench_pcp_varlen.py
-# (benchmarks/results/pcp-varlen-2026-11-30.json and pcp-varlen-earlier-run-2026-11-30.json;
-# the host-bound block times move by up to 2x between runs): 3e10-8e10 for GQA (forward and
-# backward). In a whole layer the projections' GPU time hides part of the block path's host
-# time, and the varlen call's copies grow with the heads: with MLA's head dim 192 (values
-# zero-padded to it: "_padded") and 128 heads on one rank, 64 prompts of 512 tokens (5.4e9 a
-# segment) ran the DeepSeek-V3 layer in 38.6 ms with the varlen call against 31.0 with blocks
-# (benchmarks/results/modules-many-2026-11-30.json), while the Llama-3-8B layer went from 28.2
-# to 7.4 ms (1.1e9 a segment). So MLA switches only below that: 4e9 (its attention-alone
-# crossovers were 1e10-5e10). An empty dict: never. The environment variable
-# CP_PCP_VARLEN=always / never overrides the choice (auto: this).
+# sums each) and wins on long segments, where cuDNN's kernels are faster than FlashAttention-2's
+# (about 2x for MLA's head dim 192, whose values are zero-padded to it: "_padded"). Measured on
+# an H200 (bf16; benchmarks/results/pcp-varlen-2026-11-30.json, attention alone at P = 2 and 8,
+# 32 heads; modules-many-2026-11-30.json, whole layers at P = 1):
+# - GQA forward: varlen 2-2.5x faster at 3.4e10 a segment, blocks faster from 1.4e11; in the
+#   Llama-3-8B layer (P = 1) varlen was faster to 1.7e10 (about even there), blocks at 6.9e10.
+# - GQA backward: blocks faster from 3.4e10 (by 10-40 %), varlen 2.7x faster at 1.9e10.
+# - MLA forward: varlen 2.4x faster at 1.1e10 a segment alone; in the DeepSeek-V3 layer with 32
+#   heads (a tp = 4 rank) varlen was 14 % faster at 5.4e9 and blocks 17 % faster at 2.2e10; with
+#   all 128 heads on one rank blocks were 8 % faster already at 5.4e9 (the layer's projections
+#   hide more of the block path's host time).
+# - MLA backward: blocks 1.5x faster at 1.1e10, varlen 2x faster at 6.0e9.
+# An empty dict: never. The environment variable CP_PCP_VARLEN=always / never overrides the
+# choice (auto: this).
 VARLEN_MAX_FLOP_PER_SEGMENT: dict[str, float] = {
     "forward": 5e10,
-    "backward": 5e10,
-    "forward_padded": 4e9,
-    "backward_padded": 4e9,
+    "backward": 2.5e10,
+    "forward_padded": 1.2e10,
+    "backward_padded": 8e9,
 }
 VARLEN_ENV = "CP_PCP_VARLEN"
 _VARLEN_ENV_VALUES = {"": None, "auto": None, "always": True, "1": True, "never": False, "0": False}
