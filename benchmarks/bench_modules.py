@@ -13,7 +13,8 @@ runs per layer, minus its collectives):
   - decode of B = 64 requests with 32k cached tokens each (paged cache, block size 64), eager,
     compiled, and the compiled step replayed as a CUDA graph;
   - prefill of 64 prompts of 512 tokens, eager, with the PCP attention forced onto its block
-    path, forced onto one varlen call, and as chosen automatically, outputs compared
+    path, forced onto one varlen call, and as chosen automatically (for a plan whose shapes
+    an earlier plan had), outputs compared
     (``--many-only``: this alone over 64 x 512 ... 2 x 16384, also for the MLA layer with 32
     heads (a tp = 4 rank's share), written to modules-many-<date>.json).
 Before timing, each layer's prefill output is checked against the same projections run through
@@ -122,8 +123,20 @@ def check_prefill(name, layer, metrics):
         raise SystemExit(f"{name}: prefill output wrong: err {err:.3e} > 2 x {base:.3e}")
 
 
+def seen_shapes(layer, lengths):
+    """Run ``layer`` once on a plan of these prompt lengths, so that the measured plan (built
+    next) is one whose shapes an earlier plan had: the automatic PCP path then takes the
+    cuDNN blocks for large segments, as in a run whose batches repeat (a first plan of new
+    shapes runs as varlen calls, sparing cuDNN's per-shape plan builds)."""
+    meta = build_step_metadata(RT, lengths, device=DEV)
+    x = torch.randn(meta.num_local_tokens, layer.hidden_size, device=DEV, dtype=DT)
+    with torch.no_grad(), cp_step(meta):
+        layer(x, meta.positions)
+
+
 def bench_prefill(name, layer, seq, metrics):
     x = torch.randn(seq, layer.hidden_size, device=DEV, dtype=DT)
+    seen_shapes(layer, [seq])
     meta = build_step_metadata(RT, [seq], device=DEV)
     xl = x[meta.token_indices]
     compiled = torch.compile(layer, fullgraph=True)
@@ -145,6 +158,7 @@ def bench_prefill_many(name, layer, batch, length, metrics):
     block path (``CP_PCP_VARLEN=never``), on the varlen call (``always``) and as chosen
     (``auto``); the block and varlen outputs are compared first."""
     x = torch.randn(batch * length, layer.hidden_size, device=DEV, dtype=DT)
+    seen_shapes(layer, [length] * batch)
     meta = build_step_metadata(RT, [length] * batch, device=DEV)
     xl = x[meta.token_indices]
     times, outs = {}, {}

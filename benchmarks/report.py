@@ -4,7 +4,7 @@
     python benchmarks/report.py [--results benchmarks/results] [--out benchmarks]
 
 Reads the newest ``<kind>-<date>.json`` of each kind (lse_combine, decode, pcp, modules,
-ceilings, pcp-grad-layout, pcp-varlen, modules-many), checks the goals the kernel issues set, adds the collective cost model, and writes
+ceilings, pcp-grad-layout, pcp-varlen, modules-many, pcp-new-shapes), checks the goals the kernel issues set, adds the collective cost model, and writes
 ``<out>/<date>-<gpu>.json`` ({"date","gpu","torch","triton","metrics"}), ``<date>-<gpu>.md`` and
 plots (``<date>-<gpu>-decode.png``, ``-pcp.png``, ``-roofline.png``). Needs no GPU.
 """
@@ -28,6 +28,7 @@ from cp_modules.partition import plan_pcp  # noqa: E402
 KINDS = (
     "lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout", "pcp-varlen",
     "modules-many",
+    "pcp-new-shapes",
 )
 # (query heads, Dqk, Dv) of bench_modules.py's layers, for their FLOPs per segment.
 LAYER_DIMS = {
@@ -292,6 +293,22 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
                 path = "varlen" if limit is not None and f < limit else "blocks"
                 lines.append(f"| {name} | {b} x {n} | {f:.1e} | {t['blocks']:.2f} | {t['varlen']:.2f} | "
                              f"{t['auto']:.2f} | {path} {t[path] / min(t['blocks'], t['varlen']):.2f} |")
+    ns = r.get("pcp-new-shapes", {}).get("runs", [])
+    if ns:
+        lines += ["", "## PCP prompts of new lengths: the first call against the next (one rank, bf16)", "",
+                  "bench_pcp_new_shapes.py: single prompts of random new lengths (12k-30k tokens), the "
+                  "last rank's first and second call, medians over the prompts, ms. cuDNN builds a plan "
+                  "per new block shape; the automatic choice rents the varlen path meanwhile "
+                  "(CUDNN_BUILD_S in cp_modules/kernels/pcp_attention.py).", "",
+                  "| shape | P | path | fwd first / second | bwd first / second |", "|---|---|---|---|---|"]
+        for x in ns:
+            med = {}
+            for c in ("first", "second"):
+                for d in ("fwd", "bwd"):
+                    vals = sorted(run[c][f"{d}_ms"] for run in x["calls"])
+                    med[c, d] = (vals[(len(vals) - 1) // 2] + vals[len(vals) // 2]) / 2
+            lines.append(f"| {x['shape']} | {x['P']} | {x['path']} | {med['first', 'fwd']:.1f} / "
+                         f"{med['second', 'fwd']:.2f} | {med['first', 'bwd']:.1f} / {med['second', 'bwd']:.2f} |")
     ce = r.get("ceilings", {}).get("metrics", {})
     if ce:
         lines += ["", "## Ceilings and dense prefill kernels (same run)", "",

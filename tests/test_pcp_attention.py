@@ -290,14 +290,17 @@ def _check_backward_into_gathered_rows(pcp, batch, dtype, device):
         plan = plan_pcp(n, m, pcp, r, device=device)
         t = plan.num_local_tokens_padded
         ql = q[plan.token_indices]
-        out, lse = pcp_prefill_attention_cuda(ql, k, v, plan.segments_host, None, None, None, 0.3)
+        blocks = dict(varlen=False)  # the block path's writes (the varlen path has a test)
+        out, lse = pcp_prefill_attention_cuda(
+            ql, k, v, plan.segments_host, None, None, None, 0.3, **blocks
+        )
         dout = torch.randn_like(out)
         args = (dout, ql, k, v, out, lse, plan.segments_host, None, None, None, 0.3)
-        dq, dk, dv, _, _ = pcp_prefill_attention_backward_cuda(*args)
+        dq, dk, dv, _, _ = pcp_prefill_attention_backward_cuda(*args, **blocks)
         buf = torch.full((pcp, 2, t, *k.shape[1:]), float("nan"), dtype=dtype, device=device)
         meta = SimpleNamespace(plan=plan, num_local_tokens=t)
         dk_into, dv_into = _gathered_targets(meta, buf)
-        got = pcp_prefill_attention_backward_cuda(*args, dk_into=dk_into, dv_into=dv_into)
+        got = pcp_prefill_attention_backward_cuda(*args, dk_into=dk_into, dv_into=dv_into, **blocks)
         assert got[1] is None and got[2] is None
         if device == "cuda":
             # cuDNN accumulates dQ with atomics in no fixed order: two calls differ by roundings.

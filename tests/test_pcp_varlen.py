@@ -371,39 +371,85 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
         assert max_abs_err(buf[0], want[1]) < 1e-12 and max_abs_err(buf[1], want[2]) < 1e-12
 
 
+def test_new_block_shapes_rent_the_varlen_path_first(monkeypatch):
+    # As if the blocks ran on cuDNN: a plan of new shapes takes the varlen path for as many
+    # calls as its estimated extra time needs to add up to one round of plan builds, then the
+    # blocks; a later plan with the same segments takes the blocks at once.
+    from cp_modules.kernels import pcp_attention as kernels
+
+    monkeypatch.setattr(kernels, "select_block_backend", lambda *a: "cudnn")
+    monkeypatch.setattr(kernels, "_cudnn_shapes_seen", {})
+    extra = dict.fromkeys(kernels.VARLEN_EXTRA_S_PER_FLOP, 1.0)  # 1 s a FLOP
+    monkeypatch.setattr(kernels, "VARLEN_EXTRA_S_PER_FLOP", extra)
+    monkeypatch.setattr(kernels, "CUDNN_BUILD_S", 2.5e6)  # a build: 2.5 calls of 1e6 FLOP
+    q, k, v = _tensors([300, 200], 4, 2, 8, torch.float32, "cpu")
+
+    def ready(plan, direction="forward", kk=k):
+        segs = [s for s in plan.segments_host.tolist() if s[2]]
+        return kernels._blocks_ready(plan.segments_host, segs, q, kk, v, None, direction, 1e6)
+
+    first = plan_pcp([300, 200], [0, 0], 2, 1)
+    assert [ready(first) for _ in range(5)] == [False, False, False, True, True]
+    assert not ready(first, "backward")  # each direction has its own kernels and count
+    second = plan_pcp([300, 200], [0, 0], 2, 1)
+    assert ready(second) and ready(second, "backward")
+    assert not ready(plan_pcp([301, 200], [0, 0], 2, 1))  # another length
+    assert not ready(plan_pcp([300, 200], [0, 0], 2, 0))  # another rank's segments
+    assert not ready(second, kk=k[:, :1].contiguous())  # other KV heads: other kernels
+    # A plan's segments modified in place are judged again.
+    changed = plan_pcp([300, 200], [0, 0], 2, 1)
+    assert ready(changed)
+    changed.segments_host[0, 4] -= 1  # other shapes now
+    assert not ready(changed)
+    # The oldest shapes are forgotten.
+    monkeypatch.setattr(kernels, "CUDNN_SHAPES_KEPT", 2)
+    plans = [plan_pcp([100 + i, 50], [0, 0], 2, 0) for i in range(3)]
+    assert not any(ready(p) for p in plans)
+    assert not ready(plan_pcp([100, 50], [0, 0], 2, 0))  # dropped: three plans since
+    assert ready(plan_pcp([102, 50], [0, 0], 2, 0))
+    # Blocks that would not run on cuDNN have nothing to build.
+    monkeypatch.setattr(kernels, "select_block_backend", lambda *a: "flash")
+    assert ready(plan_pcp([777, 5], [0, 0], 2, 0))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["gqa-128", "mla-192-128"])
-def test_gpu_automatic_choice_follows_segment_size(dims):
-    # Many short requests take the varlen call, one long request the blocks; either way the
-    # result equals the block path's (bf16, same tolerance as the kernel test above).
+def test_gpu_automatic_choice_follows_segment_size(dims, monkeypatch):
+    # Many short requests take the varlen call; one long request the blocks on cuDNN once an
+    # earlier plan had its shapes (before that, varlen: no cuDNN plan builds for a one-off
+    # length). Either way the result equals the other path's (bf16, tolerances as above).
+    from cp_modules.kernels import pcp_attention as kernels
     from cp_modules.kernels.pcp_attention import (
         _use_varlen,
         pcp_prefill_attention_backward_cuda,
         pcp_prefill_attention_cuda,
     )
 
+    monkeypatch.setattr(kernels, "_cudnn_shapes_seen", {})  # whatever other tests ran
     d, dv = dims
-    for n, want_varlen in (([512] * 16, True), ([16384], False)):
+    for n, want_varlen in (([512] * 16, [True, True]), ([16384], [True, False])):
         q, k, v = _tensors(n, 8, 8, d, torch.bfloat16, "cuda", seed=4, dv=dv)
-        plan = plan_pcp(n, [0] * len(n), 2, 1, device="cuda")
-        ql = q[plan.token_indices]
-        segs = plan.segments_host.tolist()
-        for direction in ("forward", "backward"):
-            assert _use_varlen(None, segs, ql, v, None, direction) is want_varlen, direction
-        args = (plan.segments_host, None, None, None, d**-0.5)
-        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
-        ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=not want_varlen)
-        valid = plan.local_valid
-        eps = torch.finfo(torch.bfloat16).eps
-        assert max_abs_err(out[valid], ref_out[valid]) <= 8 * eps * ref_out.abs().max().item()
-        assert max_abs_err(lse[valid], ref_lse[valid]) <= 1e-3
-        dout = torch.randn_like(out)
-        got = pcp_prefill_attention_backward_cuda(dout, ql, k, v, out, lse, *args)
-        want = pcp_prefill_attention_backward_cuda(
-            dout, ql, k, v, out, lse, *args, varlen=not want_varlen
-        )
-        for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
-            assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
+        for want in want_varlen:  # a first plan, then another of the same shapes
+            plan = plan_pcp(n, [0] * len(n), 2, 1, device="cuda")
+            ql = q[plan.token_indices]
+            segs = plan.segments_host.tolist()
+            for direction in ("forward", "backward"):
+                got = _use_varlen(None, segs, ql, v, None, direction, plan.segments_host, k)
+                assert got is want, (n, direction)
+            args = (plan.segments_host, None, None, None, d**-0.5)
+            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
+            ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=not want)
+            valid = plan.local_valid
+            eps = torch.finfo(torch.bfloat16).eps
+            assert max_abs_err(out[valid], ref_out[valid]) <= 8 * eps * ref_out.abs().max().item()
+            assert max_abs_err(lse[valid], ref_lse[valid]) <= 1e-3
+            dout = torch.randn_like(out)
+            got = pcp_prefill_attention_backward_cuda(dout, ql, k, v, out, lse, *args)
+            other = pcp_prefill_attention_backward_cuda(
+                dout, ql, k, v, out, lse, *args, varlen=not want
+            )
+            for name, a, b in zip(("dq", "dk", "dv"), got[:3], other[:3]):
+                assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
 
 
 def test_environment_forces_the_varlen_path_through_the_op(monkeypatch):

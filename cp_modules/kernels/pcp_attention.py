@@ -41,6 +41,7 @@ launch assembling every gradient row were measured and are not faster
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -177,6 +178,75 @@ def _flash_serves(q: torch.Tensor) -> bool:
     return torch.backends.cuda.can_use_flash_attention(params, False)
 
 
+# cuDNN builds an execution plan for every new block shape (and strides): on an H200 (torch
+# 2.11, cuDNN 9.19) 45-85 ms a shape, forward and backward each, against 0.3-2.5 ms for the
+# call itself. A rank's first forward of one 12k-30k token prompt of a new length took 130-350
+# ms with the blocks at P = 2 and 8, the next call 1.2-6 ms (the backward likewise
+# 160-170 ms); FlashAttention-2's varlen call pays nothing per shape and took 2-19 ms both
+# times (benchmarks/results/pcp-new-shapes-2026-11-30.json). Every layer of a step shares the
+# plan, so whether the builds pay off depends on how many calls the plan gets. The automatic
+# choice therefore rents before it buys: a plan whose large segments have shapes that no
+# earlier plan had runs as varlen calls until their estimated extra time (the plan's forward
+# FLOPs x VARLEN_EXTRA_S_PER_FLOP, a call) adds up to CUDNN_BUILD_S, then on the blocks; at
+# most about twice the better of the two in hindsight. A plan whose shapes an earlier plan had
+# (a training run of fixed-length sequences, from its second step on) takes the blocks at
+# once. Remembered: the last CUDNN_SHAPES_KEPT plans' shapes.
+CUDNN_BUILD_S = 0.15
+# Extra seconds a varlen call takes per forward FLOP of the plan, over warm cuDNN blocks
+# (H200, bf16, one 32k sequence at P = 2, results/pcp-varlen-2026-11-30.json: GQA 1.7x
+# forward and 1.64x backward, MLA 2.25x and 1.78x the block times).
+VARLEN_EXTRA_S_PER_FLOP = {
+    "forward": 1.2e-15,
+    "backward": 3.2e-15,
+    "forward_padded": 2.1e-15,
+    "backward_padded": 5.2e-15,
+}
+CUDNN_SHAPES_KEPT = 4096
+_cudnn_shapes_seen: dict[tuple, None] = {}
+_SHAPES_ATTR = "_cp_block_shapes"
+
+
+def _blocks_ready(
+    segments: torch.Tensor,
+    segs: list[list[int]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_cu: list[int] | None,
+    direction: str,
+    flop: float,
+) -> bool:
+    """Whether this call of the plan should run the blocks (see :data:`CUDNN_BUILD_S`):
+    True unless they would run on cuDNN for shapes no earlier plan had, and the plan's calls
+    so far have not yet rented the varlen path for as long as a build costs. ``flop``: the
+    plan's forward FLOPs."""
+    kind = (direction, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], str(q.device))
+    memo = getattr(segments, _SHAPES_ATTR, None)
+    if memo is None or memo[0] != segments._version:
+        memo = (segments._version, {})
+        try:
+            setattr(segments, _SHAPES_ATTR, memo)
+        except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes
+            pass
+    state = memo[1].get(kind)
+    if state is None:
+        rent = 0
+        if select_block_backend(q, k, v, True) == "cudnn":
+            prefix = None if prefix_cu is None else tuple(prefix_cu)
+            key = (kind, tuple(map(tuple, segs)), prefix)
+            if key not in _cudnn_shapes_seen:
+                pad = "_padded" if v.shape[2] != q.shape[2] else ""
+                extra = flop * VARLEN_EXTRA_S_PER_FLOP[direction + pad]
+                rent = math.ceil(CUDNN_BUILD_S / extra) if extra > 0 else 0
+            _cudnn_shapes_seen.pop(key, None)
+            _cudnn_shapes_seen[key] = None  # most recent last
+            while len(_cudnn_shapes_seen) > CUDNN_SHAPES_KEPT:
+                del _cudnn_shapes_seen[next(iter(_cudnn_shapes_seen))]
+        state = memo[1][kind] = {"calls": 0, "rent": rent}
+    state["calls"] += 1
+    return state["calls"] > state["rent"]
+
+
 def _use_varlen(
     policy: bool | None,
     segs: list[list[int]],
@@ -184,6 +254,8 @@ def _use_varlen(
     v: torch.Tensor,
     prefix_cu: list[int] | None,
     direction: str,
+    segments: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
 ) -> bool:
     if policy is None:
         policy = varlen_override()
@@ -199,9 +271,14 @@ def _use_varlen(
     if limit is None or q.device.type != "cuda":
         return False
     flop = [f for f in segment_flop(segs, q.shape[1], q.shape[2], v.shape[2], prefix_cu) if f > 0]
-    if not flop or sum(flop) >= limit * len(flop):
+    if not flop or not _flash_serves(q):
         return False
-    return _flash_serves(q)
+    if sum(flop) < limit * len(flop):
+        return True
+    # Large segments: the blocks, unless cuDNN would first build plans for new shapes.
+    if segments is None or k is None:
+        return False
+    return not _blocks_ready(segments, segs, q, k, v, prefix_cu, direction, sum(flop))
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:
@@ -494,7 +571,9 @@ def pcp_prefill_attention_cuda(
             decomposition on CPU).
         varlen: run every segment in one varlen call instead
             (:func:`~cp_modules.kernels.pcp_varlen.pcp_prefill_attention_varlen`); None
-            decides (``CP_PCP_VARLEN``, else :data:`VARLEN_MAX_FLOP_PER_SEGMENT`).
+            decides (``CP_PCP_VARLEN``, else :data:`VARLEN_MAX_FLOP_PER_SEGMENT` and, for
+            large segments on cuDNN, whether its plans for these shapes pay off yet:
+            :data:`CUDNN_BUILD_S`).
 
     Returns:
         out [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] fp32 (-inf on padding).
@@ -505,7 +584,7 @@ def pcp_prefill_attention_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    if _use_varlen(varlen, segs, q, v, prefix_cu, "forward"):
+    if _use_varlen(varlen, segs, q, v, prefix_cu, "forward", segments, k):
         return pcp_prefill_attention_varlen(q, k, v, segments, scale, prefix_k, prefix_v, prefix_cu)
     T, rows_shape = q.shape[0], (q.shape[1], v.shape[2])
     squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -828,7 +907,7 @@ def pcp_prefill_attention_backward_cuda(
     if has_prefix:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    if _use_varlen(varlen, segs, q, v, prefix_cu, "backward"):
+    if _use_varlen(varlen, segs, q, v, prefix_cu, "backward", segments, k):
         dq, dk, dv, *dprefix = pcp_prefill_attention_varlen_backward(
             dout, q, k, v, out, lse, segments, scale, prefix_k, prefix_v, prefix_cu
         )
