@@ -202,7 +202,7 @@ VARLEN_EXTRA_S_PER_FLOP = {
     "backward_padded": 5.2e-15,
 }
 CUDNN_SHAPES_KEPT = 4096
-_cudnn_shapes_seen: dict[tuple, None] = {}
+_cudnn_shapes_seen: dict[int, None] = {}
 _SHAPES_ATTR = "_cp_block_shapes"
 
 
@@ -233,7 +233,8 @@ def _blocks_ready(
         rent = 0
         if select_block_backend(q, k, v, True) == "cudnn":
             prefix = None if prefix_cu is None else tuple(prefix_cu)
-            key = (kind, tuple(map(tuple, segs)), prefix)
+            # A hash keeps the memory small (a collision would only take the blocks early).
+            key = hash((kind, tuple(map(tuple, segs)), prefix))
             if key not in _cudnn_shapes_seen:
                 pad = "_padded" if v.shape[2] != q.shape[2] else ""
                 extra = flop * VARLEN_EXTRA_S_PER_FLOP[direction + pad]
