@@ -419,6 +419,12 @@ def _kernels(device: torch.device):
 # --------------------------------------------------------------------------- PCP attention
 
 
+def _padding_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # out [T, Hq, Dv] of zeros and lse [T, Hq] of -inf: every row as a padding row.
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    return out, torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+
+
 def pcp_prefill_attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -444,10 +450,7 @@ def pcp_prefill_attention_varlen(
     pack = pack or varlen_pack_cached(segments, q.device, prefix_cu, q.shape[0])
     forward = forward or _kernels(q.device)[0]
     if pack.new.cu_q_host[-1] == 0:  # no queries here: all padding
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        return out, torch.full(
-            q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
-        )
+        return _padding_result(q, v)
     calls = pack.in_place
     if calls is not None and calls.num_rows == q.shape[0]:
         # Queries, keys and values where they lie: no gather, no scatter.
@@ -475,8 +478,7 @@ def pcp_prefill_attention_varlen(
         n1 = pack.prefix.cu_q_host[-1]
         o1, s1 = forward(qp[:n1], prefix_k, prefix_v, pack.prefix, scale)
         merge_partials_into([op[:n1], o1], [lsep[:n1], s1.to(lsep.dtype)], op[:n1], lsep[:n1])
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    out, lse = _padding_result(q, v)
     out.index_copy_(0, pack.q_index, op.to(out.dtype))
     lse.index_copy_(0, pack.q_index, lsep)
     return out, lse
