@@ -253,7 +253,9 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
                   "Worst of the first and last rank, ms (triton do_bench; a host-bound path is timed at its "
                   "launch rate). FLOP/seg: mean forward FLOPs per segment, which picks the path "
                   "(VARLEN_MAX_FLOP_PER_SEGMENT in cp_modules/kernels/pcp_attention.py); picked: the "
-                  "automatic choice's time over the better of the two.", "",
+                  "automatic choice's time over the better of the two, for a plan whose shapes an "
+                  "earlier plan had (a plan of new shapes first rents the varlen call: see the "
+                  "new-lengths table).", "",
                   "| shape | P | requests x tokens | FLOP/seg | fwd blocks / varlen | bwd blocks / varlen | picked fwd / bwd |",
                   "|---|---|---|---|---|---|---|"]
         shapes = r["pcp-varlen"]["shapes"]
