@@ -97,6 +97,24 @@ def select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     """Fastest of :data:`BLOCK_BACKENDS` that serves this block ([L, H, D] or [B, L, H, D])."""
     if q.device.type != "cuda":
         return "reference"
+    # PyTorch's checks depend on the shapes, strides, dtypes, device and its backend switches
+    # alone; a step asks for the same few block shapes over and over (~25 us a check).
+    flags = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    key = (q.device, q.dtype, k.dtype, v.dtype, causal, flags) + tuple(
+        (x.shape, x.stride()) for x in (q, k, v)
+    )
+    backend = _BACKEND_CHOICES.get(key)
+    if backend is None:
+        if len(_BACKEND_CHOICES) >= 4096:
+            _BACKEND_CHOICES.clear()
+        backend = _BACKEND_CHOICES[key] = _select_block_backend(q, k, v, causal)
+    return backend
+
+
+_BACKEND_CHOICES: dict[tuple, str] = {}
+
+
+def _select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
     qt, kt, vt = (_bhld(x) for x in (q, k, v))
     gqa = q.shape[-2] != k.shape[-2]
     params = torch.backends.cuda.SDPAParams(qt, kt, vt, None, 0.0, causal, gqa)
