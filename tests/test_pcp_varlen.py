@@ -372,9 +372,9 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
 
 
 def test_new_block_shapes_rent_the_varlen_path_first(monkeypatch):
-    # As if the blocks ran on cuDNN: a plan of new shapes takes the varlen path for as many
+    # As if the blocks ran on cuDNN: a plan of new shapes takes the varlen forward for as many
     # calls as its estimated extra time needs to add up to one round of plan builds, then the
-    # blocks; a later plan with the same segments takes the blocks at once.
+    # blocks; a later plan with the same segments, and the backward, take the blocks at once.
     from cp_modules.kernels import pcp_attention as kernels
 
     monkeypatch.setattr(kernels, "select_block_backend", lambda *a: "cudnn")
@@ -390,7 +390,7 @@ def test_new_block_shapes_rent_the_varlen_path_first(monkeypatch):
 
     first = plan_pcp([300, 200], [0, 0], 2, 1)
     assert [ready(first) for _ in range(5)] == [False, False, False, True, True]
-    assert not ready(first, "backward")  # each direction has its own kernels and count
+    assert ready(first, "backward")  # training's backward builds at once
     second = plan_pcp([300, 200], [0, 0], 2, 1)
     assert ready(second) and ready(second, "backward")
     assert not ready(plan_pcp([301, 200], [0, 0], 2, 1))  # another length
@@ -415,9 +415,10 @@ def test_new_block_shapes_rent_the_varlen_path_first(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["gqa-128", "mla-192-128"])
 def test_gpu_automatic_choice_follows_segment_size(dims, monkeypatch):
-    # Many short requests take the varlen call; one long request the blocks on cuDNN once an
-    # earlier plan had its shapes (before that, varlen: no cuDNN plan builds for a one-off
-    # length). Either way the result equals the other path's (bf16, tolerances as above).
+    # Many short requests take the varlen call; one long request the blocks on cuDNN, its
+    # forward once an earlier plan had its shapes (before that, varlen: no cuDNN plan builds
+    # for a one-off length). Either way the result equals the other path's (bf16, tolerances
+    # as above).
     from cp_modules.kernels import pcp_attention as kernels
     from cp_modules.kernels.pcp_attention import (
         _use_varlen,
@@ -427,15 +428,19 @@ def test_gpu_automatic_choice_follows_segment_size(dims, monkeypatch):
 
     monkeypatch.setattr(kernels, "_cudnn_shapes_seen", {})  # whatever other tests ran
     d, dv = dims
-    for n, want_varlen in (([512] * 16, [True, True]), ([16384], [True, False])):
+    # (forward, backward) of a first plan, then of another with the same shapes.
+    for n, want_varlen in (
+        ([512] * 16, [(True, True), (True, True)]),
+        ([16384], [(True, False), (False, False)]),
+    ):
         q, k, v = _tensors(n, 8, 8, d, torch.bfloat16, "cuda", seed=4, dv=dv)
-        for want in want_varlen:  # a first plan, then another of the same shapes
+        for want, want_bwd in want_varlen:
             plan = plan_pcp(n, [0] * len(n), 2, 1, device="cuda")
             ql = q[plan.token_indices]
             segs = plan.segments_host.tolist()
-            for direction in ("forward", "backward"):
+            for direction, w in (("forward", want), ("backward", want_bwd)):
                 got = _use_varlen(None, segs, ql, v, None, direction, plan.segments_host, k)
-                assert got is want, (n, direction)
+                assert got is w, (n, direction)
             args = (plan.segments_host, None, None, None, d**-0.5)
             out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
             ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=not want)
@@ -446,7 +451,7 @@ def test_gpu_automatic_choice_follows_segment_size(dims, monkeypatch):
             dout = torch.randn_like(out)
             got = pcp_prefill_attention_backward_cuda(dout, ql, k, v, out, lse, *args)
             other = pcp_prefill_attention_backward_cuda(
-                dout, ql, k, v, out, lse, *args, varlen=not want
+                dout, ql, k, v, out, lse, *args, varlen=not want_bwd
             )
             for name, a, b in zip(("dq", "dk", "dv"), got[:3], other[:3]):
                 assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name

@@ -198,27 +198,24 @@ def _flash_serves(q: torch.Tensor) -> bool:
 
 # cuDNN builds an execution plan for every new block shape (and strides): on an H200 (torch
 # 2.11, cuDNN 9.19) 45-85 ms a shape, forward and backward each, against 0.3-2.5 ms for the
-# call itself. A rank's first forward of one 12k-30k token prompt of a new length took 130-350
-# ms with the blocks at P = 2 and 8, the next call 1.2-6 ms (the backward likewise
-# 160-170 ms); FlashAttention-2's varlen call pays nothing per shape and took 2-19 ms both
-# times (benchmarks/results/pcp-new-shapes-2026-11-30.json). Every layer of a step shares the
-# plan, so whether the builds pay off depends on how many calls the plan gets. The automatic
-# choice therefore rents before it buys: a plan whose large segments have shapes that no
-# earlier plan had runs as varlen calls until their estimated extra time (the plan's forward
-# FLOPs x VARLEN_EXTRA_S_PER_FLOP, a call) adds up to CUDNN_BUILD_S, then on the blocks; at
-# most about twice the better of the two in hindsight. A plan whose shapes an earlier plan had
-# (a training run of fixed-length sequences, from its second step on) takes the blocks at
-# once. Remembered: the last CUDNN_SHAPES_KEPT plans' shapes.
+# call itself. A rank's first forward of one 12k-30k token prompt of a new length took 124-170
+# ms with the blocks at P = 2 and 8, the next call 1.4-4.6 ms (the backward 149-207 against
+# 3.4-12); FlashAttention-2's varlen call pays nothing per shape and took 2.9-8.6 ms forward
+# (benchmarks/results/pcp-new-shapes-2026-11-30.json). Every layer of a step shares the plan,
+# so whether the builds pay off depends on how many calls the plan gets. The automatic forward
+# therefore rents before it buys: a plan whose large segments have shapes that no earlier plan
+# had runs as varlen calls until their estimated extra time (the plan's forward FLOPs x
+# VARLEN_EXTRA_S_PER_FLOP, a call) adds up to CUDNN_BUILD_S, then on the blocks; at most about
+# twice the better of the two in hindsight. A plan whose shapes an earlier plan had takes the
+# blocks at once. The backward (training) builds at once: a run meets its shapes over many
+# steps, and the varlen backward's packed key copies take more memory than the blocks, which
+# a run sized for its steady state may not have. Remembered: the last CUDNN_SHAPES_KEPT plans'
+# shapes.
 CUDNN_BUILD_S = 0.15
-# Extra seconds a varlen call takes per forward FLOP of the plan, over warm cuDNN blocks
-# (H200, bf16, one 32k sequence at P = 2, results/pcp-varlen-2026-11-30.json: GQA 1.7x
-# forward and 1.64x backward, MLA 2.25x and 1.78x the block times).
-VARLEN_EXTRA_S_PER_FLOP = {
-    "forward": 1.2e-15,
-    "backward": 3.2e-15,
-    "forward_padded": 2.1e-15,
-    "backward_padded": 5.2e-15,
-}
+# Extra seconds a varlen forward takes per forward FLOP of the plan, over warm cuDNN blocks
+# (H200, bf16, one 32k sequence at P = 2, results/pcp-varlen-2026-11-30.json: GQA 1.7x, MLA
+# 2.25x the block times).
+VARLEN_EXTRA_S_PER_FLOP = {"forward": 1.2e-15, "forward_padded": 2.1e-15}
 CUDNN_SHAPES_KEPT = 4096
 _cudnn_shapes_seen: dict[int, None] = {}
 _SHAPES_ATTR = "_cp_block_shapes"
@@ -235,9 +232,9 @@ def _blocks_ready(
     flop: float,
 ) -> bool:
     """Whether this call of the plan should run the blocks (see :data:`CUDNN_BUILD_S`):
-    True unless they would run on cuDNN for shapes no earlier plan had, and the plan's calls
-    so far have not yet rented the varlen path for as long as a build costs. ``flop``: the
-    plan's forward FLOPs."""
+    True unless it is a forward that would run on cuDNN for shapes no earlier plan had, and
+    the plan's calls so far have not yet rented the varlen path for as long as a build costs.
+    ``flop``: the plan's forward FLOPs."""
     kind = (direction, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], str(q.device))
     memo = getattr(segments, _SHAPES_ATTR, None)
     if memo is None or memo[0] != segments._version:
@@ -253,10 +250,11 @@ def _blocks_ready(
             prefix = None if prefix_cu is None else tuple(prefix_cu)
             # A hash keeps the memory small (a collision would only take the blocks early).
             key = hash((kind, tuple(map(tuple, segs)), prefix))
-            if key not in _cudnn_shapes_seen:
-                pad = "_padded" if v.shape[2] != q.shape[2] else ""
-                extra = flop * VARLEN_EXTRA_S_PER_FLOP[direction + pad]
-                rent = math.ceil(CUDNN_BUILD_S / extra) if extra > 0 else 0
+            extra = VARLEN_EXTRA_S_PER_FLOP.get(
+                direction + ("_padded" if v.shape[2] != q.shape[2] else "")
+            )
+            if key not in _cudnn_shapes_seen and extra and flop > 0:
+                rent = math.ceil(CUDNN_BUILD_S / (flop * extra))
             _cudnn_shapes_seen.pop(key, None)
             _cudnn_shapes_seen[key] = None  # most recent last
             while len(_cudnn_shapes_seen) > CUDNN_SHAPES_KEPT:
