@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cp_modules.kernels import pcp_attention
 from cp_modules.kernels.pcp_attention import (
     BLOCK_BACKENDS,
     CUDNN_GQA,
@@ -266,6 +267,24 @@ def _check_sum_pieces(dtype, device):
         ulp = want.abs().clamp_min(1e-30) * 2**-8
         assert ((dst.double() - want).abs() <= ulp).all()
     assert torch.all(dst[count == 0] == 0)
+    # In two calls: the first without the pieces of some ranges (skip leaves the rows they
+    # touch as they are), the second with all of them writing only those rows; into tiling
+    # targets, as the training path passes them. Same rows as the one call, bit for bit.
+    late = [1, 5]
+    ranges = [(stored[i][0], stored[i][1].shape[0]) for i in late]
+    early = [x for i, x in enumerate(stored) if i not in late]
+    two = torch.full((n, 3, 4), float("nan"), dtype=dtype, device=device)
+    targets = [(0, two[:17]), (17, two[17:])]
+    sum_pieces_into(targets, early, skip=ranges)
+    written = ~two.isnan().all(-1).all(-1).cpu()
+    touched = torch.zeros(n, dtype=torch.bool)
+    for a, m in ranges:
+        touched[a : a + m] = True
+    assert torch.equal(written, ~touched)
+    sum_pieces_into(targets, stored, only=ranges)
+    assert torch.equal(two.cpu(), dst)
+    sum_pieces_into(targets, stored, only=[])  # nothing to write
+    assert torch.equal(two.cpu(), dst)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
@@ -329,6 +348,49 @@ def test_gpu_backward_into_gathered_rows(pcp, dtype):
     # dK / dV bit-identical to the restored-order result: the same kernels, sums and roundings.
     for batch in BATCHES:
         _check_backward_into_gathered_rows(pcp, batch, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairs", [None, True], ids=["auto", "causal-pairs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_overlapped_gradient_writes_equal_inline(dtype, pairs, monkeypatch):
+    # The block backward writes zero rows and the rows no square touches on a second stream
+    # while later blocks run: bit-identical to writing every row on one stream after all
+    # blocks, with deterministic block kernels (the reference on the GPU); padding rows,
+    # cached prefixes, reversed pieces (causal pairs) and gathered targets included.
+    def block_backward(*args, **kw):
+        return attention_block_backward(*args, **kw, backend="reference")
+
+    for batch in BATCHES:
+        n, m = BATCHES[batch]
+        q, k, v, pk, pv = _tensors(n, m, 4, 2, 16, 8, dtype, "cuda", seed=3)
+        for r in range(4):
+            plan = plan_pcp(n, m, 4, r, device="cuda")
+            pcu = plan.prefix_cu_seqlens_host if pk is not None else None
+            args = (plan.segments_host, pk, pv, pcu, 0.3)
+            ql = q[plan.token_indices]
+            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=False)
+            dout = torch.randn_like(out)
+            results = []
+            for overlap in (False, True):
+                monkeypatch.setattr(pcp_attention, "OVERLAP_GRADIENT_SUMS", overlap)
+                bk, bv = (torch.full_like(x, float("nan")) for x in (k, v))
+                into = [(0, bk[:5]), (5, bk[5:])], [(0, bv[:7]), (7, bv[7:])]
+                res = pcp_prefill_attention_backward_cuda(
+                    dout, ql, k, v, out, lse, *args, block_backward=block_backward,
+                    causal_pairs=pairs, varlen=False,
+                )  # fmt: skip
+                res_into = pcp_prefill_attention_backward_cuda(
+                    dout, ql, k, v, out, lse, *args, block_backward=block_backward,
+                    causal_pairs=pairs, varlen=False, dk_into=into[0], dv_into=into[1],
+                )  # fmt: skip
+                results.append([*res, res_into[0], bk, bv])
+            for a, b in zip(*results):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(a, b), batch
+            assert torch.equal(results[1][-2], results[1][1])
+            assert torch.equal(results[1][-1], results[1][2])
 
 
 def test_sum_rows_triton_reads_reversed_parts():

@@ -41,6 +41,7 @@ launch assembling every gradient row were measured and are not faster
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -653,19 +654,24 @@ def _fill_uncovered(x: torch.Tensor, segs: list[list[int]], value: float) -> Non
     The merges write every covered row, so the rest is all that needs initialising; past a
     handful of separate runs one fill of the whole tensor costs less than many small ones.
     """
-    spans = sorted((seg[1], seg[1] + seg[2]) for seg in segs)
-    gaps, pos = [], 0
-    for a, b in spans:
-        if a > pos:
-            gaps.append((pos, a))
-        pos = max(pos, b)
-    if pos < x.shape[0]:
-        gaps.append((pos, x.shape[0]))
+    gaps = _gaps([(seg[1], seg[2]) for seg in segs], x.shape[0])
     if len(gaps) > 4:
         x.fill_(value)
         return
-    for a, b in gaps:
-        x[a:b].fill_(value)
+    for a, m in gaps:
+        x[a : a + m].fill_(value)
+
+
+def _gaps(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The ``(first, rows)`` runs of ``[0, n)`` that no ``(first, rows)`` span covers."""
+    gaps, pos = [], 0
+    for a, b in sorted((a, a + m) for a, m in spans):
+        if a > pos:
+            gaps.append((pos, a - pos))
+        pos = max(pos, b)
+    if pos < n:
+        gaps.append((pos, n - pos))
+    return gaps
 
 
 @triton.jit
@@ -723,7 +729,11 @@ def _part_rows(part: tuple[torch.Tensor, int, int], n: int) -> torch.Tensor:
 
 
 def sum_pieces_into(
-    dst: torch.Tensor | list[tuple[int, torch.Tensor]], pieces: list[Piece]
+    dst: torch.Tensor | list[tuple[int, torch.Tensor]],
+    pieces: list[Piece],
+    *,
+    skip: list[tuple[int, int]] | None = None,
+    only: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor | list[tuple[int, torch.Tensor]]:
     """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows[, reversed])``;
     0 elsewhere. A reversed piece holds its rows last-first (natural row ``first + j`` is its
@@ -738,7 +748,12 @@ def sum_pieces_into(
     sum of its pieces computed in fp32 and rounded once (``a + b`` for two pieces of the
     result's dtype, else :func:`sum_rows_triton` on CUDA for up to 4 pieces, reversed ones
     included) — so no zeroed buffer is read back and each gradient block is read once.
+
+    ``skip``: ``(first row, rows)`` ranges whose pieces do not exist yet; the rows they touch
+    are left as they are. A second call with all the pieces and ``only`` = those ranges then
+    writes just those rows, so the two calls together write every row once.
     """
+    assert skip is None or only is None
     targets = [(0, dst)] if isinstance(dst, torch.Tensor) else dst
     n = 0
     for first, rows in targets:
@@ -747,6 +762,13 @@ def sum_pieces_into(
     events: dict[int, list[int]] = {0: [], n: []}
     for first, _ in targets:
         events.setdefault(first, [])
+    held = [(a, a + m) for a, m in (skip or only or ()) if m > 0]
+    if only is not None and not held:
+        return dst
+    for a, b in held:
+        assert 0 <= a and b <= n
+        events.setdefault(a, [])
+        events.setdefault(b, [])
     for idx, (first, x, *_) in enumerate(pieces):
         if x.shape[0] == 0:
             continue
@@ -764,6 +786,8 @@ def sum_pieces_into(
                 active.remove(~e)
         while t + 1 < len(targets) and targets[t + 1][0] <= a:
             t += 1
+        if held and any(c < b and a < d for c, d in held) != (only is not None):
+            continue
         t_first, t_rows = targets[t]
         rows = t_rows[a - t_first : b - t_first]
         # (piece, its row for natural row a, step)
@@ -881,6 +905,38 @@ def rectangle_backward_causal_pairs(
     return [(0, dq)], dk_p, dv_p
 
 
+# Whether the block backward writes the gradient rows that no causal square touches on a second
+# CUDA stream while the squares run (see :func:`pcp_prefill_attention_backward_cuda`): the sums
+# and zero fills are memory-bound and the squares' kernels compute-bound.
+OVERLAP_GRADIENT_SUMS = True
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    device = torch.device(
+        "cuda", device.index if device.index is not None else torch.cuda.current_device()
+    )
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+@contextlib.contextmanager
+def _on_side(side: torch.cuda.Stream | None, main: torch.cuda.Stream | None):
+    """Run the body on ``side`` after the work queued so far on ``main`` (inline without one).
+
+    The caller makes ``main`` wait for ``side`` before anything frees or reads what the body
+    wrote; tensors the body allocates belong to ``side``'s memory pool.
+    """
+    if side is None:
+        yield
+        return
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+
+
 def pcp_prefill_attention_backward_cuda(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -936,6 +992,48 @@ def pcp_prefill_attention_backward_cuda(
     dq_p: list[Piece] = []
     dk_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
     dv_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
+    dq = torch.empty_like(q)
+    dk_dst = torch.empty_like(k) if dk_into is None else dk_into
+    dv_dst = torch.empty_like(v) if dv_into is None else dv_into
+    dpk = torch.empty_like(prefix_k) if has_prefix else None
+    dpv = torch.empty_like(prefix_v) if has_prefix else None
+    # Gradient rows are written on a second stream where possible, as the memory-bound sums and
+    # fills overlap the compute-bound kernels: first the rows no block reaches (zeros), then,
+    # after the rectangles and prefixes, every row that no causal square touches (most of
+    # dK / dV); the squares run last, and only their rows are summed after them.
+    side = _side_stream(q.device) if OVERLAP_GRADIENT_SUMS and q.is_cuda else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
+    square_q = [(seg[1], seg[2]) for seg in segs]
+    square_k = [(_square_start(seg), seg[2]) for seg in segs]
+    zeros_q = _gaps(square_q, q.shape[0])
+    zeros_k = _gaps([(seg[3], seg[4]) for seg in segs], k.shape[0])
+    with _on_side(side, main):
+        sum_pieces_into(dq, [], only=zeros_q)
+        sum_pieces_into(dk_dst, [], only=zeros_k)
+        sum_pieces_into(dv_dst, [], only=zeros_k)
+    for seg in segs:
+        r = slice(seg[1], seg[1] + seg[2])
+        for where, first, kb, vb in _other_blocks(seg, k, v, prefix_k, prefix_v, prefix_cu):
+            if _causal_pairs(causal_pairs, q[r], kb, vb):
+                pq, pk, pv = rectangle_backward_causal_pairs(
+                    dout[r], q[r], kb, vb, out[r], lse[r], scale=scale,
+                    block_backward=block_backward,
+                )  # fmt: skip
+            else:
+                gq, gk, gv = block_backward(
+                    dout[r], q[r], kb, vb, out[r], lse[r], scale=scale, causal=False
+                )
+                pq, pk, pv = [(0, gq)], [(0, gk)], [(0, gv)]
+            dq_p += [(seg[1] + a, *rest) for a, *rest in pq]
+            dk_p[where] += [(first + a, *rest) for a, *rest in pk]
+            dv_p[where] += [(first + a, *rest) for a, *rest in pv]
+    with _on_side(side, main):
+        sum_pieces_into(dq, dq_p, skip=square_q + zeros_q)
+        sum_pieces_into(dk_dst, dk_p["new"], skip=square_k + zeros_k)
+        sum_pieces_into(dv_dst, dv_p["new"], skip=square_k + zeros_k)
+        if has_prefix:
+            sum_pieces_into(dpk, dk_p["prefix"])
+            sum_pieces_into(dpv, dv_p["prefix"])
     for group in _square_groups(segs):
         ql = segs[group[0]][2]
         qs = [segs[i][1] for i in group]
@@ -956,32 +1054,11 @@ def pcp_prefill_attention_backward_cuda(
             dq_p.append((qs[j], gq[j]))
             dk_p["new"].append((ks[j], gk[j]))
             dv_p["new"].append((ks[j], gv[j]))
-    for seg in segs:
-        r = slice(seg[1], seg[1] + seg[2])
-        for where, first, kb, vb in _other_blocks(seg, k, v, prefix_k, prefix_v, prefix_cu):
-            if _causal_pairs(causal_pairs, q[r], kb, vb):
-                pq, pk, pv = rectangle_backward_causal_pairs(
-                    dout[r], q[r], kb, vb, out[r], lse[r], scale=scale,
-                    block_backward=block_backward,
-                )  # fmt: skip
-            else:
-                gq, gk, gv = block_backward(
-                    dout[r], q[r], kb, vb, out[r], lse[r], scale=scale, causal=False
-                )
-                pq, pk, pv = [(0, gq)], [(0, gk)], [(0, gv)]
-            dq_p += [(seg[1] + a, *rest) for a, *rest in pq]
-            dk_p[where] += [(first + a, *rest) for a, *rest in pk]
-            dv_p[where] += [(first + a, *rest) for a, *rest in pv]
-    dq = sum_pieces_into(torch.empty_like(q), dq_p)
-    dk = dv = None
-    if dk_into is None:
-        dk = sum_pieces_into(torch.empty_like(k), dk_p["new"])
-    else:
-        sum_pieces_into(dk_into, dk_p["new"])
-    if dv_into is None:
-        dv = sum_pieces_into(torch.empty_like(v), dv_p["new"])
-    else:
-        sum_pieces_into(dv_into, dv_p["new"])
-    dpk = sum_pieces_into(torch.empty_like(prefix_k), dk_p["prefix"]) if has_prefix else None
-    dpv = sum_pieces_into(torch.empty_like(prefix_v), dv_p["prefix"]) if has_prefix else None
+    sum_pieces_into(dq, dq_p, only=square_q)
+    sum_pieces_into(dk_dst, dk_p["new"], only=square_k)
+    sum_pieces_into(dv_dst, dv_p["new"], only=square_k)
+    if side is not None:
+        main.wait_stream(side)
+    dk = dk_dst if dk_into is None else None
+    dv = dv_dst if dv_into is None else None
     return dq, dk, dv, dpk, dpv
