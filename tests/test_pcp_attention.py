@@ -17,6 +17,7 @@ from cp_modules.kernels.pcp_attention import (
     CUDNN_GQA,
     _rows,
     _square_groups,
+    _still_needed,
     attention_block_backward,
     attention_block_forward,
     merge_partials_triton,
@@ -285,6 +286,15 @@ def _check_sum_pieces(dtype, device):
     assert torch.equal(two.cpu(), dst)
     sum_pieces_into(targets, stored, only=[])  # nothing to write
     assert torch.equal(two.cpu(), dst)
+
+
+def test_backward_keeps_only_pieces_written_after_the_squares():
+    # Pieces whose rows meet a range written after the squares stay; the rest are dropped
+    # (on CUDA their memory goes to the second stream's allocator first).
+    pieces = [(0, torch.zeros(4, 1)), (4, torch.zeros(3, 1)), (9, torch.zeros(2, 1), True)]
+    assert [p[0] for p in _still_needed(pieces, [(6, 3)], None)] == [4]
+    assert [p[0] for p in _still_needed(pieces, [(3, 7)], None)] == [0, 4, 9]
+    assert _still_needed(pieces, [], None) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)

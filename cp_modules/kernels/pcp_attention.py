@@ -937,6 +937,22 @@ def _on_side(side: torch.cuda.Stream | None, main: torch.cuda.Stream | None):
         yield
 
 
+def _still_needed(
+    pieces: list[Piece], late: list[tuple[int, int]], side: torch.cuda.Stream | None
+) -> list[Piece]:
+    """The pieces that touch a ``late`` range (rows written after the squares). The others
+    have been read by writes queued on ``side``: their memory is handed to it, so that it is
+    reused only once those writes are done."""
+    kept = []
+    for piece in pieces:
+        first, x = piece[0], piece[1]
+        if any(a < first + x.shape[0] and first < a + m for a, m in late):
+            kept.append(piece)
+        elif side is not None:
+            x.record_stream(side)
+    return kept
+
+
 def pcp_prefill_attention_backward_cuda(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -992,25 +1008,12 @@ def pcp_prefill_attention_backward_cuda(
     dq_p: list[Piece] = []
     dk_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
     dv_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
-    dq = torch.empty_like(q)
-    dk_dst = torch.empty_like(k) if dk_into is None else dk_into
-    dv_dst = torch.empty_like(v) if dv_into is None else dv_into
-    dpk = torch.empty_like(prefix_k) if has_prefix else None
-    dpv = torch.empty_like(prefix_v) if has_prefix else None
-    # Gradient rows are written on a second stream where possible, as the memory-bound sums and
-    # fills overlap the compute-bound kernels: first the rows no block reaches (zeros), then,
-    # after the rectangles and prefixes, every row that no causal square touches (most of
-    # dK / dV); the squares run last, and only their rows are summed after them.
-    side = _side_stream(q.device) if OVERLAP_GRADIENT_SUMS and q.is_cuda else None
-    main = torch.cuda.current_stream(q.device) if side is not None else None
-    square_q = [(seg[1], seg[2]) for seg in segs]
-    square_k = [(_square_start(seg), seg[2]) for seg in segs]
-    zeros_q = _gaps(square_q, q.shape[0])
-    zeros_k = _gaps([(seg[3], seg[4]) for seg in segs], k.shape[0])
-    with _on_side(side, main):
-        sum_pieces_into(dq, [], only=zeros_q)
-        sum_pieces_into(dk_dst, [], only=zeros_k)
-        sum_pieces_into(dv_dst, [], only=zeros_k)
+    # The rectangles and prefixes run first and the causal squares last. In between, the rows
+    # that no square touches (most of dK / dV, the prefix gradients, rows no block reaches) are
+    # written on a second stream while the squares run: these sums and fills are memory-bound,
+    # the squares' kernels compute-bound. The results are allocated only once needed (dQ after
+    # the squares: every query row is in a square), and the pieces used up by then are handed
+    # to the second stream's allocator, so the squares' workspace replaces them in memory.
     for seg in segs:
         r = slice(seg[1], seg[1] + seg[2])
         for where, first, kb, vb in _other_blocks(seg, k, v, prefix_k, prefix_v, prefix_cu):
@@ -1027,13 +1030,24 @@ def pcp_prefill_attention_backward_cuda(
             dq_p += [(seg[1] + a, *rest) for a, *rest in pq]
             dk_p[where] += [(first + a, *rest) for a, *rest in pk]
             dv_p[where] += [(first + a, *rest) for a, *rest in pv]
+    pq = pk = pv = gq = gk = gv = None  # the last block's pieces live on in the lists only
+    square_k = [(_square_start(seg), seg[2]) for seg in segs]
+    side = _side_stream(q.device) if OVERLAP_GRADIENT_SUMS and q.is_cuda else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
+    dk_dst = torch.empty_like(k) if dk_into is None else dk_into
+    dv_dst = torch.empty_like(v) if dv_into is None else dv_into
+    dpk = torch.empty_like(prefix_k) if has_prefix else None
+    dpv = torch.empty_like(prefix_v) if has_prefix else None
     with _on_side(side, main):
-        sum_pieces_into(dq, dq_p, skip=square_q + zeros_q)
-        sum_pieces_into(dk_dst, dk_p["new"], skip=square_k + zeros_k)
-        sum_pieces_into(dv_dst, dv_p["new"], skip=square_k + zeros_k)
+        sum_pieces_into(dk_dst, dk_p["new"], skip=square_k)
+        sum_pieces_into(dv_dst, dv_p["new"], skip=square_k)
         if has_prefix:
             sum_pieces_into(dpk, dk_p["prefix"])
             sum_pieces_into(dpv, dv_p["prefix"])
+    for where in ("new", "prefix"):
+        late = square_k if where == "new" else []
+        dk_p[where] = _still_needed(dk_p[where], late, side)
+        dv_p[where] = _still_needed(dv_p[where], late, side)
     for group in _square_groups(segs):
         ql = segs[group[0]][2]
         qs = [segs[i][1] for i in group]
@@ -1054,7 +1068,7 @@ def pcp_prefill_attention_backward_cuda(
             dq_p.append((qs[j], gq[j]))
             dk_p["new"].append((ks[j], gk[j]))
             dv_p["new"].append((ks[j], gv[j]))
-    sum_pieces_into(dq, dq_p, only=square_q)
+    dq = sum_pieces_into(torch.empty_like(q), dq_p)
     sum_pieces_into(dk_dst, dk_p["new"], only=square_k)
     sum_pieces_into(dv_dst, dv_p["new"], only=square_k)
     if side is not None:
