@@ -29,6 +29,7 @@ KINDS = (
     "lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout", "pcp-varlen",
     "modules-many",
     "pcp-new-shapes",
+    "pcp-key-major",
 )
 # (query heads, Dqk, Dv) of bench_modules.py's layers, for their FLOPs per segment.
 LAYER_DIMS = {
@@ -220,6 +221,41 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
              "| goal | measured | target | met | note |", "|---|---|---|---|---|"]
     for x in g:
         lines.append(f"| {x['goal']} | {x['value']} | {x['target']} | {'yes' if x['met'] else 'NO'} | {x['note']} |")
+    pcp = {k: v for k, v in r.get("pcp", {}).get("metrics", {}).items() if "pcp" in v}
+    if pcp:
+        lines += ["", "## PCP, one long sequence: every rank (bf16)", "",
+                  "Worst / mean rank time / (dense causal time / P), dense and rank timings "
+                  "alternating in one process; peak: MiB a rank allocates for its forward and "
+                  "backward above its inputs (worst rank), against the dense layer's.", "",
+                  "| shape | P | fwd worst / mean | bwd worst / mean | peak rank / dense (MiB) |",
+                  "|---|---|---|---|---|"]
+        for shape, sv in pcp.items():
+            for p, e in sv["pcp"].items():
+                if "fwd_ratio_worst" not in e:
+                    continue
+                lines.append(
+                    f"| {shape} | {p} | {e['fwd_ratio_worst']:.3f} / {e['fwd_ratio_mean']:.3f} | "
+                    f"{e['bwd_ratio_worst']:.3f} / {e['bwd_ratio_mean']:.3f} | "
+                    f"{e['peak_mib_worst_rank']:.0f} / {sv.get('dense_peak_mib', float('nan')):.0f} |")
+        lines += [""] + [f"Note: {n}." for n in r["pcp"].get("notes", [])]
+    km = r.get("pcp-key-major", {}).get("metrics", {})
+    if km:
+        lines += ["", "## PCP backward by key chunks against the current one (one rank at a time, bf16)", "",
+                  "Worst / mean rank time / (dense backward / P) for the key-major backward "
+                  "(bench_pcp_key_major.py: a rank's own key chunks against every later query, one "
+                  "tall causal call each) and the current query-major one, in one process; bytes a "
+                  "token moves over the PCP group in the backward for each.", "",
+                  "| shape | P | key-major | query-major | bytes/token key / query |",
+                  "|---|---|---|---|---|"]
+        for shape, sv in km.items():
+            b = sv.get("bytes_per_token", {})
+            for p, e in sv.get("pcp", {}).items():
+                if "key_major_worst" not in e:
+                    continue
+                lines.append(
+                    f"| {shape} | {p} | {e['key_major_worst']:.3f} / {e['key_major_mean']:.3f} | "
+                    f"{e['query_major_worst']:.3f} / {e['query_major_mean']:.3f} | "
+                    f"{b.get('key_major')} / {b.get('query_major')} |")
     heads = r.get("decode", {}).get("metrics", {}).get("mla_heads", [])
     if heads:
         lines += ["", "## MLA decode by query heads per GPU (bf16, CUDA graph)", "",
