@@ -977,7 +977,8 @@ def pcp_prefill_attention_backward_cuda(
     """Gradients of :func:`pcp_prefill_attention_cuda`, block by block.
 
     Every block (the paired squares, each rectangle and prefix) yields (dq, dk, dv) for its
-    rows; :func:`sum_pieces_into` then writes each gradient once. Pieces are the kernels'
+    rows; :func:`sum_pieces_into` writes each gradient row once, on CUDA partly on a second
+    stream while the squares run (:data:`OVERLAP_GRADIENT_SUMS`). Pieces are the kernels'
     outputs, summed in fp32 and rounded once per row. ``causal_pairs``: whether unmasked
     blocks run as causal pairs (:func:`rectangle_backward_causal_pairs`); None decides per
     block (:data:`CAUSAL_PAIRS_MIN_ROWS`). ``dk_into`` / ``dv_into``: targets tiling the N
