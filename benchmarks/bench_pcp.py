@@ -32,17 +32,16 @@ Writes ``benchmarks/results/pcp-<date>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from results_file import write_results  # noqa: E402
 
 from cp_modules.kernels.pcp_attention import (  # noqa: E402
     attention_block_backward,
@@ -356,17 +355,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     metrics["select"], ok = bench_select()
     all_ok &= ok
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "metrics": metrics,
-    }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pcp-{report['date']}.json"
-    path.write_text(json.dumps(report, indent=2, default=str))
+    path = write_results("pcp", metrics, args.out)
     print(
         f"wrote {path}; {'all correct' if all_ok else 'SOME KERNELS ARE WRONG (no speeds for them)'}"
     )

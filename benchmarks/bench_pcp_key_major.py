@@ -32,14 +32,11 @@ Writes ``benchmarks/results/pcp-key-major-<date>.json`` (under ``--out`` if give
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import pathlib
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -47,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_pcp import SHAPES, max_err, median, rank_fns, reference  # noqa: E402
+from results_file import write_results  # noqa: E402
 
 from cp_modules.kernels.pcp_attention import (  # noqa: E402
     attention_block_backward,
@@ -211,17 +209,7 @@ def main() -> int:
         metrics[name], ok = bench_shape(name, args.pcp)
         all_ok &= ok
         torch.cuda.empty_cache()
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "metrics": metrics,
-    }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pcp-key-major-{report['date']}.json"
-    path.write_text(json.dumps(report, indent=2, default=str))
+    path = write_results("pcp-key-major", metrics, args.out)
     print(f"wrote {path}; {'all correct' if all_ok else 'SOME RESULTS ARE WRONG'}")
     return 0 if all_ok else 1
 

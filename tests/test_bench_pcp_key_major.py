@@ -2,6 +2,7 @@
 against the queries at or after them give the dense causal gradients, summed over ranks."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,11 @@ def test_bytes_per_token():
         "query_major": 16384,
         "key_major": 24576 + 128 + 8192,
     }
+
+
+def test_results_file_names_the_kind_date_and_versions(tmp_path):
+    path = bench.write_results("pcp-key-major", {"x": 1.5}, tmp_path / "out", notes=["n"])
+    got = json.loads(path.read_text())
+    assert path.name == f"pcp-key-major-{got['date']}.json"
+    assert got["metrics"] == {"x": 1.5} and got["notes"] == ["n"]
+    assert got["torch"] == torch.__version__ and got["gpu"]
