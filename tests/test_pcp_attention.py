@@ -364,8 +364,8 @@ def test_gpu_backward_into_gathered_rows(pcp, dtype):
 @pytest.mark.parametrize("pairs", [None, True], ids=["auto", "causal-pairs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_overlapped_gradient_writes_equal_inline(dtype, pairs, monkeypatch):
-    # The block backward writes zero rows and the rows no square touches on a second stream
-    # while later blocks run: bit-identical to writing every row on one stream after all
+    # The block backward writes the rows no square touches (zeros included) on a second stream
+    # while the squares run: bit-identical to writing every row on one stream after all
     # blocks, with deterministic block kernels (the reference on the GPU); padding rows,
     # cached prefixes, reversed pieces (causal pairs) and gathered targets included.
     def block_backward(*args, **kw):

@@ -654,24 +654,19 @@ def _fill_uncovered(x: torch.Tensor, segs: list[list[int]], value: float) -> Non
     The merges write every covered row, so the rest is all that needs initialising; past a
     handful of separate runs one fill of the whole tensor costs less than many small ones.
     """
-    gaps = _gaps([(seg[1], seg[2]) for seg in segs], x.shape[0])
+    spans = sorted((seg[1], seg[1] + seg[2]) for seg in segs)
+    gaps, pos = [], 0
+    for a, b in spans:
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < x.shape[0]:
+        gaps.append((pos, x.shape[0]))
     if len(gaps) > 4:
         x.fill_(value)
         return
-    for a, m in gaps:
-        x[a : a + m].fill_(value)
-
-
-def _gaps(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-    """The ``(first, rows)`` runs of ``[0, n)`` that no ``(first, rows)`` span covers."""
-    gaps, pos = [], 0
-    for a, b in sorted((a, a + m) for a, m in spans):
-        if a > pos:
-            gaps.append((pos, a - pos))
-        pos = max(pos, b)
-    if pos < n:
-        gaps.append((pos, n - pos))
-    return gaps
+    for a, b in gaps:
+        x[a:b].fill_(value)
 
 
 @triton.jit
