@@ -1,21 +1,18 @@
-"""PCP training backward by key chunks ("key-major") against the current one, on one GPU.
+"""PCP training backward by key chunks ("key-major") against the query-major one, on one GPU.
 
-The backward of ``cp::pcp_prefill_attention`` is query-major: rank j's two query chunks (j and
-2P-1-j, c = S / 2P rows each) against the gathered keys, in blocks of at most c query rows;
-the K/V gradients then go back to their owners by a reduce-scatter. cuDNN's backward is slow
-on blocks with few query rows at MLA's head dims (Dqk 192 / Dv 128: ~230-300 TFLOP/s at 2k
-rows, ~470 on a dense 32k sequence; see 2026-11-30-pcp-block-variants.md).
+The block backward of ``cp::pcp_prefill_attention`` is query-major: rank j's two query chunks (j
+and 2P-1-j, c = S / 2P rows each) against the gathered keys, in blocks of at most c query rows,
+the K/V gradients then reduce-scattered to their owners. cuDNN's backward is slow on such blocks
+at MLA's head dims (Dqk 192 / Dv 128: ~300 TFLOP/s unmasked, against ~480 for a long causal
+call; see 2026-11-30-pcp-block-variants.md).
 
-A key-major backward turns the loop around. Rank j keeps its own key chunks j and 2P-1-j, and
-takes for each one every query at or after it. That is one tall call per chunk with a top-left
-causal mask, which is the mask cuDNN's entry applies when L > M:
-- chunk j: (2P-j)·c query rows against c keys;
-- chunk 2P-1-j: (j+1)·c query rows against c keys.
-
-Each chunk's dK / dV are then whole (no sums, no reduce-scatter). The dQ pieces are summed into
-an [S, ...] buffer, and a reduce-scatter would take that buffer back to the queries' owners.
-The price is communication: the backward all-gathers Q, O, dO and the LSE, where the current
-path reduce-scatters dK / dV. This script reports the bytes per token both designs move.
+The key-major backward (:mod:`cp_modules.kernels.pcp_key_major`, used by MLA's training path)
+keeps rank j's own key chunks and takes for each every query at or after it, in one tall
+top-left causal call: (2P-j)·c query rows for chunk j, (j+1)·c for chunk 2P-1-j. The chunks'
+dK / dV are then complete; the dQ pieces, summed into [S, ...] rows, go back to the queries'
+owners by a reduce-scatter. The price is communication: the backward all-gathers Q, O, dO and
+the LSE, where the query-major path reduce-scatters dK / dV. This script reports the bytes per
+token both designs move.
 
 Per shape and P, every rank is run on the one GPU:
 - Correctness: the key-major gradients, summed over ranks, against the fp32 reference (the
@@ -50,63 +47,34 @@ from cp_modules.kernels.pcp_attention import (  # noqa: E402
     attention_block_backward,
     attention_block_forward,
     select_block_backend,
-    sum_pieces_into,
 )
+from cp_modules.kernels.pcp_key_major import pcp_key_major_backward  # noqa: E402
 from cp_modules.partition import plan_pcp  # noqa: E402
 
 ROUNDS = 3
 
 
-def tall_causal_backward(dout, q, k, v, out, lse, *, scale, backend):
-    """(dq, dk, dv) of queries q [L, ...] against keys k [M, ...], L >= M, causal with the
-    first query and the first key at the same position (top-left), from the merged ``out`` and
-    ``lse``. cuDNN's causal mask is top-left for L != M, so it is one call there; elsewhere it
-    is the causal square of the first M rows plus the unmasked rows after it."""
-    L, M = q.shape[0], k.shape[0]
-    assert L >= M
-    if backend == "cudnn" or L == M:
-        return attention_block_backward(
-            dout, q, k, v, out, lse, scale=scale, causal=True, backend=backend
-        )
-    sq = attention_block_backward(
-        dout[:M], q[:M], k, v, out[:M], lse[:M], scale=scale, causal=True, backend=backend
-    )
-    rest = attention_block_backward(
-        dout[M:], q[M:], k, v, out[M:], lse[M:], scale=scale, causal=False, backend=backend
-    )
-    return torch.cat([sq[0], rest[0]]), sq[1] + rest[1], sq[2] + rest[2]
+def key_major_fn(dout, q, out, lse, k, v, P, rank, scale):
+    """Rank ``rank``'s key-major backward of one sequence (its own K / V rows gathered first,
+    outside what is timed)."""
+    plan = plan_pcp([q.shape[0]], [0], P, rank, device=q.device)
+    k_own, v_own = k[plan.token_indices], v[plan.token_indices]
+    return functools.partial(
+        pcp_key_major_backward, dout, q, out, lse, k_own, v_own, plan.segments_host, scale
+    ), plan
 
 
-def key_major_rank(dout, q, k, v, out, lse, P, rank, *, scale, backend):
-    """Rank ``rank``'s key-major backward of one sequence of S = 2P·c tokens.
-
-    Returns (dq [S, Hq, Dqk], the reduce-scatter input: this rank's dQ contributions, zero
-    before its first key chunk; {first key row: (dk, dv)} of its two chunks)."""
-    S = q.shape[0]
-    c = S // (2 * P)
-    assert c * 2 * P == S
-    dq_pieces, dkv = [], {}
-    for a in (rank * c, (2 * P - 1 - rank) * c):
-        gq, gk, gv = tall_causal_backward(
-            dout[a:], q[a:], k[a : a + c], v[a : a + c], out[a:], lse[a:],
-            scale=scale, backend=backend,
-        )  # fmt: skip
-        dq_pieces.append((a, gq))
-        dkv[a] = (gk, gv)
-    return sum_pieces_into(torch.empty_like(q), dq_pieces), dkv
-
-
-def key_major_all_ranks(dout, q, k, v, out, lse, P, *, scale, backend):
+def key_major_all_ranks(dout, q, k, v, out, lse, P, scale):
     """Every rank's key-major gradients combined: (dq summed over ranks in fp32, dk, dv)."""
-    dq = torch.zeros(q.shape, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype,
-                     device=q.device)  # fmt: skip
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     for r in range(P):
-        gq, dkv = key_major_rank(dout, q, k, v, out, lse, P, r, scale=scale, backend=backend)
-        dq += gq.to(dq.dtype)
-        for a, (gk, gv) in dkv.items():
-            dk[a : a + gk.shape[0]] = gk
-            dv[a : a + gv.shape[0]] = gv
+        fn, plan = key_major_fn(dout, q, out, lse, k, v, P, r, scale)
+        gq, gk, gv = fn()
+        valid = plan.local_valid
+        dq += gq.float()
+        dk[plan.token_indices[valid]] = gk[valid]
+        dv[plan.token_indices[valid]] = gv[valid]
     return dq, dk, dv
 
 
@@ -141,7 +109,7 @@ def bench_shape(name, pcps):
     del low
     res["pcp"], ok = {}, True
     for P in pcps:
-        got = key_major_all_ranks(dout, q, k, v, out, lse, P, scale=scale, backend=backend)
+        got = key_major_all_ranks(dout, q, k, v, out, lse, P, scale)
         errs = [max_err(a, r) for a, r in zip(got, ref_grads)]
         passed = all(e <= 2 * b + 1e-5 for e, b in zip(errs, base))
         res["pcp"][P] = {"correct": passed, "err_dq_dk_dv": errs, "base_dq_dk_dv": base}
@@ -159,12 +127,7 @@ def bench_shape(name, pcps):
         )
 
     for P in pcps:
-        key_fns = [
-            functools.partial(
-                key_major_rank, dout, q, k, v, out, lse, P, r, scale=scale, backend=backend
-            )
-            for r in range(P)
-        ]
+        key_fns = [key_major_fn(dout, q, out, lse, k, v, P, r, scale)[0] for r in range(P)]
         query_fns = [
             rank_fns(plan_pcp([S], [0], P, r, device="cuda"), q, k, v, dout, scale)[1]
             for r in range(P)

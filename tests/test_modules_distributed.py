@@ -103,6 +103,39 @@ def test_training_pcp2_tp2_and_pcp4():
     _assert_all_within(run_distributed(_run_cases, 4, cases, timeout_s=900), cases)
 
 
+def _run_counting_key_major(rank, world_size, cases):
+    # The cases' results, and how many backward calls took the key-major path on this rank.
+    import cp_modules.ops.cp_attention as ops
+
+    inner, calls = ops.pcp_key_major_backward, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    ops.pcp_key_major_backward = counted
+    return _run_cases(rank, world_size, cases), len(calls)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_mla_key_major_backward(world_size):
+    # CP_MLA_BACKWARD=key_major: each rank's own keys' gradients from all-gathered Q, O, dO and
+    # LSE, dQ reduce-scattered; padded chunks, requests shorter than 2 * pcp, tp x pcp.
+    layouts = {2: [(1, 2)], 4: [(1, 4), (2, 2)], 8: [(1, 8)]}[world_size]
+    cases = [
+        VerifyArgs(world_size=world_size, tp=tp, pcp=pcp, dcp=1, attention="mla", mode="train",
+                   seq_lens=lens)
+        for tp, pcp in layouts
+        for lens in ([21, 3, 9], [16, 8], [37, 2, 11, 16])
+    ]  # fmt: skip
+    results = run_distributed(
+        _run_counting_key_major, world_size, cases, timeout_s=900,
+        env={"CP_MLA_BACKWARD": "key_major"},
+    )  # fmt: skip
+    _assert_all_within([r[0] for r in results], cases)
+    assert all(r[1] >= len(cases) for r in results), [r[1] for r in results]
+
+
 @pytest.mark.slow
 def test_every_world8_configuration_mixed_schedule():
     cases = _sweep(8)

@@ -17,14 +17,22 @@ Training: both ops are differentiable w.r.t. their inputs (q, k, v; q, latent, w
 The backward re-gathers the local K/V (or latent) over PCP instead of saving the gathered
 copy (a P-fold smaller activation footprint per layer), runs the head/tail attention backward
 with the saved output and LSE, and reduce-scatters the K/V gradients back to their ranks.
+MLA's backward can instead run key-major (:func:`mla_backward_path`): each rank takes the
+gradients of its own keys from all-gathered Q, O, dO and LSE, and reduce-scatters dQ.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cp_modules.distributed.collectives import all_gather, reduce_scatter
-from cp_modules.kernels.pcp_attention import pcp_prefill_attention_backward_cuda
+from cp_modules.kernels.pcp_attention import (
+    pcp_prefill_attention_backward_cuda,
+    select_block_backend,
+)
+from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
 from cp_modules.modules.context import CPStepMetadata, current_step
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
@@ -438,6 +446,55 @@ _mla_attention.register_fake(_mla_fake)
 _mla_attention_with_cache.register_fake(_mla_fake)
 
 
+# MLA's training backward, per step (:func:`mla_backward_path`):
+# - "query_major": the block backward of the rank's queries against the re-gathered latent's
+#   K / V, whose gradients go back through the up-projection for all N rows and are
+#   reduce-scattered as latent gradients (Rk + Dr values a token);
+# - "key_major": each rank takes the gradients of its own keys from every later query
+#   (:mod:`cp_modules.kernels.pcp_key_major`); it all-gathers Q, O, dO and the LSE and
+#   reduce-scatters dQ (H * (Dqk + 2 Dv) + 2 H + H * Dqk values a token, ~40 KiB at 32 heads
+#   against ~1.1 KiB), and up-projects and back-propagates only its own T rows.
+# On an H200 (bf16, 32 heads, one 32k sequence) key-major's attention took 1.08 / 1.10 / 1.21x
+# dense/P at P = 2 / 4 / 8 against 1.26 / 1.51 / 1.59 (benchmarks/results/
+# pcp-key-major-2026-11-30.json); "auto" takes it on CUDA where cuDNN serves the shape and a
+# rank's chunks average at least KEY_MAJOR_MIN_ROWS rows (the measured range). The environment
+# variable CP_MLA_BACKWARD=key_major / query_major / auto overrides it.
+MLA_BACKWARD_ENV = "CP_MLA_BACKWARD"
+MLA_BACKWARD_PATHS = ("auto", "key_major", "query_major")
+KEY_MAJOR_MIN_ROWS = 2048
+
+
+def mla_backward_path(meta: CPStepMetadata, q: torch.Tensor, out: torch.Tensor) -> str:
+    """Which MLA backward this step runs: "key_major" or "query_major" (see above)."""
+    choice = os.environ.get(MLA_BACKWARD_ENV, "auto")
+    if choice not in MLA_BACKWARD_PATHS:
+        raise ValueError(
+            f"{MLA_BACKWARD_ENV} must be one of {list(MLA_BACKWARD_PATHS)}, got {choice!r}"
+        )
+    if choice != "auto":
+        return choice
+    if not q.is_cuda or meta.runtime.pcp_size == 1:
+        return "query_major"
+    rows = [s[2] for s in meta.plan.segments_host.tolist() if s[2] > 0]  # ok: host
+    if not rows or sum(rows) < KEY_MAJOR_MIN_ROWS * len(rows):
+        return "query_major"
+    # The tall calls' backend: one cuDNN call each; other kernels split them in two.
+    cudnn = select_block_backend(q, q, out, True) == "cudnn"
+    return "key_major" if cudnn else "query_major"
+
+
+def _up_project_backward(dk, dv, latent, w_uk, w_uv, rk):
+    """Backward of :func:`_up_project` (k_nope = kv_c W_UK^T, v = kv_c W_UV^T, k_pe shared by
+    heads) for the rows of ``latent``: (d_latent, dw_uk, dw_uv)."""
+    kv_c, dn = latent[:, :rk], w_uk.shape[1]
+    dk_nope = dk[..., :dn]
+    d_kv_c = torch.einsum("nhd,hdc->nc", dk_nope, w_uk) + torch.einsum("nhd,hdc->nc", dv, w_uv)
+    d_latent = torch.cat((d_kv_c, dk[..., dn:].sum(1)), dim=-1)
+    dw_uk = torch.einsum("nhd,nc->hdc", dk_nope, kv_c)
+    dw_uv = torch.einsum("nhd,nc->hdc", dv, kv_c)
+    return d_latent, dw_uk, dw_uv
+
+
 @torch.library.custom_op("cp::mla_attention_backward", mutates_args=())
 def _mla_attention_backward(
     dout: torch.Tensor,
@@ -452,19 +509,25 @@ def _mla_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     meta = current_step()
     _check_no_prefix_for_training(meta)
-    rk, dn = kv_lora_rank, w_uk.shape[1]
+    rk = kv_lora_rank
+    if mla_backward_path(meta, q, out) == "key_major":
+        q_all, out_all, dout_all, lse_all = (
+            _gather(x.contiguous(), meta) for x in (q, out, dout, lse)
+        )
+        k, v = _up_project(latent, w_uk, w_uv, rk, q.shape[1])
+        dq_all, dk, dv = pcp_key_major_backward(
+            dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale
+        )
+        # The rank's own keys' gradients are complete: its latent rows' gradient needs no
+        # collective; each rank's weight gradients cover its own keys (partial sums).
+        d_latent, dw_uk, dw_uv = _up_project_backward(dk, dv, latent, w_uk, w_uv, rk)
+        return _scatter_grad(meta, dq_all), d_latent.contiguous(), dw_uk, dw_uv
     latent_full = _gather(latent, meta)
     k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
         dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host, None, None, None, scale,
     )
-    # Backward of the up-projection (k_nope = kv_c W_UK^T, v = kv_c W_UV^T, k_pe shared by heads).
-    kv_c = latent_full[:, :rk]
-    dk_nope = dk_full[..., :dn]
-    d_kv_c = torch.einsum("nhd,hdc->nc", dk_nope, w_uk) + torch.einsum("nhd,hdc->nc", dv_full, w_uv)
-    d_latent_full = torch.cat((d_kv_c, dk_full[..., dn:].sum(1)), dim=-1)
-    dw_uk = torch.einsum("nhd,nc->hdc", dk_nope, kv_c)
-    dw_uv = torch.einsum("nhd,nc->hdc", dv_full, kv_c)
+    d_latent_full, dw_uk, dw_uv = _up_project_backward(dk_full, dv_full, latent_full, w_uk, w_uv, rk)
     # Each rank's weight gradient covers its own queries' share of the keys' gradient; the
     # gathered latent is identical on every PCP rank, so the weight gradients are partial sums.
     d_latent = _scatter_grad(meta, d_latent_full)
