@@ -29,11 +29,14 @@ Dqk 192 / Dv 128 (MLA prefill) against ~470 for a large causal call and ~550 at 
 Rectangles of at least :data:`CAUSAL_PAIRS_MIN_ROWS` MLA queries therefore run their backward
 as causal pairs (:func:`rectangle_backward_causal_pairs`), summed with row-reversed reads
 (:func:`sum_rows_triton`); smaller ones stay non-causal. For a 32k sequence MLA's PCP
-backward is 1.23 / 1.48 / 1.59x dense/P at P = 2 / 4 / 8, MHA's and GQA's 1.04-1.11x (the most
-at P = 8, where cuDNN's own block kernels take less than dense/P and the gradient sums and
-copies, its per-call dO.O and dQ conversion and the zero rows add ~8 %).
+backward here is 1.23 / 1.48 / 1.59x dense/P at P = 2 / 4 / 8 (MLA's training path runs the
+key-major backward of :mod:`cp_modules.kernels.pcp_key_major` instead, 1.08-1.21x), MHA's
+and GQA's 1.04-1.11x (the most at P = 8, where cuDNN's own block kernels take less than
+dense/P and the gradient sums and copies, its per-call dO.O and dQ conversion and the zero
+rows add ~8 %).
 Merging the head's and tail's rectangles into one call, folding a square into a tall causal
-call, overlapping the squares on a second stream, one FlexAttention call per rank, cuDNN
+call, overlapping the squares on a second stream (or running them at the highest stream
+priority beside the sums), padding MLA's values to 192, one FlexAttention call per rank, cuDNN
 frontend calls with band / bottom-right masks writing into the gradient buffers and one Triton
 launch assembling every gradient row were measured and are not faster
 (benchmarks/2026-11-30-pcp-block-variants.md).
