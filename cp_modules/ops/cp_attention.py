@@ -453,7 +453,8 @@ _mla_attention_with_cache.register_fake(_mla_fake)
 # - "key_major": each rank takes the gradients of its own keys from every later query
 #   (:mod:`cp_modules.kernels.pcp_key_major`); it all-gathers Q, O, dO and the LSE and
 #   reduce-scatters dQ (H * (Dqk + 2 Dv) + 2 H + H * Dqk values a token, ~40 KiB at 32 heads
-#   against ~1.1 KiB), and up-projects and back-propagates only its own T rows.
+#   against ~2.3 KB for the latent both ways), and up-projects and back-propagates only its
+#   own T rows.
 # On an H200 (bf16, 32 heads, one 32k sequence) key-major's attention took 1.08 / 1.10 / 1.21x
 # dense/P at P = 2 / 4 / 8 against 1.26 / 1.51 / 1.59 (benchmarks/results/
 # pcp-key-major-2026-11-30.json); "auto" takes it on CUDA where cuDNN serves the shape and a
