@@ -147,11 +147,9 @@ def test_gpu_kernels_equal_reference(pcp, dims):
 # ------------------------------------------------------------ MLA's choice of backward path
 
 
-def _meta(pcp, q_lens):
-    segs = torch.tensor([[0, 0, n, 0, n] for n in q_lens], dtype=torch.int64)
-    return SimpleNamespace(
-        runtime=SimpleNamespace(pcp_size=pcp), plan=SimpleNamespace(segments_host=segs)
-    )
+def _meta(pcp, lens, rank=0):
+    plan = plan_pcp(lens, [0] * len(lens), pcp, rank)
+    return SimpleNamespace(runtime=SimpleNamespace(pcp_size=pcp), plan=plan)
 
 
 def test_mla_backward_path_choice(monkeypatch):
@@ -160,7 +158,7 @@ def test_mla_backward_path_choice(monkeypatch):
     q, out = torch.zeros(4, 2, 12), torch.zeros(4, 2, 8)
     monkeypatch.delenv("CP_MLA_BACKWARD", raising=False)
     # auto: query-major off CUDA, whatever the chunk lengths.
-    assert mla_backward_path(_meta(4, [KEY_MAJOR_MIN_ROWS] * 2), q, out) == "query_major"
+    assert mla_backward_path(_meta(4, [8 * KEY_MAJOR_MIN_ROWS] * 2), q, out) == "query_major"
     for forced in ("key_major", "query_major"):
         monkeypatch.setenv("CP_MLA_BACKWARD", forced)
         assert mla_backward_path(_meta(1, [3]), q, out) == forced
@@ -176,10 +174,22 @@ def test_gpu_mla_backward_path_auto(monkeypatch):
     monkeypatch.delenv("CP_MLA_BACKWARD", raising=False)
     q = torch.zeros(8, 4, 192, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
-    long, short = [KEY_MAJOR_MIN_ROWS] * 2, [KEY_MAJOR_MIN_ROWS, KEY_MAJOR_MIN_ROWS // 2]
-    assert mla_backward_path(_meta(2, long), q, out) == "key_major"
-    assert mla_backward_path(_meta(2, short), q, out) == "query_major"
+    long = [4 * KEY_MAJOR_MIN_ROWS, 4 * KEY_MAJOR_MIN_ROWS + 8]
+    short = [4 * KEY_MAJOR_MIN_ROWS, 3 * KEY_MAJOR_MIN_ROWS]
+    for rank in (0, 1):
+        assert mla_backward_path(_meta(2, long, rank), q, out) == "key_major"
+        assert mla_backward_path(_meta(2, short, rank), q, out) == "query_major"
     assert mla_backward_path(_meta(1, long), q, out) == "query_major"
+
+
+def test_long_chunks_is_the_same_on_every_rank():
+    # The ranks' own rows differ (here rank 0's tail chunk is short: 2048 and 1948 real rows,
+    # rank 1's 2048 and 2048), but the two paths' collectives differ, so the choice must not.
+    from cp_modules.ops.cp_attention import KEY_MAJOR_MIN_ROWS, _long_chunks
+
+    for n, want in ((4 * KEY_MAJOR_MIN_ROWS - 100, False), (4 * KEY_MAJOR_MIN_ROWS, True)):
+        plans = [plan_pcp([n], [0], 2, r) for r in (0, 1)]
+        assert [_long_chunks(p) for p in plans] == [want, want]
 
 
 def test_mla_layer_gradients_equal_on_both_paths(monkeypatch):

@@ -457,8 +457,8 @@ _mla_attention_with_cache.register_fake(_mla_fake)
 #   own T rows.
 # On an H200 (bf16, 32 heads, one 32k sequence) key-major's attention took 1.08 / 1.10 / 1.21x
 # dense/P at P = 2 / 4 / 8 against 1.26 / 1.51 / 1.59 (benchmarks/results/
-# pcp-key-major-2026-11-30.json); "auto" takes it on CUDA where cuDNN serves the shape and a
-# rank's chunks average at least KEY_MAJOR_MIN_ROWS rows (the measured range). The environment
+# pcp-key-major-2026-11-30.json); "auto" takes it on CUDA where cuDNN serves the shape and the
+# batch's chunks average at least KEY_MAJOR_MIN_ROWS rows (the measured range). The environment
 # variable CP_MLA_BACKWARD=key_major / query_major / auto overrides it.
 MLA_BACKWARD_ENV = "CP_MLA_BACKWARD"
 MLA_BACKWARD_PATHS = ("auto", "key_major", "query_major")
@@ -474,14 +474,19 @@ def mla_backward_path(meta: CPStepMetadata, q: torch.Tensor, out: torch.Tensor) 
         )
     if choice != "auto":
         return choice
-    if not q.is_cuda or meta.runtime.pcp_size == 1:
+    if not q.is_cuda or meta.runtime.pcp_size == 1 or not _long_chunks(meta.plan):
         return "query_major"
-    rows = [s[2] for s in meta.plan.segments_host.tolist() if s[2] > 0]  # ok: host
-    if not rows or sum(rows) < KEY_MAJOR_MIN_ROWS * len(rows):
-        return "query_major"
-    # The tall calls' backend: one cuDNN call each; other kernels split them in two.
+    # The tall calls' backend: one cuDNN call each; other kernels split them in two. (q and out
+    # have the same shapes, strides and dtype on every rank, so the answer is the same too.)
     cudnn = select_block_backend(q, q, out, True) == "cudnn"
     return "key_major" if cudnn else "query_major"
+
+
+def _long_chunks(plan) -> bool:
+    """Whether the batch's chunks average at least KEY_MAJOR_MIN_ROWS rows. Counted from the
+    batch alone, not from this rank's rows: the two paths run different collectives, so every
+    rank of the group must choose alike."""
+    return plan.num_tokens >= KEY_MAJOR_MIN_ROWS * 2 * plan.pcp_size * max(plan.num_reqs, 1)
 
 
 def _up_project_backward(dk, dv, latent, w_uk, w_uv, rk):
