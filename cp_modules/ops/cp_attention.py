@@ -458,7 +458,10 @@ _mla_attention_with_cache.register_fake(_mla_fake)
 # On an H200 (bf16, 32 heads, one 32k sequence) key-major's attention took 1.08 / 1.10 / 1.21x
 # dense/P at P = 2 / 4 / 8 against 1.26 / 1.51 / 1.59 (benchmarks/results/
 # pcp-key-major-2026-11-30.json); "auto" takes it on CUDA where cuDNN serves the shape and the
-# batch's chunks average at least KEY_MAJOR_MIN_ROWS rows (the measured range). The environment
+# batch's chunks average at least KEY_MAJOR_MIN_ROWS rows (the measured range). Memory: key-major
+# holds the gathered Q, O and dO ([N, H, Dqk + 2 Dv]) and dQ partial sums over N rows where
+# query-major holds the up-projected K / V and their gradients over N rows; with 32 heads its
+# measured peak was ~10 % lower (bench_mla_train_paths.py). The environment
 # variable CP_MLA_BACKWARD=key_major / query_major / auto overrides it.
 MLA_BACKWARD_ENV = "CP_MLA_BACKWARD"
 MLA_BACKWARD_PATHS = ("auto", "key_major", "query_major")
