@@ -103,10 +103,14 @@ def test_training_pcp2_tp2_and_pcp4():
     _assert_all_within(run_distributed(_run_cases, 4, cases, timeout_s=900), cases)
 
 
-def _run_counting_key_major(rank, world_size, cases):
+def _run_counting_key_major(rank, world_size, cases, direct):
     # The cases' results, and how many backward calls took the key-major path on this rank.
+    # ``direct``: dQ summed straight into the reduce-scatter layout whatever the run lengths
+    # (by default only for long runs; these batches have short ones).
     import cp_modules.ops.cp_attention as ops
 
+    if direct:
+        ops.DIRECT_GRAD_MIN_ROWS_PER_RUN = 1
     inner, calls = ops.pcp_key_major_backward, []
 
     def counted(*args, **kwargs):
@@ -117,8 +121,8 @@ def _run_counting_key_major(rank, world_size, cases):
     return _run_cases(rank, world_size, cases), len(calls)
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_mla_key_major_backward(world_size):
+@pytest.mark.parametrize("world_size, direct", [(2, True), (4, True), (8, False)])
+def test_mla_key_major_backward(world_size, direct):
     # CP_MLA_BACKWARD=key_major: each rank's own keys' gradients from all-gathered Q, O, dO and
     # LSE, dQ reduce-scattered; padded chunks, requests shorter than 2 * pcp, tp x pcp.
     layouts = {2: [(1, 2)], 4: [(1, 4), (2, 2)], 8: [(1, 8)]}[world_size]
@@ -129,7 +133,7 @@ def test_mla_key_major_backward(world_size):
         for lens in ([21, 3, 9], [16, 8], [37, 2, 11, 16])
     ]  # fmt: skip
     results = run_distributed(
-        _run_counting_key_major, world_size, cases, timeout_s=900,
+        _run_counting_key_major, world_size, cases, direct, timeout_s=900,
         env={"CP_MLA_BACKWARD": "key_major"},
     )  # fmt: skip
     _assert_all_within([r[0] for r in results], cases)

@@ -212,3 +212,19 @@ def test_mla_layer_gradients_equal_on_both_paths(monkeypatch):
         grads[path] = torch.autograd.grad(y, leaves, gy)
     for a, b in zip(grads["key_major"], grads["query_major"]):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_dq_into_targets_equals_fresh_dq():
+    # dQ written straight into views of another buffer (as into the reduce-scatter layout).
+    lens, pcp = [21, 3, 9], 2
+    q, k, v, dout = _batch(lens, DIMS["MLA"])
+    out, lse, _ = _dense(q, k, v, dout, lens, 0.3)
+    plan = plan_pcp(lens, [0] * len(lens), pcp, 1)
+    args = (dout, q, out, lse, k[plan.token_indices], v[plan.token_indices], plan.segments_host)
+    dq, dk, dv = pcp_key_major_backward(*args, 0.3)
+    buf = torch.full((40, *q.shape[1:]), float("nan"), dtype=q.dtype)
+    targets = [(0, buf[30:40]), (10, buf[0:20]), (30, buf[20:23])]  # rows 0-9, 10-29, 30-32
+    none, dk2, dv2 = pcp_key_major_backward(*args, 0.3, dq_into=targets)
+    assert none is None and torch.equal(dk2, dk) and torch.equal(dv2, dv)
+    assert torch.equal(torch.cat([buf[30:40], buf[0:20], buf[20:23]]), dq)
+    assert buf[23:30].isnan().all()  # nothing outside the targets is written

@@ -91,7 +91,8 @@ def pcp_key_major_backward(
     scale: float,
     *,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq_into: list[tuple[int, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """One rank's key-major backward of causal attention over a batch of requests.
 
     Args:
@@ -101,6 +102,9 @@ def pcp_key_major_backward(
         segments: the rank's plan segments on the host (``PCPPlan.segments_host``): for each of
             its chunks, the local rows and the chunk's first row in batch order.
         scale: softmax scale.
+        dq_into: targets tiling the N rows of dQ (see :func:`sum_pieces_into`), e.g. views of
+            the reduce-scatter buffer, that receive dQ instead of a fresh tensor (dq is then
+            None).
 
     Returns:
         dq [N, Hq, Dqk]: the gradient of every query from this rank's keys (0 before its first
@@ -124,7 +128,7 @@ def pcp_key_major_backward(
         dq_p += [(first + a, x) for a, x in pq]
         dk_p.append((q0, gk))
         dv_p.append((q0, gv))
-    dq = sum_pieces_into(torch.empty_like(q), dq_p)
+    dq = sum_pieces_into(torch.empty_like(q) if dq_into is None else dq_into, dq_p)
     dk = sum_pieces_into(torch.empty_like(k), dk_p)
     dv = sum_pieces_into(torch.empty_like(v), dv_p)
-    return dq, dk, dv
+    return (dq if dq_into is None else None), dk, dv

@@ -83,6 +83,14 @@ def _scatter_grad(meta: CPStepMetadata, dx_full: torch.Tensor) -> torch.Tensor:
     return reduce_scatter(buf, rt.pcp_group, rt.pcp_size)
 
 
+def _gathered_rows_of(meta: CPStepMetadata, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """Targets (:func:`sum_pieces_into`) that put restored rows [N, ...] at their all-gathered
+    places in ``buf`` [P * T, ...] (the inverse of :func:`_gather`'s restore; padding places
+    are left to the caller)."""
+    runs = meta.plan.gather_runs_host.tolist()  # ok: host (CPU tensor)
+    return [(first, buf[g : g + n]) for first, g, n in runs]
+
+
 def _read_prefix(cache: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
     """Cached prefix rows of prefill requests, gathered from the DCP shards: [C, ...]."""
     flat = cache.flatten(0, 1)
@@ -524,13 +532,24 @@ def _mla_attention_backward(
             _gather(x.contiguous(), meta) for x in (q, out, dout, lse)
         )
         k, v = _up_project(latent, w_uk, w_uv, rk, q.shape[1])
-        dq_all, dk, dv = pcp_key_major_backward(
-            dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale
-        )
+        args = (dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale)
+        runs = meta.plan.gather_runs_host
+        if q_all.shape[0] >= DIRECT_GRAD_MIN_ROWS_PER_RUN * runs.shape[0]:
+            # dQ lands straight in the reduce-scatter's (all-gathered) layout.
+            rt = meta.runtime
+            buf = q.new_empty((rt.pcp_size * meta.num_local_tokens, *q.shape[1:]))
+            _, dk, dv = pcp_key_major_backward(*args, dq_into=_gathered_rows_of(meta, buf))
+            pad = meta.plan.gather_pad_index
+            if pad.numel():
+                buf.index_fill_(0, pad, 0.0)
+            dq = reduce_scatter(buf, rt.pcp_group, rt.pcp_size)
+        else:
+            dq_all, dk, dv = pcp_key_major_backward(*args)
+            dq = _scatter_grad(meta, dq_all)
         # The rank's own keys' gradients are complete: its latent rows' gradient needs no
         # collective; each rank's weight gradients cover its own keys (partial sums).
         d_latent, dw_uk, dw_uv = _up_project_backward(dk, dv, latent, w_uk, w_uv, rk)
-        return _scatter_grad(meta, dq_all), d_latent.contiguous(), dw_uk, dw_uv
+        return dq, d_latent.contiguous(), dw_uk, dw_uv
     latent_full = _gather(latent, meta)
     k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
