@@ -224,7 +224,9 @@ def test_dq_into_targets_equals_fresh_dq():
     dq, dk, dv = pcp_key_major_backward(*args, 0.3)
     buf = torch.full((40, *q.shape[1:]), float("nan"), dtype=q.dtype)
     targets = [(0, buf[30:40]), (10, buf[0:20]), (30, buf[20:23])]  # rows 0-9, 10-29, 30-32
-    none, dk2, dv2 = pcp_key_major_backward(*args, 0.3, dq_into=targets)
-    assert none is None and torch.equal(dk2, dk) and torch.equal(dv2, dv)
-    assert torch.equal(torch.cat([buf[30:40], buf[0:20], buf[20:23]]), dq)
-    assert buf[23:30].isnan().all()  # nothing outside the targets is written
+    for into in (targets, lambda: targets):  # the targets, or a function returning them
+        buf[:] = float("nan")
+        none, dk2, dv2 = pcp_key_major_backward(*args, 0.3, dq_into=into)
+        assert none is None and torch.equal(dk2, dk) and torch.equal(dv2, dv)
+        assert torch.equal(torch.cat([buf[30:40], buf[0:20], buf[20:23]]), dq)
+        assert buf[23:30].isnan().all()  # nothing outside the targets is written

@@ -20,6 +20,8 @@ query-major is as fast or faster (benchmarks/results/pcp-key-major-2026-11-30.js
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cp_modules.kernels.pcp_attention import (
@@ -29,6 +31,8 @@ from cp_modules.kernels.pcp_attention import (
     select_block_backend,
     sum_pieces_into,
 )
+
+Targets = list[tuple[int, torch.Tensor]]
 
 
 def tall_causal_backward(
@@ -91,7 +95,7 @@ def pcp_key_major_backward(
     scale: float,
     *,
     backend: str | None = None,
-    dq_into: list[tuple[int, torch.Tensor]] | None = None,
+    dq_into: Targets | Callable[[], Targets] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """One rank's key-major backward of causal attention over a batch of requests.
 
@@ -104,7 +108,8 @@ def pcp_key_major_backward(
         scale: softmax scale.
         dq_into: targets tiling the N rows of dQ (see :func:`sum_pieces_into`), e.g. views of
             the reduce-scatter buffer, that receive dQ instead of a fresh tensor (dq is then
-            None).
+            None); or a function returning them, called once the kernels are done, so that
+            their buffer does not sit beside the kernels' workspaces.
 
     Returns:
         dq [N, Hq, Dqk]: the gradient of every query from this rank's keys (0 before its first
@@ -128,6 +133,8 @@ def pcp_key_major_backward(
         dq_p += [(first + a, x) for a, x in pq]
         dk_p.append((q0, gk))
         dv_p.append((q0, gv))
+    if callable(dq_into):
+        dq_into = dq_into()
     dq = sum_pieces_into(torch.empty_like(q) if dq_into is None else dq_into, dq_p)
     dk = sum_pieces_into(torch.empty_like(k), dk_p)
     dv = sum_pieces_into(torch.empty_like(v), dv_p)

@@ -535,10 +535,16 @@ def _mla_attention_backward(
         args = (dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale)
         runs = meta.plan.gather_runs_host
         if q_all.shape[0] >= DIRECT_GRAD_MIN_ROWS_PER_RUN * runs.shape[0]:
-            # dQ lands straight in the reduce-scatter's (all-gathered) layout.
-            rt = meta.runtime
-            buf = q.new_empty((rt.pcp_size * meta.num_local_tokens, *q.shape[1:]))
-            _, dk, dv = pcp_key_major_backward(*args, dq_into=_gathered_rows_of(meta, buf))
+            # dQ lands straight in the reduce-scatter's (all-gathered) layout, allocated once
+            # the kernels are done.
+            rt, held = meta.runtime, []
+
+            def targets():
+                held.append(q.new_empty((rt.pcp_size * meta.num_local_tokens, *q.shape[1:])))
+                return _gathered_rows_of(meta, held[0])
+
+            _, dk, dv = pcp_key_major_backward(*args, dq_into=targets)
+            buf = held[0]
             pad = meta.plan.gather_pad_index
             if pad.numel():
                 buf.index_fill_(0, pad, 0.0)
