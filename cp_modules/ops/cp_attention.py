@@ -463,7 +463,7 @@ _mla_attention_with_cache.register_fake(_mla_fake)
 #   reduce-scatters dQ (H * (Dqk + 2 Dv) + 2 H + H * Dqk values a token, ~40 KiB at 32 heads
 #   against ~2.3 KB for the latent both ways), and up-projects and back-propagates only its
 #   own T rows.
-# On an H200 (bf16, 32 heads, one 32k sequence) key-major's attention took 1.08 / 1.10 / 1.21x
+# On an H200 (bf16, 32 heads, one 32k sequence) key-major's attention took 1.08 / 1.10-1.11 / 1.21x
 # dense/P at P = 2 / 4 / 8 against 1.26 / 1.51 / 1.59 (benchmarks/results/
 # pcp-key-major-2026-11-30.json); "auto" takes it on CUDA where cuDNN serves the shape and the
 # batch's chunks average at least KEY_MAJOR_MIN_ROWS rows (the measured range). Memory: key-major
@@ -512,6 +512,34 @@ def _up_project_backward(dk, dv, latent, w_uk, w_uv, rk):
     return d_latent, dw_uk, dw_uv
 
 
+def _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, rk):
+    """MLA's backward by key chunks (see :func:`mla_backward_path`): (dq, d_latent, dw_uk, dw_uv)."""
+    q_all, out_all, dout_all, lse_all = (_gather(x.contiguous(), meta) for x in (q, out, dout, lse))
+    k, v = _up_project(latent, w_uk, w_uv, rk, q.shape[1])
+    args = (dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale)
+    if q_all.shape[0] >= DIRECT_GRAD_MIN_ROWS_PER_RUN * meta.plan.gather_runs_host.shape[0]:
+        # dQ lands straight in the reduce-scatter's (all-gathered) layout, allocated once the
+        # kernels are done.
+        rt, held = meta.runtime, []
+
+        def targets():
+            held.append(q.new_empty((rt.pcp_size * meta.num_local_tokens, *q.shape[1:])))
+            return _gathered_rows_of(meta, held[0])
+
+        _, dk, dv = pcp_key_major_backward(*args, dq_into=targets)
+        pad = meta.plan.gather_pad_index
+        if pad.numel():
+            held[0].index_fill_(0, pad, 0.0)
+        dq = reduce_scatter(held[0], rt.pcp_group, rt.pcp_size)
+    else:
+        dq_all, dk, dv = pcp_key_major_backward(*args)
+        dq = _scatter_grad(meta, dq_all)
+    # The rank's own keys' gradients are complete: its latent rows' gradient needs no
+    # collective; each rank's weight gradients cover its own keys (partial sums).
+    d_latent, dw_uk, dw_uv = _up_project_backward(dk, dv, latent, w_uk, w_uv, rk)
+    return dq, d_latent.contiguous(), dw_uk, dw_uv
+
+
 @torch.library.custom_op("cp::mla_attention_backward", mutates_args=())
 def _mla_attention_backward(
     dout: torch.Tensor,
@@ -528,34 +556,7 @@ def _mla_attention_backward(
     _check_no_prefix_for_training(meta)
     rk = kv_lora_rank
     if mla_backward_path(meta, q, out) == "key_major":
-        q_all, out_all, dout_all, lse_all = (
-            _gather(x.contiguous(), meta) for x in (q, out, dout, lse)
-        )
-        k, v = _up_project(latent, w_uk, w_uv, rk, q.shape[1])
-        args = (dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale)
-        runs = meta.plan.gather_runs_host
-        if q_all.shape[0] >= DIRECT_GRAD_MIN_ROWS_PER_RUN * runs.shape[0]:
-            # dQ lands straight in the reduce-scatter's (all-gathered) layout, allocated once
-            # the kernels are done.
-            rt, held = meta.runtime, []
-
-            def targets():
-                held.append(q.new_empty((rt.pcp_size * meta.num_local_tokens, *q.shape[1:])))
-                return _gathered_rows_of(meta, held[0])
-
-            _, dk, dv = pcp_key_major_backward(*args, dq_into=targets)
-            buf = held[0]
-            pad = meta.plan.gather_pad_index
-            if pad.numel():
-                buf.index_fill_(0, pad, 0.0)
-            dq = reduce_scatter(buf, rt.pcp_group, rt.pcp_size)
-        else:
-            dq_all, dk, dv = pcp_key_major_backward(*args)
-            dq = _scatter_grad(meta, dq_all)
-        # The rank's own keys' gradients are complete: its latent rows' gradient needs no
-        # collective; each rank's weight gradients cover its own keys (partial sums).
-        d_latent, dw_uk, dw_uv = _up_project_backward(dk, dv, latent, w_uk, w_uv, rk)
-        return dq, d_latent.contiguous(), dw_uk, dw_uv
+        return _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, rk)
     latent_full = _gather(latent, meta)
     k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
