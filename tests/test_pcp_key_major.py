@@ -230,3 +230,31 @@ def test_dq_into_targets_equals_fresh_dq():
         assert none is None and torch.equal(dk2, dk) and torch.equal(dv2, dv)
         assert torch.equal(torch.cat([buf[30:40], buf[0:20], buf[20:23]]), dq)
         assert buf[23:30].isnan().all()  # nothing outside the targets is written
+
+
+def test_compiled_mla_training_on_the_key_major_path(monkeypatch):
+    # fullgraph compile of an MLA layer; its backward op runs key-major (opaque to the graph).
+    import cp_modules.ops.cp_attention as ops
+    from cp_modules.modules import CPMLAAttention, CPRuntime, build_step_metadata, cp_step
+
+    monkeypatch.setenv("CP_MLA_BACKWARD", "key_major")
+    calls, inner = [], ops.pcp_key_major_backward
+    monkeypatch.setattr(
+        ops, "pcp_key_major_backward", lambda *a, **k: calls.append(1) or inner(*a, **k)
+    )
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = CPMLAAttention(64, 4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                       qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    compiled = torch.compile(m, fullgraph=True, dynamic=True)
+    meta = build_step_metadata(CPRuntime.single(), [15, 8])
+    x = torch.randn(meta.num_local_tokens, 64)
+    grads = []
+    for fn in (m, compiled):
+        xl = x.clone().requires_grad_()
+        with cp_step(meta):
+            y = fn(xl, meta.positions)
+        grads.append(torch.autograd.grad(y.square().sum(), [xl, *m.parameters()]))
+    assert len(calls) == 2  # the eager and the compiled backward
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
