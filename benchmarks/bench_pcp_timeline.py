@@ -1,0 +1,183 @@
+"""Where one PCP rank's attention time goes on the GPU, in steady state.
+
+``bench_pcp.py`` and ``bench_pcp_key_major.py`` time a rank's head/tail attention with
+``triton.testing.do_bench``: an L2 flush, then the call, many times over with no host
+synchronisation in between. This script repeats that pattern under the torch profiler and splits
+each call's GPU time (from the end of the flush to the call's last kernel) into:
+- busy time (the union of all kernels on all streams) and idle time (the GPU waiting, e.g. on
+  the host's launches or on a stream dependency);
+- kernel classes: cuDNN's attention kernels, its per-call dO·O and dQ conversion kernels,
+  gradient sums, copies and fills, the LSE merge.
+
+Ratios are over (dense cuDNN causal time / P) as in ``bench_pcp.py``. Idle time near zero means
+that a rank's excess over dense / P is kernel work, not launch overhead.
+
+    python benchmarks/bench_pcp_timeline.py [--shapes mha-32k gqa-32k mla-32k] [--pcp 8]
+
+MLA's backward is timed on its training path (key-major, ``pcp_key_major_backward``).
+Writes ``benchmarks/results/pcp-timeline-<date>.json`` (under ``--out`` if given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import pathlib
+import sys
+import tempfile
+
+import torch
+from triton.testing import do_bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_pcp import SHAPES, median, rank_fns  # noqa: E402
+from results_file import write_results  # noqa: E402
+
+from cp_modules.kernels.pcp_attention import (  # noqa: E402
+    attention_block_backward,
+    attention_block_forward,
+)
+from cp_modules.kernels.pcp_key_major import pcp_key_major_backward  # noqa: E402
+from cp_modules.partition import plan_pcp  # noqa: E402
+
+REPS = 12
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def kernel_class(name: str) -> str:
+    if "dot_do_o" in name:
+        return "cudnn_dO_dot_O"
+    if "convert_dq" in name:
+        return "cudnn_dq_convert"
+    if "cudnn" in name or "sdpa" in name or "fmha" in name or "flash" in name:
+        return "cudnn_attention"
+    if "merge" in name:
+        return "lse_merge"
+    if "Memcpy" in name or "copy" in name.lower():
+        return "copy"
+    if "Memset" in name or "Fill" in name:
+        return "fill"
+    if "add" in name.lower() or "sum_rows" in name:
+        return "gradient_sum"
+    return "other"
+
+
+def timeline(fn) -> dict:
+    """Median over ``REPS`` do_bench-style calls of (span, busy) in microseconds and the kernel
+    time by class."""
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")  # do_bench's 256 MB
+    marker = torch.ones(1, dtype=torch.float64, device="cuda")  # the only float64 kernel
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPS):
+            flush.zero_()
+            marker.mul_(1.0)
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    ev = sorted((e for e in events if e.get("cat") in GPU_EVENTS), key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(ev) if "double" in e["name"]]
+    calls = []
+    # Each call: the kernels after its marker and before the next call's flush.
+    for a, b in zip(marks[1:-1], marks[2:]):
+        body = ev[a + 1 : b - 1]
+        t0 = ev[a]["ts"] + ev[a]["dur"]
+        t1 = max(e["ts"] + e["dur"] for e in body)
+        busy, (cs, ce) = 0.0, (t0, t0)
+        for s, e in sorted((e["ts"], e["ts"] + e["dur"]) for e in body):
+            if s > ce:
+                busy += ce - cs
+                cs, ce = s, e
+            else:
+                ce = max(ce, e)
+        busy += ce - cs
+        by = collections.defaultdict(float)
+        for e in body:
+            by[kernel_class(e["name"])] += e["dur"]
+        calls.append({"span_us": t1 - t0, "busy_us": busy, "kernels": len(body), "by_class_us": by})
+    return sorted(calls, key=lambda c: c["span_us"])[len(calls) // 2]
+
+
+def bench_shape(name: str, pcps: list[int]) -> dict:
+    S, hq, hkv, dqk, dv = SHAPES[name]
+    scale = dqk**-0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(S, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+        for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
+    )
+    dout = torch.randn(S, hq, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+    out, lse = attention_block_forward(q, k, v, scale=scale, causal=True)
+
+    def dense_fwd():
+        return attention_block_forward(q, k, v, scale=scale, causal=True)
+
+    def dense_bwd():
+        return attention_block_backward(dout, q, k, v, out, lse, scale=scale, causal=True)
+
+    t_fwd = median([do_bench(dense_fwd, return_mode="median") for _ in range(3)])
+    t_bwd = median([do_bench(dense_bwd, return_mode="median") for _ in range(3)])
+    res = {"dense_ms": {"fwd": t_fwd, "bwd": t_bwd}, "dense_bwd": timeline(dense_bwd), "pcp": {}}
+    print(f"[{name}] dense fwd {t_fwd:.2f} ms, bwd {t_bwd:.2f} ms", flush=True)
+    for P in pcps:
+        for r in sorted({0, P - 1}):
+            plan = plan_pcp([S], [0], P, r, device="cuda")
+            fwd, bwd, _ = rank_fns(plan, q, k, v, dout, scale)
+            if name.startswith("mla"):
+                kl, vl = k[plan.token_indices], v[plan.token_indices]
+                bwd = functools.partial(
+                    pcp_key_major_backward, dout, q, out, lse, kl, vl, plan.segments_host, scale
+                )
+            for what, fn, dense in (("fwd", fwd, t_fwd), ("bwd", bwd, t_bwd)):
+                ideal_us = dense / P * 1e3
+                ms = median([do_bench(fn, return_mode="median") for _ in range(3)])
+                tl = timeline(fn)
+                entry = {
+                    "do_bench_ratio": ms * 1e3 / ideal_us,
+                    "span_ratio": tl["span_us"] / ideal_us,
+                    "busy_ratio": tl["busy_us"] / ideal_us,
+                    "idle_us": tl["span_us"] - tl["busy_us"],
+                    "class_ratio": {c: t / ideal_us for c, t in tl["by_class_us"].items()},
+                    **tl,
+                }
+                res["pcp"][f"P{P}-rank{r}-{what}"] = entry
+                classes = ", ".join(
+                    f"{c} {x:.3f}"
+                    for c, x in sorted(entry["class_ratio"].items(), key=lambda kv: -kv[1])
+                )
+                print(
+                    f"[{name}] P={P} rank {r} {what}: do_bench {entry['do_bench_ratio']:.3f}, "
+                    f"span {entry['span_ratio']:.3f}, busy {entry['busy_ratio']:.3f} x dense/P "
+                    f"(idle {entry['idle_us']:.0f} us); {classes}",
+                    flush=True,
+                )
+    return res
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["mha-32k", "gqa-32k", "mla-32k"],
+                        choices=list(SHAPES))  # fmt: skip
+    parser.add_argument("--pcp", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    metrics = {name: bench_shape(name, args.pcp) for name in args.shapes}
+    path = write_results("pcp-timeline", metrics, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
