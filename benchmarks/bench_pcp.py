@@ -161,15 +161,21 @@ def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
-def bench_shape(name, pcps, check_only=False):
+def shape_inputs(name: str, device: str = DEVICE):
+    """Seeded bf16 (q, k, v, dout) of one long sequence of shape ``name``, and its scale."""
     S, hq, hkv, dqk, dv = SHAPES[name]
-    scale = dqk**-0.5
-    g = torch.Generator(device=DEVICE).manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
-        torch.randn(S, h, d, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        torch.randn(S, h, d, device=device, generator=g, dtype=torch.bfloat16)
         for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
     )
-    dout = torch.randn(S, hq, dv, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    dout = torch.randn(S, hq, dv, device=device, generator=g, dtype=torch.bfloat16)
+    return q, k, v, dout, dqk**-0.5
+
+
+def bench_shape(name, pcps, check_only=False):
+    S, hq, hkv, dqk, dv = SHAPES[name]
+    q, k, v, dout, scale = shape_inputs(name)
     backend = select_block_backend(q, k, v, True)
     res = {"S": S, "Hq": hq, "Hkv": hkv, "Dqk": dqk, "Dv": dv, "dense_backend": backend}
     print(f"[{name}] dense backend: {backend}", flush=True)

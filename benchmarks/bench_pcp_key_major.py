@@ -40,7 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_pcp import SHAPES, max_err, median, rank_fns, reference  # noqa: E402
+from bench_pcp import SHAPES, max_err, median, rank_fns, reference, shape_inputs  # noqa: E402
 from results_file import write_results  # noqa: E402
 
 from cp_modules.kernels.pcp_attention import (  # noqa: E402
@@ -88,13 +88,7 @@ def bytes_per_token(hq, hkv, dqk, dv) -> dict[str, int]:
 
 def bench_shape(name, pcps):
     S, hq, hkv, dqk, dv = SHAPES[name]
-    scale = dqk**-0.5
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(S, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
-        for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
-    )
-    dout = torch.randn(S, hq, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v, dout, scale = shape_inputs(name)
     backend = select_block_backend(q, k, v, True)
     res = {"S": S, "Hq": hq, "Hkv": hkv, "Dqk": dqk, "Dv": dv, "backend": backend}
     res["bytes_per_token"] = bytes_per_token(hq, hkv, dqk, dv)

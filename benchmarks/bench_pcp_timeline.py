@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_pcp import SHAPES, median, rank_fns  # noqa: E402
+from bench_pcp import SHAPES, median, rank_fns, shape_inputs  # noqa: E402
 from results_file import write_results  # noqa: E402
 
 from cp_modules.kernels.pcp_attention import (  # noqa: E402
@@ -108,14 +108,7 @@ def timeline(fn) -> dict:
 
 
 def bench_shape(name: str, pcps: list[int]) -> dict:
-    S, hq, hkv, dqk, dv = SHAPES[name]
-    scale = dqk**-0.5
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(S, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
-        for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
-    )
-    dout = torch.randn(S, hq, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v, dout, scale = shape_inputs(name)
     out, lse = attention_block_forward(q, k, v, scale=scale, causal=True)
 
     def dense_fwd():
@@ -130,7 +123,7 @@ def bench_shape(name: str, pcps: list[int]) -> dict:
     print(f"[{name}] dense fwd {t_fwd:.2f} ms, bwd {t_bwd:.2f} ms", flush=True)
     for P in pcps:
         for r in sorted({0, P - 1}):
-            plan = plan_pcp([S], [0], P, r, device="cuda")
+            plan = plan_pcp([q.shape[0]], [0], P, r, device="cuda")
             fwd, bwd, _ = rank_fns(plan, q, k, v, dout, scale)
             if name.startswith("mla"):
                 kl, vl = k[plan.token_indices], v[plan.token_indices]
