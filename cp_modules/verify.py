@@ -3,7 +3,7 @@
     python -m cp_modules.verify --world-size 4 --tp 2 --pcp 2 --dcp 2 --dcp-comm-backend a2a \
         --attention {gqa,mla} --mode {train,prefill,decode,mixed} [--seq-lens 1000,37,5] \
         [--decode-steps 8] [--dtype float32] [--interleave 1] [--block-size 16] [--compile] \
-        [--seed 0] [--json]
+        [--widths {tiny,model}] [--seed 0] [--json]
 
 Ranks are spawned on this machine (gloo on CPU, NCCL with one GPU per rank when CUDA has
 enough devices). Every rank builds the same seeded layer, shards it with tensor parallelism,
@@ -42,6 +42,7 @@ class VerifyArgs:
     seed: int = 0
     packed_a2a: bool = True
     num_kv_heads: int | None = None
+    widths: str = "tiny"
 
 
 # fp32/fp64: absolute bound on |parallel - single process|. bf16/fp16 use the 2x rule instead
@@ -49,17 +50,38 @@ class VerifyArgs:
 TOLERANCE = {"float32": 2e-4, "float64": 1e-9}
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
-# Tiny layer shapes (CPU-friendly; the GPU benchmarks use real model shapes).
-GQA_SHAPE = dict(hidden_size=64, num_heads=8, head_dim=16)
-MLA_SHAPE = dict(
-    hidden_size=64, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-    qk_rope_head_dim=16, v_head_dim=16,
-)
+# Layer widths. "tiny" keeps the check quick on CPUs. "model" has real models' head dims
+# (Llama's 128; DeepSeek-V3's MLA 128 + 64 / 128 over a 512-wide latent) with 8 heads, so on a
+# GPU the check runs the kernels those models run; its projections are also wide enough that
+# cuBLAS's bf16 GEMMs stay at bf16 rounding (benchmarks/probe_wgrad_gemm.py: outputs of 256
+# or fewer rows lose accuracy at a few token counts).
+WIDTHS = ("tiny", "model")
+GQA_SHAPES = {
+    "tiny": dict(hidden_size=64, num_heads=8, head_dim=16),
+    "model": dict(hidden_size=1024, num_heads=8, head_dim=128),
+}
+MLA_SHAPES = {
+    "tiny": dict(
+        hidden_size=64, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16,
+    ),
+    "model": dict(
+        hidden_size=1024, num_heads=8, q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128,
+    ),
+}
+
+
+def _shape(a: VerifyArgs) -> dict:
+    if a.widths not in WIDTHS:
+        raise ValueError(f"--widths must be one of {WIDTHS}, got {a.widths!r}")
+    return (GQA_SHAPES if a.attention == "gqa" else MLA_SHAPES)[a.widths]
 
 
 def _config(a: VerifyArgs):
     from cp_modules.config import ParallelConfig
 
+    _shape(a)
     if a.tp * a.pcp != a.world_size:
         raise ValueError(
             f"--world-size {a.world_size} must equal tp*pcp = {a.tp}*{a.pcp} (dp = pp = 1 here)"
@@ -73,12 +95,13 @@ def _config(a: VerifyArgs):
 
 def _kv_heads(a: VerifyArgs, cfg) -> int:
     """The most KV heads (<= 4) the configuration can serve, unless given."""
+    heads = GQA_SHAPES[a.widths]["num_heads"]
     if a.num_kv_heads is not None:
-        cfg.validate_heads(GQA_SHAPE["num_heads"], a.num_kv_heads)
+        cfg.validate_heads(heads, a.num_kv_heads)
         return a.num_kv_heads
     for kv in (4, 2, 1):
         try:
-            cfg.validate_heads(GQA_SHAPE["num_heads"], kv)
+            cfg.validate_heads(heads, kv)
             return kv
         except ValueError:
             continue
@@ -90,10 +113,10 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
 
     torch.manual_seed(a.seed)
     if a.attention == "gqa":
-        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, **GQA_SHAPE)
+        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, **_shape(a))
     elif a.attention == "mla":
-        cfg.validate_heads(MLA_SHAPE["num_heads"], None)
-        layer = CPMLAAttention(**MLA_SHAPE)
+        cfg.validate_heads(_shape(a)["num_heads"], None)
+        layer = CPMLAAttention(**_shape(a))
     else:
         raise ValueError(f"--attention must be 'gqa' or 'mla', got {a.attention!r}")
     return layer.to(dtype)
@@ -178,7 +201,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
 
     # Inputs: identical on every rank (same seed), one [N, hidden] tensor per step.
     g = torch.Generator().manual_seed(a.seed + 1)
-    hidden = GQA_SHAPE["hidden_size"]
+    hidden = _shape(a)["hidden_size"]
     inputs = [torch.randn(sum(new), hidden, generator=g).to(dtype) for new, _ in steps]
     grad_w = [torch.randn(sum(new), hidden, generator=g).to(dtype) for new, _ in steps]
 
@@ -393,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-heads", type=int, default=None)
     p.add_argument("--unpacked-a2a", action="store_true", help="two all-to-alls instead of one")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--widths", default="tiny", choices=list(WIDTHS),
+                   help="layer widths: tiny (quick on CPUs) or model (real head dims, for GPUs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--sweep", action="store_true",
@@ -408,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         dcp_comm_backend=ns.dcp_comm_backend, attention=ns.attention, mode=ns.mode,
         seq_lens=seq_lens, decode_steps=ns.decode_steps, dtype=ns.dtype, interleave=ns.interleave,
         block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
-        packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads,
+        packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads, widths=ns.widths,
     )
     if ns.sweep:
         summary = run_sweep(a)

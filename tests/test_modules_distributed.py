@@ -93,6 +93,24 @@ def test_varlen_path_world4_pcp4():
     _assert_all_within(results, cases)
 
 
+def test_model_widths_world2():
+    # The self-check's "model" widths (real head dims, 1024-wide projections), as run on GPUs.
+    cases = [
+        VerifyArgs(world_size=2, tp=tp, pcp=pcp, dcp=dcp, attention=att, mode=mode,
+                   seq_lens=[21, 3, 9], decode_steps=2, block_size=4, widths="model")
+        for att in ("gqa", "mla")
+        for tp, pcp, dcp, mode in ((1, 2, 1, "train"), (2, 1, 2, "mixed"))
+    ]
+    _assert_all_within(run_distributed(_run_cases, 2, cases, timeout_s=900), cases)
+
+
+def test_unknown_widths_are_refused_before_spawning():
+    from cp_modules.verify import run_verify
+
+    with pytest.raises(ValueError, match=r"--widths must be one of \('tiny', 'model'\), got 'huge'"):
+        run_verify(VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, widths="huge"))
+
+
 def test_training_pcp2_tp2_and_pcp4():
     cases = [
         VerifyArgs(world_size=4, tp=tp, pcp=pcp, dcp=1, attention=att, mode="train",
