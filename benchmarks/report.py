@@ -31,6 +31,7 @@ KINDS = (
     "pcp-new-shapes",
     "pcp-key-major",
     "mla-train-paths",
+    "pcp-timeline",
 )
 # (query heads, Dqk, Dv) of bench_modules.py's layers, for their FLOPs per segment.
 LAYER_DIMS = {
@@ -282,6 +283,24 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
                 f"{e['key_major_speedup']:.3f} | {pk['query_major']:.0f} / {pk['key_major']:.0f} | "
                 f"{e['grad_rel_diff']:.1e} |")
         lines += [""] + [f"Note: {n}." for n in r["mla-train-paths"].get("notes", [])]
+    tl = r.get("pcp-timeline", {}).get("metrics", {})
+    if tl:
+        lines += ["", "## Where a PCP rank's time goes (steady state, bf16)", "",
+                  "bench_pcp_timeline.py: a rank's call in do_bench's pattern under the profiler; "
+                  "ratios over dense / P. Busy: the union of all kernels on all streams; idle: the "
+                  "rest of the call's GPU span. MLA's backward is its key-major training path.", "",
+                  "| shape | case | do_bench | busy | idle us | cuDNN attention | dO·O + dQ convert | "
+                  "sums, copies, fills | LSE merge |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for shape, sv in tl.items():
+            for case, e in sv.get("pcp", {}).items():
+                c = e["class_ratio"]
+                per_row = c.get("cudnn_dO_dot_O", 0) + c.get("cudnn_dq_convert", 0)
+                assembly = c.get("gradient_sum", 0) + c.get("copy", 0) + c.get("fill", 0)
+                lines.append(
+                    f"| {shape} | {case} | {e['do_bench_ratio']:.3f} | {e['busy_ratio']:.3f} | "
+                    f"{e['idle_us']:.0f} | {c.get('cudnn_attention', 0):.3f} | {per_row:.3f} | "
+                    f"{assembly:.3f} | {c.get('lse_merge', 0):.3f} |")
     heads = r.get("decode", {}).get("metrics", {}).get("mla_heads", [])
     if heads:
         lines += ["", "## MLA decode by query heads per GPU (bf16, CUDA graph)", "",
