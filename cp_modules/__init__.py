@@ -16,8 +16,9 @@ from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.lse_combine import lse_combine, lse_combine_packed
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
+from cp_modules.ops.pcp_attention import pcp_prefill_attention
 from cp_modules.ops.pcp_select import pcp_select
-from cp_modules.partition import PCPPlan, pcp_gather_restore, pcp_prefill_attention, plan_pcp
+from cp_modules.partition import PCPPlan, pcp_gather_restore, plan_pcp
 
 __all__ = [
     "CPFlashAttention",

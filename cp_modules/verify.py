@@ -43,6 +43,16 @@ class VerifyArgs:
     packed_a2a: bool = True
     num_kv_heads: int | None = None
     widths: str = "tiny"
+    mla_backward: str = "auto"
+    pcp_varlen: str = "auto"
+    policy_changes: dict = field(default_factory=dict)  # other CPPolicy fields
+
+    def policy(self):
+        """The :class:`~cp_modules.policy.CPPolicy` of these choices (raises on bad values)."""
+        from cp_modules.policy import CPPolicy
+
+        return CPPolicy(mla_backward=self.mla_backward, pcp_varlen=self.pcp_varlen,
+                        **self.policy_changes)  # fmt: skip
 
 
 # fp32/fp64: absolute bound on |parallel - single process|. bf16/fp16 use the 2x rule instead
@@ -195,7 +205,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     cfg = _config(a)
     groups = init_cp_groups(cfg)
-    runtime = CPRuntime.from_groups(groups, packed_a2a=a.packed_a2a)
+    runtime = CPRuntime.from_groups(groups, packed_a2a=a.packed_a2a, policy=a.policy())
     steps = _steps(a)
     train = a.mode == "train"
 
@@ -226,7 +236,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
             layer = apply_tensor_parallel(layer, groups.mesh["tp"], cfg)
             rt = runtime
         else:
-            rt = CPRuntime.single()
+            rt = CPRuntime.single(policy=a.policy())
         if not train:
             layer.kv_cache = _allocate_cache(layer, num_blocks, a.block_size, run_dtype, device)
         fn = layer
@@ -418,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--widths", default="tiny", choices=list(WIDTHS),
                    help="layer widths: tiny (quick on CPUs) or model (real head dims, for GPUs)")
+    p.add_argument("--mla-backward", default="auto", choices=["auto", "key_major", "query_major"],
+                   help="MLA's training backward path (CPPolicy.mla_backward)")
+    p.add_argument("--pcp-varlen", default="auto", choices=["auto", "always", "never"],
+                   help="PCP prefill path: blocks or one varlen call (CPPolicy.pcp_varlen)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--sweep", action="store_true",
@@ -434,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_lens=seq_lens, decode_steps=ns.decode_steps, dtype=ns.dtype, interleave=ns.interleave,
         block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
         packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads, widths=ns.widths,
+        mla_backward=ns.mla_backward, pcp_varlen=ns.pcp_varlen,
     )
     if ns.sweep:
         summary = run_sweep(a)

@@ -182,7 +182,7 @@ def test_wrong_number_of_local_tokens(gqa):
 
 
 def test_no_step_is_a_clear_error(gqa):
-    import cp_modules.modules.context as ctx
+    import cp_modules.step as ctx
 
     saved, ctx._CURRENT = ctx._CURRENT, None
     try:

@@ -125,10 +125,12 @@ def _run_counting_key_major(rank, world_size, cases, direct):
     # The cases' results, and how many backward calls took the key-major path on this rank.
     # ``direct``: dQ summed straight into the reduce-scatter layout whatever the run lengths
     # (by default only for long runs; these batches have short ones).
+    import dataclasses
+
     import cp_modules.ops.cp_attention as ops
 
     if direct:
-        ops.DIRECT_GRAD_MIN_ROWS_PER_RUN = 1
+        cases = [dataclasses.replace(c, policy_changes={"direct_grad_min_rows_per_run": 1}) for c in cases]
     inner, calls = ops.pcp_key_major_backward, []
 
     def counted(*args, **kwargs):
@@ -141,18 +143,17 @@ def _run_counting_key_major(rank, world_size, cases, direct):
 
 @pytest.mark.parametrize("world_size, direct", [(2, True), (4, True), (8, False)])
 def test_mla_key_major_backward(world_size, direct):
-    # CP_MLA_BACKWARD=key_major: each rank's own keys' gradients from all-gathered Q, O, dO and
+    # policy.mla_backward = key_major: each rank's own keys' gradients from all-gathered Q, O, dO and
     # LSE, dQ reduce-scattered; padded chunks, requests shorter than 2 * pcp, tp x pcp.
     layouts = {2: [(1, 2)], 4: [(1, 4), (2, 2)], 8: [(1, 8)]}[world_size]
     cases = [
         VerifyArgs(world_size=world_size, tp=tp, pcp=pcp, dcp=1, attention="mla", mode="train",
-                   seq_lens=lens)
+                   seq_lens=lens, mla_backward="key_major")
         for tp, pcp in layouts
         for lens in ([21, 3, 9], [16, 8], [37, 2, 11, 16])
     ]  # fmt: skip
     results = run_distributed(
         _run_counting_key_major, world_size, cases, direct, timeout_s=900,
-        env={"CP_MLA_BACKWARD": "key_major"},
     )  # fmt: skip
     _assert_all_within([r[0] for r in results], cases)
     assert all(r[1] >= len(cases) for r in results), [r[1] for r in results]

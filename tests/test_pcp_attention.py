@@ -28,7 +28,8 @@ from cp_modules.kernels.pcp_attention import (
     sum_rows_triton,
 )
 from cp_modules.ops.cp_attention import _gathered_targets
-from cp_modules.partition import pcp_prefill_attention, plan_pcp
+from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.partition import plan_pcp
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
     attention_with_lse_backward,

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from cp_modules.distributed.collectives import all_reduce
-from cp_modules.partition import pcp_gather_restore, pcp_prefill_attention, plan_pcp
+from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.partition import pcp_gather_restore, plan_pcp
 from cp_modules.testing import run_distributed
 from cp_modules.testing.numerics import max_abs_err
 from cp_modules.testing.pcp import dense_prefill_attention

@@ -16,6 +16,7 @@ from cp_modules.kernels.pcp_key_major import (
     tall_causal_backward,
 )
 from cp_modules.partition import plan_pcp
+from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import attention_with_lse, attention_with_lse_backward
 from cp_modules.testing.numerics import max_abs_err
 
@@ -147,31 +148,32 @@ def test_gpu_kernels_equal_reference(pcp, dims):
 # ------------------------------------------------------------ MLA's choice of backward path
 
 
-def _meta(pcp, lens, rank=0):
+KEY_MAJOR_MIN_ROWS = CPPolicy().key_major_min_rows
+
+
+def _meta(pcp, lens, rank=0, policy=None):
     plan = plan_pcp(lens, [0] * len(lens), pcp, rank)
-    return SimpleNamespace(runtime=SimpleNamespace(pcp_size=pcp), plan=plan)
+    runtime = SimpleNamespace(pcp_size=pcp, policy=policy or CPPolicy())
+    return SimpleNamespace(runtime=runtime, plan=plan)
 
 
-def test_mla_backward_path_choice(monkeypatch):
-    from cp_modules.ops.cp_attention import KEY_MAJOR_MIN_ROWS, mla_backward_path
+def test_mla_backward_path_choice():
+    from cp_modules.ops.cp_attention import mla_backward_path
 
     q, out = torch.zeros(4, 2, 12), torch.zeros(4, 2, 8)
-    monkeypatch.delenv("CP_MLA_BACKWARD", raising=False)
     # auto: query-major off CUDA, whatever the chunk lengths.
     assert mla_backward_path(_meta(4, [8 * KEY_MAJOR_MIN_ROWS] * 2), q, out) == "query_major"
     for forced in ("key_major", "query_major"):
-        monkeypatch.setenv("CP_MLA_BACKWARD", forced)
-        assert mla_backward_path(_meta(1, [3]), q, out) == forced
-    monkeypatch.setenv("CP_MLA_BACKWARD", "keymajor")
-    with pytest.raises(ValueError, match=r"CP_MLA_BACKWARD must be one of \['auto', 'key_major'"):
-        mla_backward_path(_meta(2, [3]), q, out)
+        meta = _meta(1, [3], policy=CPPolicy(mla_backward=forced))
+        assert mla_backward_path(meta, q, out) == forced
+    with pytest.raises(ValueError, match=r"mla_backward must be one of \['auto', 'key_major'"):
+        CPPolicy(mla_backward="keymajor")
 
 
 @pytest.mark.gpu
-def test_gpu_mla_backward_path_auto(monkeypatch):
-    from cp_modules.ops.cp_attention import KEY_MAJOR_MIN_ROWS, mla_backward_path
+def test_gpu_mla_backward_path_auto():
+    from cp_modules.ops.cp_attention import mla_backward_path
 
-    monkeypatch.delenv("CP_MLA_BACKWARD", raising=False)
     q = torch.zeros(8, 4, 192, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
     long = [4 * KEY_MAJOR_MIN_ROWS, 4 * KEY_MAJOR_MIN_ROWS + 8]
@@ -185,14 +187,14 @@ def test_gpu_mla_backward_path_auto(monkeypatch):
 def test_long_chunks_is_the_same_on_every_rank():
     # The ranks' own rows differ (here rank 0's tail chunk is short: 2048 and 1948 real rows,
     # rank 1's 2048 and 2048), but the two paths' collectives differ, so the choice must not.
-    from cp_modules.ops.cp_attention import KEY_MAJOR_MIN_ROWS, _long_chunks
+    from cp_modules.ops.cp_attention import _long_chunks
 
     for n, want in ((4 * KEY_MAJOR_MIN_ROWS - 100, False), (4 * KEY_MAJOR_MIN_ROWS, True)):
         plans = [plan_pcp([n], [0], 2, r) for r in (0, 1)]
-        assert [_long_chunks(p) for p in plans] == [want, want]
+        assert [_long_chunks(p, KEY_MAJOR_MIN_ROWS) for p in plans] == [want, want]
 
 
-def test_mla_layer_gradients_equal_on_both_paths(monkeypatch):
+def test_mla_layer_gradients_equal_on_both_paths():
     # One process (P = 1): the key-major backward of a whole MLA layer equals the query-major one.
     from cp_modules.modules import CPMLAAttention, CPRuntime, build_step_metadata, cp_step
 
@@ -200,11 +202,13 @@ def test_mla_layer_gradients_equal_on_both_paths(monkeypatch):
     m = CPMLAAttention(64, 4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                        qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
     x = torch.randn(23, 64)
-    meta = build_step_metadata(CPRuntime.single(), [12, 3, 8])
-    gy = torch.randn(meta.token_indices.shape[0], 64)
+    gy = None
     grads = {}
     for path in ("query_major", "key_major"):
-        monkeypatch.setenv("CP_MLA_BACKWARD", path)
+        runtime = CPRuntime.single(policy=CPPolicy(mla_backward=path))
+        meta = build_step_metadata(runtime, [12, 3, 8])
+        if gy is None:
+            gy = torch.randn(meta.token_indices.shape[0], 64)
         xl = x[meta.token_indices].clone().requires_grad_()
         with cp_step(meta):
             y = m(xl, meta.positions)
@@ -237,7 +241,6 @@ def test_compiled_mla_training_on_the_key_major_path(monkeypatch):
     import cp_modules.ops.cp_attention as ops
     from cp_modules.modules import CPMLAAttention, CPRuntime, build_step_metadata, cp_step
 
-    monkeypatch.setenv("CP_MLA_BACKWARD", "key_major")
     calls, inner = [], ops.pcp_key_major_backward
     monkeypatch.setattr(
         ops, "pcp_key_major_backward", lambda *a, **k: calls.append(1) or inner(*a, **k)
@@ -247,7 +250,8 @@ def test_compiled_mla_training_on_the_key_major_path(monkeypatch):
     m = CPMLAAttention(64, 4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                        qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
     compiled = torch.compile(m, fullgraph=True, dynamic=True)
-    meta = build_step_metadata(CPRuntime.single(), [15, 8])
+    runtime = CPRuntime.single(policy=CPPolicy(mla_backward="key_major"))
+    meta = build_step_metadata(runtime, [15, 8])
     x = torch.randn(meta.num_local_tokens, 64)
     grads = []
     for fn in (m, compiled):

@@ -28,8 +28,8 @@ from cp_modules.distributed.collectives import all_gather
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.modules.attention import CPFlashAttention
-from cp_modules.modules.context import CPRuntime, build_step_metadata, cp_step
 from cp_modules.modules.hf_swap import cp_attention_layers
+from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
 __all__ = ["GenerationEngine", "GenerationResult", "GenerationStats"]
 

@@ -6,7 +6,7 @@ from cp_modules.modules.attention import (
     RMSNorm,
     apply_tensor_parallel,
 )
-from cp_modules.modules.context import (
+from cp_modules.step import (
     CPRuntime,
     CPStepMetadata,
     build_step_metadata,

@@ -3,7 +3,7 @@
 Both own their projections like the attention layers users know (Llama's q/k/v/o_proj,
 DeepSeek-V2/V3's q_a/q_b/kv_a/kv_b/o_proj, same names and shapes, so weights load as they
 are) and run on this rank's local tokens ``[T, hidden]`` at true ``positions [T]`` for the
-step set by :func:`~cp_modules.modules.context.cp_step`.
+step set by :func:`~cp_modules.step.cp_step`.
 
 Tensor parallelism uses PyTorch's own API: :func:`apply_tensor_parallel` shards the
 projections with ``parallelize_module`` (column-wise q/k/v or q_b/kv_b, row-wise o_proj) on the

@@ -5,7 +5,7 @@ differentiable) is the whole attention of one layer after its projections (and R
 restore of the new K/V (or MLA latent), the KV-cache write, DualChunkSwap head/tail attention
 over the new tokens plus the cached prefix (gathered from the DCP shards), and the paged decode
 path with the DCP combine for decode tokens. The step's metadata comes from
-:func:`cp_modules.modules.context.current_step`, so traced code sees only q/k/v/caches: the op
+:func:`cp_modules.step.current_step`, so traced code sees only q/k/v/caches: the op
 is the single split point of piecewise compilation and a new batch composition never
 recompiles.
 
@@ -23,8 +23,6 @@ gradients of its own keys from all-gathered Q, O, dO and LSE, and reduce-scatter
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cp_modules.distributed.collectives import all_gather, reduce_scatter
@@ -33,11 +31,11 @@ from cp_modules.kernels.pcp_attention import (
     select_block_backend,
 )
 from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
-from cp_modules.modules.context import CPStepMetadata, current_step
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
 __all__ = ["gqa_attention", "mla_attention"]
 
@@ -124,11 +122,14 @@ def _check_cache(meta: CPStepMetadata, kv: torch.Tensor, *caches: torch.Tensor) 
             )
 
 
-def _check_no_prefix_for_training(meta: CPStepMetadata) -> None:
+def _check_trainable(meta: CPStepMetadata) -> None:
+    """A cache-less forward attends new tokens only: refuse steps with cached prefixes or
+    decode requests (they need the KV cache) before any collective."""
     if meta.has_prefix or meta.has_decode:
-        raise RuntimeError(
-            "the backward of context-parallel attention covers new tokens only: train on "
-            "batches without a cached prefix or decode requests"
+        raise ValueError(
+            "attention without a KV cache covers new tokens only: this step has cached "
+            "prefixes or decode requests; pass the layer's KV cache (inference) or train on "
+            "batches of new tokens"
         )
 
 
@@ -190,9 +191,13 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
 @torch.library.custom_op("cp::gqa_attention", mutates_args=())
 def _gqa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`)."""
     empty = q.new_empty(0)
-    return _gqa_forward(q, k, v, empty, empty, scale)
+    meta = current_step()
+    _check_trainable(meta)
+    out, lse = _gqa_forward(q, k, v, empty, empty, scale)
+    return out, lse, step_handle(meta)
 
 
 @torch.library.custom_op("cp::gqa_attention_with_cache", mutates_args=("k_cache", "v_cache"))
@@ -211,7 +216,11 @@ def _gqa_fake(q, k, v, *args):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-_gqa_attention.register_fake(_gqa_fake)
+def _handle_fake(q: torch.Tensor) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+_gqa_attention.register_fake(lambda q, k, v, scale: (*_gqa_fake(q, k, v), _handle_fake(q)))
 _gqa_attention_with_cache.register_fake(_gqa_fake)
 
 
@@ -223,12 +232,12 @@ def _gqa_attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    handle: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv): dkv [2, T, Hkv, D] holds dK then dV (one reduce-scatter result; an op's
-    outputs may not alias, so autograd splits it)."""
-    meta = current_step()
-    _check_no_prefix_for_training(meta)
+    outputs may not alias, so autograd splits it). ``handle``: the forward's plan."""
+    meta = step_of(handle)
     k_full, v_full = _gather_kv(k, v, meta)
     rt = meta.runtime
     t = meta.num_local_tokens
@@ -237,7 +246,8 @@ def _gqa_attention_backward(
     buf = k.new_empty((rt.pcp_size, 2, t, *k.shape[1:]))
     args = (dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host)
     runs = meta.plan.gather_runs_host
-    if q.is_cuda and k_full.shape[0] >= DIRECT_GRAD_MIN_ROWS_PER_RUN * runs.shape[0]:
+    min_rows = rt.policy.direct_grad_min_rows_per_run
+    if q.is_cuda and k_full.shape[0] >= min_rows * runs.shape[0]:
         # The kernels' gradient blocks are summed straight into the gathered layout.
         dk_into, dv_into = _gathered_targets(meta, buf)
         dq, *_ = pcp_prefill_attention_backward_cuda(
@@ -254,16 +264,6 @@ def _gqa_attention_backward(
         _zero_padding(meta, buf)
     dkv = reduce_scatter(buf.view(-1, *k.shape[1:]), rt.pcp_group, rt.pcp_size)
     return dq, dkv.view(2, t, *k.shape[1:])
-
-
-# Summing the K/V gradient blocks straight into the reduce-scatter layout saves copying every
-# row of dK and dV (H200, bf16, 32k tokens, 32 heads x 128: 0.6-0.9 ms of a rank's 5.7-22 ms
-# backward at P = 2-8) but splits the sums at every run of the plan's gather_runs_host, which
-# costs host time per run (on a 2-core x86 host, tiny tensors: 15 runs 0.9 vs 0.8 ms, 113 runs
-# 2.4 vs 1.4 ms, 897 runs 17 vs 5.4 ms). It is used when runs are long, i.e. for long
-# sequences, where the GPU work dwarfs the launches; otherwise the gradients are restored
-# and index-copied.
-DIRECT_GRAD_MIN_ROWS_PER_RUN = 1024
 
 
 def _gathered_rows(index: torch.Tensor, t: int) -> torch.Tensor:
@@ -296,21 +296,21 @@ def _gathered_targets(meta: CPStepMetadata, buf: torch.Tensor):
 
 
 @_gqa_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, scale):
+def _(dout, q, k, v, out, lse, handle, scale):
     return torch.empty_like(q), k.new_empty((2, *k.shape))
 
 
 def _gqa_setup(ctx, inputs, output):
     q, k, v, scale = inputs
-    out, lse = output
+    out, lse, handle = output
     ctx.scale = scale
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse, handle)
+    ctx.save_for_backward(q, k, v, out, lse, handle)
 
 
-def _gqa_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dkv = torch.ops.cp.gqa_attention_backward(dout, q, k, v, out, lse, ctx.scale)
+def _gqa_backward(ctx, dout, _dlse, _dhandle):
+    q, k, v, out, lse, handle = ctx.saved_tensors
+    dq, dkv = torch.ops.cp.gqa_attention_backward(dout, q, k, v, out, lse, handle, ctx.scale)
     return dq, dkv[0], dkv[1], None
 
 
@@ -348,7 +348,7 @@ def gqa_attention(
         [T, H, D] attention output of the local tokens (padding rows are 0).
     """
     if kv_cache is None:
-        out, _ = torch.ops.cp.gqa_attention(q, k, v, scale)
+        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, scale)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise RuntimeError(_CACHE_NEEDS_NO_GRAD)
     else:
@@ -428,8 +428,12 @@ def _mla_attention(
     w_uv: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mla_forward(q, latent, w_uk, w_uv, q.new_empty(0), scale, kv_lora_rank)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`)."""
+    meta = current_step()
+    _check_trainable(meta)
+    out, lse = _mla_forward(q, latent, w_uk, w_uv, q.new_empty(0), scale, kv_lora_rank)
+    return out, lse, step_handle(meta)
 
 
 @torch.library.custom_op("cp::mla_attention_with_cache", mutates_args=("cache",))
@@ -450,7 +454,7 @@ def _mla_fake(q, latent, w_uk, w_uv, *args):
     return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-_mla_attention.register_fake(_mla_fake)
+_mla_attention.register_fake(lambda q, latent, w_uk, w_uv, scale, rk: (*_mla_fake(q, latent, w_uk, w_uv), _handle_fake(q)))
 _mla_attention_with_cache.register_fake(_mla_fake)
 
 
@@ -459,33 +463,17 @@ _mla_attention_with_cache.register_fake(_mla_fake)
 #   K / V, whose gradients go back through the up-projection for all N rows and are
 #   reduce-scattered as latent gradients (Rk + Dr values a token);
 # - "key_major": each rank takes the gradients of its own keys from every later query
-#   (:mod:`cp_modules.kernels.pcp_key_major`); it all-gathers Q, O, dO and the LSE and
-#   reduce-scatters dQ (H * (Dqk + 2 Dv) + 2 H + H * Dqk values a token, ~40 KiB at 32 heads
-#   against ~2.3 KB for the latent both ways), and up-projects and back-propagates only its
-#   own T rows.
-# On an H200 (bf16, 32 heads, one 32k sequence) key-major's attention took 1.08 / 1.10-1.11 / 1.21x
-# dense/P at P = 2 / 4 / 8 against 1.26 / 1.51 / 1.59 (benchmarks/results/
-# pcp-key-major-2026-11-30.json); "auto" takes it on CUDA where cuDNN serves the shape and the
-# batch's chunks average at least KEY_MAJOR_MIN_ROWS rows (the measured range). Memory: key-major
-# holds the gathered Q, O and dO ([N, H, Dqk + 2 Dv]) and dQ partial sums over N rows where
-# query-major holds the up-projected K / V and their gradients over N rows; with 32 heads its
-# measured peak was ~10 % lower (bench_mla_train_paths.py). The environment
-# variable CP_MLA_BACKWARD=key_major / query_major / auto overrides it.
-MLA_BACKWARD_ENV = "CP_MLA_BACKWARD"
-MLA_BACKWARD_PATHS = ("auto", "key_major", "query_major")
-KEY_MAJOR_MIN_ROWS = 2048
-
-
+#   (:mod:`cp_modules.kernels.pcp_key_major`); it all-gathers Q, O, dO and the LSE,
+#   reduce-scatters dQ, and up-projects and back-propagates only its own T rows.
+# "auto" takes key-major on CUDA where cuDNN serves the shape and the batch's chunks average
+# at least ``policy.key_major_min_rows`` rows; measurements in docs/switch-points.md.
 def mla_backward_path(meta: CPStepMetadata, q: torch.Tensor, out: torch.Tensor) -> str:
-    """Which MLA backward this step runs: "key_major" or "query_major" (see above)."""
-    choice = os.environ.get(MLA_BACKWARD_ENV, "auto")
-    if choice not in MLA_BACKWARD_PATHS:
-        raise ValueError(
-            f"{MLA_BACKWARD_ENV} must be one of {list(MLA_BACKWARD_PATHS)}, got {choice!r}"
-        )
-    if choice != "auto":
-        return choice
-    if not q.is_cuda or meta.runtime.pcp_size == 1 or not _long_chunks(meta.plan):
+    """Which MLA backward this step runs: "key_major" or "query_major" (see above; the step's
+    ``runtime.policy.mla_backward`` forces one)."""
+    policy = meta.runtime.policy
+    if policy.mla_backward != "auto":
+        return policy.mla_backward
+    if not q.is_cuda or meta.runtime.pcp_size == 1 or not _long_chunks(meta.plan, policy.key_major_min_rows):
         return "query_major"
     # The tall calls' backend: one cuDNN call each; other kernels split them in two. (q and out
     # have the same shapes, strides and dtype on every rank, so the answer is the same too.)
@@ -493,11 +481,11 @@ def mla_backward_path(meta: CPStepMetadata, q: torch.Tensor, out: torch.Tensor) 
     return "key_major" if cudnn else "query_major"
 
 
-def _long_chunks(plan) -> bool:
-    """Whether the batch's chunks average at least KEY_MAJOR_MIN_ROWS rows. Counted from the
-    batch alone, not from this rank's rows: the two paths run different collectives, so every
-    rank of the group must choose alike."""
-    return plan.num_tokens >= KEY_MAJOR_MIN_ROWS * 2 * plan.pcp_size * max(plan.num_reqs, 1)
+def _long_chunks(plan, min_rows: int) -> bool:
+    """Whether the batch's chunks average at least ``min_rows`` rows. Counted from the batch
+    alone, not from this rank's rows: the two paths run different collectives, so every rank
+    of the group must choose alike."""
+    return plan.num_tokens >= min_rows * 2 * plan.pcp_size * max(plan.num_reqs, 1)
 
 
 def _up_project_backward(dk, dv, latent, w_uk, w_uv, rk):
@@ -517,7 +505,8 @@ def _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, 
     q_all, out_all, dout_all, lse_all = (_gather(x.contiguous(), meta) for x in (q, out, dout, lse))
     k, v = _up_project(latent, w_uk, w_uv, rk, q.shape[1])
     args = (dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale)
-    if q_all.shape[0] >= DIRECT_GRAD_MIN_ROWS_PER_RUN * meta.plan.gather_runs_host.shape[0]:
+    min_rows = meta.runtime.policy.direct_grad_min_rows_per_run
+    if q_all.shape[0] >= min_rows * meta.plan.gather_runs_host.shape[0]:
         # dQ lands straight in the reduce-scatter's (all-gathered) layout, allocated once the
         # kernels are done.
         rt, held = meta.runtime, []
@@ -549,11 +538,11 @@ def _mla_attention_backward(
     w_uv: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    handle: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    meta = current_step()
-    _check_no_prefix_for_training(meta)
+    meta = step_of(handle)
     rk = kv_lora_rank
     if mla_backward_path(meta, q, out) == "key_major":
         return _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, rk)
@@ -570,22 +559,22 @@ def _mla_attention_backward(
 
 
 @_mla_attention_backward.register_fake
-def _(dout, q, latent, w_uk, w_uv, out, lse, scale, kv_lora_rank):
+def _(dout, q, latent, w_uk, w_uv, out, lse, handle, scale, kv_lora_rank):
     return torch.empty_like(q), torch.empty_like(latent), torch.empty_like(w_uk), torch.empty_like(w_uv)
 
 
 def _mla_setup(ctx, inputs, output):
     q, latent, w_uk, w_uv, scale, rk = inputs
-    out, lse = output
+    out, lse, handle = output
     ctx.scale, ctx.rk = scale, rk
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, latent, w_uk, w_uv, out, lse)
+    ctx.mark_non_differentiable(lse, handle)
+    ctx.save_for_backward(q, latent, w_uk, w_uv, out, lse, handle)
 
 
-def _mla_backward(ctx, dout, _dlse):
-    q, latent, w_uk, w_uv, out, lse = ctx.saved_tensors
+def _mla_backward(ctx, dout, _dlse, _dhandle):
+    q, latent, w_uk, w_uv, out, lse, handle = ctx.saved_tensors
     dq, dlat, dwk, dwv = torch.ops.cp.mla_attention_backward(
-        dout, q, latent, w_uk, w_uv, out, lse, ctx.scale, ctx.rk
+        dout, q, latent, w_uk, w_uv, out, lse, handle, ctx.scale, ctx.rk
     )
     return dq, dlat, dwk, dwv, None, None
 
@@ -621,7 +610,7 @@ def mla_attention(
         [T, H, Dv] attention output of the local tokens.
     """
     if cache is None:
-        out, _ = torch.ops.cp.mla_attention(q, latent, w_uk, w_uv, scale, kv_lora_rank)
+        out, _, _ = torch.ops.cp.mla_attention(q, latent, w_uk, w_uv, scale, kv_lora_rank)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_uk, w_uv)):
         raise RuntimeError(_CACHE_NEEDS_NO_GRAD)
     else:

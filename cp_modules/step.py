@@ -1,0 +1,448 @@
+"""Per-step attention metadata, built once per step on the host and shared by every layer.
+
+Shape letters: R = requests, N = new tokens of the batch (all requests, original order),
+T = this rank's local tokens (DualChunkSwap share, padding included), Bd = this rank's decode
+tokens, C = gathered cached-prefix tokens of prefill requests.
+
+Flow of one step: the caller builds a :class:`CPRuntime` once (from the process groups), then
+per step ``meta = build_step_metadata(runtime, num_new_tokens, num_computed_tokens, ...)``,
+feeds the model the local tokens ``meta.token_indices`` at positions ``meta.positions``, and
+runs the model's forward under ``with cp_step(meta):``. The attention ops' forwards read the
+scoped step inside their implementation, so traced code sees only q/k/v: a new batch
+composition never recompiles, and the attention op is the single split point of piecewise
+compilation. ``cp_step`` restores the previous step on exit.
+
+The plan travels with the autograd graph: an op that has a backward returns a small CPU
+*handle* tensor (:func:`step_handle`) that its autograd context saves with the other tensors,
+and its backward resolves the plan from it (:func:`step_of`), never from the scoped step. The
+handle keeps the plan alive exactly as long as some graph (or user code) holds it, so
+``fwd(A); fwd(B); bwd(A)`` uses A's plan, and ``loss.backward()`` may run after the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping, local_seq_len
+from cp_modules.config import ParallelConfig
+from cp_modules.distributed.dcp_spec import DCPCommSpec
+from cp_modules.partition.plan import PCPPlan, plan_pcp
+from cp_modules.policy import CPPolicy
+
+__all__ = [
+    "CPRuntime",
+    "CPStepMetadata",
+    "build_step_metadata",
+    "cp_step",
+    "current_step",
+    "restore_tokens",
+    "step_handle",
+    "step_of",
+]
+
+
+@dataclass(frozen=True)
+class CPRuntime:
+    """This rank's place in the layout, as plain values (group names, sizes, ranks)."""
+
+    config: ParallelConfig
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: str = ""
+    pcp_size: int = 1
+    pcp_rank: int = 0
+    pcp_group: str = ""
+    dcp: DCPCommSpec | None = None
+    batch_group: str = ""  # the ranks that must be given the same batch (one dp replica)
+    policy: CPPolicy = field(default_factory=CPPolicy)
+
+    @property
+    def dcp_size(self) -> int:
+        return 1 if self.dcp is None else self.dcp.dcp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        return 0 if self.dcp is None else self.dcp.dcp_rank
+
+    @classmethod
+    def single(cls, *, policy: CPPolicy | None = None) -> CPRuntime:
+        """One process, no parallelism (the reference every layout must equal)."""
+        return cls(config=ParallelConfig(), policy=policy or CPPolicy())
+
+    @classmethod
+    def from_groups(
+        cls, groups, *, packed_a2a: bool = True, policy: CPPolicy | None = None
+    ) -> CPRuntime:
+        """Runtime of this rank from its :class:`~cp_modules.distributed.groups.CPGroups`."""
+
+        c = groups.config
+        return cls(
+            config=c,
+            tp_size=c.tp,
+            tp_rank=groups.tp_rank,
+            tp_group=groups.tp_name,
+            pcp_size=c.pcp,
+            pcp_rank=groups.pcp_rank,
+            pcp_group=groups.pcp_name,
+            dcp=DCPCommSpec.from_groups(groups, packed=packed_a2a) if c.dcp > 1 else None,
+            batch_group=groups.replica.group_name,
+            policy=policy or CPPolicy(),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class CPStepMetadata:
+    """Everything the attention layers need for one step (see the module docstring).
+
+    Attributes:
+        runtime: the rank's :class:`CPRuntime`.
+        plan: the DualChunkSwap :class:`PCPPlan` (also used when pcp == 1).
+        token_indices: [T] the batch's new tokens this rank feeds the model.
+        positions: [T] their true positions.
+        num_new_tokens, num_computed_tokens: host tuples, per request.
+        all_decode: every request is a decode (the prefill path is skipped).
+        has_decode: some request is a decode (the paged DCP path runs).
+        local_decode_idx: [Bd] rows of the local tokens that are decodes.
+        decode_seq_idx: [Bd] block-table row of each decode token.
+        decode_kv_len: [Bd] local cached tokens each decode token sees on this DCP rank.
+        block_table: [R, M] or None (no KV cache: training, or a cache-less forward).
+        block_size: tokens per physical block.
+        max_block_id: largest block id the step touches (checked against each cache, host).
+        slot_mapping: [N] this rank's cache slot of each new token (-1: stored elsewhere).
+        prefix_*: the cached prefix of prefill requests, gathered from the DCP shards:
+            ``prefix_read_slots`` [Lp] local slots to read (padded), ``prefix_gather_index`` [C]
+            rows of the all-gathered [D * Lp] buffer in request/position order,
+            ``prefix_cu_seqlens`` [R + 1] (CPU) per-request prefix lengths (0 for decodes).
+    """
+
+    runtime: CPRuntime
+    plan: PCPPlan
+    token_indices: torch.Tensor
+    positions: torch.Tensor
+    num_new_tokens: tuple[int, ...]
+    num_computed_tokens: tuple[int, ...]
+    all_decode: bool
+    has_decode: bool
+    local_decode_idx: torch.Tensor
+    decode_seq_idx: torch.Tensor
+    decode_kv_len: torch.Tensor
+    block_table: torch.Tensor | None
+    block_size: int
+    max_block_id: int
+    slot_mapping: torch.Tensor | None
+    has_prefix: bool
+    prefix_read_slots: torch.Tensor | None
+    prefix_gather_index: torch.Tensor | None
+    prefix_cu_seqlens: torch.Tensor | None
+    serial: int = field(default_factory=lambda: next(_SERIALS))
+
+    @property
+    def num_local_tokens(self) -> int:
+        return int(self.token_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+
+def _check_batch(num_new: np.ndarray, num_computed: np.ndarray) -> None:
+    if num_new.shape != num_computed.shape or num_new.ndim != 1 or num_new.size == 0:
+        raise ValueError(
+            "num_new_tokens and num_computed_tokens must be non-empty 1-D sequences of equal "
+            f"length, got {num_new.shape} and {num_computed.shape}"
+        )
+    if (num_new < 1).any():
+        raise ValueError(f"every request needs >= 1 new token, got num_new_tokens={num_new.tolist()}")  # ok: host (numpy)
+    if (num_computed < 0).any():
+        raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed.tolist()}")  # ok: host (numpy)
+
+
+def build_step_metadata(
+    runtime: CPRuntime,
+    num_new_tokens: Sequence[int],
+    num_computed_tokens: Sequence[int] | None = None,
+    *,
+    block_table: torch.Tensor | None = None,
+    block_size: int = 16,
+    decode_threshold: int = 1,
+    device: torch.device | str | None = None,
+    check_consistency: bool = True,
+) -> CPStepMetadata:
+    """Plan one step for this rank: the PCP split, cache slots, decode and prefix metadata.
+
+    Args:
+        runtime: this rank's :class:`CPRuntime`.
+        num_new_tokens: [R] new tokens per request (host ints), in batch order.
+        num_computed_tokens: [R] tokens of each request already in the KV cache (default 0).
+        block_table: [R, M] physical block ids per request (one entry per virtual block of
+            ``block_size * dcp`` positions, equal on every DCP rank); None without a KV cache.
+        block_size: tokens per physical block (``dcp_kv_cache_interleave_size`` must divide it).
+        decode_threshold: requests with at most this many new tokens and a non-empty context
+            run on the paged decode path (replicated over PCP, KV sharded over DCP).
+        device: where the metadata tensors live.
+        check_consistency: compare a fingerprint of the batch across the ranks of this data-
+            parallel replica (one small all-gather of a fixed size per step) so that ranks fed
+            different batches fail with a clear error instead of hanging or computing garbage
+            in a later collective.
+
+    Raises:
+        ValueError: for an inconsistent batch, a cached prefix without a block table, a
+            block size the interleave does not divide, or ranks that disagree on the batch.
+    """
+    num_new = np.asarray(list(num_new_tokens), dtype=np.int64)
+    num_comp = (
+        np.zeros_like(num_new)
+        if num_computed_tokens is None
+        else np.asarray(list(num_computed_tokens), dtype=np.int64)
+    )
+    _check_batch(num_new, num_comp)
+    if block_table is None and (num_comp > 0).any():
+        raise ValueError(
+            "requests with num_computed_tokens > 0 attend their cached prefix: pass the "
+            "block_table of the KV cache"
+        )
+    if block_table is not None:
+        runtime.config.validate_block_size(block_size)
+        if block_table.dim() != 2 or block_table.shape[0] != num_new.size:
+            raise ValueError(
+                f"block_table must be [num_requests={num_new.size}, max_blocks], got "
+                f"{tuple(block_table.shape)}"
+            )
+        virtual = block_size * runtime.dcp_size
+        need = int(((num_new + num_comp + virtual - 1) // virtual).max())
+        if need > block_table.shape[1]:
+            raise ValueError(
+                f"block_table has {block_table.shape[1]} blocks per request but the longest "
+                f"request needs {need} (virtual blocks of block_size*dcp = {virtual} tokens)"
+            )
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if check_consistency and runtime.batch_group:
+        _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, block_size, dev)
+    plan = plan_pcp(
+        num_new, num_comp, runtime.pcp_size, runtime.pcp_rank, decode_threshold, device=dev
+    )
+    is_decode = (num_new <= decode_threshold) & (num_comp > 0)
+
+    # Local rows of decode tokens (replicated on every PCP rank), from host values: a decode
+    # request keeps its n tokens, a prefill request holds 2c = 2 * ceil(n / 2P) local slots.
+    chunk = -(-num_new // (2 * runtime.pcp_size))
+    local_counts = np.where(is_decode, num_new, 2 * chunk)
+    local_offsets = np.concatenate([[0], np.cumsum(local_counts)[:-1]])
+    assert int(local_counts.sum()) == plan.num_local_tokens_padded
+    dec_reqs = np.nonzero(is_decode)[0]
+    dec_counts = num_new[dec_reqs]
+    dec_req_of_tok = np.repeat(dec_reqs, dec_counts)
+    dec_tok_in_req = np.arange(dec_counts.sum()) - np.repeat(np.cumsum(dec_counts) - dec_counts, dec_counts)
+    local_decode_idx = local_offsets[dec_req_of_tok] + dec_tok_in_req
+    dec_positions = num_comp[dec_req_of_tok] + dec_tok_in_req
+
+    def t(x, dtype=torch.int64):
+        return torch.as_tensor(np.asarray(x), dtype=dtype).to(dev)
+
+    slot_mapping = prefix_read = prefix_index = prefix_cu = None
+    has_prefix = False
+    decode_kv_len = t(np.zeros(0, dtype=np.int64), torch.int32)
+    max_block_id = -1
+    if block_table is not None:
+        virtual = block_size * runtime.dcp_size
+        used = (num_new + num_comp + virtual - 1) // virtual
+        bt_host = block_table.cpu()
+        max_block_id = max(int(bt_host[r, : used[r]].max()) for r in range(num_new.size))
+        if int(bt_host.min()) < 0 and any(int(bt_host[r, : used[r]].min()) < 0 for r in range(num_new.size)):
+            raise ValueError("block_table holds negative block ids in entries the batch uses")
+        block_table = block_table.to(dev)
+        req_of_new = np.repeat(np.arange(num_new.size), num_new)
+        pos_of_new = num_comp[req_of_new] + (
+            np.arange(num_new.sum()) - np.repeat(np.cumsum(num_new) - num_new, num_new)
+        )
+        slot_mapping = dcp_slot_mapping(
+            t(pos_of_new), t(req_of_new), block_table, block_size,
+            runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave,
+        )
+        decode_kv_len = dcp_query_kv_len(
+            t(dec_positions), runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
+        )
+        prefix_len = np.where(is_decode, 0, num_comp)
+        has_prefix = bool(prefix_len.sum() > 0)
+        prefix_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(prefix_len)]), dtype=torch.int64)
+        if has_prefix:
+            prefix_read, prefix_index = _prefix_gather_plan(
+                prefix_len, block_table.cpu().numpy(), block_size, runtime
+            )
+            prefix_read, prefix_index = t(prefix_read), t(prefix_index)
+
+    return CPStepMetadata(
+        runtime=runtime,
+        plan=plan,
+        token_indices=plan.token_indices,
+        positions=plan.positions,
+        num_new_tokens=tuple(int(x) for x in num_new),
+        num_computed_tokens=tuple(int(x) for x in num_comp),
+        all_decode=bool(is_decode.all()),
+        has_decode=bool(is_decode.any()),
+        local_decode_idx=t(local_decode_idx),
+        decode_seq_idx=t(dec_req_of_tok, torch.int32),
+        decode_kv_len=decode_kv_len,
+        block_table=block_table,
+        block_size=block_size,
+        max_block_id=max_block_id,
+        slot_mapping=slot_mapping,
+        has_prefix=has_prefix,
+        prefix_read_slots=prefix_read,
+        prefix_gather_index=prefix_index,
+        prefix_cu_seqlens=prefix_cu,
+    )
+
+
+def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, block_size, dev):
+    """All-gather a fixed-size fingerprint of the batch and compare it across ranks."""
+    import torch.distributed as dist
+
+    from cp_modules.distributed.collectives import all_gather, resolve_group
+
+    group = resolve_group(runtime.batch_group)
+    bt = -1 if block_table is None else int(block_table.shape[1])
+    h = np.uint64(1469598103934665603)
+    for v in np.concatenate([num_new, num_comp]):
+        h = np.uint64((int(h) ^ int(v)) * 1099511628211 % (1 << 63))
+    mine = torch.tensor(
+        [num_new.size, int(num_new.sum()), int(num_comp.sum()), bt, block_size, int(h)],
+        dtype=torch.int64, device=dev,
+    )
+    world = dist.get_world_size(group)
+    everyone = all_gather(mine, runtime.batch_group, world).view(world, mine.numel())
+    bad = (everyone != mine).any(dim=1).nonzero().flatten().tolist()  # ok: host (once a step)
+    if bad:
+        raise ValueError(
+            "ranks disagree on the step's batch (number of requests, new/computed tokens per "
+            f"request, block-table width or block size): rank {dist.get_rank()} differs from "
+            f"ranks {bad}. Every rank of a context-parallel group must be given the same batch."
+        )
+
+
+def _prefix_gather_plan(
+    prefix_len: np.ndarray, block_table: np.ndarray, block_size: int, runtime: CPRuntime
+) -> tuple[np.ndarray, np.ndarray]:
+    """Slots this rank reads for the cached prefixes, and where each prefix token lands.
+
+    A rank's local tokens of a request fill its physical blocks in order (local token ``j`` is
+    in block-table entry ``j // block_size`` at offset ``j % block_size``), so reading is a
+    gather by slot. Every rank reads the same padded count ``Lp`` (the largest rank's share,
+    rank 0's), all-gathers, and ``gather_index`` picks prefix position ``p`` of each request
+    from rank ``(p // I) % D`` at row ``rank * Lp + offset_of_request_on_rank + local_index``.
+    """
+    d, r, i = runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
+    lens = torch.from_numpy(prefix_len)
+    local_counts = np.stack([local_seq_len(lens, d, k, i).numpy() for k in range(d)])  # [D, R]
+    padded = int(local_counts[0].sum())  # rank 0 holds the most of every request
+    req_offsets = np.concatenate([np.zeros((d, 1), np.int64), np.cumsum(local_counts, 1)[:, :-1]], 1)
+    # This rank's read slots, request by request.
+    mine = local_counts[r]
+    req = np.repeat(np.arange(prefix_len.size), mine)
+    j = np.arange(mine.sum()) - np.repeat(np.cumsum(mine) - mine, mine)
+    read = block_table[req, j // block_size].astype(np.int64) * block_size + j % block_size
+    read = np.concatenate([read, np.zeros(padded - read.size, np.int64)])
+    # Where each prefix position comes from.
+    preq = np.repeat(np.arange(prefix_len.size), prefix_len)
+    p = np.arange(prefix_len.sum()) - np.repeat(np.cumsum(prefix_len) - prefix_len, prefix_len)
+    owner = p // i % d
+    gather = owner * padded + req_offsets[owner, preq] + _local_index(p, d, i)
+    return read, gather
+
+
+def _local_index(p: np.ndarray, d: int, i: int) -> np.ndarray:
+    """Index of position ``p`` among its owner's tokens (the owner's tokens before ``p``)."""
+    round_len = d * i
+    return p // round_len * i + p % i
+
+
+_SERIALS = itertools.count(1)
+_CURRENT: CPStepMetadata | None = None
+
+
+def current_step() -> CPStepMetadata:
+    """The metadata of the step being run.
+
+    Raises:
+        RuntimeError: outside of any :func:`cp_step`.
+    """
+    if _CURRENT is None:
+        raise RuntimeError(
+            "no context-parallel step is active: build the step's metadata with "
+            "build_step_metadata(...) and run the model's forward under `with cp_step(meta):` "
+            "(activation checkpointing runs the forward again in the backward: checkpoint "
+            "with cp_modules.training.checkpoint, which re-enters the step)"
+        )
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def cp_step(meta: CPStepMetadata) -> Iterator[CPStepMetadata]:
+    """Make ``meta`` the current step's metadata inside the block; the previous one (or none)
+    is restored on exit. Backwards need no active step: they use the plan their forward saved.
+    """
+    global _CURRENT
+    if not isinstance(meta, CPStepMetadata):
+        raise TypeError(f"cp_step takes a CPStepMetadata, got {type(meta).__name__}")
+    previous, _CURRENT = _CURRENT, meta
+    try:
+        yield meta
+    finally:
+        _CURRENT = previous
+
+
+# serial -> plan, for the plans some live handle refers to (see the module docstring). Each
+# plan has one numpy array holding its serial; every handle tensor of the plan is a view of
+# that array (torch.from_numpy keeps the array alive), and the array's finalizer drops the
+# plan once the last handle (saved by any graph) is gone.
+_PLANS: dict[int, CPStepMetadata] = {}
+_HANDLE_ARRAYS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def step_handle(meta: CPStepMetadata) -> torch.Tensor:
+    """A [1] int64 CPU tensor that names ``meta`` and keeps it alive while it lives."""
+    arr = _HANDLE_ARRAYS.get(meta.serial)
+    if arr is None:
+        arr = np.array([meta.serial], dtype=np.int64)
+        _HANDLE_ARRAYS[meta.serial] = arr
+        _PLANS[meta.serial] = meta
+        weakref.finalize(arr, _PLANS.pop, meta.serial, None)
+    return torch.from_numpy(arr)
+
+
+def step_of(handle: torch.Tensor) -> CPStepMetadata:
+    """The plan a :func:`step_handle` names (what an op's forward saved for its backward).
+
+    Raises:
+        RuntimeError: if the plan was released (the handle was copied rather than kept, e.g.
+            by a saved-tensor hook that moves saved tensors).
+    """
+    serial = int(handle.reshape(-1)[0])
+    meta = _PLANS.get(serial)
+    if meta is None:
+        raise RuntimeError(
+            f"the step plan {serial} that this attention op's forward saved was released: "
+            "its handle tensor was copied instead of kept (a saved-tensor hook that copies "
+            "CPU tensors?); keep saved CPU tensors as they are"
+        )
+    return meta
+
+
+def restore_tokens(x_local: torch.Tensor, meta: CPStepMetadata | None = None) -> torch.Tensor:
+    """All-gather per-token rows over PCP and return them in the batch's order, padding dropped.
+
+    ``[T, ...] -> [N, ...]``; differentiable (hidden states before the LM head, or outputs to
+    compare with a single-process run).
+    """
+    from cp_modules.partition.restore import pcp_gather_restore
+
+    meta = current_step() if meta is None else meta
+    rt = meta.runtime
+    return pcp_gather_restore(x_local, meta.plan, rt.pcp_group, rt.pcp_size)
