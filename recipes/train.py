@@ -39,6 +39,7 @@ from cp_modules.recipe_configs import (
     ParallelConf,
     load_config,
 )
+from cp_modules.step import cp_step
 from cp_modules.training import ByteTextDataset, lm_cross_entropy
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
@@ -200,7 +201,8 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
                 break
             start = time.perf_counter()
             cp_batch = strategy.shard_batch(batch)
-            loss = lm_cross_entropy(model(cp_batch.input_ids, cp_batch.positions), cp_batch)
+            with cp_step(cp_batch.meta):
+                loss = lm_cross_entropy(model(cp_batch.input_ids, cp_batch.positions), cp_batch)
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

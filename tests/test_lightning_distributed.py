@@ -106,7 +106,8 @@ def _fabric_run(config, attention, steps, *, seed=MODEL_SEED, save=None, load=No
     for _, batch in zip(range(steps), loader):
         seen.append(batch["index"].tolist())
         cb = strategy.shard_batch(batch)
-        loss = lm_cross_entropy(model(cb.input_ids, cb.positions), cb)
+        with cp_step(cb.meta):
+            loss = lm_cross_entropy(model(cb.input_ids, cb.positions), cb)
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()

@@ -19,6 +19,7 @@ from cp_modules.training.context import (
     make_step_current,
 )
 from cp_modules.training.data import ByteTextDataset
+from cp_modules.training.recompute import checkpoint_with_step
 
 __all__ = [
     "IGNORE_INDEX",
@@ -30,6 +31,7 @@ __all__ = [
     "full_optimizer_state_dict",
     "init_cp_training",
     "lm_cross_entropy",
+    "checkpoint_with_step",
     "load_full_model_state_dict",
     "load_full_optimizer_state_dict",
     "make_step_current",

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from cp_modules.config import ParallelConfig
-from cp_modules.modules import CPRuntime, CPStepMetadata, build_step_metadata, cp_step
+from cp_modules.modules import CPRuntime, CPStepMetadata, build_step_metadata
 
 __all__ = [
     "IGNORE_INDEX",
@@ -73,10 +73,23 @@ class CPBatch:
 
 
 def make_step_current(meta: CPStepMetadata) -> None:
-    """Make ``meta`` the current step's metadata for the CP attention ops (forward or backward)."""
-    # cp_step leaves its metadata current after the block, which is exactly "make current".
-    with cp_step(meta):
-        pass
+    """Deprecated: make ``meta`` the current step until another is set, unscoped.
+
+    Run the forward under ``with cp_step(meta):`` instead; backwards need no current step (each
+    attention op's backward uses the plan its forward saved).
+    """
+    import warnings
+
+    from cp_modules import step
+
+    warnings.warn(
+        "make_step_current is deprecated: run the forward under `with cp_step(meta):`",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if not isinstance(meta, CPStepMetadata):
+        raise TypeError(f"make_step_current takes a CPStepMetadata, got {type(meta).__name__}")
+    step._CURRENT = meta
 
 
 def lm_cross_entropy(logits: torch.Tensor, batch: CPBatch) -> torch.Tensor:

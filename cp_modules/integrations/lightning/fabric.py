@@ -10,8 +10,9 @@
     loader = fabric.setup_dataloaders(loader)         # sampler over the dp axis only
     for batch in loader:
         batch = strategy.shard_batch(batch)           # DualChunkSwap share of this rank
-        loss = lm_cross_entropy(model(batch.input_ids, batch.positions), batch)
-        fabric.backward(loss)
+        with cp_step(batch.meta):                     # the forward's plan (scoped)
+            loss = lm_cross_entropy(model(batch.input_ids, batch.positions), batch)
+        fabric.backward(loss)                         # uses the plan the forward saved
         optimizer.step()                              # gradients summed over dp x pcp first
         optimizer.zero_grad()
         global_loss = strategy.reduce_loss(loss)
@@ -45,12 +46,7 @@ from cp_modules.training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from cp_modules.training.context import (
-    CPBatch,
-    CPTrainingContext,
-    init_cp_training,
-    make_step_current,
-)
+from cp_modules.training.context import CPBatch, CPTrainingContext, init_cp_training
 
 __all__ = ["CPFabricStrategy"]
 
@@ -60,8 +56,8 @@ class CPFabricStrategy(ModelParallelStrategy):
 
     Builds the (dp, pp, pcp, tp) mesh and the DCP groups of ``parallel_config`` (through
     :func:`~cp_modules.training.init_cp_training`), applies ``parallelize_fn(model, mesh)`` in
-    ``setup_module``, shards batches with :meth:`shard_batch`, keeps the step's metadata current
-    for the model's forward and for ``fabric.backward``, sums gradients over the dp x pcp ranks
+    ``setup_module``, shards batches with :meth:`shard_batch` (run the forward under
+    ``with cp_step(batch.meta):``; the backward uses the plan its forward saved), sums gradients over the dp x pcp ranks
     before each optimizer step, and saves full-tensor safetensors checkpoints that load under
     any layout.
 
@@ -100,7 +96,6 @@ class CPFabricStrategy(ModelParallelStrategy):
         self.parallel_config = parallel_config
         self._start_method = start_method
         self._cp: CPTrainingContext | None = None
-        self._batch: CPBatch | None = None
         self._grads_reduced = True
 
     @property
@@ -137,27 +132,17 @@ class CPFabricStrategy(ModelParallelStrategy):
         # device (meta-initialised modules are materialised there by the parent instead).
         if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             module = module.to(self.root_device)
-        module = super().setup_module(module)
-        module.register_forward_pre_hook(self._make_batch_current)
-        return module
-
-    def _make_batch_current(self, module: nn.Module, args: Any) -> None:
-        if self._batch is not None:
-            make_step_current(self._batch.meta)
+        return super().setup_module(module)
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> CPBatch:
-        """This rank's DualChunkSwap share of a replica batch; it becomes the current step.
+        """This rank's DualChunkSwap share of a replica batch; run the model's forward on it
+        under ``with cp_step(batch.meta):``.
 
         See :meth:`cp_modules.training.CPTrainingContext.shard_batch` for the batch format.
         """
-        self._batch = self.cp.shard_batch(batch)
-        make_step_current(self._batch.meta)
-        return self._batch
+        return self.cp.shard_batch(batch)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        # The attention ops' backward reads the step metadata: make sure it is this batch's.
-        if self._batch is not None:
-            make_step_current(self._batch.meta)
         self._grads_reduced = False
         super().backward(tensor, module, *args, **kwargs)
 

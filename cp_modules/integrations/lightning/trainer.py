@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -46,18 +47,14 @@ from cp_modules.integrations.lightning._common import (
     check_strategy_args,
     check_world,
 )
+from cp_modules.step import cp_step
 from cp_modules.training.checkpoint import (
     full_model_state_dict,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from cp_modules.training.context import (
-    CPBatch,
-    CPTrainingContext,
-    init_cp_training,
-    make_step_current,
-)
+from cp_modules.training.context import CPBatch, CPTrainingContext, init_cp_training
 
 __all__ = ["CPTrainerStrategy"]
 
@@ -68,8 +65,8 @@ class CPTrainerStrategy(ModelParallelStrategy):
     Builds the (dp, pp, pcp, tp) mesh and the DCP groups of ``parallel_config``, applies
     ``parallelize_fn(lightning_module, mesh)`` in ``setup`` (or leaves parallelization to the
     module's ``configure_model``, where ``self.device_mesh`` is this mesh), turns every batch
-    into this rank's :class:`~cp_modules.training.CPBatch` on its way to the device, keeps the
-    step's metadata current for ``training_step`` and its backward, sums gradients over the
+    into this rank's :class:`~cp_modules.training.CPBatch` on its way to the device, scopes the
+    batch's step around ``training_step`` (backwards use their forwards' plans), sums gradients over the
     dp x pcp ranks right after the backward of each optimizer step (before clipping and the
     update), and writes full-tensor safetensors checkpoints that load under any layout.
 
@@ -110,7 +107,6 @@ class CPTrainerStrategy(ModelParallelStrategy):
         self._start_method = start_method
         self.checkpoint_io = SafeCheckpointIO()
         self._cp: CPTrainingContext | None = None
-        self._batch: CPBatch | None = None
         self._grads_reduced = True
 
     @property
@@ -175,33 +171,31 @@ class CPTrainerStrategy(ModelParallelStrategy):
             return batch
         return self.cp.shard_batch(batch)
 
-    def _enter_batch(self, args: tuple, kwargs: dict) -> None:
+    @staticmethod
+    def _step_of(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+        # The step of the batch being run, scoped to its *_step call (batches may be planned
+        # ahead by prefetching; each carries its own plan, and backwards use what their
+        # forwards saved).
         batch = args[0] if args else kwargs.get("batch")
-        if isinstance(batch, CPBatch):
-            # Batches may be planned ahead (prefetching); the one being run is the current step.
-            self._batch = batch
-            make_step_current(batch.meta)
+        return cp_step(batch.meta) if isinstance(batch, CPBatch) else contextlib.nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().training_step(*args, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().validation_step(*args, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().test_step(*args, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().predict_step(*args, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().predict_step(*args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # The attention ops' backward reads the step metadata: make sure it is this batch's.
-        if self._batch is not None:
-            make_step_current(self._batch.meta)
         self._grads_reduced = False
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -276,7 +270,6 @@ class CPTrainerStrategy(ModelParallelStrategy):
         return checkpoint
 
     def teardown(self) -> None:
-        self._batch = None
         super().teardown()
 
 
