@@ -81,7 +81,7 @@ def _assert_equal_grads(got, want, what):
     (gx, gp), (wx, wp) = got, want
     torch.testing.assert_close(gx, wx, atol=1e-10, rtol=1e-9, msg=lambda m: f"{what} input: {m}")
     for i, (a, b) in enumerate(zip(gp, wp)):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m: f"{what} param {i}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=f"{what} param {i}")
 
 
 def _interleaved(kind, runtime, group=None):
@@ -239,29 +239,26 @@ def _rank_body(rank, world_size):
     group = groups.pcp
     failures = []
 
-    def check(name, fn):
+    def check(name, fn, *args):
         try:
-            fn()
+            fn(*args)
         except AssertionError as e:
             failures.append(f"{name}: {e}")
+
+    def same(acc, whole):
+        for a, b in zip(acc, whole):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
 
     for kind in KINDS:
         rt = CPRuntime.from_groups(groups, policy=_policy(kind))
         ref_a, ref_b = _reference(kind, BATCH_A, 1), _reference(kind, BATCH_B, 2)
         got_a, got_b = _interleaved(kind, rt, group)
-        check(f"{kind} bwd(A)", lambda: _assert_equal_grads(got_a, ref_a, "bwd(A)"))
-        check(f"{kind} bwd(B)", lambda: _assert_equal_grads(got_b, ref_b, "bwd(B)"))
+        check(f"{kind} bwd(A)", _assert_equal_grads, got_a, ref_a, "bwd(A)")
+        check(f"{kind} bwd(B)", _assert_equal_grads, got_b, ref_b, "bwd(B)")
         for reentrant in (False, True):
             got = _checkpointed(kind, rt, reentrant, group)
-            check(f"{kind} checkpoint reentrant={reentrant}",
-                  lambda: _assert_equal_grads(got, ref_a, "checkpointed"))  # fmt: skip
-        acc, whole = _accumulated(kind, rt, group)
-
-        def same():
-            for a, b in zip(acc, whole):
-                torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
-
-        check(f"{kind} accumulation", same)
+            check(f"{kind} checkpoint reentrant={reentrant}", _assert_equal_grads, got, ref_a, "ckpt")
+        check(f"{kind} accumulation", same, *_accumulated(kind, rt, group))
     return failures
 
 
