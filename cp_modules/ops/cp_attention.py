@@ -45,6 +45,11 @@ _CACHE_NEEDS_NO_GRAD = (
 )
 
 
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    # fp32 LSEs, fp64 for fp64 inputs (the backward recomputes probabilities from them).
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _gather(x: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
     """All-gather local rows over PCP and restore the batch order ([T, ...] -> [N, ...])."""
     rt = meta.runtime
@@ -167,10 +172,10 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
             )
         # Fresh outputs of the prefill op: decode rows are written into them in place.
         out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
-        lse = lse.float()
+        lse = lse.to(_lse_dtype(q))
     else:
         out = q.new_zeros(out_shape)
-        lse = torch.full(out_shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(out_shape[:2], float("-inf"), dtype=_lse_dtype(q), device=q.device)
     if meta.has_decode:
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
@@ -184,7 +189,7 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
             ),
         )
         out.index_copy_(0, idx, o.to(out.dtype))
-        lse.index_copy_(0, idx, lse_d.float())
+        lse.index_copy_(0, idx, lse_d.to(lse.dtype))
     return out, lse
 
 
@@ -213,7 +218,7 @@ def _gqa_attention_with_cache(
 
 
 def _gqa_fake(q, k, v, *args):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
 
 
 def _handle_fake(q: torch.Tensor) -> torch.Tensor:
@@ -394,10 +399,10 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             prefix = dict(prefix_k=pk, prefix_v=pv, prefix_cu_seqlens=meta.prefix_cu_seqlens)
         # Fresh outputs of the prefill op: decode rows are written into them in place.
         out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
-        lse = lse.float()
+        lse = lse.to(_lse_dtype(q))
     else:
         out = q.new_zeros(out_shape)
-        lse = torch.full(out_shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(out_shape[:2], float("-inf"), dtype=_lse_dtype(q), device=q.device)
     if meta.has_decode:
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
@@ -416,7 +421,7 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
         )
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
         out.index_copy_(0, idx, o.to(out.dtype))
-        lse.index_copy_(0, idx, lse_d.float())
+        lse.index_copy_(0, idx, lse_d.to(lse.dtype))
     return out, lse
 
 
@@ -451,7 +456,7 @@ def _mla_attention_with_cache(
 
 def _mla_fake(q, latent, w_uk, w_uv, *args):
     shape = (q.shape[0], q.shape[1], w_uv.shape[1])
-    return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
 
 
 _mla_attention.register_fake(lambda q, latent, w_uk, w_uv, scale, rk: (*_mla_fake(q, latent, w_uk, w_uv), _handle_fake(q)))
