@@ -118,6 +118,7 @@ class ModelConf:
     seed: int = 0
     dtype: str = "float32"
     checkpoint: str | None = None
+    hf: bool = False  # train.py: fine-tune the transformers model itself (swap_attention)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

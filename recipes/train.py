@@ -1,6 +1,8 @@
-"""Train a tiny decoder-only LM with context parallelism (PCP) and tensor parallelism (TP).
+"""Train a decoder-only LM with context parallelism (PCP) and tensor parallelism (TP).
 
     .venv/bin/python recipes/train.py                                   # Llama-like, tp=2 pcp=2, Fabric
+    .venv/bin/python recipes/train.py model=hf                          # a transformers Llama
+    .venv/bin/python recipes/train.py model=hf model.checkpoint=/path/to/hf/model parallel=pcp4
     .venv/bin/python recipes/train.py model=deepseek_v3_tiny workload.strategy=trainer
     .venv/bin/python recipes/train.py -m model=llama_tiny,deepseek_v3_tiny  # one of each family
     .venv/bin/python recipes/train.py parallel=pcp4 workload.resume=ckpt.safetensors
@@ -8,7 +10,9 @@
 
 Build: the composed config (``conf/train.yaml``), a byte-level dataset cut from the bundled
 text (``recipes/data/tiny_corpus.txt``) and a :class:`~cp_modules.models.TinyLM` of the model's
-family (``deepseek_v3`` -> MLA attention, the others -> GQA). Run: Lightning Fabric or the
+family (``deepseek_v3`` -> MLA attention, the others -> GQA), or with ``model.hf`` the
+transformers model of the family (a local ``model.checkpoint`` directory, or built from the
+config's sizes) made context-parallel by :func:`cp_modules.swap_attention`. Run: Lightning Fabric or the
 Lightning Trainer with the CP strategy: every batch is split over PCP with DualChunkSwap, heads
 over TP, samples over dp. Report: the loss every ``log_every`` steps and the global tokens/s,
 then a summary line; ``workload.save`` writes a full-tensor checkpoint that ``workload.resume``
@@ -138,9 +142,34 @@ def _device_and_backend(backend: BackendConf) -> tuple[str, str]:
     return device, dist_backend
 
 
-def _build_model(conf: TrainConf) -> TinyLM:
-    torch.manual_seed(conf.model.seed)
-    return TinyLM(tiny_lm_config(conf.model))
+class HFTokensLM(torch.nn.Module):
+    """A transformers causal LM on one row of this rank's tokens: ``forward(input_ids [T],
+    positions [T]) -> logits [T, V]`` (the TinyLM interface), run under the batch's cp_step."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.hf = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids[None], position_ids=positions[None]).logits[0]
+
+
+def _build_model(conf: TrainConf, groups=None) -> torch.nn.Module:
+    """TinyLM, or with ``model.hf`` the swapped transformers model (``groups``: the rank's
+    CPGroups, whose TP mesh shards it)."""
+    if not conf.model.hf:
+        torch.manual_seed(conf.model.seed)
+        return TinyLM(tiny_lm_config(conf.model))
+    from cp_modules import swap_attention
+    from cp_modules.engine.model import build_model
+
+    model = build_model(conf.model).train()
+    return HFTokensLM(swap_attention(model, groups))
+
+
+def _parallelize_fn(conf: TrainConf):
+    # swap_attention applies TP to a transformers model itself.
+    return None if conf.model.hf else parallelize_model
 
 
 def _loader(conf: TrainConf) -> DataLoader:
@@ -185,7 +214,7 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
     """One rank's Fabric loop; returns the run's summary."""
     w = conf.workload
     strategy: CPFabricStrategy = fabric.strategy
-    model = fabric.setup_module(_build_model(conf))
+    model = fabric.setup_module(_build_model(conf, strategy.cp.groups))
     optimizer = fabric.setup_optimizers(
         torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=w.weight_decay)
     )
@@ -218,7 +247,7 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
 
 def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPFabricStrategy(
-        conf.parallel.to_parallel_config(), parallelize_model, start_method="spawn",
+        conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
     )
     fabric = L.Fabric(accelerator=device, devices=conf.parallel.world_size, strategy=strategy)
@@ -228,14 +257,20 @@ def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
 # ---- Trainer -----------------------------------------------------------------------------
 
 class LitTinyLM(L.LightningModule):
-    """TinyLM trained by the Lightning Trainer; batches arrive as this rank's CPBatch."""
+    """TinyLM (or the swapped transformers model) trained by the Lightning Trainer; batches
+    arrive as this rank's CPBatch, and the strategy scopes each batch's step."""
 
     def __init__(self, conf: TrainConf):
         super().__init__()
         self.conf = conf
-        self.model = _build_model(conf)
+        self.model = None if conf.model.hf else _build_model(conf)
         self.meter = _Meter(conf.workload.log_every, conf.workload.steps, rank0=False)
         self._start = 0.0
+
+    def configure_model(self) -> None:
+        # On the rank, once its process groups exist (the swap needs them for TP).
+        if self.model is None:
+            self.model = _build_model(self.conf, self.trainer.strategy.cp.groups)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._start = time.perf_counter()
@@ -262,7 +297,7 @@ class LitTinyLM(L.LightningModule):
 
 def run_trainer(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPTrainerStrategy(
-        conf.parallel.to_parallel_config(), parallelize_model, start_method="spawn",
+        conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
     )
     trainer = L.Trainer(
@@ -289,6 +324,8 @@ def main(cfg: DictConfig) -> None:
     L.seed_everything(conf.workload.seed, verbose=False)
     p, w = conf.parallel, conf.workload
     attention = tiny_lm_config(conf.model).attention
+    if conf.model.hf:
+        attention += ", transformers model" + (f" {conf.model.checkpoint}" if conf.model.checkpoint else "")
     print(f"training {conf.model.family.value} ({attention}) with {w.strategy.value} on "
           f"{p.world_size} rank(s): tp={p.tp} pcp={p.pcp} dp={p.dp}; {w.batch_size} x {w.seq_len} "
           f"tokens per replica and step", flush=True)
