@@ -46,6 +46,7 @@ class VerifyArgs:
     mla_backward: str = "auto"
     pcp_varlen: str = "auto"
     policy_changes: dict = field(default_factory=dict)  # other CPPolicy fields
+    sinks: bool = False
 
     def policy(self):
         """The :class:`~cp_modules.policy.CPPolicy` of these choices (raises on bad values)."""
@@ -92,6 +93,8 @@ def _config(a: VerifyArgs):
     from cp_modules.config import ParallelConfig
 
     _shape(a)
+    if a.sinks and a.attention != "gqa":
+        raise ValueError("--sinks applies to --attention gqa only (MLA models have no sinks)")
     if a.tp * a.pcp != a.world_size:
         raise ValueError(
             f"--world-size {a.world_size} must equal tp*pcp = {a.tp}*{a.pcp} (dp = pp = 1 here)"
@@ -123,7 +126,10 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
 
     torch.manual_seed(a.seed)
     if a.attention == "gqa":
-        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, **_shape(a))
+        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, sinks=a.sinks, **_shape(a))
+        if a.sinks:
+            with torch.no_grad():
+                layer.sinks.normal_()
     elif a.attention == "mla":
         cfg.validate_heads(_shape(a)["num_heads"], None)
         layer = CPMLAAttention(**_shape(a))
@@ -432,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="MLA's training backward path (CPPolicy.mla_backward)")
     p.add_argument("--pcp-varlen", default="auto", choices=["auto", "always", "never"],
                    help="PCP prefill path: blocks or one varlen call (CPPolicy.pcp_varlen)")
+    p.add_argument("--sinks", action="store_true", help="a learned sink logit per head (GQA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--sweep", action="store_true",
@@ -448,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_lens=seq_lens, decode_steps=ns.decode_steps, dtype=ns.dtype, interleave=ns.interleave,
         block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
         packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads, widths=ns.widths,
-        mla_backward=ns.mla_backward, pcp_varlen=ns.pcp_varlen,
+        mla_backward=ns.mla_backward, pcp_varlen=ns.pcp_varlen, sinks=ns.sinks,
     )
     if ns.sweep:
         summary = run_sweep(a)

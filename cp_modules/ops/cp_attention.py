@@ -141,7 +141,7 @@ def _check_trainable(meta: CPStepMetadata) -> None:
 # ----------------------------------------------------------------------------- GQA / MHA
 
 
-def _gqa_forward(q, k, v, k_cache, v_cache, scale):
+def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None):
     meta = current_step()
     _check_local(meta, q, k, v)
     has_cache = k_cache.numel() > 0
@@ -190,18 +190,49 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
         )
         out.index_copy_(0, idx, o.to(out.dtype))
         lse.index_copy_(0, idx, lse_d.to(lse.dtype))
+    if sinks is not None:
+        out, lse = _apply_sinks(out, lse, sinks)
     return out, lse
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
+        raise ValueError(
+            f"sinks must hold one logit per local query head, [{q.shape[1]}], got "
+            f"{tuple(sinks.shape)}"
+        )
+
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """Attention sinks on the merged result: softmax over the scores and one logit ``s_h``
+    per head, the sink column dropped. With ``L`` the merged LSE: ``O' = O * sigmoid(L - s)``
+    and ``L' = logaddexp(L, s)``. Applied once per query token after every PCP/DCP merge, so
+    each rank's partial results stay sink-free. Rows without keys (``L = -inf``) stay 0."""
+    s = sinks.to(lse.dtype)[None, :]
+    lse_s = torch.logaddexp(lse, s)
+    return out * torch.exp(lse - lse_s).unsqueeze(-1).to(out.dtype), lse_s
+
+
+def _sinks_grad(dout, out, lse, sinks, valid):
+    """Gradient of the sink logits from the output with sinks ``out`` and its LSE ``lse``:
+    ``ds_h = -sum_t exp(s_h - L'_t) * (dO'_t . O'_t)`` over this rank's real tokens (a partial
+    sum, like a weight gradient)."""
+    acc = lse.dtype
+    d = (dout.to(acc) * out.to(acc)).sum(-1)  # [T, H]
+    p_sink = torch.exp(sinks.to(acc)[None, :] - lse)
+    return -(p_sink * d * valid[:, None].to(acc)).sum(0).to(sinks.dtype)
 
 
 @torch.library.custom_op("cp::gqa_attention", mutates_args=())
 def _gqa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`)."""
+    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`);
+    with ``sinks`` [H], ``out`` and ``lse`` include the sink (see :func:`_apply_sinks`)."""
     empty = q.new_empty(0)
     meta = current_step()
     _check_trainable(meta)
-    out, lse = _gqa_forward(q, k, v, empty, empty, scale)
+    out, lse = _gqa_forward(q, k, v, empty, empty, scale, sinks)
     return out, lse, step_handle(meta)
 
 
@@ -212,9 +243,10 @@ def _gqa_attention_with_cache(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    sinks: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gqa_forward(q, k, v, k_cache, v_cache, scale)
+    return _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks)
 
 
 def _gqa_fake(q, k, v, *args):
@@ -225,7 +257,7 @@ def _handle_fake(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-_gqa_attention.register_fake(lambda q, k, v, scale: (*_gqa_fake(q, k, v), _handle_fake(q)))
+_gqa_attention.register_fake(lambda q, k, v, sinks, scale: (*_gqa_fake(q, k, v), _handle_fake(q)))
 _gqa_attention_with_cache.register_fake(_gqa_fake)
 
 
@@ -238,10 +270,14 @@ def _gqa_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     handle: torch.Tensor,
+    sinks: torch.Tensor | None,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq, dkv): dkv [2, T, Hkv, D] holds dK then dV (one reduce-scatter result; an op's
-    outputs may not alias, so autograd splits it). ``handle``: the forward's plan."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dkv, dsinks): dkv [2, T, Hkv, D] holds dK then dV (one reduce-scatter result; an
+    op's outputs may not alias, so autograd splits it); dsinks [H] (empty without sinks).
+    ``handle``: the forward's plan. ``out`` and ``lse`` are the forward's, sinks included:
+    the probabilities recomputed from them are the sink-normalised ones, so the attention
+    backward needs nothing else for sinks."""
     meta = step_of(handle)
     k_full, v_full = _gather_kv(k, v, meta)
     rt = meta.runtime
@@ -268,7 +304,8 @@ def _gqa_attention_backward(
         flat.index_copy_(0, rows + t, dv_full)
         _zero_padding(meta, buf)
     dkv = reduce_scatter(buf.view(-1, *k.shape[1:]), rt.pcp_group, rt.pcp_size)
-    return dq, dkv.view(2, t, *k.shape[1:])
+    dsinks = q.new_empty(0) if sinks is None else _sinks_grad(dout, out, lse, sinks, meta.plan.local_valid)
+    return dq, dkv.view(2, t, *k.shape[1:]), dsinks
 
 
 def _gathered_rows(index: torch.Tensor, t: int) -> torch.Tensor:
@@ -301,22 +338,26 @@ def _gathered_targets(meta: CPStepMetadata, buf: torch.Tensor):
 
 
 @_gqa_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, handle, scale):
-    return torch.empty_like(q), k.new_empty((2, *k.shape))
+def _(dout, q, k, v, out, lse, handle, sinks, scale):
+    ds = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), k.new_empty((2, *k.shape)), ds
 
 
 def _gqa_setup(ctx, inputs, output):
-    q, k, v, scale = inputs
+    q, k, v, sinks, scale = inputs
     out, lse, handle = output
     ctx.scale = scale
+    ctx.has_sinks = sinks is not None
     ctx.mark_non_differentiable(lse, handle)
-    ctx.save_for_backward(q, k, v, out, lse, handle)
+    ctx.save_for_backward(q, k, v, out, lse, handle, sinks)
 
 
 def _gqa_backward(ctx, dout, _dlse, _dhandle):
-    q, k, v, out, lse, handle = ctx.saved_tensors
-    dq, dkv = torch.ops.cp.gqa_attention_backward(dout, q, k, v, out, lse, handle, ctx.scale)
-    return dq, dkv[0], dkv[1], None
+    q, k, v, out, lse, handle, sinks = ctx.saved_tensors
+    dq, dkv, dsinks = torch.ops.cp.gqa_attention_backward(
+        dout, q, k, v, out, lse, handle, sinks if ctx.has_sinks else None, ctx.scale
+    )
+    return dq, dkv[0], dkv[1], dsinks if ctx.has_sinks else None, None
 
 
 _gqa_attention.register_autograd(_gqa_backward, setup_context=_gqa_setup)
@@ -339,6 +380,7 @@ def gqa_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel GQA/MHA attention of this rank's local tokens for the current step.
 
@@ -348,16 +390,23 @@ def gqa_attention(
         kv_cache: ``(k_cache, v_cache)`` [NB, BS, Hkv, D] of this layer, written in place, or
             None (training, cache-less forward).
         scale: softmax scale.
+        sinks: [H] per-head sink logits of the local heads (gpt-oss), or None: softmax over
+            the scores and the sink, which takes probability but adds no value; differentiable.
 
     Returns:
         [T, H, D] attention output of the local tokens (padding rows are 0).
+
+    Raises:
+        ValueError: for ``sinks`` that are not one logit per local head.
     """
+    _check_sinks(sinks, q)
+    grads = (q, k, v) + (() if sinks is None else (sinks,))
     if kv_cache is None:
-        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, scale)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, sinks, scale)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         raise RuntimeError(_CACHE_NEEDS_NO_GRAD)
     else:
-        out, _ = torch.ops.cp.gqa_attention_with_cache(q, k, v, kv_cache[0], kv_cache[1], scale)
+        out, _ = torch.ops.cp.gqa_attention_with_cache(q, k, v, kv_cache[0], kv_cache[1], sinks, scale)
     return out
 
 
