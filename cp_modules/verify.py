@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -122,6 +123,7 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     from cp_modules.modules import CPFlashAttention, CPMLAAttention
 
     torch.manual_seed(a.seed)
+    layer: CPFlashAttention | CPMLAAttention
     if a.attention == "gqa":
         layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, **_shape(a))
     elif a.attention == "mla":
@@ -228,7 +230,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
     # run's error, plus one ulp of the largest value.
     low_precision = dtype not in (torch.float32, torch.float64)
     labels = ("reference", "parallel") + (("reference_fp32",) if low_precision else ())
-    results = {}
+    results: dict[str, Any] = {}
     for label in labels:
         run_dtype = torch.float32 if label == "reference_fp32" else dtype
         layer = _build_layer(a, cfg, dtype).to(device=device, dtype=run_dtype)
