@@ -64,8 +64,9 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Layer widths. "tiny" keeps the check quick on CPUs. "model" has real models' head dims
 # (Llama's 128; DeepSeek-V3's MLA 128 + 64 / 128 over a 512-wide latent) with 8 heads, so on a
 # GPU the check runs the kernels those models run; its projections are also wide enough that
-# cuBLAS's bf16 GEMMs stay at bf16 rounding (benchmarks/probe_wgrad_gemm.py: weight gradients
-# of 256 x 256 or fewer elements lost accuracy at a few token counts, wider ones did not).
+# cuBLAS's bf16 GEMMs stay at bf16 rounding (docs/experiments/2026-11-30-wgrad-gemm-probe.md:
+# weight gradients of 256 x 256 or fewer elements lost accuracy at a few token counts, wider
+# ones did not).
 WIDTHS = ("tiny", "model")
 GQA_SHAPES = {
     "tiny": dict(hidden_size=64, num_heads=8, head_dim=16),
