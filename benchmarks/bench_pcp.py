@@ -487,6 +487,7 @@ GRAD_LAYOUT_SHAPES = {
     "mha-128k": (131072, 32, 32, 128),
 }
 
+
 def rank_variants(S, P, r, q, k, v, dout, scale):
     plan = plan_pcp([S], [0], P, r, device="cuda")
     t, hkv, d = plan.num_local_tokens_padded, k.shape[1], k.shape[2]

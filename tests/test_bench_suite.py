@@ -59,3 +59,25 @@ def test_report_regenerates_the_dated_report(tmp_path):
         "pcp-first-overlap-2026-11-30.json",
         "dcp_comm-2026-11-30.json",
     }
+
+
+def test_pcp_studies_keep_the_defaults_of_their_former_scripts():
+    from benchmarks import bench_pcp
+
+    a = bench_pcp.parse_args([])
+    assert a.run is bench_pcp.run_suite_part and a.pcp == [2, 4, 8]
+    assert a.shapes == list(bench_pcp.SHAPES) and not a.check_only
+    a = bench_pcp.parse_args(["key-major"])
+    assert a.run is bench_pcp.run_key_major
+    assert (a.shapes, a.pcp) == (["mla-32k", "mha-32k", "gqa-32k"], [2, 4, 8])
+    a = bench_pcp.parse_args(["grad-layout"])
+    assert (a.run, a.rounds) == (bench_pcp.run_grad_layout, 5)
+    assert a.shapes == ["mha-32k", "gqa-32k", "mha-32k-pad", "mha-128k"]
+    a = bench_pcp.parse_args(["varlen", "--batches", "64x256+2048"])
+    assert (a.run, a.pcp, a.rounds, a.shapes) == (bench_pcp.run_varlen, [2, 8], 2, ["gqa", "mla"])
+    assert a.batches == ["64x256+2048"]
+    a = bench_pcp.parse_args(["new-shapes"])
+    assert (a.run, a.pcp, a.prompts) == (bench_pcp.run_new_shapes, [2, 8], 6)
+    a = bench_pcp.parse_args(["timeline", "--out", "x"])
+    assert (a.run, a.pcp, a.out) == (bench_pcp.run_timeline, [4, 8], "x")
+    assert a.shapes == ["mha-32k", "gqa-32k", "mla-32k"]
