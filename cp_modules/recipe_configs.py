@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from cp_modules.config import ParallelConfig
 
@@ -288,6 +288,6 @@ def load_config(cfg: Any, schema: type[T]) -> T:
 
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-        return OmegaConf.to_object(merged)
+        return cast(T, OmegaConf.to_object(merged))
     except OmegaConfBaseException as e:
         raise ValueError(f"invalid configuration: {e}") from e

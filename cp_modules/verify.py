@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,8 +65,9 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Layer widths. "tiny" keeps the check quick on CPUs. "model" has real models' head dims
 # (Llama's 128; DeepSeek-V3's MLA 128 + 64 / 128 over a 512-wide latent) with 8 heads, so on a
 # GPU the check runs the kernels those models run; its projections are also wide enough that
-# cuBLAS's bf16 GEMMs stay at bf16 rounding (benchmarks/probe_wgrad_gemm.py: weight gradients
-# of 256 x 256 or fewer elements lost accuracy at a few token counts, wider ones did not).
+# cuBLAS's bf16 GEMMs stay at bf16 rounding (docs/experiments/2026-11-30-wgrad-gemm-probe.md:
+# weight gradients of 256 x 256 or fewer elements lost accuracy at a few token counts, wider
+# ones did not).
 WIDTHS = ("tiny", "model")
 GQA_SHAPES = {
     "tiny": dict(hidden_size=64, num_heads=8, head_dim=16),
@@ -125,6 +127,7 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     from cp_modules.modules import CPFlashAttention, CPMLAAttention
 
     torch.manual_seed(a.seed)
+    layer: CPFlashAttention | CPMLAAttention
     if a.attention == "gqa":
         layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, sinks=a.sinks, **_shape(a))
         if a.sinks:
@@ -234,7 +237,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
     # run's error, plus one ulp of the largest value.
     low_precision = dtype not in (torch.float32, torch.float64)
     labels = ("reference", "parallel") + (("reference_fp32",) if low_precision else ())
-    results = {}
+    results: dict[str, Any] = {}
     for label in labels:
         run_dtype = torch.float32 if label == "reference_fp32" else dtype
         layer = _build_layer(a, cfg, dtype).to(device=device, dtype=run_dtype)

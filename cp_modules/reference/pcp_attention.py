@@ -157,6 +157,7 @@ def _segment_keys(
     keys, values = k[k0 : k0 + kl], v[k0 : k0 + kl]
     if prefix_k is None or prefix_cu is None:
         return keys, values, 0
+    assert prefix_v is not None, "prefix_k without prefix_v"
     p0, p1 = prefix_cu[req], prefix_cu[req + 1]
     return torch.cat([prefix_k[p0:p1], keys]), torch.cat([prefix_v[p0:p1], values]), p1 - p0
 
@@ -227,10 +228,13 @@ def pcp_prefill_attention_backward_reference(
         dprefix_v [C, Hkv, Dv] (None without a prefix), each in its input's dtype.
     """
     dq, dk, dv = (torch.zeros_like(_acc(x)) for x in (q, k, v))
-    has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
-    dpk = torch.zeros_like(_acc(prefix_k)) if has_prefix else None
-    dpv = torch.zeros_like(_acc(prefix_v)) if has_prefix else None
-    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None
+    dpk: torch.Tensor | None = None
+    dpv: torch.Tensor | None = None
+    prefix_cu: list[int] | None = None
+    if prefix_k is not None and prefix_cu_seqlens is not None:
+        assert prefix_v is not None, "prefix_k without prefix_v"
+        dpk, dpv = torch.zeros_like(_acc(prefix_k)), torch.zeros_like(_acc(prefix_v))
+        prefix_cu = prefix_cu_seqlens.tolist()
     for seg in segments.tolist():
         req, q0, ql, k0, kl = seg
         if ql == 0:
@@ -244,6 +248,7 @@ def pcp_prefill_attention_backward_reference(
         dk[k0 : k0 + kl] += gk[num_prefix:]
         dv[k0 : k0 + kl] += gv[num_prefix:]
         if num_prefix:
+            assert dpk is not None and dpv is not None and prefix_cu is not None
             p0 = prefix_cu[req]
             dpk[p0 : p0 + num_prefix] += gk[:num_prefix]
             dpv[p0 : p0 + num_prefix] += gv[:num_prefix]
@@ -251,6 +256,6 @@ def pcp_prefill_attention_backward_reference(
         dq.to(q.dtype),
         dk.to(k.dtype),
         dv.to(v.dtype),
-        None if dpk is None else dpk.to(prefix_k.dtype),
-        None if dpv is None else dpv.to(prefix_v.dtype),
+        None if dpk is None or prefix_k is None else dpk.to(prefix_k.dtype),
+        None if dpv is None or prefix_v is None else dpv.to(prefix_v.dtype),
     )

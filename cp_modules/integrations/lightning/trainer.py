@@ -153,7 +153,7 @@ class CPTrainerStrategy(ModelParallelStrategy):
                     "parallelize_fn must shard the LightningModule in place and return it, got "
                     f"{type(module).__name__}"
                 )
-            self.model._cp_parallelized = True
+            self.model._cp_parallelized = True  # type: ignore[assignment]
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -291,6 +291,7 @@ class _FullWeightsSpawnLauncher(_MultiProcessingLauncher):
         weights_path = None
         if fitting:
             weights_path = os.path.join(tempfile.mkdtemp(), "weights.safetensors")
+            assert state_dict is not None
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)

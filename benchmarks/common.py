@@ -1,4 +1,4 @@
-"""The results file every benchmark writes: its figures with the date, GPU and versions."""
+"""What every benchmark shares: the results file (figures with the date, GPU and versions)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import pathlib
 
 import torch
 import triton
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def write_results(kind: str, metrics: dict, out: str | pathlib.Path, **extra) -> pathlib.Path:
