@@ -130,7 +130,7 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     layer: CPFlashAttention | CPMLAAttention
     if a.attention == "gqa":
         layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, sinks=a.sinks, **_shape(a))
-        if a.sinks:
+        if layer.sinks is not None:
             with torch.no_grad():
                 layer.sinks.normal_()
     elif a.attention == "mla":
