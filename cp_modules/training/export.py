@@ -38,15 +38,20 @@ def export_hf(
         model: a transformers causal LM (e.g. swapped with :func:`cp_modules.swap_attention`,
             its names are already transformers'), sharded or not.
         directory: created if missing.
-        config: a transformers ``PretrainedConfig``; default ``model.config``. Its attention
-            implementation is not written, so the export loads with transformers' own.
+        config: a transformers ``PretrainedConfig``; default ``model.config``, or for a GQA
+            :class:`~cp_modules.models.TinyLM` the equivalent ``LlamaConfig`` (same names
+            under ``model.``, same rope and norms: it loads as ``LlamaForCausalLM``). Its
+            attention implementation is not written, so the export loads with transformers'
+            own.
         rename: maps each state-dict name to the transformers name, for models whose names
-            differ (e.g. ``lambda n: n if n.startswith("lm_head") else "model." + n`` for a
-            :class:`~cp_modules.models.TinyLM`, whose names are Llama's without ``model.``).
+            differ.
 
     Raises:
-        ValueError: when no config is given and ``model`` has none.
+        ValueError: when no config is given and ``model`` has none (an MLA TinyLM has no
+            transformers twin here: pass ``config`` and ``rename``).
     """
+    if config is None and rename is None:
+        config, rename = _tiny_lm_as_llama(model)
     if config is None:
         config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
@@ -74,3 +79,27 @@ def export_hf(
         os.replace(tmp, path / HF_WEIGHTS_NAME)
     if distributed:
         dist.barrier()
+
+
+def _tiny_lm_as_llama(model: nn.Module) -> tuple[Any | None, Callable[[str], str] | None]:
+    """The ``LlamaConfig`` and name map of a GQA TinyLM (``(None, None)`` for other models)."""
+    from cp_modules.models import TinyLM
+
+    if not isinstance(model, TinyLM) or model.config.attention != "gqa":
+        return None, None
+    c = model.config
+    if c.qkv_bias:
+        raise ValueError(
+            "a TinyLM with qkv_bias=True (biases on q/k/v, none on o_proj) is not a Llama "
+            "(attention_bias puts one on o_proj too): pass config= and rename= for its target"
+        )
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim or c.hidden_size // c.num_heads,
+        attention_bias=False, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        tie_word_embeddings=False,
+    )
+    return config, lambda name: name if name.startswith("lm_head.") else "model." + name
