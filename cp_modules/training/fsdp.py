@@ -108,12 +108,19 @@ def apply_fsdp(
             (gathered again in the backward).
 
     Raises:
-        ValueError: for a mesh without ``dp`` and ``pcp`` axes.
+        ValueError: for a mesh without ``dp`` and ``pcp`` axes, or a model that already holds
+            ``fully_shard`` modules of its own (their reduction would average, not sum).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    if getattr(model, "_cp_fsdp_applied", False):
         return model
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} already holds fully_shard modules: leave FSDP2 to apply_fsdp "
+            f"(the CP strategies call it), which shards over {DP_PCP_AXIS!r} and sums gradients "
+            "(the losses are normalised by the global token count; FSDP2's default averages)"
+        )
     dp_pcp = fsdp_mesh(mesh)
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     units = [*_blocks(model), *_roots(model)]
@@ -123,4 +130,5 @@ def apply_fsdp(
         )
     for unit in units:
         _set_sum_reduction(unit)
+    model._cp_fsdp_applied = True
     return model

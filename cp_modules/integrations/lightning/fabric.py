@@ -5,18 +5,18 @@
                                 parallelize_fn=parallelize_model)
     fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy)
     fabric.launch()
-    model = fabric.setup_module(TinyLM(cfg))          # parallelize_fn(model, mesh) runs here
+    model = fabric.setup_module(TinyLM(cfg))          # parallelize_fn (TP), then FSDP2
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
     loader = fabric.setup_dataloaders(loader)         # sampler over the dp axis only
     for batch in loader:
         batch = strategy.shard_batch(batch)           # DualChunkSwap share of this rank
         with cp_step(batch.meta):                     # the forward's plan (scoped)
             loss = lm_cross_entropy(model(batch.input_ids, batch.positions), batch)
-        fabric.backward(loss)                         # uses the plan the forward saved
-        optimizer.step()                              # FSDP2 summed the gradients over dp x pcp
+        fabric.backward(loss)                         # FSDP2 sums gradients over dp x pcp
+        optimizer.step()
         optimizer.zero_grad()
         global_loss = strategy.reduce_loss(loss)
-    fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": step})  # DCP directory
+    fabric.save("ckpt", {"model": model, "optimizer": optimizer})  # a DCP directory
 """
 
 from __future__ import annotations
