@@ -269,6 +269,12 @@ def _mixed_precision_case(rank):
         logits = model(cb.input_ids, cb.positions)
     loss = lm_cross_entropy(logits, cb)
     loss.backward()
+    assert apply_fsdp(model, ctx.mesh) is model  # applied once
+    from torch.distributed.fsdp import fully_shard
+
+    own = fully_shard(_new_model("gqa"), mesh=ctx.mesh["dp"])  # would average over dp only
+    with pytest.raises(ValueError, match="already holds fully_shard modules"):
+        apply_fsdp(own, ctx.mesh)
     return {
         "logits_dtype": str(logits.dtype),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
