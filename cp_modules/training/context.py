@@ -12,7 +12,9 @@ sum of the per-rank losses over dp x pcp is the mean loss of the global batch, a
 the per-rank gradients over dp x pcp is its gradient. TP ranks are replicas of that sum (their
 activations after each row-wise projection are equal), so a parameter's gradient is summed
 over exactly the dp x pcp ranks at its (pp, tp) position, whether it is a TP-sharded DTensor
-(its local shard) or a replicated plain tensor.
+(its local shard) or a replicated plain tensor. FSDP2 on the flattened ``dp_pcp`` mesh axis
+does that sum in the backward (:func:`cp_modules.training.apply_fsdp`, used by the Lightning
+strategies); :meth:`CPTrainingContext.reduce_gradients` is the deprecated hand-written one.
 """
 
 from __future__ import annotations
