@@ -15,8 +15,10 @@ transformers model of the family (a local ``model.checkpoint`` directory, or bui
 config's sizes) made context-parallel by :func:`cp_modules.swap_attention`. Run: Lightning Fabric or the
 Lightning Trainer with the CP strategy: every batch is split over PCP with DualChunkSwap, heads
 over TP, samples over dp. Report: the loss every ``log_every`` steps and the global tokens/s,
-then a summary line; ``workload.save`` writes a full-tensor checkpoint that ``workload.resume``
-loads under any layout.
+then a summary line; ``workload.save`` writes a checkpoint that ``workload.resume`` loads under
+any layout: one safetensors file of full tensors for a path ending in ``.safetensors``, else a
+distributed checkpoint directory (``torch.distributed.checkpoint``). Gradients are summed over
+dp x pcp by FSDP2.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class TrainWorkload:
 
     ``steps``: optimizer steps in total (a resumed run continues from the checkpoint's step).
     ``batch_size``: sequences per data-parallel replica, each ``seq_len`` bytes.
-    ``corpus``: a text file (default: the bundled one). ``save`` / ``resume``: checkpoint paths.
+    ``corpus``: a text file (default: the bundled one). ``save`` / ``resume``: checkpoint paths
+    (``*.safetensors``: one full-tensor file; otherwise a distributed checkpoint directory).
     """
 
     strategy: Strategy = Strategy.fabric
@@ -245,10 +248,15 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
     return meter.summary() if fabric.global_rank == 0 else None
 
 
+def _distributed_checkpoint(w: TrainWorkload) -> bool:
+    return not (w.save or "").endswith(".safetensors")
+
+
 def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPFabricStrategy(
         conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
+        save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
     fabric = L.Fabric(accelerator=device, devices=conf.parallel.world_size, strategy=strategy)
     return fabric.launch(train_with_fabric, conf)
@@ -299,6 +307,7 @@ def run_trainer(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPTrainerStrategy(
         conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
+        save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
     trainer = L.Trainer(
         accelerator=device, devices=conf.parallel.world_size, strategy=strategy,

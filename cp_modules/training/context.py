@@ -12,7 +12,9 @@ sum of the per-rank losses over dp x pcp is the mean loss of the global batch, a
 the per-rank gradients over dp x pcp is its gradient. TP ranks are replicas of that sum (their
 activations after each row-wise projection are equal), so a parameter's gradient is summed
 over exactly the dp x pcp ranks at its (pp, tp) position, whether it is a TP-sharded DTensor
-(its local shard) or a replicated plain tensor.
+(its local shard) or a replicated plain tensor. FSDP2 on the flattened ``dp_pcp`` mesh axis
+does that sum in the backward (:func:`cp_modules.training.apply_fsdp`, used by the Lightning
+strategies); :meth:`CPTrainingContext.reduce_gradients` is the deprecated hand-written one.
 """
 
 from __future__ import annotations
@@ -259,11 +261,35 @@ class CPTrainingContext:
         )
 
     def reduce_gradients(self, params: Iterable[nn.Parameter]) -> None:
-        """Sum the gradients of ``params`` over the dp x pcp ranks that replicate them, in place.
+        """Deprecated: sum the gradients of ``params`` over the dp x pcp ranks, in place.
 
-        TP-sharded (DTensor) parameters sum their local shards; replicated parameters their
-        full gradients. Call once per optimizer step, after the last backward.
+        Shard the model with :func:`cp_modules.training.apply_fsdp` instead (the Lightning
+        strategies do): FSDP2 sums the gradients in the backward. This path remains for models
+        without FSDP2: TP-sharded (DTensor) parameters sum their local shards, replicated
+        parameters their full gradients. Call once per optimizer step, after the last backward.
+
+        Raises:
+            ValueError: for a parameter that FSDP2 already manages (its gradient is summed
+                already; a second sum would scale it by dp x pcp).
         """
+        import warnings
+
+        from cp_modules.training.fsdp import DP_PCP_AXIS
+
+        warnings.warn(
+            "CPTrainingContext.reduce_gradients is deprecated: shard the model with "
+            "cp_modules.training.apply_fsdp(model, mesh), which sums gradients in the backward",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        params = list(params)
+        for p in params:
+            if isinstance(p, DTensor) and DP_PCP_AXIS in (p.device_mesh.mesh_dim_names or ()):
+                raise ValueError(
+                    "reduce_gradients got a parameter sharded by FSDP2 (apply_fsdp) over "
+                    f"{DP_PCP_AXIS!r}: its gradient is already summed over dp x pcp; do not "
+                    "call reduce_gradients for FSDP2 models"
+                )
         if self.replica_group is None:
             return
         seen: set[int] = set()
