@@ -84,7 +84,7 @@ def make_step_current(meta: CPStepMetadata) -> None:
     """
     import warnings
 
-    from cp_modules import step
+    import cp_modules.step as step
 
     warnings.warn(
         "make_step_current is deprecated: run the forward under `with cp_step(meta):`",
