@@ -46,20 +46,44 @@ def _fold_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return dx.reshape(m, num_kv_heads, hq // num_kv_heads, d).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """[Hq, L, M] scaled scores (at least fp32), masked entries -inf."""
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """[Hq, L, M] scaled scores (at least fp32), soft-capped, masked entries -inf.
+
+    ``window`` W (bottom-right aligned like ``causal``): query ``i`` sees key ``j`` only if
+    ``j > i + M - L - W`` (its W latest keys, itself included). ``softcap`` c: scores become
+    ``c * tanh(scores / c)`` after scaling, before masking.
+    """
     k = _expand_kv(_acc(k), q.shape[1])
     s = torch.einsum("lhd,mhd->hlm", _acc(q), k) * scale
-    if causal:
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if causal or window:
         L, M = q.shape[0], k.shape[0]
         i = torch.arange(L, device=q.device)[:, None]
         j = torch.arange(M, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (M - L), float("-inf"))
+        if causal:
+            s = s.masked_fill(j > i + (M - L), float("-inf"))
+        if window:
+            s = s.masked_fill(j <= i + (M - L) - window, float("-inf"))
     return s
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block with its LSE (bottom-right causal if ``causal``).
 
@@ -67,12 +91,13 @@ def attention_with_lse(
         q: [L, Hq, Dqk]; k: [M, Hkv, Dqk]; v: [M, Hkv, Dv] (M >= L when causal).
         scale: multiplier of ``q·k``.
         causal: mask keys after each query's position (bottom-right aligned).
+        window, softcap: see :func:`_scores` (None: none).
 
     Returns:
         out [L, Hq, Dv] in q's dtype (0 for a query with no key), lse [L, Hq] fp32 or fp64
         (``-inf`` for a query with no key).
     """
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, window, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
     out = torch.einsum("hlm,mhd->lhd", p, _expand_kv(_acc(v), q.shape[1]))
@@ -89,6 +114,8 @@ def attention_with_lse_backward(
     *,
     scale: float,
     causal: bool,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* output and LSE of its queries (fp32).
 
@@ -104,7 +131,7 @@ def attention_with_lse_backward(
         dq [L, Hq, Dqk], dk [M, Hkv, Dqk], dv [M, Hkv, Dv], in fp32 (fp64 for fp64 inputs).
     """
     hkv = k.shape[1]
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, window, softcap)
     lse_h = lse.to(s.dtype).transpose(0, 1)[..., None]
     p = torch.exp(s - lse_h.clamp_min(torch.finfo(s.dtype).min))
     do = _acc(dout)
@@ -112,6 +139,9 @@ def attention_with_lse_backward(
     dp = torch.einsum("lhd,mhd->hlm", do, _expand_kv(_acc(v), q.shape[1]))
     delta = (do * _acc(out)).sum(-1).transpose(0, 1)[..., None]
     ds = p * (dp - delta) * scale
+    if softcap:
+        # d(c tanh(u / c)) / du = 1 - tanh^2 = 1 - (s / c)^2 (0 where masked: p is 0 there).
+        ds = ds * (1 - (s.nan_to_num(neginf=0.0) / softcap) ** 2)
     dq = torch.einsum("hlm,mhd->lhd", ds, _expand_kv(_acc(k), q.shape[1]))
     dk = torch.einsum("hlm,lhd->mhd", ds, _acc(q))
     return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
@@ -171,6 +201,8 @@ def pcp_prefill_attention_reference(
     prefix_v: torch.Tensor | None,
     prefix_cu_seqlens: torch.Tensor | None,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head/tail attention of this rank's queries over the restored K/V (and cached prefixes).
 
@@ -181,6 +213,8 @@ def pcp_prefill_attention_reference(
         prefix_k: [C, Hkv, Dqk], prefix_v: [C, Hkv, Dv] cached keys/values of the requests,
             ragged by ``prefix_cu_seqlens`` ([R + 1] int64, host), or all three None.
         scale: softmax scale.
+        window: sliding window W (each query sees its W latest keys, itself included) or None.
+        softcap: logit soft-cap c or None.
 
     Returns:
         out [T, Hq, Dv] in q's dtype, lse [T, Hq] in ``lse_dtype(q.dtype)``.
@@ -195,7 +229,7 @@ def pcp_prefill_attention_reference(
         # The cached prefix precedes the new keys, so bottom-right alignment over the
         # concatenation already lets every query see its whole prefix.
         keys, values, _ = _segment_keys(seg, k, v, prefix_k, prefix_v, prefix_cu)
-        s = _scores(q[q0 : q0 + ql], keys, scale, causal=True)
+        s = _scores(q[q0 : q0 + ql], keys, scale, True, window, softcap)
         seg_lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - seg_lse[..., None])
         o = torch.einsum("hlm,mhd->lhd", p, _expand_kv(_acc(values), q.shape[1]))
@@ -216,6 +250,8 @@ def pcp_prefill_attention_backward_reference(
     prefix_v: torch.Tensor | None,
     prefix_cu_seqlens: torch.Tensor | None,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`pcp_prefill_attention_reference` from its output and LSE.
 
@@ -242,7 +278,8 @@ def pcp_prefill_attention_backward_reference(
         keys, values, num_prefix = _segment_keys(seg, k, v, prefix_k, prefix_v, prefix_cu)
         rows = slice(q0, q0 + ql)
         gq, gk, gv = attention_with_lse_backward(
-            dout[rows], q[rows], keys, values, out[rows], lse[rows], scale=scale, causal=True
+            dout[rows], q[rows], keys, values, out[rows], lse[rows], scale=scale, causal=True,
+            window=window, softcap=softcap,
         )
         dq[rows] += gq
         dk[k0 : k0 + kl] += gk[num_prefix:]
