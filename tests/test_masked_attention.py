@@ -34,7 +34,7 @@ def test_windowed_softcapped_pcp_reference_equals_dense(pcp, window, softcap):
     # The oracle per request over its whole sequence (prefix + new); rows of the new tokens.
     leaves = [[t.clone().requires_grad_() for t in xs] for xs in (qs, ks, vs)]
     want_out, want_lse, grads = [], [], []
-    for r, (c, n) in enumerate(zip(CACHED, NEW)):
+    for r, c in enumerate(CACHED):
         q, k, v = (x[r] for x in leaves)
         o, lse = dense_attention(q, k, v, scale=scale, sliding_window=window, softcap=softcap)
         want_out.append(o[c:])
