@@ -498,3 +498,33 @@ def test_policy_forces_the_varlen_path_through_the_op(monkeypatch):
     assert len(calls) == 2
     with pytest.raises(ValueError, match="pcp_varlen must be one of.*'sometimes'"):
         CPPolicy(pcp_varlen="sometimes")
+
+
+def test_public_function_threads_the_policy_to_its_backward(monkeypatch):
+    # pcp_prefill_attention(policy=...) hands the policy to the op, whose autograd backward
+    # runs with the forward's policy: both directions take the varlen packing here (CPU), and
+    # the gradients equal the reference's; the default policy runs the reference (no calls).
+    from cp_modules.ops.pcp_attention import pcp_prefill_attention
+
+    n, m = [37, 5, 1, 20], [0, 6, 9, 3]
+    q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu", seed=6)
+    pk, pv = _tensors([sum(m)], 4, 2, 8, torch.float64, "cpu", seed=8)[1:]
+    plan = plan_pcp(n, m, 2, 1)
+    calls = []
+    for name in ("pcp_prefill_attention_varlen", "pcp_prefill_attention_varlen_backward"):
+        fn = getattr(pcp_policy, name)
+        counting = lambda *a, fn=fn, **kw: calls.append(fn.__name__) or fn(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(pcp_policy, name, counting)
+    grads = {}
+    for choice in ("always", None):
+        leaves = [x.clone().requires_grad_() for x in (q[plan.token_indices], k, v, pk, pv)]
+        policy = None if choice is None else CPPolicy(pcp_varlen=choice)
+        out, _ = pcp_prefill_attention(
+            *leaves[:3], plan, scale=0.3, prefix_k=leaves[3], prefix_v=leaves[4], policy=policy
+        )
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+        grads[choice] = (out.detach(), torch.autograd.grad((out * w).sum(), leaves))
+    assert calls == ["pcp_prefill_attention_varlen", "pcp_prefill_attention_varlen_backward"]
+    assert max_abs_err(grads["always"][0], grads[None][0]) < 1e-12
+    for a, b in zip(grads["always"][1], grads[None][1]):
+        assert max_abs_err(a, b) < 1e-12

@@ -23,8 +23,9 @@ exp(l_k - m)``; NaN and +inf LSEs count as -inf, a row of empty partials gives 0
   partials ``[T, H, S, D]`` (base-2 LSEs, up to 256 splits, read in chunks: S is a run-time
   loop here, not an unrolled one) into its natural-log result.
 
-All of them share the row maximum / sum helpers below and accumulate in fp32. Each is
-memory-bound; launch parameters: ``docs/switch-points.md``.
+The full combine and the weights-only form share one per-row maximum / sum helper, the
+in-place form its empty-partial rule; all accumulate in fp32. Each is memory-bound; launch
+parameters as measured: ``docs/switch-points.md``.
 """
 
 from __future__ import annotations
@@ -299,10 +300,9 @@ def _merge_splits_kernel(
 def lse_combine_launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
     """Default ``(BLOCK_R, BLOCK_D, num_warps)`` for a value head dim and element size.
 
-    About 8 KiB of each partial per program of 4 warps gives every thread four 16-byte loads
-    per partial, which the compiler issues back to back (on sm_90: ~90 registers at N = 8, no
-    spills, no shared memory); D up to 512 stays in one tile so each row's weights are
-    computed once. ``benchmarks/bench_lse_combine.py`` sweeps the alternatives.
+    About 8 KiB of each partial per program of 4 warps (four 16-byte loads per thread and
+    partial); D up to 512 stays in one tile so each row's weights are computed once. The
+    measurements and the sweep (``benchmarks/bench_lse_combine.py``): ``docs/switch-points.md``.
     """
     block_d = min(triton.next_power_of_2(head_dim), 512)
     block_r = triton.next_power_of_2(max(1, min(64, 8192 // (block_d * elem_size))))
