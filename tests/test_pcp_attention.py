@@ -793,3 +793,13 @@ def test_gpu_compiles_without_recompiling():
             out, _ = compiled(ql, k, v, plan, pk, pv)
             want, _ = _attend(ql, k, v, plan, pk, pv)
             assert max_abs_err(out, want) == 0.0
+
+
+def test_triton_merge_into_its_first_partial_with_wide_rows():
+    # The in-place form writes into the first partial's own output and LSE; with more columns
+    # than one block (D = 200: two column blocks) every block still reads the input LSEs.
+    outs, lses = _partials(2, 5, 2, 200, torch.float32)
+    want_out, want_lse = merge_partials_reference(outs, lses, torch.float32)
+    out, lse = outs[0].clone(), lses[0].clone()
+    merge_partials_triton([out, outs[1]], [lse, lses[1]], out, lse)
+    assert max_abs_err(out, want_out) < 1e-5 and max_abs_err(lse, want_lse) < 1e-5

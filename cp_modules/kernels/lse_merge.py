@@ -201,9 +201,9 @@ def _merge_partials_kernel(
     sd_t, sd_h, sdl_t, sdl_h,
     NUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # One program: BLOCK_R (token, head) rows x BLOCK_D columns of the merged output. Every
-    # program reads its rows' LSEs before any writes its output, and each output element is
-    # read and written by the same program, so dst may be o0's own memory.
+    # One program: BLOCK_R (token, head) rows x BLOCK_D columns of the merged output. Each
+    # output element is read and written by the same program, so dst may be o0's own memory;
+    # dst_lse may be an input LSE's only with one column block (the launcher sees to it).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < num_rows
     t = (rows // num_heads).to(tl.int64)
@@ -429,10 +429,14 @@ def merge_partials_triton(
     assert lse.dtype == torch.float32 and all(x.dtype == torch.float32 for x in lses)
     if L * H == 0:
         return
-    o = list(outs) + [outs[0]] * (3 - num)
-    s = list(lses) + [lses[0]] * (3 - num)
     block_d = min(triton.next_power_of_2(D), 128)
     grid = (triton.cdiv(L * H, block_rows), triton.cdiv(D, block_d))
+    if grid[1] > 1:
+        # Column blocks after the first read the LSEs that the first may already have
+        # overwritten: an input LSE on ``lse``'s storage is read from a copy.
+        lses = [x.clone() if _shares_memory(x, lse) else x for x in lses]
+    o = list(outs) + [outs[0]] * (3 - num)
+    s = list(lses) + [lses[0]] * (3 - num)
     _merge_partials_kernel[grid](
         *o, *s, out, lse, L * H, H, D,
         *(x for t in o for x in t.stride()[:2]),
@@ -462,6 +466,11 @@ def merge_partials_into(
     o, s = merge_partials_reference(outs, lses, out.dtype)
     out.copy_(o)
     lse.copy_(s)
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Same storage (conservative: overlapping or not).
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
