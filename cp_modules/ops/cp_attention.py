@@ -26,15 +26,13 @@ from __future__ import annotations
 import torch
 
 from cp_modules.distributed.collectives import all_gather, reduce_scatter
-from cp_modules.kernels.pcp_attention import (
-    pcp_prefill_attention_backward_cuda,
-    select_block_backend,
-)
+from cp_modules.kernels.attention_blocks import select_block_backend
 from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.ops.pcp_policy import pcp_policy_args, pcp_prefill_attention_backward_cuda
 from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
 __all__ = ["gqa_attention", "mla_attention"]
@@ -171,7 +169,9 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None):
                 prefix_cu_seqlens=meta.prefix_cu_seqlens,
             )
         # Fresh outputs of the prefill op: decode rows are written into them in place.
-        out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
+        out, lse = pcp_prefill_attention(
+            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy, **prefix
+        )
         lse = lse.to(_lse_dtype(q))
     else:
         out = q.new_zeros(out_shape)
@@ -292,11 +292,11 @@ def _gqa_attention_backward(
         # The kernels' gradient blocks are summed straight into the gathered layout.
         dk_into, dv_into = _gathered_targets(meta, buf)
         dq, *_ = pcp_prefill_attention_backward_cuda(
-            *args, None, None, None, scale, dk_into=dk_into, dv_into=dv_into
+            *args, None, None, None, scale, policy=rt.policy, dk_into=dk_into, dv_into=dv_into
         )
     else:
         dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-            *args, None, None, None, scale
+            *args, None, None, None, scale, *pcp_policy_args(rt.policy, q.shape[2], v.shape[2])
         )
         rows = _gathered_rows(meta.plan.gather_index, t)
         flat = buf.view(-1, *k.shape[1:])
@@ -447,7 +447,9 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             pk, pv = _up_project(_read_prefix(cache, meta), w_uk, w_uv, rk, h)
             prefix = dict(prefix_k=pk, prefix_v=pv, prefix_cu_seqlens=meta.prefix_cu_seqlens)
         # Fresh outputs of the prefill op: decode rows are written into them in place.
-        out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
+        out, lse = pcp_prefill_attention(
+            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy, **prefix
+        )
         lse = lse.to(_lse_dtype(q))
     else:
         out = q.new_zeros(out_shape)
@@ -604,6 +606,7 @@ def _mla_attention_backward(
     k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
         dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host, None, None, None, scale,
+        *pcp_policy_args(meta.runtime.policy, q.shape[2], v_full.shape[2]),
     )
     d_latent_full, dw_uk, dw_uv = _up_project_backward(dk_full, dv_full, latent_full, w_uk, w_uv, rk)
     # Each rank's weight gradient covers its own queries' share of the keys' gradient; the

@@ -18,7 +18,6 @@ import torch
 
 __all__ = [
     "lse_dtype",
-    "merge_partials_reference",
     "attention_with_lse",
     "attention_with_lse_backward",
     "pcp_prefill_attention_backward_reference",
@@ -145,33 +144,6 @@ def attention_with_lse_backward(
     dq = torch.einsum("hlm,mhd->lhd", ds, _expand_kv(_acc(k), q.shape[1]))
     dk = torch.einsum("hlm,lhd->mhd", ds, _acc(q))
     return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
-
-
-def merge_partials_reference(
-    outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact LSE-weighted merge of partial attentions of the same queries over disjoint keys.
-
-    ``out = sum_i w_i out_i`` with ``w_i = exp(lse_i - m) / sum_j exp(lse_j - m)``,
-    ``m = max_i lse_i``, and ``lse = m + log sum_j exp(lse_j - m)``, in ``lse_dtype``. Every
-    partial must have at least one key per query (finite LSEs).
-
-    Args:
-        outs: N tensors [L, H, D]; lses: N tensors [L, H] (any strides).
-        out_dtype: dtype of the merged output.
-
-    Returns:
-        out [L, H, D] in ``out_dtype``, lse [L, H] in ``lse_dtype(out_dtype)``.
-    """
-    acc_dtype = lse_dtype(out_dtype)
-    if len(outs) == 1:
-        return outs[0].to(out_dtype), lses[0].to(acc_dtype)
-    lse = torch.stack([x.to(acc_dtype) for x in lses])
-    m = lse.amax(0)
-    w = torch.exp(lse - m)
-    total = w.sum(0)
-    acc = sum(wi[..., None] * o.to(acc_dtype) for wi, o in zip(w, outs))
-    return (acc / total[..., None]).to(out_dtype), m + torch.log(total)
 
 
 def _segment_keys(
