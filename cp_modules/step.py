@@ -112,6 +112,7 @@ class CPStepMetadata:
         local_decode_idx: [Bd] rows of the local tokens that are decodes.
         decode_seq_idx: [Bd] block-table row of each decode token.
         decode_kv_len: [Bd] local cached tokens each decode token sees on this DCP rank.
+        decode_positions: [Bd] global position of each decode token (sliding windows).
         block_table: [R, M] or None (no KV cache: training, or a cache-less forward).
         block_size: tokens per physical block.
         max_block_id: largest block id the step touches (checked against each cache, host).
@@ -133,6 +134,7 @@ class CPStepMetadata:
     local_decode_idx: torch.Tensor
     decode_seq_idx: torch.Tensor
     decode_kv_len: torch.Tensor
+    decode_positions: torch.Tensor
     block_table: torch.Tensor | None
     block_size: int
     max_block_id: int
@@ -142,6 +144,15 @@ class CPStepMetadata:
     prefix_gather_index: torch.Tensor | None
     prefix_cu_seqlens: torch.Tensor | None
     serial: int = field(default_factory=lambda: next(_SERIALS))
+
+    def decode_kv_start(self, sliding_window: int | None) -> torch.Tensor | None:
+        """[Bd] first local token each decode token sees with a window of ``sliding_window``
+        keys (its positions ``p - W + 1 .. p``) on this DCP rank, or None without a window."""
+        if not sliding_window:
+            return None
+        rt = self.runtime
+        first = (self.decode_positions - sliding_window + 1).clamp_min(0)
+        return local_seq_len(first.to(torch.int32), rt.dcp_size, rt.dcp_rank, rt.config.interleave)
 
     @property
     def num_local_tokens(self) -> int:
@@ -290,6 +301,7 @@ def build_step_metadata(
         local_decode_idx=t(local_decode_idx),
         decode_seq_idx=t(dec_req_of_tok, torch.int32),
         decode_kv_len=decode_kv_len,
+        decode_positions=t(dec_positions),
         block_table=block_table,
         block_size=block_size,
         max_block_id=max_block_id,

@@ -48,6 +48,8 @@ class VerifyArgs:
     pcp_varlen: str = "auto"
     policy_changes: dict = field(default_factory=dict)  # other CPPolicy fields
     sinks: bool = False
+    sliding_window: int | None = None
+    softcap: float | None = None
 
     def policy(self):
         """The :class:`~cp_modules.policy.CPPolicy` of these choices (raises on bad values)."""
@@ -97,6 +99,12 @@ def _config(a: VerifyArgs):
     _shape(a)
     if a.sinks and a.attention != "gqa":
         raise ValueError("--sinks applies to --attention gqa only (MLA models have no sinks)")
+    if a.sliding_window is not None and a.sliding_window < 1:
+        raise ValueError(f"--sliding-window must be >= 1, got {a.sliding_window}")
+    if a.softcap is not None and not a.softcap > 0:
+        raise ValueError(f"--softcap must be > 0, got {a.softcap}")
+    if (a.sliding_window or a.softcap) and a.attention != "gqa":
+        raise ValueError("--sliding-window and --softcap apply to --attention gqa only")
     if a.tp * a.pcp != a.world_size:
         raise ValueError(
             f"--world-size {a.world_size} must equal tp*pcp = {a.tp}*{a.pcp} (dp = pp = 1 here)"
@@ -129,7 +137,10 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     torch.manual_seed(a.seed)
     layer: CPFlashAttention | CPMLAAttention
     if a.attention == "gqa":
-        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, sinks=a.sinks, **_shape(a))
+        layer = CPFlashAttention(
+            num_kv_heads=_kv_heads(a, cfg), bias=True, sinks=a.sinks,
+            sliding_window=a.sliding_window, softcap=a.softcap, **_shape(a),
+        )  # fmt: skip
         if layer.sinks is not None:
             with torch.no_grad():
                 layer.sinks.normal_()
@@ -442,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pcp-varlen", default="auto", choices=["auto", "always", "never"],
                    help="PCP prefill path: blocks or one varlen call (CPPolicy.pcp_varlen)")
     p.add_argument("--sinks", action="store_true", help="a learned sink logit per head (GQA)")
+    p.add_argument("--sliding-window", type=int, default=None, help="window W of every query (GQA)")
+    p.add_argument("--softcap", type=float, default=None, help="logit soft-cap c (GQA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--sweep", action="store_true",
@@ -459,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
         packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads, widths=ns.widths,
         mla_backward=ns.mla_backward, pcp_varlen=ns.pcp_varlen, sinks=ns.sinks,
+        sliding_window=ns.sliding_window, softcap=ns.softcap,
     )
     if ns.sweep:
         summary = run_sweep(a)

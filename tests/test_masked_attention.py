@@ -14,6 +14,7 @@ from cp_modules.reference.pcp_attention import (
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
 )
+from cp_modules.testing import run_distributed
 
 H, HKV, D = 4, 2, 8
 NEW, CACHED = [23, 4, 9], [0, 5, 0]
@@ -72,3 +73,117 @@ def test_windowed_softcapped_pcp_reference_equals_dense(pcp, window, softcap):
     torch.testing.assert_close(dv, torch.cat([g[2][c:] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11)
     torch.testing.assert_close(dpk, torch.cat([g[1][:c] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11)
     torch.testing.assert_close(dpv, torch.cat([g[2][:c] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11)
+
+
+def _cached_schedule():
+    # (new tokens, cached tokens) per step: a prefill, decodes, then a chunked-prefill
+    # continuation beside a decode.
+    return [([11, 5], [0, 0]), ([1, 1], [11, 5]), ([1, 1], [12, 6]), ([4, 1], [13, 7])]
+
+
+@pytest.mark.parametrize(
+    "window, softcap, sinks",
+    [(3, None, False), (6, 1.5, True), (None, 2.0, False), (40, None, True)],
+)
+def test_op_with_a_paged_cache_equals_dense(window, softcap, sinks):
+    # cp::gqa_attention_with_cache on one process: prefill, decode and chunked prefill over the
+    # paged cache, with windows, soft-cap and sinks, against the dense oracle of each sequence.
+    from cp_modules.cache.paged import allocate_kv_cache
+    from cp_modules.ops.cp_attention import gqa_attention
+    from cp_modules.step import CPRuntime, build_step_metadata, cp_step
+
+    steps = _cached_schedule()
+    lengths = [sum(n[r] for n, _ in steps) for r in range(2)]
+    g = torch.Generator().manual_seed(1)
+    seqs = [[torch.randn(n, h, D, generator=g, dtype=torch.float64) for h in (H, HKV, HKV)]
+            for n in lengths]  # fmt: skip
+    s = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
+    scale = D**-0.5
+    want = [dense_attention(q, k, v, scale=scale, sliding_window=window, softcap=softcap, sinks=s)[0]
+            for q, k, v in seqs]  # fmt: skip
+    block_size = 4
+    table = torch.arange(1, 1 + 2 * 8, dtype=torch.int32).view(2, 8)
+    # fp32: the paged decode op serves fp16/bf16/fp32 (the oracle stays fp64).
+    kc, vc = allocate_kv_cache(1 + 2 * 8, block_size, HKV, D, dtype=torch.float32)
+    s32 = None if s is None else s.float()
+    rt = CPRuntime.single()
+    for new, done in steps:
+        meta = build_step_metadata(rt, new, done, block_table=table, block_size=block_size)
+        rows = [torch.arange(c, c + n) for n, c in zip(new, done)]
+        q, k, v = (torch.cat([seqs[r][i][rows[r]] for r in range(2)])[meta.token_indices].float()
+                   for i in range(3))  # fmt: skip
+        with cp_step(meta), torch.no_grad():
+            out = gqa_attention(q, k, v, (kc, vc), scale=scale, sinks=s32, sliding_window=window,
+                                softcap=softcap)  # fmt: skip
+        valid = meta.plan.local_valid
+        expect = torch.cat([want[r][rows[r]] for r in range(2)])[meta.token_indices]
+        torch.testing.assert_close(out[valid].double(), expect[valid], atol=2e-6, rtol=1e-5)
+
+
+def test_windows_and_softcap_are_validated():
+    from cp_modules.modules import CPFlashAttention
+    from cp_modules.verify import VerifyArgs, run_verify
+
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        CPFlashAttention(32, 4, 2, sliding_window=0)
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        CPFlashAttention(32, 4, 2, softcap=0.0)
+    for bad, match in (
+        (dict(sliding_window=0), "--sliding-window must be >= 1"),
+        (dict(softcap=-1.0), "--softcap must be > 0"),
+        (dict(attention="mla", sliding_window=4), "apply to --attention gqa only"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            run_verify(VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, **bad))
+
+
+def _run_cases(rank, world_size, cases):
+    from cp_modules.verify import verify_rank
+
+    return [(repr((a.tp, a.pcp, a.dcp, a.dcp_comm_backend, a.mode, a.sliding_window, a.softcap,
+                   a.sinks)), verify_rank(rank, world_size, a)["errors"]) for a in cases]  # fmt: skip
+
+
+# Requests of 19, 3 and 8 tokens: at pcp 2 chunks of 5, 1 and 2 tokens, at pcp 4 of 3, 1, 1.
+# Windows smaller than a chunk (2), spanning several chunks (7) and longer than any sequence
+# (64), with and without soft-cap and sinks.
+_FEATURES = [
+    dict(sliding_window=2),
+    dict(sliding_window=7, softcap=1.5, sinks=True),
+    dict(sliding_window=64, sinks=True),
+    dict(softcap=2.0),
+]
+
+
+def _cases(world_size, layouts, modes, features=_FEATURES):
+    from cp_modules.verify import VerifyArgs
+
+    return [
+        VerifyArgs(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend,
+                   mode=mode, seq_lens=[19, 3, 8], decode_steps=2, block_size=4, **f)
+        for tp, pcp, dcp, backend in layouts
+        for mode in modes
+        for f in features
+    ]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, layouts, modes",
+    [
+        (2, [(1, 2, 2, "a2a"), (2, 1, 2, "ag_rs")], ("prefill", "decode", "mixed", "train")),
+        (4, [(2, 2, 2, "a2a"), (1, 4, 4, "ag_rs"), (2, 2, 4, "a2a")], ("mixed", "train")),
+        (8, [(2, 4, 8, "a2a")], ("mixed", "train")),
+    ],
+    ids=["world2", "world4", "world8"],
+)
+def test_windows_softcap_and_sinks_on_gloo_ranks_equal_one_process(world_size, layouts, modes):
+    from cp_modules.verify import TOLERANCE
+
+    cases = _cases(world_size, layouts, modes)
+    results = run_distributed(_run_cases, world_size, cases, timeout_s=1200)
+    for per_rank in results:
+        assert len(per_rank) == len(cases)
+        for name, errors in per_rank:
+            assert errors, name
+            assert max(errors.values()) <= TOLERANCE["float32"], (name, errors)

@@ -50,6 +50,10 @@ class CPFlashAttention(nn.Module):
         bias: bias on q/k/v (Qwen2 style); o_proj has none.
         sinks: learn one sink logit per head (gpt-oss): softmax over the scores and the sink,
             whose probability adds no value (parameter ``sinks`` [num_heads], zeros at init).
+        sliding_window: W: a query at position i attends keys ``i - W < j <= i`` (None: all
+            earlier keys). CPU only for now.
+        softcap: c: scores become ``c * tanh(scores / c)`` before masking (Gemma 2). CPU only
+            for now.
 
     Shapes: forward(hidden_states [T, hidden], positions [T]) -> [T, hidden].
     """
@@ -65,9 +69,17 @@ class CPFlashAttention(nn.Module):
         bias: bool = False,
         o_bias: bool = False,
         sinks: bool = False,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.hidden_size = hidden_size
@@ -114,7 +126,7 @@ class CPFlashAttention(nn.Module):
             sinks = sinks.to_local()
         return gqa_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), self.kv_cache, scale=self.scaling,
-            sinks=sinks,
+            sinks=sinks, sliding_window=self.sliding_window, softcap=self.softcap,
         )
 
 

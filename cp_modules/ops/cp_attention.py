@@ -31,7 +31,7 @@ from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
-from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.ops.pcp_attention import check_masking, pcp_prefill_attention
 from cp_modules.ops.pcp_policy import pcp_policy_args, pcp_prefill_attention_backward_cuda
 from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
@@ -139,7 +139,7 @@ def _check_trainable(meta: CPStepMetadata) -> None:
 # ----------------------------------------------------------------------------- GQA / MHA
 
 
-def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None):
+def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap=0.0):
     meta = current_step()
     _check_local(meta, q, k, v)
     has_cache = k_cache.numel() > 0
@@ -170,8 +170,9 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None):
             )
         # Fresh outputs of the prefill op: decode rows are written into them in place.
         out, lse = pcp_prefill_attention(
-            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy, **prefix
-        )
+            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy,
+            sliding_window=window or None, softcap=softcap or None, **prefix,
+        )  # fmt: skip
         lse = lse.to(_lse_dtype(q))
     else:
         out = q.new_zeros(out_shape)
@@ -180,12 +181,14 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None):
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
         idx = meta.local_decode_idx
+        kv_start = meta.decode_kv_start(window)
         o, lse_d = _decode(
             q.index_select(0, idx),
             meta,
             lambda qq: paged_attention(
                 qq, k_cache, v_cache, meta.block_table, meta.decode_seq_idx,
-                meta.decode_kv_len, scale=scale,
+                meta.decode_kv_len, scale=scale, query_kv_start=kv_start,
+                softcap=softcap or None,
             ),
         )
         out.index_copy_(0, idx, o.to(out.dtype))
@@ -225,14 +228,20 @@ def _sinks_grad(dout, out, lse, sinks, valid):
 
 @torch.library.custom_op("cp::gqa_attention", mutates_args=())
 def _gqa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`);
     with ``sinks`` [H], ``out`` and ``lse`` include the sink (see :func:`_apply_sinks`)."""
     empty = q.new_empty(0)
     meta = current_step()
     _check_trainable(meta)
-    out, lse = _gqa_forward(q, k, v, empty, empty, scale, sinks)
+    out, lse = _gqa_forward(q, k, v, empty, empty, scale, sinks, window, softcap)
     return out, lse, step_handle(meta)
 
 
@@ -245,8 +254,10 @@ def _gqa_attention_with_cache(
     v_cache: torch.Tensor,
     sinks: torch.Tensor | None,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks)
+    return _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks, window, softcap)
 
 
 def _gqa_fake(q, k, v, *args):
@@ -257,7 +268,7 @@ def _handle_fake(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-_gqa_attention.register_fake(lambda q, k, v, sinks, scale: (*_gqa_fake(q, k, v), _handle_fake(q)))
+_gqa_attention.register_fake(lambda q, k, v, *_: (*_gqa_fake(q, k, v), _handle_fake(q)))
 _gqa_attention_with_cache.register_fake(_gqa_fake)
 
 
@@ -272,6 +283,8 @@ def _gqa_attention_backward(
     handle: torch.Tensor,
     sinks: torch.Tensor | None,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dkv, dsinks): dkv [2, T, Hkv, D] holds dK then dV (one reduce-scatter result; an
     op's outputs may not alias, so autograd splits it); dsinks [H] (empty without sinks).
@@ -288,7 +301,7 @@ def _gqa_attention_backward(
     args = (dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host)
     runs = meta.plan.gather_runs_host
     min_rows = rt.policy.direct_grad_min_rows_per_run
-    if q.is_cuda and k_full.shape[0] >= min_rows * runs.shape[0]:
+    if q.is_cuda and not (window or softcap) and k_full.shape[0] >= min_rows * runs.shape[0]:
         # The kernels' gradient blocks are summed straight into the gathered layout.
         dk_into, dv_into = _gathered_targets(meta, buf)
         dq, *_ = pcp_prefill_attention_backward_cuda(
@@ -296,8 +309,9 @@ def _gqa_attention_backward(
         )
     else:
         dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-            *args, None, None, None, scale, *pcp_policy_args(rt.policy, q.shape[2], v.shape[2])
-        )
+            *args, None, None, None, scale, *pcp_policy_args(rt.policy, q.shape[2], v.shape[2]),
+            window, softcap,
+        )  # fmt: skip
         rows = _gathered_rows(meta.plan.gather_index, t)
         flat = buf.view(-1, *k.shape[1:])
         flat.index_copy_(0, rows, dk_full)
@@ -338,15 +352,15 @@ def _gathered_targets(meta: CPStepMetadata, buf: torch.Tensor):
 
 
 @_gqa_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, handle, sinks, scale):
+def _(dout, q, k, v, out, lse, handle, sinks, scale, window, softcap):
     ds = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), k.new_empty((2, *k.shape)), ds
 
 
 def _gqa_setup(ctx, inputs, output):
-    q, k, v, sinks, scale = inputs
+    q, k, v, sinks, scale, window, softcap = inputs
     out, lse, handle = output
-    ctx.scale = scale
+    ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
     ctx.has_sinks = sinks is not None
     ctx.mark_non_differentiable(lse, handle)
     ctx.save_for_backward(q, k, v, out, lse, handle, sinks)
@@ -355,9 +369,10 @@ def _gqa_setup(ctx, inputs, output):
 def _gqa_backward(ctx, dout, _dlse, _dhandle):
     q, k, v, out, lse, handle, sinks = ctx.saved_tensors
     dq, dkv, dsinks = torch.ops.cp.gqa_attention_backward(
-        dout, q, k, v, out, lse, handle, sinks if ctx.has_sinks else None, ctx.scale
-    )
-    return dq, dkv[0], dkv[1], dsinks if ctx.has_sinks else None, None
+        dout, q, k, v, out, lse, handle, sinks if ctx.has_sinks else None, ctx.scale,
+        ctx.window, ctx.softcap,
+    )  # fmt: skip
+    return dq, dkv[0], dkv[1], dsinks if ctx.has_sinks else None, None, None, None
 
 
 _gqa_attention.register_autograd(_gqa_backward, setup_context=_gqa_setup)
@@ -381,6 +396,8 @@ def gqa_attention(
     *,
     scale: float,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Context-parallel GQA/MHA attention of this rank's local tokens for the current step.
 
@@ -392,21 +409,30 @@ def gqa_attention(
         scale: softmax scale.
         sinks: [H] per-head sink logits of the local heads (gpt-oss), or None: softmax over
             the scores and the sink, which takes probability but adds no value; differentiable.
+        sliding_window: W >= 1: a query at position i attends keys at positions
+            ``i - W < j <= i`` (transformers' convention), or None (full causal). CPU only.
+        softcap: c > 0: scores become ``c * tanh(scores / c)`` after scaling, before masking
+            and softmax (Gemma 2), or None. CPU only.
 
     Returns:
         [T, H, D] attention output of the local tokens (padding rows are 0).
 
     Raises:
-        ValueError: for ``sinks`` that are not one logit per local head.
+        ValueError: for ``sinks`` that are not one logit per local head, a window < 1, a
+            soft-cap <= 0, or a window or soft-cap on CUDA tensors.
     """
     _check_sinks(sinks, q)
+    check_masking(sliding_window, softcap, q)
+    masking = (int(sliding_window or 0), float(softcap or 0.0))
     grads = (q, k, v) + (() if sinks is None else (sinks,))
     if kv_cache is None:
-        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, sinks, scale)
+        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, sinks, scale, *masking)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         raise RuntimeError(_CACHE_NEEDS_NO_GRAD)
     else:
-        out, _ = torch.ops.cp.gqa_attention_with_cache(q, k, v, kv_cache[0], kv_cache[1], sinks, scale)
+        out, _ = torch.ops.cp.gqa_attention_with_cache(
+            q, k, v, kv_cache[0], kv_cache[1], sinks, scale, *masking
+        )
     return out
 
 

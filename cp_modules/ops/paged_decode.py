@@ -27,8 +27,8 @@ __all__ = ["paged_attention", "paged_mla_attention"]
 
 lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-    "Tensor query_seq_idx, Tensor query_kv_len, float scale, int num_splits=0) "
-    "-> (Tensor out, Tensor lse)"
+    "Tensor query_seq_idx, Tensor query_kv_len, float scale, int num_splits=0, "
+    "Tensor? query_kv_start=None, float softcap=0.0) -> (Tensor out, Tensor lse)"
 )
 lib.define(
     "paged_mla_attention(Tensor q, Tensor cache, Tensor block_table, Tensor query_seq_idx, "
@@ -38,8 +38,23 @@ lib.define(
 
 
 def _paged_attention_cpu(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
-                         num_splits=0):  # fmt: skip
-    return paged_attention_ref(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale)
+                         num_splits=0, query_kv_start=None, softcap=0.0):  # fmt: skip
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
+        query_kv_start=query_kv_start, softcap=softcap or None,
+    )  # fmt: skip
+
+
+def _paged_attention_cuda(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
+                          num_splits=0, query_kv_start=None, softcap=0.0):  # fmt: skip
+    if query_kv_start is not None or softcap:
+        raise ValueError(
+            "sliding windows and soft-capping in paged decode run on the CPU reference only; "
+            "the CUDA decode kernel serves full causal attention"
+        )
+    return paged_attention_kernel(
+        q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale, num_splits
+    )
 
 
 def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len, scale,
@@ -50,14 +65,14 @@ def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len,
 
 
 lib.impl("paged_attention", _paged_attention_cpu, "CPU")
-lib.impl("paged_attention", paged_attention_kernel, "CUDA")
+lib.impl("paged_attention", _paged_attention_cuda, "CUDA")
 lib.impl("paged_mla_attention", _paged_mla_attention_cpu, "CPU")
 lib.impl("paged_mla_attention", paged_mla_attention_kernel, "CUDA")
 
 
 @torch.library.register_fake("cp::paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
-                          num_splits=0):  # fmt: skip
+                          num_splits=0, query_kv_start=None, softcap=0.0):  # fmt: skip
     t, hq, _ = q.shape
     return q.new_empty(t, hq, v_cache.shape[-1]), q.new_empty(t, hq, dtype=torch.float32)
 
@@ -119,6 +134,8 @@ def paged_attention(
     *,
     scale: float,
     num_splits: int | None = None,
+    query_kv_start: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query against its request's local paged K/V; returns ``(out, lse)``.
 
@@ -130,6 +147,8 @@ def paged_attention(
         query_kv_len: [T] int32/int64 local tokens each query sees (at most M * BS).
         scale: softmax scale (typically ``D ** -0.5``).
         num_splits: KV splits of the CUDA kernel; None chooses from static shapes.
+        query_kv_start: [T] first local token each query sees (a sliding window), or None.
+        softcap: logit soft-cap ``c`` (scores become ``c * tanh(scores / c)``), or None.
 
     Returns:
         out [T, Hq, D] in ``q``'s dtype; lse [T, Hq] fp32, natural log (-inf when empty).
@@ -149,6 +168,13 @@ def paged_attention(
     if hq % hkv:
         raise ValueError(f"query heads Hq={hq} must be a multiple of the cache's KV heads {hkv}")
     _check_common(q, (k_cache, v_cache), block_table, query_seq_idx, query_kv_len, num_splits)
+    if query_kv_start is not None and query_kv_start.shape != query_kv_len.shape:
+        raise ValueError(
+            f"query_kv_start must have query_kv_len's shape {tuple(query_kv_len.shape)}, got "
+            f"{tuple(query_kv_start.shape)}"
+        )
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
     return torch.ops.cp.paged_attention(
         q.contiguous() if q.stride(-1) != 1 else q,
         k_cache,
@@ -158,6 +184,8 @@ def paged_attention(
         query_kv_len,
         float(scale),
         num_splits or 0,
+        query_kv_start,
+        float(softcap or 0.0),
     )
 
 

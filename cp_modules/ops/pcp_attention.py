@@ -46,19 +46,39 @@ _POLICY_ARGS = (
 )
 lib.define(
     "pcp_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor segments, Tensor? prefix_k, "
-    f"Tensor? prefix_v, Tensor? prefix_cu_seqlens, float scale, {_POLICY_ARGS}) "
-    "-> (Tensor, Tensor)"
+    f"Tensor? prefix_v, Tensor? prefix_cu_seqlens, float scale, {_POLICY_ARGS}, "
+    "int window=0, float softcap=0.0) -> (Tensor, Tensor)"
 )
 lib.define(
     "pcp_prefill_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
     "Tensor lse, Tensor segments, Tensor? prefix_k, Tensor? prefix_v, "
-    f"Tensor? prefix_cu_seqlens, float scale, {_POLICY_ARGS}) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"Tensor? prefix_cu_seqlens, float scale, {_POLICY_ARGS}, "
+    "int window=0, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
+
+
+# Sliding windows (``window`` W > 0) and logit soft-capping (``softcap`` c > 0) change the
+# masked scores; the CPU reference serves them, the CUDA paths refuse them.
+_MASKED_ON_CUDA = (
+    "sliding windows and logit soft-capping run on the CPU reference only: the CUDA prefill "
+    "paths (cuDNN blocks, FlashAttention-2 varlen) serve full causal attention"
+)
+
+
+def _split_policy(policy_args: tuple) -> tuple[tuple, int, float]:
+    # The policy's six scalars, then window and softcap (schema defaults: 0, 0.0).
+    extra = policy_args[6:] + (0, 0.0)[len(policy_args) - 6 :]
+    return policy_args[:6], int(extra[0]), float(extra[1])
 
 
 @torch.library.impl("cp::pcp_prefill_attention", "CPU", lib=lib)
 def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
+    policy_args, window, softcap = _split_policy(policy_args)
+    if window or softcap:
+        return pcp_prefill_attention_reference(
+            q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
+            window=window or None, softcap=softcap or None,
+        )  # fmt: skip
     if policy_args[0] == "always":
         # The varlen packing on the reference kernels.
         return pcp_prefill_attention_cuda(
@@ -72,6 +92,9 @@ def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
 
 @torch.library.impl("cp::pcp_prefill_attention", "CUDA", lib=lib)
 def _forward_cuda(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
+    policy_args, window, softcap = _split_policy(policy_args)
+    if window or softcap:
+        raise ValueError(_MASKED_ON_CUDA)
     return pcp_prefill_attention_cuda(
         q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
         policy=policy_from_args(*policy_args),
@@ -95,7 +118,12 @@ def _backward_cpu(
     dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args
 ):
     args = (dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
-    if policy_args[0] == "always":
+    policy_args, window, softcap = _split_policy(policy_args)
+    if window or softcap:
+        grads = pcp_prefill_attention_backward_reference(
+            *args, window=window or None, softcap=softcap or None
+        )
+    elif policy_args[0] == "always":
         # The varlen packing on the reference kernels.
         grads = pcp_prefill_attention_backward_cuda(*args, policy=policy_from_args(*policy_args))
     else:
@@ -108,6 +136,9 @@ def _backward_cpu(
 def _backward_cuda(
     dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args
 ):
+    policy_args, window, softcap = _split_policy(policy_args)
+    if window or softcap:
+        raise ValueError(_MASKED_ON_CUDA)
     dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_cuda(
         dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
         policy=policy_from_args(*policy_args),
@@ -168,6 +199,8 @@ def pcp_prefill_attention(
     prefix_v: torch.Tensor | None = None,
     prefix_cu_seqlens: torch.Tensor | None = None,
     policy: CPPolicy | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's DualChunkSwap queries over the gathered K/V, with LSE.
 
@@ -190,6 +223,10 @@ def pcp_prefill_attention(
             avoids a device sync.
         policy: the path choices and thresholds (:class:`~cp_modules.policy.CPPolicy`; default
             ``CPPolicy()``); usually the step's ``runtime.policy``. They change speed only.
+        sliding_window: W >= 1: each query attends only its W latest keys (itself included),
+            or None. CPU only.
+        softcap: c > 0: scores become ``c * tanh(scores / c)`` before masking, or None. CPU
+            only.
 
     Returns:
         out [T, Hq, Dv] in q's dtype and lse [T, Hq] fp32 (fp64 for fp64 inputs; natural log);
@@ -262,8 +299,26 @@ def pcp_prefill_attention(
                     f"prefix_cu_seqlens must rise from 0 to the {prefix_k.shape[0]} prefix "
                     f"tokens, got {cu.tolist()}"  # ok: host (error path, CPU tensor)
                 )
+    check_masking(sliding_window, softcap, q)
     policy = _DEFAULT_POLICY if policy is None else policy
     return torch.ops.cp.pcp_prefill_attention(
         q, k_full, v_full, plan.segments_host, prefix_k, prefix_v, prefix_cu_seqlens, scale,
         *pcp_policy_args(policy, q.shape[2], v_full.shape[2]),
+        int(sliding_window or 0), float(softcap or 0.0),
     )  # fmt: skip
+
+
+def check_masking(sliding_window: int | None, softcap: float | None, q: torch.Tensor) -> None:
+    """Validate a sliding window and a soft-cap (host values, before any collective).
+
+    Raises:
+        ValueError: for W < 1, c <= 0, or either on a CUDA tensor (CPU reference only).
+    """
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be an integer >= 1 (or None), got {sliding_window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
+    if (sliding_window or softcap) and q.is_cuda:
+        raise ValueError(_MASKED_ON_CUDA)
