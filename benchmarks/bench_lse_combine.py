@@ -32,15 +32,15 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.common import RESULTS
-from cp_modules.kernels.correct_attn_out import correct_attn_out_triton
-from cp_modules.kernels.lse_combine import (
+from cp_modules.kernels.lse_merge import (
+    correct_attn_out_triton,
     lse_combine_launch_config,
     lse_combine_triton,
 )
 from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_a2a_send_buffers
 from cp_modules.ops.lse_combine import lse_combine, pack_partials, unpack_partials
-from cp_modules.reference.correct_attn_out import correct_attn_out_reference
-from cp_modules.reference.lse_combine import (
+from cp_modules.reference.lse_merge import (
+    correct_attn_out_reference,
     lse_combine_reference,
     lse_weights_reference,
 )
@@ -229,7 +229,7 @@ def _comm_rank(rank: int, world: int) -> dict:
     from cp_modules.config import ParallelConfig, valid_dcp_sizes
     from cp_modules.distributed.groups import init_cp_groups
     from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
-    from cp_modules.reference.lse_combine import lse_combine_reference
+    from cp_modules.reference.lse_merge import lse_combine_reference
 
     dev = torch.device("cuda", torch.cuda.current_device())
     results = {}

@@ -1,4 +1,4 @@
-"""PCP head/tail prefill attention on one GPU: correctness, balance, speed, select bandwidth.
+"""PCP head/tail prefill attention on one GPU: correctness, balance, speed.
 
 Every PCP rank's work is simulated on the one GPU: rank r's DualChunkSwap queries (head chunk
 r, tail chunk 2P-1-r) attend the full K/V prefix they need, exactly as
@@ -18,8 +18,7 @@ A shape that fails is reported as failed, without speeds, and the script exits w
 Metrics per shape and P: per-rank forward / backward time, ratio = rank time / (dense time / P)
 (dense and rank timings alternate over 5 rounds, medians kept; worst and mean over ranks;
 goals: worst forward <= 1.05 for the balance and <= 1.10 for forward and backward), peak memory
-of a rank vs dense. Fused select: bytes moved (read + written) for the six outputs of the worst
-rank at S = 128k, P = 4 (goal >= 3.4 TB/s), next to six ``index_select`` calls and a device copy.
+of a rank vs dense.
 
     python -m benchmarks.bench_pcp                 # the suite's part, ~2-3 min on an H200
     python -m benchmarks.bench_pcp --shapes mha-32k --pcp 2 4
@@ -60,23 +59,24 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.common import RESULTS, write_results
-from cp_modules.kernels.pcp_attention import (
+from cp_modules.kernels.attention_blocks import (
     attention_block_backward,
     attention_block_forward,
-    pcp_prefill_attention_backward_cuda,
-    pcp_prefill_attention_cuda,
-    segment_flop,
     select_block_backend,
 )
 from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
-from cp_modules.kernels.pcp_select import pcp_select_triton
 from cp_modules.ops.cp_attention import _gathered_targets
+from cp_modules.ops.pcp_policy import (
+    pcp_prefill_attention_backward_cuda,
+    pcp_prefill_attention_cuda,
+    segment_flop,
+)
 from cp_modules.partition import plan_pcp
+from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
     attention_with_lse_backward,
 )
-from cp_modules.reference.pcp_select import pcp_select_reference
 
 # name: (S, Hq, Hkv, Dqk, Dv)
 SHAPES = {
@@ -85,15 +85,17 @@ SHAPES = {
     "gqa-32k": (32768, 32, 8, 128, 128),
     "mla-32k": (32768, 32, 32, 192, 128),
 }
-GOAL_BALANCE, GOAL_SPEED, GOAL_SELECT_TBPS = 1.05, 1.10, 3.4
+GOAL_BALANCE, GOAL_SPEED = 1.05, 1.10
 REF_CHUNK = 256
 DEVICE = "cuda"
 # Dense baselines that are not fused kernels (an [H, S, S] score matrix): skip such shapes.
 NO_BASELINE = {"reference"}
 
+# The two forced paths of cp_modules.ops.pcp_policy (the automatic choice is CPPolicy()).
+NEVER_VARLEN, ALWAYS_VARLEN = CPPolicy(pcp_varlen="never"), CPPolicy(pcp_varlen="always")
 # The block path whatever the automatic choice would take (it runs a plan of shapes that no
 # earlier plan had as varlen calls, to spare cuDNN's plan builds): these are its timings.
-BLOCKS = dict(varlen=False)
+BLOCKS = dict(policy=NEVER_VARLEN)
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -326,40 +328,6 @@ def bench_shape(name, pcps, check_only=False):
         )
     res["dense_ms"] = {"fwd": median(dense_f), "bwd": median(dense_b)}
     res["correct"] = True
-    return res, True
-
-
-def bench_select(S=131072, P=4, hq=32, hkv=32, d=128):
-    """Bandwidth of the fused select for the rank that moves the most bytes."""
-    plans = [plan_pcp([S], [0], P, r, device=DEVICE) for r in range(P)]
-    plan = max(plans, key=lambda p: p.k_tail_index.numel() + p.k_head_index.numel())
-    q = torch.randn(plan.token_indices.numel(), hq, d, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.randn(S, hkv, d, device=DEVICE, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    idx = (plan.q_head_index, plan.q_tail_index, plan.k_head_index, plan.k_tail_index)
-    got = pcp_select_triton(q, k, v, *idx)
-    want = pcp_select_reference(q, k, v, *idx)
-    if not all(torch.equal(a, b) for a, b in zip(got, want)):
-        print("[select] WRONG: kernel differs from the reference", flush=True)
-        return {"correct": False}, False
-    moved = 2 * sum(x.numel() * x.element_size() for x in got)
-    t = do_bench(lambda: pcp_select_triton(q, k, v, *idx), return_mode="median")
-    t_ref = do_bench(lambda: pcp_select_reference(q, k, v, *idx), return_mode="median")
-    big = torch.empty(moved // 4, dtype=torch.bfloat16, device=DEVICE)
-    t_copy = do_bench(lambda: torch.empty_like(big).copy_(big), return_mode="median")
-    res = {
-        "correct": True,
-        "S": S,
-        "P": P,
-        "rank": plan.pcp_rank,
-        "bytes_moved": moved,
-        "ms": t,
-        "tb_per_s": moved / t / 1e9,
-        "index_select_x6_tb_per_s": moved / t_ref / 1e9,
-        "device_copy_tb_per_s": 2 * big.numel() * 2 / t_copy / 1e9,
-    }
-    res["goal_met"] = res["tb_per_s"] >= GOAL_SELECT_TBPS
-    print(f"[select] {res}", flush=True)
     return res, True
 
 
@@ -626,14 +594,14 @@ def varlen_batch(shape, R, L, P, rounds, C=0):
         pre = (pk, pv, plan.prefix_cu_seqlens_host) if C else (None, None, None)
         args = (plan.segments_host, *pre, scale)
         fns = {}
-        for name, vl in (("blocks", False), ("varlen", True)):
-            o, s = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=vl)
+        for name, pol in (("blocks", NEVER_VARLEN), ("varlen", ALWAYS_VARLEN)):
+            o, s = pcp_prefill_attention_cuda(ql, k, v, *args, policy=pol)
             fns[name] = (
-                lambda vl=vl, ql=ql, args=args: pcp_prefill_attention_cuda(
-                    ql, k, v, *args, varlen=vl
+                lambda pol=pol, ql=ql, args=args: pcp_prefill_attention_cuda(
+                    ql, k, v, *args, policy=pol
                 ),
-                lambda vl=vl, o=o, s=s, ql=ql, dl=dl, args=args: (
-                    pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, s, *args, varlen=vl)
+                lambda pol=pol, o=o, s=s, ql=ql, dl=dl, args=args: (
+                    pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, s, *args, policy=pol)
                 ),
             )
         (ob, sb), (ov, sv) = fns["blocks"][0](), fns["varlen"][0]()
@@ -682,7 +650,11 @@ def varlen_batch(shape, R, L, P, rounds, C=0):
 # of new shapes) and the block path, in that order on the same lengths (the blocks come last, so
 # their first calls meet shapes cuDNN has not seen).
 
-NEW_SHAPE_PATHS = {"varlen": True, "auto": None, "blocks": False}
+NEW_SHAPE_PATHS = {
+    "varlen": ALWAYS_VARLEN,
+    "auto": CPPolicy(pcp_varlen="auto"),
+    "blocks": NEVER_VARLEN,
+}
 
 
 def timed(fn):
@@ -693,7 +665,7 @@ def timed(fn):
     return (time.perf_counter() - t0) * 1e3, out
 
 
-def new_shape_prompt(shape, S, P, varlen):
+def new_shape_prompt(shape, S, P, policy):
     hq, hkv, dqk, dv = MANY_SHAPES[shape]
     q = torch.randn(S, hq, dqk, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(S, hkv, dqk, device="cuda", dtype=torch.bfloat16)
@@ -703,10 +675,10 @@ def new_shape_prompt(shape, S, P, varlen):
     args = (plan.segments_host, None, None, None, dqk**-0.5)
     res = {}
     for call in ("first", "second"):
-        t_f, (o, lse) = timed(lambda: pcp_prefill_attention_cuda(ql, k, v, *args, varlen=varlen))
+        t_f, (o, lse) = timed(lambda: pcp_prefill_attention_cuda(ql, k, v, *args, policy=policy))
         dout = torch.randn_like(o)
         grads = (dout, ql, k, v, o, lse, *args)
-        t_b, _ = timed(lambda g=grads: pcp_prefill_attention_backward_cuda(*g, varlen=varlen))
+        t_b, _ = timed(lambda g=grads: pcp_prefill_attention_backward_cuda(*g, policy=policy))
         res[call] = {"fwd_ms": t_f, "bwd_ms": t_b}
     return res
 
@@ -843,8 +815,6 @@ def run_suite_part(args) -> int:
         metrics[name], ok = bench_shape(name, args.pcp, args.check_only)
         all_ok &= ok
         torch.cuda.empty_cache()
-    metrics["select"], ok = bench_select()
-    all_ok &= ok
     path = write_results("pcp", metrics, args.out)
     print(
         f"wrote {path}; {'all correct' if all_ok else 'SOME KERNELS ARE WRONG (no speeds for them)'}"
@@ -907,9 +877,9 @@ def run_varlen(args) -> int:
 def run_new_shapes(args) -> int:
     rng = random.Random(0)
     # Warm up the libraries (first-ever calls) on a shape no measured prompt has.
-    for varlen in (False, True):
+    for policy in (NEVER_VARLEN, ALWAYS_VARLEN):
         for shape in args.shapes:
-            new_shape_prompt(shape, 1000, 2, varlen)
+            new_shape_prompt(shape, 1000, 2, policy)
     res = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
@@ -924,8 +894,8 @@ def run_new_shapes(args) -> int:
         for P in args.pcp:
             summary = {}
             lengths = [rng.randint(12000, 30000) for _ in range(args.prompts)]
-            for path, varlen in NEW_SHAPE_PATHS.items():
-                runs = [new_shape_prompt(shape, S, P, varlen) for S in lengths]
+            for path, policy in NEW_SHAPE_PATHS.items():
+                runs = [new_shape_prompt(shape, S, P, policy) for S in lengths]
                 res["runs"].append(
                     {"shape": shape, "P": P, "path": path, "lengths": lengths, "calls": runs}
                 )

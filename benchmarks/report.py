@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import cost_model
-from cp_modules.kernels.pcp_attention import segment_flop
+from cp_modules.ops.pcp_policy import segment_flop
 from cp_modules.partition import plan_pcp
 from cp_modules.policy import CPPolicy
 
@@ -85,8 +85,6 @@ def goals(r: dict) -> list[dict]:
                     + ("" if value <= target else f"; {(value / target - 1) * 100:.1f}% over"))
             else:
                 add(f"PCP speed bwd {shape} P={p}", v.get("bwd_ratio_worst"), 1.10, False)
-    sel = pcp.get("select", {})
-    add("fused PCP select TB/s", sel.get("tb_per_s"), 3.4)
     dec = r.get("decode", {}).get("metrics", {}).get("shapes", {})
     for kind in ("gqa", "mla"):
         big = [x for x in dec.get(kind, {}).get("results", []) if x["batch"] * x["context"] >= 2**20 and "kv_tbps" in x]
@@ -118,9 +116,6 @@ def flat_metrics(r: dict) -> dict:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             m[k] = v
     for shape, sv in r.get("pcp", {}).get("metrics", {}).items():
-        if shape == "select":
-            m["pcp_select_TBps"] = sv.get("tb_per_s")
-            continue
         for p, v in sv.get("pcp", {}).items():
             for key in ("fwd_ratio_worst", "bwd_ratio_worst", "peak_mib_worst_rank"):
                 if key in v:
@@ -180,12 +175,11 @@ def plots(r: dict, stem: Path) -> list[str]:
         fig.tight_layout()
         fig.savefig(f"{stem}-decode.png", dpi=90)
         made.append(f"{stem.name}-decode.png")
-    pcp = r.get("pcp", {}).get("metrics", {})
+    # The shapes (older results also hold other entries).
+    pcp = {k: v for k, v in r.get("pcp", {}).get("metrics", {}).items() if "pcp" in v}
     if pcp:
         fig, ax = plt.subplots(figsize=(7, 4))
         for shape, sv in pcp.items():
-            if shape == "select":
-                continue
             ps = sorted(int(p) for p in sv.get("pcp", {}))
             ax.plot(ps, [sv["pcp"][str(p)]["fwd_ratio_worst"] for p in ps], marker="o", label=f"{shape} fwd")
             ax.plot(ps, [sv["pcp"][str(p)]["bwd_ratio_worst"] for p in ps], marker="x", ls="--", label=f"{shape} bwd")
@@ -209,10 +203,6 @@ def plots(r: dict, stem: Path) -> list[str]:
                     if v is not None:
                         labels.append(f"{kind.replace('lse_combine', 'comb').replace('correct_attn_out', 'corr')}\nD{d} N{n}")
                         vals.append(v / 1e3)
-        sel = pcp.get("select", {}).get("tb_per_s")
-        if sel:
-            labels.append("pcp select")
-            vals.append(sel)
         ax.bar(range(len(vals)), vals)
         ax.axhline(copy, color="k", ls="--", label=f"copy roofline {copy:.2f} TB/s")
         ax.set_xticks(range(len(vals)), labels, fontsize=5, rotation=90)

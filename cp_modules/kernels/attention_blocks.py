@@ -160,7 +160,8 @@ def attention_block_backward(
             attention_with_lse_backward(*x, scale=scale, causal=causal)
             for x in zip(dout, q, k, v, out, lse)
         ]
-        return tuple(torch.stack(g) for g in zip(*res))
+        dq, dk, dv = (torch.stack(g) for g in zip(*res))
+        return dq, dk, dv
     L, M = q.shape[-3], k.shape[-3]
     # With dropout 0 the kernels never read the RNG state, but the schemas require tensors.
     lse_h = _bhld(lse.unsqueeze(-1)).squeeze(-1).contiguous()  # [B, H, L]
@@ -178,4 +179,5 @@ def attention_block_backward(
             _bhld(dout), _bhld(q), _bhld(k), _bhld(v), _bhld(out), lse_h,
             None, None, L, M, 0.0, causal, seed, offset, scale=scale,
         )  # fmt: skip
-    return tuple(_blhd(g, batched) for g in grads)
+    dq, dk, dv = (_blhd(g, batched) for g in grads)
+    return dq, dk, dv

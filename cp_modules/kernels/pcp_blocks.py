@@ -120,6 +120,7 @@ def _other_blocks(
         split = k0 + kl - ql
         blocks.append(("new", k0, k[k0:split], v[k0:split]))
     if prefix_cu is not None and prefix_cu[req + 1] > prefix_cu[req]:
+        assert prefix_k is not None and prefix_v is not None  # they come with prefix_cu
         p0, p1 = prefix_cu[req], prefix_cu[req + 1]
         blocks.append(("prefix", p0, prefix_k[p0:p1], prefix_v[p0:p1]))
     return blocks
@@ -158,10 +159,11 @@ def pcp_blocks_forward(
     """
     segs = host_segments(segments) if segs is None else segs
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
-    if has_prefix:
+    prefix_cu = None
+    if prefix_k is not None and prefix_cu_seqlens is not None:
+        assert prefix_v is not None, "prefix_k and prefix_v come together"
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
-    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
+        prefix_cu = prefix_cu_seqlens.tolist()  # ok: host (CPU tensor)
     T, rows_shape = q.shape[0], (q.shape[1], v.shape[2])
     squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     out = None
@@ -325,6 +327,7 @@ def _on_side(side: torch.cuda.Stream | None, main: torch.cuda.Stream | None):
     if side is None:
         yield
         return
+    assert main is not None
     side.wait_stream(main)
     with torch.cuda.stream(side):
         yield
@@ -388,10 +391,11 @@ def pcp_blocks_backward(
     segs = host_segments(segments) if segs is None else segs
     dout, q, k, v, out = (x.contiguous() for x in (dout, q, k, v, out))
     lse = lse.contiguous()
-    has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
-    if has_prefix:
+    prefix_cu = None
+    if prefix_k is not None and prefix_cu_seqlens is not None:
+        assert prefix_v is not None, "prefix_k and prefix_v come together"
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
-    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
+        prefix_cu = prefix_cu_seqlens.tolist()  # ok: host (CPU tensor)
     dq_p: list[Piece] = []
     dk_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
     dv_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
@@ -417,18 +421,20 @@ def pcp_blocks_backward(
             dq_p += [(seg[1] + a, *rest) for a, *rest in pq]
             dk_p[where] += [(first + a, *rest) for a, *rest in pk]
             dv_p[where] += [(first + a, *rest) for a, *rest in pv]
-    pq = pk = pv = gq = gk = gv = None  # the last block's pieces live on in the lists only
+    # The last block's pieces live on in the lists only.
+    pq = pk = pv = gq = gk = gv = None  # type: ignore[assignment]
     square_k = [(_square_start(seg), seg[2]) for seg in segs]
     side = _side_stream(q.device) if overlap_gradient_sums and q.is_cuda else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
     dk_dst = torch.empty_like(k) if dk_into is None else dk_into
     dv_dst = torch.empty_like(v) if dv_into is None else dv_into
-    dpk = torch.empty_like(prefix_k) if has_prefix else None
-    dpv = torch.empty_like(prefix_v) if has_prefix else None
+    dpk = dpv = None
+    if prefix_k is not None and prefix_v is not None and prefix_cu is not None:
+        dpk, dpv = torch.empty_like(prefix_k), torch.empty_like(prefix_v)
     with _on_side(side, main):
         sum_pieces_into(dk_dst, dk_p["new"], skip=square_k)
         sum_pieces_into(dv_dst, dv_p["new"], skip=square_k)
-        if has_prefix:
+        if dpk is not None and dpv is not None:
             sum_pieces_into(dpk, dk_p["prefix"])
             sum_pieces_into(dpv, dv_p["prefix"])
     for where in ("new", "prefix"):
@@ -455,11 +461,13 @@ def pcp_blocks_backward(
             dq_p.append((qs[j], gq[j]))
             dk_p["new"].append((ks[j], gk[j]))
             dv_p["new"].append((ks[j], gv[j]))
-    dq = sum_pieces_into(torch.empty_like(q), dq_p)
+    dq = torch.empty_like(q)
+    sum_pieces_into(dq, dq_p)
     sum_pieces_into(dk_dst, dk_p["new"], only=square_k)
     sum_pieces_into(dv_dst, dv_p["new"], only=square_k)
     if side is not None:
+        assert main is not None
         main.wait_stream(side)
-    dk = dk_dst if dk_into is None else None
-    dv = dv_dst if dv_into is None else None
+    dk = dk_dst if isinstance(dk_dst, torch.Tensor) else None
+    dv = dv_dst if isinstance(dv_dst, torch.Tensor) else None
     return dq, dk, dv, dpk, dpv

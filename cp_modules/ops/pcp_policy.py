@@ -358,11 +358,13 @@ def pcp_prefill_attention_backward_cuda(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), segments, scale,
             prefix_k, prefix_v, prefix_cu, pack=pack,
         )  # fmt: skip
+        dpk, dpv = dprefix if dprefix else (None, None)
         if dk_into is not None:
+            assert dv_into is not None, "dk_into and dv_into come together"
             sum_pieces_into(dk_into, [(0, dk)])
             sum_pieces_into(dv_into, [(0, dv)])
-            dk = dv = None
-        return (dq, dk, dv, *dprefix) if dprefix else (dq, dk, dv, None, None)
+            return dq, None, None, dpk, dpv
+        return dq, dk, dv, dpk, dpv
     return pcp_blocks_backward(
         dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
         block_backward=block_backward,
