@@ -127,7 +127,7 @@ def _run_counting_key_major(rank, world_size, cases, direct):
     # (by default only for long runs; these batches have short ones).
     import dataclasses
 
-    import cp_modules.ops.cp_attention as ops
+    import cp_modules.ops.mla_attention as ops
 
     if direct:
         cases = [dataclasses.replace(c, policy_changes={"direct_grad_min_rows_per_run": 1}) for c in cases]

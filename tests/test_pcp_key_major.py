@@ -161,7 +161,7 @@ def _meta(pcp, lens, rank=0, policy=None):
 
 
 def test_mla_backward_path_choice():
-    from cp_modules.ops.cp_attention import mla_backward_path
+    from cp_modules.ops.mla_attention import mla_backward_path
 
     q, out = torch.zeros(4, 2, 12), torch.zeros(4, 2, 8)
     # auto: query-major off CUDA, whatever the chunk lengths.
@@ -175,7 +175,7 @@ def test_mla_backward_path_choice():
 
 @pytest.mark.gpu
 def test_gpu_mla_backward_path_auto():
-    from cp_modules.ops.cp_attention import mla_backward_path
+    from cp_modules.ops.mla_attention import mla_backward_path
 
     q = torch.zeros(8, 4, 192, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
@@ -190,7 +190,7 @@ def test_gpu_mla_backward_path_auto():
 def test_long_chunks_is_the_same_on_every_rank():
     # The ranks' own rows differ (here rank 0's tail chunk is short: 2048 and 1948 real rows,
     # rank 1's 2048 and 2048), but the two paths' collectives differ, so the choice must not.
-    from cp_modules.ops.cp_attention import _long_chunks
+    from cp_modules.ops.mla_attention import _long_chunks
 
     for n, want in ((4 * KEY_MAJOR_MIN_ROWS - 100, False), (4 * KEY_MAJOR_MIN_ROWS, True)):
         plans = [plan_pcp([n], [0], 2, r) for r in (0, 1)]
@@ -241,7 +241,7 @@ def test_dq_into_targets_equals_fresh_dq():
 
 def test_compiled_mla_training_on_the_key_major_path(monkeypatch):
     # fullgraph compile of an MLA layer; its backward op runs key-major (opaque to the graph).
-    import cp_modules.ops.cp_attention as ops
+    import cp_modules.ops.mla_attention as ops
     from cp_modules.modules import CPMLAAttention, CPRuntime, build_step_metadata, cp_step
 
     calls, inner = [], ops.pcp_key_major_backward

@@ -239,6 +239,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, config=None) -> nn.Module:
         config.validate_heads(module.num_heads, kv)
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        ParallelStyle,
         RowwiseParallel,
         parallelize_module,
     )
@@ -248,8 +249,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, config=None) -> nn.Module:
         return module
     if module.num_heads % tp:
         raise ValueError(f"num_heads={module.num_heads} must be divisible by the TP size {tp}")
-    plan = {"o_proj": RowwiseParallel()}
-    module.tp_group = (tp_mesh.get_group().group_name, tp)
+    plan: dict[str, ParallelStyle] = {"o_proj": RowwiseParallel()}
+    module.tp_group = (tp_mesh.get_group().group_name, tp)  # type: ignore[assignment]
     if isinstance(module, CPFlashAttention):
         plan["q_proj"] = ColwiseParallel()
         if module.sinks is not None:

@@ -267,6 +267,7 @@ def pcp_prefill_attention(
     if prefix_k is None and prefix_cu_seqlens is not None:
         raise ValueError("prefix_cu_seqlens needs prefix_k and prefix_v")
     if prefix_k is not None:
+        assert prefix_v is not None
         if prefix_k.dim() != 3 or prefix_k.shape[1:] != k_full.shape[1:]:
             raise ValueError(
                 f"prefix_k must be [C, {k_full.shape[1]}, {k_full.shape[2]}] like k_full, got "
