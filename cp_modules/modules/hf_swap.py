@@ -289,7 +289,7 @@ def swap_attention(
     if groups is not None and config.tp > 1:
         tp_mesh = groups.mesh["tp"]
         plan = _attention_tp_plan(hf_config)
-        for name, attn, binding in bound:
+        for _, attn, binding in bound:
             _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_kv_heads)
         for layer in swapped_mla:
             apply_tensor_parallel(layer, tp_mesh)
