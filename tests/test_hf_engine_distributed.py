@@ -182,7 +182,8 @@ def _check(results, cases, get_reference):
             if c.train:
                 assert got.keys() == want.keys()
                 for n in want:
-                    torch.testing.assert_close(torch.from_numpy(got[n]), want[n], msg=lambda m, n=n: f"{name} rank {rank} {n}: {m}")
+                    where = f"{name} rank {rank} {n}"
+                    torch.testing.assert_close(torch.from_numpy(got[n]), want[n], msg=lambda m, w=where: f"{w}: {m}")
                 continue
             assert all(len(w) == MAX_NEW_TOKENS for w in want)
             assert got == want, (name, rank, got, want)

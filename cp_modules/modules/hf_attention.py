@@ -155,14 +155,6 @@ def check_call(binding: CPLayerBinding, module, attention_mask, dropout, kwargs)
     """Raise for anything in this call that changes attention and that cp does not implement."""
     for feature in _module_features(module):
         raise refusal(binding, module, feature)
-    if isinstance(attention_mask, RefusedMask):
-        raise refusal(binding, module, attention_mask.feature)
-    if attention_mask is not None:
-        raise refusal(
-            binding, module,
-            f"an explicit attention mask ({type(attention_mask).__name__}; cp attends causally "
-            "within each request of the step: call the model without attention_mask)",
-        )
     if _active(dropout) and module.training:
         raise refusal(binding, module, f"attention dropout in training (dropout={dropout})")
     for name, value in kwargs.items():
@@ -172,6 +164,14 @@ def check_call(binding: CPLayerBinding, module, attention_mask, dropout, kwargs)
                 raise refusal(binding, module, text.format(value=value))
         elif name not in _INERT_KWARGS:
             raise refusal(binding, module, f"the keyword argument {name!r} (its effect on attention is unknown)")
+    if isinstance(attention_mask, RefusedMask):
+        raise refusal(binding, module, attention_mask.feature)
+    if attention_mask is not None:
+        raise refusal(
+            binding, module,
+            f"an explicit attention mask ({type(attention_mask).__name__}; cp attends causally "
+            "within each request of the step: call the model without attention_mask)",
+        )
 
 
 def cp_attention_forward(

@@ -195,7 +195,7 @@ def _check_layer_types(model: nn.Module, hf_config) -> None:
     if other:
         i, t = next(iter(other.items()))
         raise ValueError(
-            f"{type(model).__name__} layer {i} ({len(other)} layers in all): layer type {t!r} "
+            f"{type(model).__name__} layer {i} (and {len(other) - 1} more): layer type {t!r} "
             "is not implemented by context-parallel attention (full causal attention only); "
             "set config.layer_types to 'full_attention' only when every sequence is shorter "
             "than the window"
