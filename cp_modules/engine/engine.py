@@ -200,6 +200,11 @@ class GenerationEngine:
         self._cache_blocks = num_blocks
         return num_blocks
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits of hidden states ``[S, H] -> [S, V]``: its LM head and what its
+        forward does to the head's output (Cohere's scale, Granite's divisor, soft-capping)."""
+        return self._logits_fn(self.lm_head(hidden))
+
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
         """The ids that end a request: ``params``' own, else the model's generation config's."""
         if params.eos_token_id is not None or params.ignore_eos:
@@ -312,7 +317,7 @@ class GenerationEngine:
         if not batch.sample_requests:
             return []
         rows = batch.sample_rows.to(self.device, non_blocking=True)
-        logits = self._logits_fn(self.lm_head(_gather_rows(hidden, meta, rows))).float()
+        logits = self.compute_logits(_gather_rows(hidden, meta, rows)).float()
         tokens = sample_tokens(logits, params, generator)
         if self.world_size > 1:
             # Every rank holds the same logits and generator state; the broadcast makes the
