@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Physical ceilings and the dense prefill kernel landscape, measured in the same run.
 
-    python benchmarks/bench_ceilings.py
+    python -m benchmarks.bench_ceilings
 
 - Device copy bandwidth (read + write bytes of a 4 GiB clone) and bf16 matmul rate (8192^3).
 - Dense causal prefill through SDPA, per backend (cuDNN, FlashAttention-2, memory-efficient),
@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import RESULTS
+
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -100,7 +100,7 @@ def main() -> int:
         metrics[f"mla_192_128_S{s}"] = prefill(f"mla_192_128_S{s}", s, 128, 128, 192, 128)
     out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "metrics": metrics}
-    path = REPO / "benchmarks" / "results" / f"ceilings-{out['date']}.json"
+    path = RESULTS / f"ceilings-{out['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

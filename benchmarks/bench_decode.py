@@ -3,8 +3,8 @@
 
 Run from the repository root on a CUDA machine (no Hydra needed):
 
-    python benchmarks/bench_decode.py            # full run, well under 4 minutes on an H200
-    python benchmarks/bench_decode.py --quick    # a few shapes, for a smoke test
+    python -m benchmarks.bench_decode            # full run, well under 4 minutes on an H200
+    python -m benchmarks.bench_decode --quick    # a few shapes, for a smoke test
 
 What it does, in order:
   1. GQA (32 q heads, 8 KV heads, D=128) and MLA (128 heads, 576 -> 512) in bf16, block size 64,
@@ -55,22 +55,20 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from cp_modules.cache import (  # noqa: E402
+from benchmarks.common import RESULTS
+from cp_modules.cache import (
     dcp_max_local_len,
     dcp_num_blocks,
     kv_cache_bytes_per_block,
     local_seq_len,
 )
-from cp_modules.kernels.paged_decode import (  # noqa: E402
+from cp_modules.kernels.paged_decode import (
     DecodeConfig,
     choose_mla_num_splits,
     choose_num_splits,
@@ -79,7 +77,7 @@ from cp_modules.kernels.paged_decode import (  # noqa: E402
     paged_attention_kernel,
     paged_mla_attention_kernel,
 )
-from cp_modules.reference.paged_decode import (  # noqa: E402
+from cp_modules.reference.paged_decode import (
     paged_attention_ref,
     paged_mla_attention_ref,
 )
@@ -620,7 +618,7 @@ def main() -> int:
         action="store_true",
         help="run only the MLA head-count section (writes decode-mla-heads-<date>.json)",
     )
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -10,10 +10,12 @@ flash-attention 2x rule against an fp32 reference); a wrong kernel stops the run
 speed is reported. Kernel times are CUDA-graph replays cycling over enough input copies to
 defeat the L2 cache; eager times use ``triton.testing.do_bench`` (which flushes L2).
 
-    python benchmarks/bench_lse_combine.py            # ~1-2 min on an H200
-    python benchmarks/bench_lse_combine.py --no-sweep # default launch configs only
+    python -m benchmarks.bench_lse_combine            # ~1-2 min on an H200
+    python -m benchmarks.bench_lse_combine --no-sweep # default launch configs only
+    python -m benchmarks.bench_lse_combine --comm     # the collectives too, on N >= 2 GPUs
 
-Writes ``benchmarks/results/lse_combine-<date>.json``.
+Writes ``benchmarks/results/lse_combine-<date>.json`` (``--comm``: ``dcp_comm-<date>.json``,
+see :func:`run_comm`).
 """
 
 from __future__ import annotations
@@ -29,22 +31,20 @@ import torch
 import triton
 from triton.testing import do_bench
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cp_modules.kernels.correct_attn_out import correct_attn_out_triton  # noqa: E402
-from cp_modules.kernels.lse_combine import (  # noqa: E402
+from benchmarks.common import RESULTS
+from cp_modules.kernels.correct_attn_out import correct_attn_out_triton
+from cp_modules.kernels.lse_combine import (
     lse_combine_launch_config,
     lse_combine_triton,
 )
-from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_a2a_send_buffers  # noqa: E402
-from cp_modules.ops.lse_combine import lse_combine, pack_partials, unpack_partials  # noqa: E402
-from cp_modules.reference.correct_attn_out import correct_attn_out_reference  # noqa: E402
-from cp_modules.reference.lse_combine import (  # noqa: E402
+from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_a2a_send_buffers
+from cp_modules.ops.lse_combine import lse_combine, pack_partials, unpack_partials
+from cp_modules.reference.correct_attn_out import correct_attn_out_reference
+from cp_modules.reference.lse_combine import (
     lse_combine_reference,
     lse_weights_reference,
 )
-from cp_modules.testing.numerics import assert_close_to_reference, max_abs_err  # noqa: E402
+from cp_modules.testing.numerics import assert_close_to_reference, max_abs_err
 
 B = 512
 TOTAL_HEADS = 128
@@ -204,11 +204,138 @@ def bench_shape(n: int, d: int, metrics: dict, sweep: bool) -> None:
         metrics[f"lse_combine_best_GBps_{tag}"], metrics[f"lse_combine_best_config_{tag}"] = best
 
 
-def main() -> None:
+# --comm: the combine with its collectives on several GPUs (not part of the one-GPU suite).
+# Query heads, decode query dim, output dim (Llama-3-8B; DeepSeek-V3 absorbed MLA).
+COMM_SHAPES = {"llama3_8b": (32, 128, 128), "deepseek_v3": (128, 576, 512)}
+COMM_BATCHES = (1, 8, 64, 256)
+
+
+def _events_us(fn, iters=50):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters * 1e3  # us
+
+
+def _comm_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from cp_modules.config import ParallelConfig, valid_dcp_sizes
+    from cp_modules.distributed.groups import init_cp_groups
+    from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_combine, dcp_prepare_query
+    from cp_modules.reference.lse_combine import lse_combine_reference
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    results = {}
+    for pcp in (1, 2, 4, 8):
+        if world % pcp:
+            continue
+        tp = world // pcp
+        for dcp in valid_dcp_sizes(tp, pcp):
+            if dcp == 1:
+                continue
+            for backend, packed in (("ag_rs", False), ("a2a", False), ("a2a", True)):
+                cfg = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                                     decode_context_parallel_size=dcp, dcp_comm_backend=backend)
+                groups = init_cp_groups(cfg)
+                spec = DCPCommSpec.from_groups(groups, packed=packed)
+                name = f"tp{tp}_pcp{pcp}_dcp{dcp}_{backend}{'_packed' if packed else ''}"
+                for model, (h, dq, dv) in COMM_SHAPES.items():
+                    hl = h // tp
+                    for b in COMM_BATCHES:
+                        g = torch.Generator(device=dev).manual_seed(1000 * rank + b)
+                        q = torch.randn(b, hl, dq, device=dev, dtype=torch.bfloat16, generator=g)
+                        hg = hl * spec.gather_size
+                        out = torch.randn(b, hg, dv, device=dev, dtype=torch.bfloat16, generator=g)
+                        lse = torch.randn(b, hg, device=dev, dtype=torch.float32, generator=g)
+                        # Exactness: merge all DCP ranks' partials directly and compare.
+                        got = dcp_combine(out, lse, spec)
+                        all_out = [torch.empty_like(out) for _ in range(dcp)]
+                        all_lse = [torch.empty_like(lse) for _ in range(dcp)]
+                        dist.all_gather(all_out, out, group=groups.dcp)
+                        dist.all_gather(all_lse, lse, group=groups.dcp)
+                        ref, _ = lse_combine_reference(torch.stack(all_out).float(), torch.stack(all_lse))
+                        own = slice(spec.gather_rank * hl, (spec.gather_rank + 1) * hl)
+                        err = (got.float() - ref[:, own]).abs().max().item()
+                        # bf16 outputs: within 2 bf16 ulps of the largest output (ag_rs rounds
+                        # the corrected partials and their sum; a2a rounds once).
+                        bound = 2 * 2.0**-7 * ref[:, own].abs().max().item()
+
+                        def step(q=q, out=out, lse=lse, spec=spec):
+                            dcp_prepare_query(q, spec)
+                            return dcp_combine(out, lse, spec)
+
+                        eager = _events_us(step)
+                        s = torch.cuda.Stream()
+                        s.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(s):
+                            step()
+                        torch.cuda.current_stream().wait_stream(s)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            step()
+                        graphed = _events_us(graph.replay)
+                        results[f"{name}_{model}_B{b}"] = dict(
+                            eager_us=eager, graph_us=graphed, max_err=err, err_bound=bound
+                        )
+    return results
+
+
+def run_comm(world_size: int, out: str | None) -> int:
+    """DCP decode communication on several GPUs (NCCL): query preparation + combine per layer.
+
+    For each layout of the world size with dcp > 1 and each combine (ag_rs, a2a, packed a2a):
+    Llama-3-8B decode shapes (32 q heads, D = 128) and DeepSeek-V3 absorbed MLA (128 heads,
+    q 576, out 512), bf16, B in {1, 8, 64, 256} decode tokens. Every combine's output is first
+    checked against the exact LSE-weighted merge of all ranks' partials (gathered separately),
+    within 2 bf16 ulps of the largest output. Times: eager (CUDA events around 50 iterations)
+    and CUDA-graph replay of the same step. Writes dcp_comm-<date>.json, the machine in "gpu".
+    """
+    from cp_modules.testing.distributed import run_distributed
+
+    if world_size < 2 or torch.cuda.device_count() < world_size:
+        print(f"--comm needs >= 2 GPUs (have {torch.cuda.device_count()})", file=sys.stderr)
+        return 2
+    per_rank = run_distributed(_comm_rank, world_size, backend="nccl", timeout_s=900)
+    merged = {}
+    for key in per_rank[0]:
+        merged[key] = dict(
+            eager_us=max(r[key]["eager_us"] for r in per_rank),
+            graph_us=max(r[key]["graph_us"] for r in per_rank),
+            max_err=max(r[key]["max_err"] for r in per_rank),
+            err_bound=min(r[key]["err_bound"] for r in per_rank),
+        )
+    bad = {k: v["max_err"] for k, v in merged.items() if v["max_err"] > v["err_bound"]}
+    for k, v in merged.items():
+        print(f"{k:<48} eager {v['eager_us']:8.1f} us  graph {v['graph_us']:8.1f} us  err {v['max_err']:.1e}")
+    report = {"date": datetime.date.today().isoformat(),
+              "gpu": f"{world_size}x {torch.cuda.get_device_name()}",
+              "torch": torch.__version__, "triton": triton.__version__,
+              "metrics": merged, "wrong": bad}  # fmt: skip
+    path = pathlib.Path(out) if out else RESULTS / f"dcp_comm-{report['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}; {'all exact' if not bad else f'WRONG: {bad}'}")
+    return 1 if bad else 0
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
     parser.add_argument("--out", default=None, help="output JSON path")
+    parser.add_argument("--comm", action="store_true",
+                        help="only the DCP communication per layer on several GPUs (NCCL)")  # fmt: skip
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="GPUs of one host for --comm (default: all)")  # fmt: skip
     args = parser.parse_args()
+    if args.comm:
+        return run_comm(args.world_size or torch.cuda.device_count(), args.out)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     torch.manual_seed(0)
@@ -251,12 +378,13 @@ def main() -> None:
     path = (
         pathlib.Path(args.out)
         if args.out
-        else ROOT / "benchmarks" / "results" / f"lse_combine-{date}.json"
+        else RESULTS / f"lse_combine-{date}.json"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

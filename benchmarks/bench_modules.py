@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""One attention layer end to end on one GPU: eager vs compiled, prefill and decode, CUDA graphs.
+"""One attention layer end to end: eager vs compiled, prefill and decode, CUDA graphs.
 
 Run from the repository root on a CUDA machine (no Hydra needed):
 
-    python benchmarks/bench_modules.py [--quick]
+    python -m benchmarks.bench_modules [--quick]      # the suite's part, one GPU
+    python -m benchmarks.bench_modules --many-only    # many prompts, three paths
+    python -m benchmarks.bench_modules --train-paths  # MLA training step on all GPUs (>= 2)
 
 Shapes: Llama-3-8B attention (hidden 4096, 32 q heads, 8 KV heads, D=128) as CPFlashAttention
 and DeepSeek-V3 MLA (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128, rope 64,
@@ -12,46 +14,45 @@ runs per layer, minus its collectives):
   - prefill of one 32k-token prompt (the PCP path with P = 1), eager and compiled;
   - decode of B = 64 requests with 32k cached tokens each (paged cache, block size 64), eager,
     compiled, and the compiled step replayed as a CUDA graph;
-  - prefill of 64 prompts of 512 tokens, eager, with the PCP attention forced onto its block
-    path, forced onto one varlen call, and as chosen automatically (for a plan whose shapes
-    an earlier plan had), outputs compared
+  - prefill of 64 prompts of 512 tokens, eager, with the PCP attention on its block path
+    (``CPPolicy(pcp_varlen="never")``), on one varlen call (``"always"``) and as chosen
+    automatically (``"auto"``, for a plan whose shapes an earlier plan had), outputs compared
     (``--many-only``: this alone over 64 x 512 ... 2 x 16384, also for the MLA layer with 32
     heads (a tp = 4 rank's share), written to modules-many-<date>.json).
 Before timing, each layer's prefill output is checked against the same projections run through
 dense causal SDPA on a 2k prompt (the 2x tolerance rule against a bf16 reference); the decode
-kernels are checked by bench_decode.py, and here the CUDA-graph replay is compared with the eager
+kernels are checked by bench_decode, and here the CUDA-graph replay is compared with the eager
 step. Peak memory of the eager prefill is reported.
-Results: benchmarks/results/modules-<date>.json ({"date","gpu","torch","triton","metrics"};
-modules-many-<date>.json with --many-only, under $OUT if set).
+Results: ``--out`` (benchmarks/results)/modules-<date>.json ({"date","gpu","torch","triton",
+"metrics"}; modules-many-<date>.json with --many-only; ``--train-paths``: see
+:func:`train_paths`, mla-train-paths-<date>.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
-import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache  # noqa: E402
-from cp_modules.kernels.pcp_attention import VARLEN_ENV  # noqa: E402
-from cp_modules.modules import (  # noqa: E402
+from benchmarks.common import RESULTS, write_results
+from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
+from cp_modules.modules import (
     CPFlashAttention,
     CPMLAAttention,
     CPRuntime,
     build_step_metadata,
     cp_step,
 )
-from cp_modules.modules.rope import apply_rotary  # noqa: E402
+from cp_modules.modules.rope import apply_rotary
+from cp_modules.policy import CPPolicy
 
 RT = CPRuntime.single()
 DEV = torch.device("cuda")
@@ -155,23 +156,21 @@ MANY_SHAPES = ((64, 512), (32, 1024), (16, 2048), (8, 4096), (4, 8192), (2, 1638
 
 def bench_prefill_many(name, layer, batch, length, metrics):
     """Prefill of ``batch`` prompts of ``length`` tokens, eager, with the PCP attention on its
-    block path (``CP_PCP_VARLEN=never``), on the varlen call (``always``) and as chosen
-    (``auto``); the block and varlen outputs are compared first."""
+    block path (``pcp_varlen="never"``), on the varlen call (``"always"``) and as chosen
+    (``"auto"``); the block and varlen outputs are compared first."""
     x = torch.randn(batch * length, layer.hidden_size, device=DEV, dtype=DT)
     seen_shapes(layer, [length] * batch)
-    meta = build_step_metadata(RT, [length] * batch, device=DEV)
-    xl = x[meta.token_indices]
     times, outs = {}, {}
-    before = os.environ.get(VARLEN_ENV)
-    with torch.no_grad(), cp_step(meta):
+    with torch.no_grad():
         for path in ("never", "always", "auto"):
-            os.environ[VARLEN_ENV] = path
-            outs[path] = layer(xl, meta.positions).float()
-            times[path] = do_bench(lambda: layer(xl, meta.positions), warmup=3, rep=20)
-    if before is None:
-        os.environ.pop(VARLEN_ENV)
-    else:
-        os.environ[VARLEN_ENV] = before
+            rt = CPRuntime.single(policy=CPPolicy(pcp_varlen=path))
+            meta = build_step_metadata(rt, [length] * batch, device=DEV)
+            xl = x[meta.token_indices]
+            with cp_step(meta):
+                outs[path] = layer(xl, meta.positions).float()
+                times[path] = do_bench(
+                    lambda xl=xl, meta=meta: layer(xl, meta.positions), warmup=3, rep=20
+                )
     diff = (outs["always"] - outs["never"]).abs().max().item()
     scale = outs["never"].abs().max().item()
     key = f"{name}_prefill_{batch}x{length}"
@@ -226,6 +225,129 @@ def bench_decode(name, layer, batch, ctx, metrics, block_size=64):
     torch.cuda.empty_cache()
 
 
+# --train-paths: the MLA layer's training step on several GPUs, key-major against query-major.
+TRAIN_PATHS = ("query_major", "key_major")
+TRAIN_ROUNDS, TRAIN_ITERS = 3, 5
+
+
+def _train_step(layer, params, meta, xl, gyl):
+    """The layer's forward and backward on this rank's rows: (d input, d every parameter)."""
+    xi = xl.detach().requires_grad_()
+    with cp_step(meta):
+        y = layer(xi, meta.positions)
+    return torch.autograd.grad(y, [xi, *params], gyl, allow_unused=True)
+
+
+def _train_rank(rank: int, world_size: int, seq_lens: list[int]) -> dict:
+    import torch.distributed as dist
+
+    from cp_modules import ParallelConfig
+    from cp_modules.distributed.groups import init_cp_groups
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda", torch.cuda.current_device())
+    groups = init_cp_groups(ParallelConfig(prefill_context_parallel_size=world_size))
+    runtimes = {
+        p: CPRuntime.from_groups(groups, policy=CPPolicy(mla_backward=p)) for p in TRAIN_PATHS
+    }
+    torch.manual_seed(0)  # the same weights on every rank
+    layer = mla_layer_tp4().to(dev)
+    params = list(layer.parameters())
+    res = {}
+    for S in seq_lens:
+        g = torch.Generator(device=dev).manual_seed(S)
+        x = torch.randn(S, 7168, device=dev, dtype=DT, generator=g)
+        gy = torch.randn(S, 7168, device=dev, dtype=DT, generator=g)
+        steps = {}
+        for path, rt in runtimes.items():
+            meta = build_step_metadata(rt, [S], device=dev)
+            xl, gyl = x[meta.token_indices], gy[meta.token_indices]
+            steps[path] = functools.partial(_train_step, layer, params, meta, xl, gyl)
+
+        grads = {}
+        for path in TRAIN_PATHS:
+            grads[path] = steps[path]()  # also the warm-up (cuDNN plans)
+            # A rank's weight gradients are partial sums (query-major: its queries' share;
+            # key-major: its keys'); data-parallel training all-reduces them, so compare sums.
+            for t in grads[path][1:]:
+                if t is not None:
+                    dist.all_reduce(t)
+        diff = max(
+            ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(*grads.values())
+            if a is not None and b is not None
+        )
+        del grads
+        times: dict[str, list[float]] = {p: [] for p in TRAIN_PATHS}
+        for rnd in range(TRAIN_ROUNDS):
+            for path in TRAIN_PATHS if rnd % 2 == 0 else TRAIN_PATHS[::-1]:
+                steps[path]()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                for _ in range(TRAIN_ITERS):
+                    steps[path]()
+                end.record()
+                torch.cuda.synchronize()
+                times[path].append(start.elapsed_time(end) / TRAIN_ITERS)
+        torch.cuda.reset_peak_memory_stats()
+        peaks = {}
+        for path in TRAIN_PATHS:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            steps[path]()
+            torch.cuda.synchronize()
+            peaks[path] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        res[S] = {
+            "ms": {p: sorted(t)[len(t) // 2] for p, t in times.items()},
+            "peak_mib": peaks,
+            "grad_rel_diff": diff,
+        }
+        del x, gy, steps
+        torch.cuda.empty_cache()
+    return res
+
+
+def train_paths(seq_lens: list[int], out: str) -> int:
+    """MLA layer training step on all GPUs (NCCL): key-major against query-major backward.
+
+    One DeepSeek-V3 MLA layer with 32 heads (a tp = 4 rank's share), bf16, one sequence split
+    over P = the number of GPUs by PCP; each rank runs forward and backward (projections,
+    all-gathers, attention, reduce-scatters) with ``CPPolicy(mla_backward=...)`` set to each
+    path in turn; ``TRAIN_ROUNDS`` alternating rounds of CUDA-event timings, medians kept, the
+    slowest rank reported. Both paths' gradients are compared first (the input's and every
+    weight's, the weights' summed over ranks, relative to the largest value). Writes
+    ``mla-train-paths-<date>.json``.
+    """
+    from cp_modules.testing import run_distributed
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        print("--train-paths needs at least two CUDA GPUs", file=sys.stderr)
+        return 2
+    per_rank = run_distributed(_train_rank, n, seq_lens, backend="nccl", timeout_s=1200)
+    metrics = {}
+    for S in seq_lens:
+        ms = {p: max(r[S]["ms"][p] for r in per_rank) for p in TRAIN_PATHS}
+        m = metrics[f"S={S} P={n}"] = {
+            "step_ms_slowest_rank": ms,
+            "key_major_speedup": ms["query_major"] / ms["key_major"],
+            "peak_mib_worst_rank": {p: max(r[S]["peak_mib"][p] for r in per_rank) for p in TRAIN_PATHS},
+            "grad_rel_diff": max(r[S]["grad_rel_diff"] for r in per_rank),
+            "per_rank_ms": [r[S]["ms"] for r in per_rank],
+        }
+        print(
+            f"S={S} P={n}: layer fwd+bwd query-major {ms['query_major']:.2f} ms, key-major "
+            f"{ms['key_major']:.2f} ms ({m['key_major_speedup']:.3f}x); peak MiB "
+            f"{m['peak_mib_worst_rank']}; gradients differ by {m['grad_rel_diff']:.1e}",
+            flush=True,
+        )
+    path = write_results("mla-train-paths", metrics, out, layer="deepseek_v3_mla_32heads")
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -234,7 +356,18 @@ def main() -> int:
         action="store_true",
         help="only the many-prompt prefill (writes modules-many-<date>.json)",
     )
+    ap.add_argument(
+        "--train-paths",
+        action="store_true",
+        help="only the MLA training step on all GPUs, both backward paths "
+        "(writes mla-train-paths-<date>.json)",
+    )
+    ap.add_argument("--seq-lens", nargs="+", type=int, default=[32768, 65536],
+                    help="sequence lengths of --train-paths")  # fmt: skip
+    ap.add_argument("--out", default=str(RESULTS), help="directory of the results file")
     args = ap.parse_args()
+    if args.train_paths:
+        return train_paths(args.seq_lens, args.out)
     seq, batch, ctx = (8192, 16, 8192) if args.quick else (32768, 64, 32768)
     metrics: dict[str, float] = {}
     layers = [("llama3_8b", llama_layer), ("deepseek_v3_mla", mla_layer)]
@@ -258,7 +391,7 @@ def main() -> int:
         "metrics": metrics,
     }
     kind = "modules-many" if args.many_only else "modules"
-    path = Path(os.environ.get("OUT", REPO / "benchmarks" / "results")) / f"{kind}-{out['date']}.json"
+    path = Path(args.out) / f"{kind}-{out['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Merge the latest benchmark results into one dated report: JSON, Markdown table, PNG plots.
 
-    python benchmarks/report.py [--results benchmarks/results] [--out benchmarks]
+    python -m benchmarks.report [--results benchmarks/results] [--out benchmarks]
 
-Reads the newest ``<kind>-<date>.json`` of each kind (lse_combine, decode, pcp, modules,
-ceilings, pcp-grad-layout, pcp-varlen, modules-many, pcp-new-shapes), checks the goals the kernel issues set, adds the collective cost model, and writes
+Reads the newest ``<kind>-<date>.json`` of each kind in ``KINDS``, checks the goals the kernel
+issues set, adds the collective cost model, and writes
 ``<out>/<date>-<gpu>.json`` ({"date","gpu","torch","triton","metrics"}), ``<date>-<gpu>.md`` and
 plots (``<date>-<gpu>-decode.png``, ``-pcp.png``, ``-roofline.png``). Needs no GPU.
 """
@@ -16,14 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks import cost_model
+from cp_modules.kernels.pcp_attention import segment_flop
+from cp_modules.partition import plan_pcp
+from cp_modules.policy import CPPolicy
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import cost_model  # noqa: E402
-
-sys.path.insert(0, str(HERE.parent))
-from cp_modules.kernels.pcp_attention import segment_flop, varlen_limit  # noqa: E402
-from cp_modules.partition import plan_pcp  # noqa: E402
+# The switch points the "picked" columns apply: the defaults of the library.
+POLICY = CPPolicy()
 
 KINDS = (
     "lse_combine", "decode", "pcp", "modules", "ceilings", "pcp-grad-layout", "pcp-varlen",
@@ -33,7 +33,7 @@ KINDS = (
     "mla-train-paths",
     "pcp-timeline",
 )
-# (query heads, Dqk, Dv) of bench_modules.py's layers, for their FLOPs per segment.
+# (query heads, Dqk, Dv) of bench_modules' layers, for their FLOPs per segment.
 LAYER_DIMS = {
     "llama3_8b": (32, 128, 128),
     "deepseek_v3_mla": (128, 192, 128),
@@ -253,7 +253,7 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
     if km:
         lines += ["", "## PCP backward by key chunks against the current one (one rank at a time, bf16)", "",
                   "Worst / mean rank time / (dense backward / P) for the key-major backward "
-                  "(bench_pcp_key_major.py: a rank's own key chunks against every later query, one "
+                  "(bench_pcp key-major: a rank's own key chunks against every later query, one "
                   "tall causal call each) and the current query-major one, in one process; bytes a "
                   "token moves over the PCP group in the backward for each.", "",
                   "| shape | P | key-major | query-major | bytes/token key / query |",
@@ -270,7 +270,7 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
     mt = r.get("mla-train-paths", {}).get("metrics", {})
     if mt:
         lines += ["", "## MLA layer training step on several GPUs: key-major against query-major backward (bf16)", "",
-                  "bench_mla_train_paths.py: DeepSeek-V3 MLA layer with 32 heads, one sequence split by "
+                  "bench_modules --train-paths: DeepSeek-V3 MLA layer with 32 heads, one sequence split by "
                   "PCP over the GPUs (NCCL), forward + backward with every collective; slowest rank, "
                   "medians; peak memory above the inputs; gradients of both paths compared (weights "
                   "summed over ranks).", "",
@@ -286,7 +286,7 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
     tl = r.get("pcp-timeline", {}).get("metrics", {})
     if tl:
         lines += ["", "## Where a PCP rank's time goes (steady state, bf16)", "",
-                  "bench_pcp_timeline.py: a rank's call in do_bench's pattern under the profiler; "
+                  "bench_pcp timeline: a rank's call in do_bench's pattern under the profiler; "
                   "ratios over dense / P. Busy: the union of all kernels on all streams; idle: the "
                   "rest of the call's GPU span. MLA's backward is its key-major training path.", "",
                   "| shape | case | do_bench | busy | idle us | cuDNN attention | dO·O + dQ convert | "
@@ -333,7 +333,7 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
         lines += ["", "## PCP with many requests: blocks against one varlen call (one rank at a time, bf16)", "",
                   "Worst of the first and last rank, ms (triton do_bench; a host-bound path is timed at its "
                   "launch rate). FLOP/seg: mean forward FLOPs per segment, which picks the path "
-                  "(VARLEN_MAX_FLOP_PER_SEGMENT in cp_modules/kernels/pcp_attention.py); picked: the "
+                  "(CPPolicy.varlen_max_flop_per_segment, docs/switch-points.md); picked: the "
                   "automatic choice's time over the better of the two, for a plan whose shapes an "
                   "earlier plan had (a plan of new shapes first rents the varlen call: see the "
                   "new-lengths table).", "",
@@ -345,7 +345,7 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
             dims = (shapes[x["shape"]]["Dqk"], shapes[x["shape"]]["Dv"])
             pick = []
             for d in ("fwd", "bwd"):
-                limit = varlen_limit("forward" if d == "fwd" else "backward", *dims)
+                limit = POLICY.varlen_limit("forward" if d == "fwd" else "backward", *dims)
                 path = "varlen" if limit is not None and f < limit else "blocks"
                 pick.append(f"{path} {w[f'{path}_{d}'] / min(w[f'blocks_{d}'], w[f'varlen_{d}']):.2f}")
             pre = f" + {x['prefix']} cached" if x.get("prefix") else ""
@@ -355,7 +355,7 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
     mm = r.get("modules-many", {}).get("metrics", {})
     if mm:
         lines += ["", "## Whole layers with many prompts: blocks against one varlen call (one rank, P = 1, forward, bf16)", "",
-                  "bench_modules.py --many-only: one attention layer (projections included), eager, ms; "
+                  "bench_modules --many-only: one attention layer (projections included), eager, ms; "
                   "auto: the automatic choice as run, picked: the path it takes and its time over the "
                   "better of the two.", "",
                   "| layer | requests x tokens | FLOP/seg | blocks | varlen | auto | picked |",
@@ -372,17 +372,17 @@ def markdown(r: dict, g: list[dict], cm: dict, pngs: list[str], head: dict) -> s
                 flop = segment_flop([x for x in plan.segments_host.tolist() if x[2]], heads, dqk, dv)
                 f = sum(flop) / len(flop)
                 t = {p: mm[f"{stem}{p}_eager_ms"] for p in ("blocks", "varlen", "auto")}
-                limit = varlen_limit("forward", dqk, dv)
+                limit = POLICY.varlen_limit("forward", dqk, dv)
                 path = "varlen" if limit is not None and f < limit else "blocks"
                 lines.append(f"| {name} | {b} x {n} | {f:.1e} | {t['blocks']:.2f} | {t['varlen']:.2f} | "
                              f"{t['auto']:.2f} | {path} {t[path] / min(t['blocks'], t['varlen']):.2f} |")
     ns = r.get("pcp-new-shapes", {}).get("runs", [])
     if ns:
         lines += ["", "## PCP prompts of new lengths: the first call against the next (one rank, bf16)", "",
-                  "bench_pcp_new_shapes.py: single prompts of random new lengths (12k-30k tokens), the "
+                  "bench_pcp new-shapes: single prompts of random new lengths (12k-30k tokens), the "
                   "last rank's first and second call, medians over the prompts, ms. cuDNN builds a plan "
                   "per new block shape; the automatic choice rents the varlen path meanwhile "
-                  "(CUDNN_BUILD_S in cp_modules/kernels/pcp_attention.py).", "",
+                  "(CPPolicy.cudnn_build_s, docs/switch-points.md).", "",
                   "| shape | P | path | fwd first / second | bwd first / second |", "|---|---|---|---|---|"]
         for x in ns:
             med = {}

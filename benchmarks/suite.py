@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """The whole GPU benchmark suite in one command (one device call, well under 10 minutes).
 
-    python benchmarks/suite.py [--only lse_combine,decode,...] [--timeout 240]
+    python -m benchmarks.suite [--only lse_combine,decode,...] [--timeout 240]
+    python benchmarks/suite.py ...        # the same (this file imports nothing of the package)
 
-Runs each benchmark script in its own process (a failure or a hang in one does not lose the
-others), in this order: ceilings (copy and matmul roofs, dense prefill kernels per shape),
-lse_combine, pcp, decode, modules. Every script checks its kernels against their references on
-the benchmark shapes first and reports no speed for a wrong kernel (exit status 1). Then
-``report.py`` merges the newest results into ``benchmarks/<date>-<gpu>.{json,md}`` and plots.
-Exit status: 0 only if every script passed its correctness gate.
+Runs each part, ``python -m benchmarks.bench_<part>`` from the repository root, in its own
+process (a failure or a hang in one does not lose the others), in this order: ceilings (copy
+and matmul roofs, dense prefill kernels per shape), lse_combine, pcp, decode, modules. Every
+part checks its kernels against their references on the benchmark shapes first and reports no
+speed for a wrong kernel (exit status 1). Then ``benchmarks.report`` merges the newest results
+into ``benchmarks/<date>-<gpu>.{json,md}`` and plots. Exit status: 0 only if every part passed
+its correctness gate. Measurements outside the suite are options of the parts (``--help``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 ORDER = ("ceilings", "lse_combine", "pcp", "decode", "modules")
 
 
 def run_suite(only: list[str] | None = None, timeout_s: float = 240.0) -> int:
-    """Run the selected benchmarks and the report; returns the number of failed scripts."""
+    """Run the selected parts and the report; returns the number of failed parts."""
     names = [n for n in ORDER if only is None or n in only]
     unknown = set(only or []) - set(ORDER)
     if unknown:
@@ -34,13 +36,15 @@ def run_suite(only: list[str] | None = None, timeout_s: float = 240.0) -> int:
         t0 = time.time()
         print(f"=== {name}", flush=True)
         try:
-            rc = subprocess.run([sys.executable, str(HERE / f"bench_{name}.py")], timeout=timeout_s).returncode
+            rc = subprocess.run(
+                [sys.executable, "-m", f"benchmarks.bench_{name}"], cwd=REPO, timeout=timeout_s
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         print(f"=== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.time() - t0:.0f} s", flush=True)
         if rc != 0:
             failed.append(name)
-    subprocess.run([sys.executable, str(HERE / "report.py")], check=False)
+    subprocess.run([sys.executable, "-m", "benchmarks.report"], cwd=REPO, check=False)
     if failed:
         print(f"failed or refused to report: {failed}", flush=True)
     return len(failed)
@@ -49,7 +53,7 @@ def run_suite(only: list[str] | None = None, timeout_s: float = 240.0) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {list(ORDER)}")
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per benchmark script")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per part")
     a = ap.parse_args()
     return 1 if run_suite(a.only.split(",") if a.only else None, a.timeout) else 0
 

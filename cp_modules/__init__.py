@@ -17,7 +17,6 @@ from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.lse_combine import lse_combine, lse_combine_packed
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
-from cp_modules.ops.pcp_select import pcp_select
 from cp_modules.partition import PCPPlan, pcp_gather_restore, plan_pcp
 
 __all__ = [
@@ -41,7 +40,6 @@ __all__ = [
     "paged_mla_attention",
     "pcp_gather_restore",
     "pcp_prefill_attention",
-    "pcp_select",
     "plan_pcp",
     "write_kv_cache",
     "write_mla_cache",

@@ -56,7 +56,8 @@ def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
             part += 1
         else:
             assignment[node] = part
-    split = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)
+    # No root module: the pieces take their attributes from ``gm`` itself.
+    split = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)  # type: ignore[arg-type]
     return split, [f"submod_{p}" for p in sorted(attention_parts)]
 
 
@@ -72,7 +73,7 @@ def piecewise_backend(
         for name, child in list(split.named_children()):
             if name not in attention:
                 setattr(split, name, _Compiled(compile_piece(child)))
-        split.cp_attention_pieces = attention
+        split.cp_attention_pieces = attention  # type: ignore[assignment]
         return split
 
     return backend

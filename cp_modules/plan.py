@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from cp_modules.config import ParallelConfig
 from cp_modules.distributed.layout import comm_plan, head_range, rank_layout
@@ -30,7 +31,7 @@ def build_plan(
     ranks = []
     for r in range(layout.world_size):
         c = layout.coords(r)
-        entry = {"rank": r, **c, "dcp_group": layout.group_of("dcp", r)}
+        entry: dict[str, Any] = {"rank": r, **c, "dcp_group": layout.group_of("dcp", r)}
         entry["dcp_rank"] = sorted(entry["dcp_group"]).index(r)
         if num_heads is not None:
             entry["heads"] = list(head_range(num_heads, config.tp, c["tp"]))

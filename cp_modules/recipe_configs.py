@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from cp_modules.config import ParallelConfig
 
@@ -136,6 +136,7 @@ class ModelConf:
     checkpoint: str | None = None
     package: str | None = None
     gguf_file: str | None = None
+    hf: bool = False  # train.py: fine-tune the transformers model itself (swap_attention)
 
     def __post_init__(self) -> None:
         if self.checkpoint and self.package:
@@ -311,6 +312,6 @@ def load_config(cfg: Any, schema: type[T]) -> T:
 
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-        return OmegaConf.to_object(merged)
+        return cast(T, OmegaConf.to_object(merged))
     except OmegaConfBaseException as e:
         raise ValueError(f"invalid configuration: {e}") from e

@@ -273,10 +273,10 @@ def build_step_metadata(
         has_prefix = bool(prefix_len.sum() > 0)
         prefix_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(prefix_len)]), dtype=torch.int64)
         if has_prefix:
-            prefix_read, prefix_index = _prefix_gather_plan(
+            read_np, index_np = _prefix_gather_plan(
                 prefix_len, block_table.cpu().numpy(), block_size, runtime
             )
-            prefix_read, prefix_index = t(prefix_read), t(prefix_index)
+            prefix_read, prefix_index = t(read_np), t(index_np)
 
     return CPStepMetadata(
         runtime=runtime,
@@ -363,7 +363,7 @@ def _local_index(p: np.ndarray, d: int, i: int) -> np.ndarray:
     return p // round_len * i + p % i
 
 
-_SERIALS = itertools.count(1)
+_SERIALS: Iterator[int] = itertools.count(1)
 _CURRENT: CPStepMetadata | None = None
 
 
@@ -378,7 +378,7 @@ def current_step() -> CPStepMetadata:
             "no context-parallel step is active: build the step's metadata with "
             "build_step_metadata(...) and run the model's forward under `with cp_step(meta):` "
             "(activation checkpointing runs the forward again in the backward: checkpoint "
-            "with cp_modules.training.checkpoint, which re-enters the step)"
+            "with cp_modules.training.checkpoint_with_step, which re-enters the step)"
         )
     return _CURRENT
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ class VerifyArgs:
     mla_backward: str = "auto"
     pcp_varlen: str = "auto"
     policy_changes: dict = field(default_factory=dict)  # other CPPolicy fields
+    sinks: bool = False
 
     def policy(self):
         """The :class:`~cp_modules.policy.CPPolicy` of these choices (raises on bad values)."""
@@ -63,8 +65,9 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Layer widths. "tiny" keeps the check quick on CPUs. "model" has real models' head dims
 # (Llama's 128; DeepSeek-V3's MLA 128 + 64 / 128 over a 512-wide latent) with 8 heads, so on a
 # GPU the check runs the kernels those models run; its projections are also wide enough that
-# cuBLAS's bf16 GEMMs stay at bf16 rounding (benchmarks/probe_wgrad_gemm.py: weight gradients
-# of 256 x 256 or fewer elements lost accuracy at a few token counts, wider ones did not).
+# cuBLAS's bf16 GEMMs stay at bf16 rounding (docs/experiments/2026-11-30-wgrad-gemm-probe.md:
+# weight gradients of 256 x 256 or fewer elements lost accuracy at a few token counts, wider
+# ones did not).
 WIDTHS = ("tiny", "model")
 GQA_SHAPES = {
     "tiny": dict(hidden_size=64, num_heads=8, head_dim=16),
@@ -92,6 +95,8 @@ def _config(a: VerifyArgs):
     from cp_modules.config import ParallelConfig
 
     _shape(a)
+    if a.sinks and a.attention != "gqa":
+        raise ValueError("--sinks applies to --attention gqa only (MLA models have no sinks)")
     if a.tp * a.pcp != a.world_size:
         raise ValueError(
             f"--world-size {a.world_size} must equal tp*pcp = {a.tp}*{a.pcp} (dp = pp = 1 here)"
@@ -122,8 +127,12 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     from cp_modules.modules import CPFlashAttention, CPMLAAttention
 
     torch.manual_seed(a.seed)
+    layer: CPFlashAttention | CPMLAAttention
     if a.attention == "gqa":
-        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, **_shape(a))
+        layer = CPFlashAttention(num_kv_heads=_kv_heads(a, cfg), bias=True, sinks=a.sinks, **_shape(a))
+        if layer.sinks is not None:
+            with torch.no_grad():
+                layer.sinks.normal_()
     elif a.attention == "mla":
         cfg.validate_heads(_shape(a)["num_heads"], None)
         layer = CPMLAAttention(**_shape(a))
@@ -228,7 +237,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
     # run's error, plus one ulp of the largest value.
     low_precision = dtype not in (torch.float32, torch.float64)
     labels = ("reference", "parallel") + (("reference_fp32",) if low_precision else ())
-    results = {}
+    results: dict[str, Any] = {}
     for label in labels:
         run_dtype = torch.float32 if label == "reference_fp32" else dtype
         layer = _build_layer(a, cfg, dtype).to(device=device, dtype=run_dtype)
@@ -432,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="MLA's training backward path (CPPolicy.mla_backward)")
     p.add_argument("--pcp-varlen", default="auto", choices=["auto", "always", "never"],
                    help="PCP prefill path: blocks or one varlen call (CPPolicy.pcp_varlen)")
+    p.add_argument("--sinks", action="store_true", help="a learned sink logit per head (GQA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--sweep", action="store_true",
@@ -448,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_lens=seq_lens, decode_steps=ns.decode_steps, dtype=ns.dtype, interleave=ns.interleave,
         block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
         packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads, widths=ns.widths,
-        mla_backward=ns.mla_backward, pcp_varlen=ns.pcp_varlen,
+        mla_backward=ns.mla_backward, pcp_varlen=ns.pcp_varlen, sinks=ns.sinks,
     )
     if ns.sweep:
         summary = run_sweep(a)

@@ -1,6 +1,8 @@
-"""Train a tiny decoder-only LM with context parallelism (PCP) and tensor parallelism (TP).
+"""Train a decoder-only LM with context parallelism (PCP) and tensor parallelism (TP).
 
     .venv/bin/python recipes/train.py                                   # Llama-like, tp=2 pcp=2, Fabric
+    .venv/bin/python recipes/train.py model=hf                          # a transformers Llama
+    .venv/bin/python recipes/train.py model=hf model.checkpoint=/path/to/hf/model parallel=pcp4
     .venv/bin/python recipes/train.py model=deepseek_v3_tiny workload.strategy=trainer
     .venv/bin/python recipes/train.py -m model=llama_tiny,deepseek_v3_tiny  # one of each family
     .venv/bin/python recipes/train.py parallel=pcp4 workload.resume=ckpt.safetensors
@@ -8,11 +10,15 @@
 
 Build: the composed config (``conf/train.yaml``), a byte-level dataset cut from the bundled
 text (``recipes/data/tiny_corpus.txt``) and a :class:`~cp_modules.models.TinyLM` of the model's
-family (``deepseek_v3`` -> MLA attention, the others -> GQA). Run: Lightning Fabric or the
+family (``deepseek_v3`` -> MLA attention, the others -> GQA), or with ``model.hf`` the
+transformers model of the family (a local ``model.checkpoint`` directory, or built from the
+config's sizes) made context-parallel by :func:`cp_modules.swap_attention`. Run: Lightning Fabric or the
 Lightning Trainer with the CP strategy: every batch is split over PCP with DualChunkSwap, heads
 over TP, samples over dp. Report: the loss every ``log_every`` steps and the global tokens/s,
-then a summary line; ``workload.save`` writes a full-tensor checkpoint that ``workload.resume``
-loads under any layout.
+then a summary line; ``workload.save`` writes a checkpoint that ``workload.resume`` loads under
+any layout: one safetensors file of full tensors for a path ending in ``.safetensors``, else a
+distributed checkpoint directory (``torch.distributed.checkpoint``). Gradients are summed over
+dp x pcp by FSDP2.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from cp_modules.recipe_configs import (
     ParallelConf,
     load_config,
 )
+from cp_modules.step import cp_step
 from cp_modules.training import ByteTextDataset, lm_cross_entropy
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
@@ -55,7 +62,8 @@ class TrainWorkload:
 
     ``steps``: optimizer steps in total (a resumed run continues from the checkpoint's step).
     ``batch_size``: sequences per data-parallel replica, each ``seq_len`` bytes.
-    ``corpus``: a text file (default: the bundled one). ``save`` / ``resume``: checkpoint paths.
+    ``corpus``: a text file (default: the bundled one). ``save`` / ``resume``: checkpoint paths
+    (``*.safetensors``: one full-tensor file; otherwise a distributed checkpoint directory).
     """
 
     strategy: Strategy = Strategy.fabric
@@ -137,9 +145,34 @@ def _device_and_backend(backend: BackendConf) -> tuple[str, str]:
     return device, dist_backend
 
 
-def _build_model(conf: TrainConf) -> TinyLM:
-    torch.manual_seed(conf.model.seed)
-    return TinyLM(tiny_lm_config(conf.model))
+class HFTokensLM(torch.nn.Module):
+    """A transformers causal LM on one row of this rank's tokens: ``forward(input_ids [T],
+    positions [T]) -> logits [T, V]`` (the TinyLM interface), run under the batch's cp_step."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.hf = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids[None], position_ids=positions[None]).logits[0]
+
+
+def _build_model(conf: TrainConf, groups=None) -> torch.nn.Module:
+    """TinyLM, or with ``model.hf`` the swapped transformers model (``groups``: the rank's
+    CPGroups, whose TP mesh shards it)."""
+    if not conf.model.hf:
+        torch.manual_seed(conf.model.seed)
+        return TinyLM(tiny_lm_config(conf.model))
+    from cp_modules import swap_attention
+    from cp_modules.engine.model import build_model
+
+    model = build_model(conf.model).train()
+    return HFTokensLM(swap_attention(model, groups))
+
+
+def _parallelize_fn(conf: TrainConf):
+    # swap_attention applies TP to a transformers model itself.
+    return None if conf.model.hf else parallelize_model
 
 
 def _loader(conf: TrainConf) -> DataLoader:
@@ -184,7 +217,7 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
     """One rank's Fabric loop; returns the run's summary."""
     w = conf.workload
     strategy: CPFabricStrategy = fabric.strategy
-    model = fabric.setup_module(_build_model(conf))
+    model = fabric.setup_module(_build_model(conf, strategy.cp.groups))
     optimizer = fabric.setup_optimizers(
         torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=w.weight_decay)
     )
@@ -200,7 +233,8 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
                 break
             start = time.perf_counter()
             cp_batch = strategy.shard_batch(batch)
-            loss = lm_cross_entropy(model(cp_batch.input_ids, cp_batch.positions), cp_batch)
+            with cp_step(cp_batch.meta):
+                loss = lm_cross_entropy(model(cp_batch.input_ids, cp_batch.positions), cp_batch)
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -214,10 +248,15 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
     return meter.summary() if fabric.global_rank == 0 else None
 
 
+def _distributed_checkpoint(w: TrainWorkload) -> bool:
+    return not (w.save or "").endswith(".safetensors")
+
+
 def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPFabricStrategy(
-        conf.parallel.to_parallel_config(), parallelize_model, start_method="spawn",
+        conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
+        save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
     fabric = L.Fabric(accelerator=device, devices=conf.parallel.world_size, strategy=strategy)
     return fabric.launch(train_with_fabric, conf)
@@ -226,14 +265,20 @@ def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
 # ---- Trainer -----------------------------------------------------------------------------
 
 class LitTinyLM(L.LightningModule):
-    """TinyLM trained by the Lightning Trainer; batches arrive as this rank's CPBatch."""
+    """TinyLM (or the swapped transformers model) trained by the Lightning Trainer; batches
+    arrive as this rank's CPBatch, and the strategy scopes each batch's step."""
 
     def __init__(self, conf: TrainConf):
         super().__init__()
         self.conf = conf
-        self.model = _build_model(conf)
+        self.model = None if conf.model.hf else _build_model(conf)
         self.meter = _Meter(conf.workload.log_every, conf.workload.steps, rank0=False)
         self._start = 0.0
+
+    def configure_model(self) -> None:
+        # On the rank, once its process groups exist (the swap needs them for TP).
+        if self.model is None:
+            self.model = _build_model(self.conf, self.trainer.strategy.cp.groups)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._start = time.perf_counter()
@@ -260,8 +305,9 @@ class LitTinyLM(L.LightningModule):
 
 def run_trainer(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPTrainerStrategy(
-        conf.parallel.to_parallel_config(), parallelize_model, start_method="spawn",
+        conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
+        save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
     trainer = L.Trainer(
         accelerator=device, devices=conf.parallel.world_size, strategy=strategy,
@@ -287,6 +333,8 @@ def main(cfg: DictConfig) -> None:
     L.seed_everything(conf.workload.seed, verbose=False)
     p, w = conf.parallel, conf.workload
     attention = tiny_lm_config(conf.model).attention
+    if conf.model.hf:
+        attention += ", transformers model" + (f" {conf.model.checkpoint}" if conf.model.checkpoint else "")
     print(f"training {conf.model.family.value} ({attention}) with {w.strategy.value} on "
           f"{p.world_size} rank(s): tp={p.tp} pcp={p.pcp} dp={p.dp}; {w.batch_size} x {w.seq_len} "
           f"tokens per replica and step", flush=True)

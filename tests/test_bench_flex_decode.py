@@ -5,22 +5,14 @@ below check the mask_mod, the views and the call; the block lists (what the comp
 read) are checked against the block table directly.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from benchmarks import bench_decode as bench
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-_spec = importlib.util.spec_from_file_location(
-    "bench_decode", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
-)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 PAGE, NUM_BLOCKS, WIDTH = 16, 11, 4
 

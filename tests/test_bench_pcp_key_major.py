@@ -1,21 +1,14 @@
-"""The key-major PCP backward benchmark's helpers on CPU (the decomposition itself is tested in
-test_pcp_key_major.py)."""
+"""The key-major study of benchmarks.bench_pcp: its helpers on CPU (the decomposition itself is
+tested in test_pcp_key_major.py)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
+from benchmarks import bench_pcp as bench
+from benchmarks.common import write_results
 from cp_modules.reference.pcp_attention import attention_with_lse, attention_with_lse_backward
 from cp_modules.testing.numerics import max_abs_err
-
-_spec = importlib.util.spec_from_file_location(
-    "bench_pcp_key_major",
-    Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pcp_key_major.py",
-)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 
 def test_all_ranks_equal_dense_backward():
@@ -41,7 +34,7 @@ def test_bytes_per_token():
 
 
 def test_results_file_names_the_kind_date_and_versions(tmp_path):
-    path = bench.write_results("pcp-key-major", {"x": 1.5}, tmp_path / "out", notes=["n"])
+    path = write_results("pcp-key-major", {"x": 1.5}, tmp_path / "out", notes=["n"])
     got = json.loads(path.read_text())
     assert path.name == f"pcp-key-major-{got['date']}.json"
     assert got["metrics"] == {"x": 1.5} and got["notes"] == ["n"]

@@ -20,7 +20,7 @@ from cp_modules.ops.dcp_comm import (
     dcp_prepare_query,
 )
 from cp_modules.ops.lse_combine import lse_combine, lse_combine_packed, unpack_partials
-from cp_modules.reference.lse_combine import lse_combine_reference
+from cp_modules.reference.lse_merge import lse_combine_reference
 from cp_modules.testing import run_distributed
 
 INF = float("inf")

@@ -1,13 +1,18 @@
-"""Fabric and Trainer strategies on 4 gloo ranks == one process, step by step.
+"""Fabric and Trainer strategies (FSDP2 over dp x pcp, TP) on 4 gloo ranks == one process.
 
-One spawn of 4 ranks runs four training cases; the main process then replays each on one
+One spawn of 4 ranks runs the training cases; the main process then replays each on one
 process from the samples the ranks actually read and compares losses and parameters:
 
-- Fabric, GQA: 2 steps under tp=2 x pcp=2, checkpoint, then 1 step under pcp=4 after loading it.
-- Fabric, MLA: 2 steps under dp=2 x pcp=2 (sampler and loss normalisation over dp).
-- Trainer, MLA: 2 steps under tp=2 x pcp=2, checkpoint, then ``fit(ckpt_path=...)`` under
-  pcp=4 for one more step (model and optimizer state resharded).
+- Fabric, GQA: 2 steps under tp=2 x pcp=2, a distributed (DCP) checkpoint, then 1 step under
+  dp=2 x pcp=2 after loading it (model and optimizer resharded across layouts).
+- Fabric, MLA: 2 steps under dp=2 x pcp=2 (sampler and loss normalisation over dp), saved as
+  one full-tensor safetensors file (``save_distributed_checkpoint=False``).
+- Trainer, MLA: 2 steps under tp=2 x pcp=2, a DCP checkpoint, then ``fit(ckpt_path=...)``
+  under dp=2 x pcp=2 for one more step.
 - Trainer, GQA: 2 steps under dp=2 x pcp=2.
+- transformers export: a tiny Llama (from a config, offline) swapped with ``swap_attention``,
+  trained 2 steps under tp=2 x pcp=2 with FSDP2, exported with ``export_hf``; plain
+  transformers loads it and its logits equal the trained model's and a one-process run's.
 
 Sequences of 13 tokens do not divide into 2*pcp chunks, so DualChunkSwap padding is exercised.
 """
@@ -15,6 +20,7 @@ Sequences of 13 tokens do not divide into 2*pcp chunks, so DualChunkSwap padding
 from __future__ import annotations
 
 import os
+import warnings
 
 import lightning as L
 import pytest
@@ -27,6 +33,9 @@ from cp_modules.modules import cp_step
 from cp_modules.testing import run_distributed
 from cp_modules.training import (
     CPTrainingContext,
+    apply_fsdp,
+    export_hf,
+    init_cp_training,
     lm_cross_entropy,
     read_checkpoint,
 )
@@ -90,10 +99,10 @@ def _layout(tp=1, pcp=1, dp=1):
 
 # ---- Fabric -----------------------------------------------------------------------------
 
-def _fabric_run(config, attention, steps, *, seed=MODEL_SEED, save=None, load=None):
+def _fabric_run(config, attention, steps, *, seed=MODEL_SEED, save=None, load=None, dcp=True):
     from cp_modules.integrations.lightning import CPFabricStrategy
 
-    strategy = CPFabricStrategy(config, parallelize_model)
+    strategy = CPFabricStrategy(config, parallelize_model, save_distributed_checkpoint=dcp)
     fabric = L.Fabric(accelerator="cpu", devices=config.world_size, strategy=strategy)
     fabric.launch()
     model = fabric.setup_module(_new_model(attention, seed))
@@ -106,7 +115,8 @@ def _fabric_run(config, attention, steps, *, seed=MODEL_SEED, save=None, load=No
     for _, batch in zip(range(steps), loader):
         seen.append(batch["index"].tolist())
         cb = strategy.shard_batch(batch)
-        loss = lm_cross_entropy(model(cb.input_ids, cb.positions), cb)
+        with cp_step(cb.meta):
+            loss = lm_cross_entropy(model(cb.input_ids, cb.positions), cb)
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -161,22 +171,116 @@ def _trainer_run(config, attention, max_steps, *, seed=MODEL_SEED, save=None, ck
 
 def _lightning_cases(rank, world_size, tmpdir):
     torch.manual_seed(0)
-    fabric_ckpt = os.path.join(tmpdir, "fabric.safetensors")
-    trainer_ckpt = os.path.join(tmpdir, "trainer.ckpt")
+    fabric_ckpt = os.path.join(tmpdir, "fabric_dcp")
+    fabric_full = os.path.join(tmpdir, "fabric.safetensors")
+    trainer_ckpt = os.path.join(tmpdir, "trainer_dcp")
     out = {
         "fabric_gqa_a": _fabric_run(_layout(tp=2, pcp=2), "gqa", 2, save=fabric_ckpt),
         # A different seed: every weight must come from the checkpoint.
-        "fabric_gqa_b": _fabric_run(_layout(pcp=4), "gqa", 1, seed=99, load=fabric_ckpt),
-        "fabric_mla_dp": _fabric_run(_layout(dp=2, pcp=2), "mla", 2),
+        "fabric_gqa_b": _fabric_run(_layout(dp=2, pcp=2), "gqa", 1, seed=99, load=fabric_ckpt),
+        "fabric_mla_dp": _fabric_run(_layout(dp=2, pcp=2), "mla", 2, save=fabric_full, dcp=False),
         "trainer_mla_a": _trainer_run(_layout(tp=2, pcp=2), "mla", 2, save=trainer_ckpt),
-        "trainer_mla_b": _trainer_run(_layout(pcp=4), "mla", 3, seed=99, ckpt_path=trainer_ckpt),
+        "trainer_mla_b": _trainer_run(_layout(dp=2, pcp=2), "mla", 3, seed=99, ckpt_path=trainer_ckpt),
         "trainer_gqa_dp": _trainer_run(_layout(dp=2, pcp=2), "gqa", 2),
     }
     for r in out.values():
         # Rank 0's copy is enough (every rank gathers the same tensors). Sent as numpy: the
         # result queue would share tensor storage with a process that is about to exit.
         r["params"] = [{k: v.numpy() for k, v in p.items()} for p in r["params"]] if rank == 0 else None
+    out["hf"] = _hf_export_case(rank, tmpdir)
+    out["mixed_precision"] = _mixed_precision_case(rank)
     return out
+
+
+# ---- transformers export ----------------------------------------------------------------
+
+HF_STEPS = 2
+
+
+def _hf_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(MODEL_SEED)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _hf_batches():
+    data = _Tokens()
+    return [
+        {k: torch.stack([data[i][k] for i in range(s * BATCH, (s + 1) * BATCH)]) for k in ("input_ids", "labels")}
+        for s in range(HF_STEPS)
+    ]
+
+
+def _hf_eval_ids():
+    return _Tokens().data[-2:, :-1]
+
+
+def _hf_local_logits(model, cb):
+    with cp_step(cb.meta):
+        return model(input_ids=cb.input_ids[None], position_ids=cb.positions[None]).logits[0]
+
+
+def _hf_train(ctx, model):
+    """HF_STEPS steps on fixed batches; then the logits [B*S, V] of the eval sequences."""
+    from cp_modules.modules import restore_tokens
+
+    optimizer = _optimizer(model.parameters())
+    for batch in _hf_batches():
+        cb = ctx.shard_batch(batch)
+        lm_cross_entropy(_hf_local_logits(model, cb), cb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    cb = ctx.shard_batch({"input_ids": _hf_eval_ids()})
+    with torch.no_grad():
+        return restore_tokens(_hf_local_logits(model, cb), cb.meta)
+
+
+def _hf_export_case(rank, tmpdir):
+    from cp_modules import swap_attention
+
+    ctx = init_cp_training(_layout(tp=2, pcp=2), "cpu")
+    model = apply_fsdp(swap_attention(_hf_model(), ctx.groups), ctx.mesh)
+    logits = _hf_train(ctx, model)
+    export_hf(model, os.path.join(tmpdir, "hf"))
+    # The deprecated hand-written sum refuses FSDP2 parameters (it would sum them twice).
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="already summed"):
+        warnings.simplefilter("always")
+        ctx.reduce_gradients(model.parameters())
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    return logits.numpy() if rank == 0 else None
+
+
+def _mixed_precision_case(rank):
+    """FSDP2's policy: compute in bf16, fp32 parameters and fp32 gradient reduction."""
+    from cp_modules.training import mixed_precision_policy
+
+    ctx = init_cp_training(_layout(dp=2, pcp=2), "cpu")
+    model = apply_fsdp(
+        _new_model("gqa"), ctx.mesh, mp_policy=mixed_precision_policy(torch.bfloat16, torch.float32)
+    )
+    batch = {k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in ("input_ids", "labels")}
+    cb = ctx.shard_batch(batch)
+    with cp_step(cb.meta):
+        logits = model(cb.input_ids, cb.positions)
+    loss = lm_cross_entropy(logits, cb)
+    loss.backward()
+    assert apply_fsdp(model, ctx.mesh) is model  # applied once
+    from torch.distributed.fsdp import fully_shard
+
+    own = fully_shard(_new_model("gqa"), mesh=ctx.mesh["dp"])  # would average over dp only
+    with pytest.raises(ValueError, match="already holds fully_shard modules"):
+        apply_fsdp(own, ctx.mesh)
+    return {
+        "logits_dtype": str(logits.dtype),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+        "loss": ctx.reduce_loss(loss).item(),
+    }
 
 
 # ---- the one-process replay -------------------------------------------------------------
@@ -272,32 +376,46 @@ def lightning_results(tmp_path_factory):
     return results, tmpdir
 
 
+def _read_dcp(directory, tmpdir):
+    """A DCP directory's tensors on one process (through torch's converter, weights only)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(tmpdir, os.path.basename(directory) + ".pt")
+    dcp_to_torch_save(directory, out)
+    return torch.load(out, weights_only=True)
+
+
 def test_fabric_steps_and_cross_layout_checkpoint_match_one_process(lightning_results):
     results, tmpdir = lightning_results
     err = _check_run(results, "fabric_gqa_b", "gqa", expect_steps=3, prefix_runs=("fabric_gqa_a",))
-    print("fabric gqa tp2pcp2 -> pcp4:", err)
-    # The checkpoint holds full tensors: one process loads it and has the step-2 weights.
-    ckpt = read_checkpoint(os.path.join(tmpdir, "fabric.safetensors"))
-    assert ckpt["step"] == 2
+    print("fabric gqa tp2pcp2 -> dp2pcp2:", err)
+    # The DCP checkpoint (saved under tp2 x pcp2 with FSDP2) holds the step-2 weights.
+    ckpt = _read_dcp(os.path.join(tmpdir, "fabric_dcp"), tmpdir)
     model = _new_model("gqa", seed=5)
     model.load_state_dict(ckpt["model"])
     for name, p in model.named_parameters():
         assert torch.equal(p, torch.from_numpy(results[0]["fabric_gqa_a"]["params"][1][name])), name
 
 
-def test_fabric_dp2_pcp2_matches_one_process_and_samples_per_replica(lightning_results):
-    results, _ = lightning_results
+def test_fabric_dp2_pcp2_matches_one_process_and_full_checkpoint(lightning_results):
+    results, tmpdir = lightning_results
     _check_sampler([r["fabric_mla_dp"] for r in results], dp=2)
     print("fabric mla dp2pcp2:", _check_run(results, "fabric_mla_dp", "mla", expect_steps=2))
+    # save_distributed_checkpoint=False: one safetensors file of full tensors.
+    ckpt = read_checkpoint(os.path.join(tmpdir, "fabric.safetensors"))
+    assert ckpt["step"] == 2
+    model = _new_model("mla", seed=5)
+    model.load_state_dict(ckpt["model"])
+    for name, p in model.named_parameters():
+        assert torch.equal(p, torch.from_numpy(results[0]["fabric_mla_dp"]["params"][1][name])), name
 
 
 def test_trainer_steps_and_cross_layout_resume_match_one_process(lightning_results):
     results, tmpdir = lightning_results
     assert all(r["trainer_mla_b"]["global_step"] == 3 for r in results)
     err = _check_run(results, "trainer_mla_b", "mla", expect_steps=3, prefix_runs=("trainer_mla_a",))
-    print("trainer mla tp2pcp2 -> pcp4:", err)
-    ckpt = read_checkpoint(os.path.join(tmpdir, "trainer.ckpt"))
-    assert ckpt["global_step"] == 2
+    print("trainer mla tp2pcp2 -> dp2pcp2:", err)
+    ckpt = _read_dcp(os.path.join(tmpdir, "trainer_dcp"), tmpdir)
     model = _new_model("mla", seed=5)
     model.load_state_dict({k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()})
     for name, p in model.named_parameters():
@@ -308,3 +426,42 @@ def test_trainer_dp2_pcp2_matches_one_process_and_samples_per_replica(lightning_
     results, _ = lightning_results
     _check_sampler([r["trainer_gqa_dp"] for r in results], dp=2)
     print("trainer gqa dp2pcp2:", _check_run(results, "trainer_gqa_dp", "gqa", expect_steps=2))
+
+
+def test_hf_export_loads_in_plain_transformers_with_the_trained_logits(lightning_results):
+    from transformers import AutoModelForCausalLM
+
+    from cp_modules import swap_attention
+
+    results, tmpdir = lightning_results
+    trained = torch.from_numpy(results[0]["hf"])
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(tmpdir, "hf"), dtype=torch.float32)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert hf.config._attn_implementation != "cp_modules"
+    with torch.no_grad():
+        logits = hf(input_ids=_hf_eval_ids()).logits.reshape(-1, hf.config.vocab_size)
+    torch.testing.assert_close(logits, trained, rtol=RTOL, atol=ATOL)
+    # The same training on one process: the export holds its weights.
+    ref = swap_attention(_hf_model())
+    ref_logits = _hf_train(CPTrainingContext.single(), ref)
+    torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(hf.get_parameter(name), p.detach(), rtol=RTOL, atol=ATOL, msg=name)
+    # Training moved the weights (the comparison is not of two untrained models).
+    assert not torch.equal(hf.lm_head.weight, _hf_model().lm_head.weight)
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_state(lightning_results):
+    results, _ = lightning_results
+    got = results[0]["mixed_precision"]
+    assert got["logits_dtype"] == "torch.bfloat16"
+    assert got["param_dtypes"] == ["torch.float32"] and got["grad_dtypes"] == ["torch.float32"]
+    assert all(r["mixed_precision"]["loss"] == got["loss"] for r in results)
+    # The loss of the same batch in fp32 on one process, to bf16 precision (8 mantissa bits
+    # through two layers: a relative error of a few 2^-8).
+    batch = {k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in ("input_ids", "labels")}
+    ctx = CPTrainingContext.single()
+    cb = ctx.shard_batch(batch)
+    with cp_step(cb.meta), torch.no_grad():
+        ref = lm_cross_entropy(_new_model("gqa")(cb.input_ids, cb.positions), cb).item()
+    assert abs(got["loss"] - ref) <= 4 * 2**-8 * abs(ref)

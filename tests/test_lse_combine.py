@@ -15,8 +15,11 @@ from cp_modules.ops.lse_combine import (
     packed_row_width,
     unpack_partials,
 )
-from cp_modules.reference.correct_attn_out import correct_attn_out_reference
-from cp_modules.reference.lse_combine import lse_combine_reference, lse_weights_reference
+from cp_modules.reference.lse_merge import (
+    correct_attn_out_reference,
+    lse_combine_reference,
+    lse_weights_reference,
+)
 from cp_modules.testing.numerics import assert_close_to_reference
 
 INF = float("inf")
@@ -335,7 +338,7 @@ kernel_test = pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs CUDA or TR
     ids=["N1-B3-H2-D16", "N3-B4-H2-D24", "N8-B2-H3-D16-base2", "N4-B3-H2-D40-default"],
 )
 def test_combine_kernel_matches_reference(dtype, n, b, h, d, block_rows, block_d, base2):
-    from cp_modules.kernels.lse_combine import lse_combine_triton
+    from cp_modules.kernels.lse_merge import lse_combine_triton
 
     out, lse = _with_empty_shards(*_partials(n, b, h, d, dtype, KERNEL_DEVICE, seed=n))
     got, got_lse = lse_combine_triton(out, lse, base2=base2, block_rows=block_rows, block_d=block_d)
@@ -349,7 +352,7 @@ def test_combine_kernel_matches_reference(dtype, n, b, h, d, block_rows, block_d
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_combine_kernel_reads_packed_views(dtype):
-    from cp_modules.kernels.lse_combine import lse_combine_triton
+    from cp_modules.kernels.lse_merge import lse_combine_triton
 
     out, lse = _with_empty_shards(*_partials(4, 3, 3, 8, dtype, KERNEL_DEVICE))
     packed = pack_partials(out, lse)
@@ -364,7 +367,7 @@ def test_combine_kernel_reads_packed_views(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_blocks, base2", [(1, False), (2, True)], ids=["K1", "K2-base2"])
 def test_correction_kernel_matches_reference(dtype, num_blocks, base2):
-    from cp_modules.kernels.correct_attn_out import correct_attn_out_triton
+    from cp_modules.kernels.lse_merge import correct_attn_out_triton
 
     out, lse = _with_empty_shards(*_partials(3, 4, 2, 24, dtype, KERNEL_DEVICE))
     for rank in range(3):

@@ -70,15 +70,15 @@ def test_world2_configurations_and_training():
 
 
 def test_varlen_path_world2_mixed_schedule_and_training():
-    # CP_PCP_VARLEN=always: every PCP attention (prefill, chunked prefill over a cached prefix,
+    # pcp_varlen="always": every PCP attention (prefill, chunked prefill over a cached prefix,
     # training forward and backward into the reduce-scatter layout) runs the varlen packing.
     cases = [
         VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention=att, mode=mode,
-                   seq_lens=[21, 3, 9, 16], decode_steps=2, block_size=4)
+                   seq_lens=[21, 3, 9, 16], decode_steps=2, block_size=4, pcp_varlen="always")
         for att in ("gqa", "mla")
         for mode in ("mixed", "train")
     ]
-    results = run_distributed(_run_cases, 2, cases, timeout_s=900, env={"CP_PCP_VARLEN": "always"})
+    results = run_distributed(_run_cases, 2, cases, timeout_s=900)
     _assert_all_within(results, cases)
 
 
@@ -86,10 +86,10 @@ def test_varlen_path_world4_pcp4():
     # As above with 4 PCP ranks: requests shorter than 2 * pcp leave ranks without queries.
     cases = [
         VerifyArgs(world_size=4, tp=1, pcp=4, dcp=1, attention=att, mode=mode,
-                   seq_lens=[37, 2, 11, 16], decode_steps=2, block_size=4)
+                   seq_lens=[37, 2, 11, 16], decode_steps=2, block_size=4, pcp_varlen="always")
         for att, mode in (("gqa", "mixed"), ("mla", "train"))
     ]
-    results = run_distributed(_run_cases, 4, cases, timeout_s=900, env={"CP_PCP_VARLEN": "always"})
+    results = run_distributed(_run_cases, 4, cases, timeout_s=900)
     _assert_all_within(results, cases)
 
 

@@ -107,14 +107,6 @@ def test_decode_threshold_needs_a_context():
     assert plans[1].token_indices.tolist() == [0, 1, 3, 2]
 
 
-def test_select_indices_list_the_real_head_and_tail_rows():
-    p1 = _plans([5, 8], [0, 0], 2)[1]
-    assert p1.q_head_index.tolist() == [0, 1, 4, 5]
-    assert p1.q_tail_index.tolist() == [2, 6, 7]
-    assert p1.k_head_index.tolist() == [0, 1, 2, 3, 5, 6, 7, 8]
-    assert p1.k_tail_index.tolist() == list(range(5)) + list(range(5, 11))
-
-
 def test_plan_tensors_and_host_copies():
     p = plan_pcp([9, 1], [0, 3], 2, 1, device="cpu")
     assert p.segments_host.device.type == "cpu" and p.prefix_cu_seqlens_host.device.type == "cpu"

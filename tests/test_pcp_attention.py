@@ -11,29 +11,35 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cp_modules.kernels import pcp_attention
-from cp_modules.kernels.pcp_attention import (
+from cp_modules.kernels.attention_blocks import (
     BLOCK_BACKENDS,
     CUDNN_GQA,
+    attention_block_backward,
+    attention_block_forward,
+)
+from cp_modules.kernels.grad_assembly import sum_pieces_into, sum_rows_triton
+from cp_modules.kernels.lse_merge import merge_partials_triton
+from cp_modules.kernels.pcp_blocks import (
     _rows,
     _square_groups,
     _still_needed,
-    attention_block_backward,
-    attention_block_forward,
-    merge_partials_triton,
-    pcp_prefill_attention_backward_cuda,
-    pcp_prefill_attention_cuda,
+    pcp_blocks_backward,
+    pcp_blocks_forward,
     rectangle_backward_causal_pairs,
-    sum_pieces_into,
-    sum_rows_triton,
 )
 from cp_modules.ops.cp_attention import _gathered_targets
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.ops.pcp_policy import (
+    pcp_policy_args,
+    pcp_prefill_attention_backward_cuda,
+    pcp_prefill_attention_cuda,
+)
 from cp_modules.partition import plan_pcp
+from cp_modules.policy import CPPolicy
+from cp_modules.reference.lse_merge import merge_partials_reference
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
     attention_with_lse_backward,
-    merge_partials_reference,
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
 )
@@ -131,9 +137,7 @@ def test_block_decomposition_equals_reference(pcp, batch, pairs):
         finite = torch.isfinite(ref_lse)
         assert max_abs_err(lse[finite], ref_lse[finite]) < 1e-12
         dout = torch.randn_like(out)
-        got = pcp_prefill_attention_backward_cuda(
-            dout, ql, k, v, ref_out, ref_lse, *args, causal_pairs=pairs
-        )
+        got = pcp_blocks_backward(dout, ql, k, v, ref_out, ref_lse, *args, causal_pairs=pairs)
         want = pcp_prefill_attention_backward_reference(dout, ql, k, v, ref_out, ref_lse, *args)
         for a, b in zip(got, want):
             assert (a is None) == (b is None)
@@ -227,7 +231,7 @@ def test_forward_merges_into_the_squares_output(length):
                     firsts.append(o.data_ptr())
                 return o, s
 
-            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, block_forward=block_forward)
+            out, lse = pcp_blocks_forward(ql, k, v, *args, block_forward=block_forward)
             ref_out, ref_lse = pcp_prefill_attention_reference(ql, k, v, *args)
             assert max_abs_err(out, ref_out) < 1e-12
             valid = plan.local_valid
@@ -320,7 +324,8 @@ def _check_backward_into_gathered_rows(pcp, batch, dtype, device):
         plan = plan_pcp(n, m, pcp, r, device=device)
         t = plan.num_local_tokens_padded
         ql = q[plan.token_indices]
-        blocks = dict(varlen=False)  # the block path's writes (the varlen path has a test)
+        # The block path's writes (the varlen path has a test).
+        blocks = dict(policy=CPPolicy(pcp_varlen="never"))
         out, lse = pcp_prefill_attention_cuda(
             ql, k, v, plan.segments_host, None, None, None, 0.3, **blocks
         )
@@ -364,7 +369,7 @@ def test_gpu_backward_into_gathered_rows(pcp, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pairs", [None, True], ids=["auto", "causal-pairs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_overlapped_gradient_writes_equal_inline(dtype, pairs, monkeypatch):
+def test_gpu_overlapped_gradient_writes_equal_inline(dtype, pairs):
     # The block backward writes the rows no square touches (zeros included) on a second stream
     # while the squares run: bit-identical to writing every row on one stream after all
     # blocks, with deterministic block kernels (the reference on the GPU); padding rows,
@@ -380,20 +385,20 @@ def test_gpu_overlapped_gradient_writes_equal_inline(dtype, pairs, monkeypatch):
             pcu = plan.prefix_cu_seqlens_host if pk is not None else None
             args = (plan.segments_host, pk, pv, pcu, 0.3)
             ql = q[plan.token_indices]
-            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=False)
+            out, lse = pcp_blocks_forward(ql, k, v, *args)
             dout = torch.randn_like(out)
             results = []
             for overlap in (False, True):
-                monkeypatch.setattr(pcp_attention, "OVERLAP_GRADIENT_SUMS", overlap)
                 bk, bv = (torch.full_like(x, float("nan")) for x in (k, v))
                 into = [(0, bk[:5]), (5, bk[5:])], [(0, bv[:7]), (7, bv[7:])]
-                res = pcp_prefill_attention_backward_cuda(
+                res = pcp_blocks_backward(
                     dout, ql, k, v, out, lse, *args, block_backward=block_backward,
-                    causal_pairs=pairs, varlen=False,
+                    causal_pairs=pairs, overlap_gradient_sums=overlap,
                 )  # fmt: skip
-                res_into = pcp_prefill_attention_backward_cuda(
+                res_into = pcp_blocks_backward(
                     dout, ql, k, v, out, lse, *args, block_backward=block_backward,
-                    causal_pairs=pairs, varlen=False, dk_into=into[0], dv_into=into[1],
+                    causal_pairs=pairs, overlap_gradient_sums=overlap,
+                    dk_into=into[0], dv_into=into[1],
                 )  # fmt: skip
                 results.append([*res, res_into[0], bk, bv])
             for a, b in zip(*results):
@@ -477,7 +482,8 @@ def _op_args(n, m, pcp, rank, dtype=torch.float64, requires_grad=True):
         tensors = [None if x is None else x.requires_grad_() for x in tensors]
     ql, k, v, pk, pv = tensors
     cu = plan.prefix_cu_seqlens_host if pk is not None else None
-    return plan, (ql, k, v, plan.segments_host, pk, pv, cu, 0.35)
+    policy = pcp_policy_args(CPPolicy(), 8, 8)
+    return plan, (ql, k, v, plan.segments_host, pk, pv, cu, 0.35, *policy)
 
 
 @pytest.mark.parametrize("batch", ["odd-lengths", "chunked-prefill"])
@@ -485,7 +491,7 @@ def test_opcheck(batch):
     _, args = _op_args(*BATCHES[batch], 2, 1)
     torch.library.opcheck(torch.ops.cp.pcp_prefill_attention.default, args)
     out, lse = torch.ops.cp.pcp_prefill_attention(*args)
-    ql, k, v, seg, pk, pv, cu, scale = args
+    ql, k, v, seg, pk, pv, cu, scale, *policy = args
     dout = torch.randn_like(out)
     bwd_args = (dout, ql.detach(), k.detach(), v.detach(), out.detach(), lse, seg)
     bwd_args += (
@@ -493,6 +499,7 @@ def test_opcheck(batch):
         None if pv is None else pv.detach(),
         cu,
         scale,
+        *policy,
     )
     torch.library.opcheck(torch.ops.cp.pcp_prefill_attention_backward.default, bwd_args)
 
@@ -514,7 +521,7 @@ def test_compiles_fullgraph_without_recompiling_for_new_batches():
     batches = [([29, 2, 6], [13, 5, 0]), ([40, 7, 1, 1, 9], [3, 0, 8, 2, 1]), ([5, 77], [2, 30])]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i, (n, m) in enumerate(batches):
-            plan, (ql, k, v, _, pk, pv, _, _) = _op_args(n, m, 2, 1, torch.float32, False)
+            plan, (ql, k, v, _, pk, pv, *_) = _op_args(n, m, 2, 1, torch.float32, False)
             if i == 0:
                 _mark_dynamic(plan, ql, k, v, pk, pv)
             out, lse = compiled(ql, k, v, plan, pk, pv)
@@ -526,7 +533,7 @@ def test_compiles_fullgraph_without_recompiling_for_new_batches():
 
 def test_compiled_backward_equals_eager():
     torch._dynamo.reset()
-    plan, (ql, k, v, _, pk, pv, _, _) = _op_args([29, 2, 6], [13, 5, 0], 2, 0, torch.float32)
+    plan, (ql, k, v, _, pk, pv, *_) = _op_args([29, 2, 6], [13, 5, 0], 2, 0, torch.float32)
     compiled = torch.compile(_attend, fullgraph=True)
     leaves = (ql, k, v, pk, pv)
     out = compiled(*leaves[:3], plan, pk, pv)[0]
@@ -538,7 +545,7 @@ def test_compiled_backward_equals_eager():
 
 
 def test_invalid_arguments_raise_value_error():
-    plan, (ql, k, v, _, pk, pv, _, _) = _op_args([29, 2, 6], [13, 5, 0], 2, 0, torch.float32, False)
+    plan, (ql, k, v, _, pk, pv, *_) = _op_args([29, 2, 6], [13, 5, 0], 2, 0, torch.float32, False)
     bad = {
         "q must hold": dict(q=ql[1:]),
         "k_full and v_full must hold": dict(k_full=k[1:]),
@@ -578,14 +585,12 @@ GPU_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
-def test_gpu_all_ranks_equal_dense(case, pcp, dtype, path, monkeypatch):
+def test_gpu_all_ranks_equal_dense(case, pcp, dtype, path):
     # "varlen": every batch through the one-call path (FlashAttention-2 serves 16-bit dtypes).
-    from cp_modules.kernels import pcp_attention as kernels
-
     if path == "varlen" and dtype == torch.float32:
         pytest.skip("FlashAttention-2 takes 16-bit inputs only")
-    limits = dict.fromkeys(kernels.VARLEN_MAX_FLOP_PER_SEGMENT, float("inf"))
-    monkeypatch.setattr(kernels, "VARLEN_MAX_FLOP_PER_SEGMENT", limits if path == "varlen" else {})
+    limits = dict.fromkeys(CPPolicy().varlen_max_flop_per_segment, float("inf"))
+    policy = CPPolicy(varlen_max_flop_per_segment=limits if path == "varlen" else {})
     n, m, hq, hkv, dqk, dv = GPU_CASES[case]
     scale = dqk**-0.5
     t32 = _tensors(n, m, hq, hkv, dqk, dv, torch.float32, "cuda")
@@ -609,7 +614,7 @@ def test_gpu_all_ranks_equal_dense(case, pcp, dtype, path, monkeypatch):
     for r in range(pcp):
         plan = plan_pcp(n, m, pcp, r, device="cuda")
         out, _ = pcp_prefill_attention(
-            q[plan.token_indices], k, v, plan, scale=scale, prefix_k=pk, prefix_v=pv
+            q[plan.token_indices], k, v, plan, scale=scale, prefix_k=pk, prefix_v=pv, policy=policy
         )
         valid, rows = plan.local_valid, plan.token_indices[plan.local_valid]
         assert_close_to_reference(
@@ -788,3 +793,13 @@ def test_gpu_compiles_without_recompiling():
             out, _ = compiled(ql, k, v, plan, pk, pv)
             want, _ = _attend(ql, k, v, plan, pk, pv)
             assert max_abs_err(out, want) == 0.0
+
+
+def test_triton_merge_into_its_first_partial_with_wide_rows():
+    # The in-place form writes into the first partial's own output and LSE; with more columns
+    # than one block (D = 200: two column blocks) every block still reads the input LSEs.
+    outs, lses = _partials(2, 5, 2, 200, torch.float32)
+    want_out, want_lse = merge_partials_reference(outs, lses, torch.float32)
+    out, lse = outs[0].clone(), lses[0].clone()
+    merge_partials_triton([out, outs[1]], [lse, lses[1]], out, lse)
+    assert max_abs_err(out, want_out) < 1e-5 and max_abs_err(lse, want_lse) < 1e-5

@@ -126,7 +126,10 @@ def test_request_ends():
 def test_gpu_kernels_equal_reference(pcp, dims):
     # cuDNN's tall causal calls (bf16) against the fp32 reference: within twice the error of the
     # dense bf16 backward of the same kernels, plus 1e-5.
-    from cp_modules.kernels.pcp_attention import attention_block_backward, attention_block_forward
+    from cp_modules.kernels.attention_blocks import (
+        attention_block_backward,
+        attention_block_forward,
+    )
 
     lens = [1500, 37, 700]
     q, k, v, dout = _batch(lens, dims, dtype=torch.bfloat16, device="cuda")

@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from cp_modules.kernels.pcp_attention import segment_flop
 from cp_modules.kernels.pcp_varlen import (
     pcp_prefill_attention_varlen,
     pcp_prefill_attention_varlen_backward,
     varlen_pack,
-    varlen_pack_cached,
 )
+from cp_modules.ops import pcp_policy
+from cp_modules.ops.pcp_policy import CudnnRental, plan_state, segment_flop
 from cp_modules.partition import plan_pcp
+from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
@@ -158,20 +159,24 @@ def test_interleaved_requests_take_one_prefix_sequence_per_segment():
 
 
 def test_pack_is_built_once_per_segments_tensor():
+    def pack(segments, prefix_cu=None, rows=None):
+        cpu = torch.device("cpu")
+        return plan_state(segments).varlen_pack(segments, cpu, prefix_cu, rows)
+
     plan = plan_pcp([37, 5, 3, 20], [0] * 4, 2, 0)
-    first = varlen_pack_cached(plan.segments_host, "cpu")
-    assert varlen_pack_cached(plan.segments_host, "cpu") is first
+    first = pack(plan.segments_host)
+    assert pack(plan.segments_host) is first
     # An equal but distinct tensor, or the same one modified in place, gets its own packing.
     other = plan.segments_host.clone()
-    assert varlen_pack_cached(other, "cpu") is not first
+    assert pack(other) is not first
     other[0, 2] = 0
-    rebuilt = varlen_pack_cached(other, "cpu")
+    rebuilt = pack(other)
     assert rebuilt.new.cu_q_host[-1] == first.new.cu_q_host[-1] - int(plan.segments_host[0, 2])
     # Another prefix is another packing.
-    with_prefix = varlen_pack_cached(plan.segments_host, "cpu", [0, 3, 3, 3, 9])
+    with_prefix = pack(plan.segments_host, [0, 3, 3, 3, 9])
     assert first.prefix is None and with_prefix.prefix.cu_k_host == [0, 3, 3, 3, 9]
     # And another row count.
-    rows = varlen_pack_cached(plan.segments_host, "cpu", None, 40)
+    rows = pack(plan.segments_host, None, 40)
     assert rows is not first and rows.in_place.num_rows == 40 and first.in_place is None
 
 
@@ -187,8 +192,8 @@ def test_segment_flop_counts_bottom_right_causal_pairs(prefix_cu):
 
 def test_switch_points_by_direction_and_head_dims():
     # MLA's narrower (zero-padded) values take the "_padded" switch, in both directions.
-    from cp_modules.kernels.pcp_attention import VARLEN_MAX_FLOP_PER_SEGMENT as limits
-    from cp_modules.kernels.pcp_attention import varlen_limit
+    policy = CPPolicy()
+    limits, varlen_limit = policy.varlen_max_flop_per_segment, policy.varlen_limit
 
     for direction in ("forward", "backward"):
         assert varlen_limit(direction, 128, 128) == limits[direction]
@@ -329,13 +334,15 @@ def test_gpu_varlen_flash_equals_reference(batch, shape, pcp, dtype):
 
 @pytest.mark.parametrize("pcp", [2, 4], ids=lambda p: f"P{p}")
 def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
-    # varlen=True routes pcp_prefill_attention_cuda and its backward through the varlen call
-    # (reference kernels on CPU).
-    from cp_modules.kernels.pcp_attention import (
-        attention_block_backward,
+    # A policy of pcp_varlen="always" routes pcp_prefill_attention_cuda and its backward
+    # through the varlen call (reference kernels on CPU).
+    from cp_modules.kernels.attention_blocks import attention_block_backward
+    from cp_modules.ops.pcp_policy import (
         pcp_prefill_attention_backward_cuda,
         pcp_prefill_attention_cuda,
     )
+
+    always = CPPolicy(pcp_varlen="always")
 
     n = BATCHES["many-requests"]
     q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu", seed=2)
@@ -344,7 +351,7 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
         ql = q[plan.token_indices]
         args = (plan.segments_host, None, None, None, 0.3)
         want_out, want_lse = pcp_prefill_attention_reference(ql, k, v, *args)
-        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=True)
+        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, policy=always)
         assert max_abs_err(out, want_out) < 1e-12
         dout = torch.randn_like(out)
         want = pcp_prefill_attention_backward_reference(dout, ql, k, v, want_out, want_lse, *args)
@@ -355,7 +362,7 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
             return attention_block_backward(*a, **kw)
 
         got = pcp_prefill_attention_backward_cuda(
-            dout, ql, k, v, want_out, want_lse, *args, varlen=True, block_backward=counting
+            dout, ql, k, v, want_out, want_lse, *args, policy=always, block_backward=counting
         )
         assert not calls
         for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
@@ -365,28 +372,29 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
         half = k.shape[0] // 2
         into = [[(0, buf[j, :half]), (half, buf[j, half:])] for j in range(2)]
         got = pcp_prefill_attention_backward_cuda(
-            dout, ql, k, v, want_out, want_lse, *args, varlen=True, dk_into=into[0], dv_into=into[1]
-        )
+            dout, ql, k, v, want_out, want_lse, *args, policy=always,
+            dk_into=into[0], dv_into=into[1],
+        )  # fmt: skip
         assert got[1] is None and got[2] is None
         assert max_abs_err(buf[0], want[1]) < 1e-12 and max_abs_err(buf[1], want[2]) < 1e-12
 
 
-def test_new_block_shapes_rent_the_varlen_path_first(monkeypatch):
+def test_new_block_shapes_rent_the_varlen_path_first():
     # As if the blocks ran on cuDNN: a plan of new shapes takes the varlen forward for as many
     # calls as its estimated extra time needs to add up to one round of plan builds, then the
     # blocks; a later plan with the same segments, and the backward, take the blocks at once.
-    from cp_modules.kernels import pcp_attention as kernels
-
-    monkeypatch.setattr(kernels, "select_block_backend", lambda *a: "cudnn")
-    monkeypatch.setattr(kernels, "_cudnn_shapes_seen", {})
-    extra = dict.fromkeys(kernels.VARLEN_EXTRA_S_PER_FLOP, 1.0)  # 1 s a FLOP
-    monkeypatch.setattr(kernels, "VARLEN_EXTRA_S_PER_FLOP", extra)
-    monkeypatch.setattr(kernels, "CUDNN_BUILD_S", 2.5e6)  # a build: 2.5 calls of 1e6 FLOP
+    extra = dict.fromkeys(pcp_policy.VARLEN_EXTRA_S_PER_FLOP, 1.0)  # 1 s a FLOP
+    rental = CudnnRental(extra_s_per_flop=extra)
+    policy = CPPolicy(cudnn_build_s=2.5e6)  # a build: 2.5 calls of 1e6 FLOP
     q, k, v = _tensors([300, 200], 4, 2, 8, torch.float32, "cpu")
+    backend = "cudnn"
 
     def ready(plan, direction="forward", kk=k):
         segs = [s for s in plan.segments_host.tolist() if s[2]]
-        return kernels._blocks_ready(plan.segments_host, segs, q, kk, v, None, direction, 1e6)
+        return rental.blocks_ready(
+            plan_state(plan.segments_host), segs, q, kk, v, None, direction, 1e6,
+            cudnn_build_s=policy.cudnn_build_s, backend=backend,
+        )  # fmt: skip
 
     first = plan_pcp([300, 200], [0, 0], 2, 1)
     assert [ready(first) for _ in range(5)] == [False, False, False, True, True]
@@ -402,31 +410,32 @@ def test_new_block_shapes_rent_the_varlen_path_first(monkeypatch):
     changed.segments_host[0, 4] -= 1  # other shapes now
     assert not ready(changed)
     # The oldest shapes are forgotten.
-    monkeypatch.setattr(kernels, "CUDNN_SHAPES_KEPT", 2)
+    rental.shapes_kept = 2
     plans = [plan_pcp([100 + i, 50], [0, 0], 2, 0) for i in range(3)]
     assert not any(ready(p) for p in plans)
     assert not ready(plan_pcp([100, 50], [0, 0], 2, 0))  # dropped: three plans since
     assert ready(plan_pcp([102, 50], [0, 0], 2, 0))
     # Blocks that would not run on cuDNN have nothing to build.
-    monkeypatch.setattr(kernels, "select_block_backend", lambda *a: "flash")
+    backend = "flash"
     assert ready(plan_pcp([777, 5], [0, 0], 2, 0))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["gqa-128", "mla-192-128"])
-def test_gpu_automatic_choice_follows_segment_size(dims, monkeypatch):
+def test_gpu_automatic_choice_follows_segment_size(dims):
     # Many short requests take the varlen call; one long request the blocks on cuDNN, its
     # forward once an earlier plan had its shapes (before that, varlen: no cuDNN plan builds
     # for a one-off length). Either way the result equals the other path's (bf16, tolerances
     # as above).
-    from cp_modules.kernels import pcp_attention as kernels
-    from cp_modules.kernels.pcp_attention import (
-        _use_varlen,
+    from cp_modules.ops.pcp_policy import (
+        choose_varlen,
         pcp_prefill_attention_backward_cuda,
         pcp_prefill_attention_cuda,
     )
 
-    monkeypatch.setattr(kernels, "_cudnn_shapes_seen", {})  # whatever other tests ran
+    rental = CudnnRental()  # whatever other tests ran
+    auto = CPPolicy()
+    forced = {True: CPPolicy(pcp_varlen="always"), False: CPPolicy(pcp_varlen="never")}
     d, dv = dims
     # (forward, backward) of a first plan, then of another with the same shapes.
     for n, want_varlen in (
@@ -439,49 +448,83 @@ def test_gpu_automatic_choice_follows_segment_size(dims, monkeypatch):
             ql = q[plan.token_indices]
             segs = plan.segments_host.tolist()
             for direction, w in (("forward", want), ("backward", want_bwd)):
-                got = _use_varlen(None, segs, ql, v, None, direction, plan.segments_host, k)
+                got = choose_varlen(
+                    auto, direction, plan.segments_host, segs, ql, k, v, None, rental=rental
+                )
                 assert got is w, (n, direction)
             args = (plan.segments_host, None, None, None, d**-0.5)
-            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
-            ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, varlen=not want)
+            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, policy=forced[want])
+            ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, policy=forced[not want])
             valid = plan.local_valid
             eps = torch.finfo(torch.bfloat16).eps
             assert max_abs_err(out[valid], ref_out[valid]) <= 8 * eps * ref_out.abs().max().item()
             assert max_abs_err(lse[valid], ref_lse[valid]) <= 1e-3
             dout = torch.randn_like(out)
-            got = pcp_prefill_attention_backward_cuda(dout, ql, k, v, out, lse, *args)
+            got = pcp_prefill_attention_backward_cuda(
+                dout, ql, k, v, out, lse, *args, policy=forced[want_bwd]
+            )
             other = pcp_prefill_attention_backward_cuda(
-                dout, ql, k, v, out, lse, *args, varlen=not want_bwd
+                dout, ql, k, v, out, lse, *args, policy=forced[not want_bwd]
             )
             for name, a, b in zip(("dq", "dk", "dv"), got[:3], other[:3]):
                 assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
 
 
-def test_environment_forces_the_varlen_path_through_the_op(monkeypatch):
-    # CP_PCP_VARLEN=always sends the CPU op (forward and backward, with a prefix) through the
-    # varlen packing on the reference kernels; the results equal the reference's.
-    from cp_modules.kernels import pcp_attention as kernels
-
+def test_policy_forces_the_varlen_path_through_the_op(monkeypatch):
+    # A policy of pcp_varlen="always" sends the CPU op (forward and backward, with a prefix)
+    # through the varlen packing on the reference kernels; the results equal the reference's.
     n, m = [37, 5, 1, 20], [0, 6, 9, 3]
     q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu", seed=6)
     pk, pv = _tensors([sum(m)], 4, 2, 8, torch.float64, "cpu", seed=8)[1:]
     plan = plan_pcp(n, m, 2, 1)
     args = (q[plan.token_indices], k, v, plan.segments_host, pk, pv)
     args = (*args, plan.prefix_cu_seqlens_host, 0.3)
+    policy = pcp_policy.pcp_policy_args(CPPolicy(pcp_varlen="always"), 8, 8)
     calls = []
     for name in ("pcp_prefill_attention_varlen", "pcp_prefill_attention_varlen_backward"):
-        fn = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, **kw: calls.append(fn) or fn(*a, **kw))
-    monkeypatch.setenv("CP_PCP_VARLEN", "always")
-    out, lse = torch.ops.cp.pcp_prefill_attention(*args)
+        fn = getattr(pcp_policy, name)
+        counting = lambda *a, fn=fn, **kw: calls.append(fn) or fn(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(pcp_policy, name, counting)
+    out, lse = torch.ops.cp.pcp_prefill_attention(*args, *policy)
     want_out, want_lse = pcp_prefill_attention_reference(*args)
     assert max_abs_err(out, want_out) < 1e-12 and torch.equal(lse.isinf(), want_lse.isinf())
     dout = torch.randn_like(out)
-    got = torch.ops.cp.pcp_prefill_attention_backward(dout, *args[:3], out, lse, *args[3:])
+    got = torch.ops.cp.pcp_prefill_attention_backward(
+        dout, *args[:3], out, lse, *args[3:], *policy
+    )
     want = pcp_prefill_attention_backward_reference(dout, *args[:3], out, lse, *args[3:])
     for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
         assert max_abs_err(a, b) < 1e-12, name
     assert len(calls) == 2
-    monkeypatch.setenv("CP_PCP_VARLEN", "sometimes")
-    with pytest.raises(ValueError, match="CP_PCP_VARLEN='sometimes'.*auto, always or never"):
-        torch.ops.cp.pcp_prefill_attention(*args)
+    with pytest.raises(ValueError, match="pcp_varlen must be one of.*'sometimes'"):
+        CPPolicy(pcp_varlen="sometimes")
+
+
+def test_public_function_threads_the_policy_to_its_backward(monkeypatch):
+    # pcp_prefill_attention(policy=...) hands the policy to the op, whose autograd backward
+    # runs with the forward's policy: both directions take the varlen packing here (CPU), and
+    # the gradients equal the reference's; the default policy runs the reference (no calls).
+    from cp_modules.ops.pcp_attention import pcp_prefill_attention
+
+    n, m = [37, 5, 1, 20], [0, 6, 9, 3]
+    q, k, v = _tensors(n, 4, 2, 8, torch.float64, "cpu", seed=6)
+    pk, pv = _tensors([sum(m)], 4, 2, 8, torch.float64, "cpu", seed=8)[1:]
+    plan = plan_pcp(n, m, 2, 1)
+    calls = []
+    for name in ("pcp_prefill_attention_varlen", "pcp_prefill_attention_varlen_backward"):
+        fn = getattr(pcp_policy, name)
+        counting = lambda *a, fn=fn, **kw: calls.append(fn.__name__) or fn(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(pcp_policy, name, counting)
+    grads = {}
+    for choice in ("always", None):
+        leaves = [x.clone().requires_grad_() for x in (q[plan.token_indices], k, v, pk, pv)]
+        policy = None if choice is None else CPPolicy(pcp_varlen=choice)
+        out, _ = pcp_prefill_attention(
+            *leaves[:3], plan, scale=0.3, prefix_k=leaves[3], prefix_v=leaves[4], policy=policy
+        )
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+        grads[choice] = (out.detach(), torch.autograd.grad((out * w).sum(), leaves))
+    assert calls == ["pcp_prefill_attention_varlen", "pcp_prefill_attention_varlen_backward"]
+    assert max_abs_err(grads["always"][0], grads[None][0]) < 1e-12
+    for a, b in zip(grads["always"][1], grads[None][1]):
+        assert max_abs_err(a, b) < 1e-12

@@ -86,3 +86,16 @@ def test_recipe_trains_each_family_with_pcp_and_tp(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0], out[-2000:]
     assert re.search(r"done: deepseek_v3 \(mla\) tp=2 pcp=2 dp=1: loss \d+\.\d+ -> \d+\.\d+ in 4 steps", out)
     assert torch.isfinite(torch.tensor(losses)).all()
+
+
+@pytest.mark.distributed
+def test_recipe_fine_tunes_a_transformers_model():
+    # model=hf: a transformers Llama made context-parallel by swap_attention, under Fabric on
+    # tp=2 x pcp=2 and under the Trainer on one process: the same losses step by step.
+    out = _run(["model=hf", "workload.steps=3", "workload.log_every=1"])
+    assert "training llama (gqa, transformers model) with fabric on 4 rank(s): tp=2 pcp=2" in out
+    parallel = _losses(out)
+    single = _losses(_run(["model=hf", "parallel=single", "workload.strategy=trainer",
+                           "workload.steps=3", "workload.log_every=1"]))  # fmt: skip
+    assert len(parallel) == 3 and parallel[-1] < parallel[0], out[-2000:]
+    assert parallel == single, (parallel, single)

@@ -210,3 +210,67 @@ def test_strategies_reject_bad_arguments(kind):
             L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
         else:
             L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+
+
+# ---- FSDP2 units, the deprecated gradient sum, the transformers export ---------------------
+
+def test_apply_fsdp_units_are_the_blocks_then_the_roots():
+    import lightning as L
+
+    from cp_modules.training.fsdp import _blocks, _roots
+
+    model = TinyLM(TinyLMConfig(num_layers=2))
+    assert _blocks(model) == list(model.layers)
+    assert _roots(model) == [model]
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.no_params = torch.nn.ReLU()
+
+    assert _roots(Lit()) == [model]  # its own forward is not what training_step calls
+
+    class LitWithOwnParameter(Lit):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+    with pytest.raises(ValueError, match="holds parameters directly"):
+        _roots(LitWithOwnParameter())
+
+
+def test_reduce_gradients_is_deprecated():
+    model = TinyLM(TinyLMConfig(num_layers=1))
+    with pytest.deprecated_call(match="apply_fsdp"):
+        CPTrainingContext.single().reduce_gradients(model.parameters())
+
+
+def test_export_hf_of_a_tiny_lm_loads_as_llama_with_equal_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from cp_modules.modules import restore_tokens
+    from cp_modules.training import export_hf
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(attention="gqa", num_layers=2))
+    export_hf(model, tmp_path / "hf")
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3))
+    cb = CPTrainingContext.single().shard_batch({"input_ids": ids})
+    with cp_step(cb.meta), torch.no_grad():
+        want = restore_tokens(model(cb.input_ids, cb.positions), cb.meta)
+        got = hf(input_ids=ids).logits.reshape(-1, 256)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_export_hf_refuses_models_it_cannot_map(tmp_path):
+    from cp_modules.training import export_hf
+
+    with pytest.raises(ValueError, match="needs a transformers config"):
+        export_hf(TinyLM(TinyLMConfig(attention="mla", num_layers=1)), tmp_path / "mla")
+    with pytest.raises(ValueError, match="qkv_bias=True"):
+        export_hf(TinyLM(TinyLMConfig(qkv_bias=True, num_layers=1)), tmp_path / "bias")
+    assert not (tmp_path / "mla").exists() and not (tmp_path / "bias").exists()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on a CUDA machine from the repository root: the GPU test tier, then the kernel and module
-# benchmark suite (benchmarks/suite.py). Logs, results and the report go to ${OUT:-gpu_out}. Usage: tools/gpu_suite.sh [tests|bench|all]
+# benchmark suite (python -m benchmarks.suite). Logs, results and the report go to ${OUT:-gpu_out}. Usage: tools/gpu_suite.sh [tests|bench|all]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
@@ -15,7 +15,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 benchmarks/suite.py ${SUITE_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -60 || rc=1
+  python3 -m benchmarks.suite ${SUITE_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -60 || rc=1
   tar czf "$OUT/results.tgz" benchmarks/results benchmarks/20*.* 2>/dev/null
 fi
 exit $rc

@@ -199,7 +199,11 @@ def kv_cache_bytes_per_block(
             "give either num_kv_heads and head_dim (GQA/MHA) or kv_lora_rank and rope_dim (MLA)"
         )
     elem = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * num_kv_heads * head_dim if gqa else kv_lora_rank + rope_dim
+    if num_kv_heads is not None and head_dim is not None:
+        per_token = 2 * num_kv_heads * head_dim
+    else:
+        assert kv_lora_rank is not None and rope_dim is not None
+        per_token = kv_lora_rank + rope_dim
     return block_size * per_token * elem
 
 

@@ -9,16 +9,19 @@ The autograd variants (backward of all-gather = reduce-scatter and vice versa) c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch._subclasses.fake_tensor import FakeTensor
 
-# Same signatures; the *_single names replace the *_tensor ones from torch 2.13 on.
-_ag = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-_ag_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-_rs = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-_rs_autograd = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+# Same signatures; the *_single names replace the *_tensor ones from torch 2.13 on. (torch types
+# a group name as ``GroupName``, a NewType of str that 2.11 lacks: hence the plain Callables.)
+_ag: Callable[..., torch.Tensor] = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_ag_autograd: Callable[..., torch.Tensor] = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+_rs: Callable[..., torch.Tensor] = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+_rs_autograd: Callable[..., torch.Tensor] = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
 _c10d_ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _c10d_rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -41,6 +44,7 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
         return group
     if group is None:
         group = dist.group.WORLD
+        assert group is not None, "torch.distributed is not initialized"
     return group.group_name
 
 
@@ -48,7 +52,7 @@ def resolve_group(name: str) -> dist.ProcessGroup:
     """Process group registered under ``name``."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(name)  # type: ignore[arg-type]
 
 
 def _eager() -> bool:
@@ -112,7 +116,7 @@ def all_reduce(x: torch.Tensor, group: str, world_size: int) -> torch.Tensor:
         out = x.clone()
         dist.all_reduce(out, group=resolve_group(group))
         return out
-    return fc.wait_tensor(fc.all_reduce(x, "sum", group))
+    return fc.wait_tensor(fc.all_reduce(x, "sum", group))  # type: ignore[arg-type]
 
 
 def all_to_all(
@@ -127,7 +131,7 @@ def all_to_all(
         out = x.new_empty((rows, *x.shape[1:]))
         dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=resolve_group(group))
         return out
-    return fc.wait_tensor(fc.all_to_all_single(x, output_split_sizes, input_split_sizes, group))
+    return fc.wait_tensor(fc.all_to_all_single(x, output_split_sizes, input_split_sizes, group))  # type: ignore[arg-type]
 
 
 def _move_gather_dim(out: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from cp_modules.config import ParallelConfig
 from cp_modules.distributed.layout import CommPlan, RankLayout, comm_plan, rank_layout
 
-__all__ = ["CPGroups", "init_cp_groups", "init_distributed"]
+__all__ = ["CPGroups", "flatten_mesh_axes", "init_cp_groups", "init_distributed"]
 
 
 @dataclass
@@ -172,3 +172,29 @@ def init_cp_groups(
         dp=dp,
         replica=replica,
     )
+
+
+def flatten_mesh_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
+    """The 1-D mesh over the named ``axes`` of ``mesh`` together (e.g. ``("dp", "pcp")`` -> ``"dp_pcp"``).
+
+    Its ranks are those of the axes' product, ordered as in ``mesh``; it shares ``mesh``'s root,
+    so it composes with DTensors on other axes of the same mesh (FSDP2 over ``dp_pcp`` of
+    TP-sharded parameters). Built once per mesh and name, then reused. This is the one place
+    that uses DeviceMesh's private flattening.
+
+    Raises:
+        ValueError: if ``mesh`` lacks one of ``axes``.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise ValueError(f"mesh has axes {list(names)}, not {missing}; cannot flatten {list(axes)}")
+    if len(axes) == 1:
+        return mesh[axes[0]]
+    try:
+        flat = mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        flat = None
+    if flat is not None:
+        return flat
+    return mesh[axes]._flatten(name)

@@ -45,7 +45,8 @@ class RankLayout:
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The group of ``kind`` (``"tp"``, ``"pcp"``, ``"dcp"``, ...) that holds ``rank``."""
-        for g in getattr(self, f"{kind}_groups"):
+        groups: list[list[int]] = getattr(self, f"{kind}_groups")
+        for g in groups:
             if rank in g:
                 return g
         raise AssertionError(f"rank {rank} is in no {kind} group")

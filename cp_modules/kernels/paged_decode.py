@@ -11,22 +11,19 @@ to 16), so each K/V tile is read from HBM once for the whole group. Keys are rea
 block-table-driven, tile by tile: 64 tokens when the KV range is split, 128 when it is not
 (:func:`default_config`).
 
-MLA has its own kernel: one program takes 64 of the query's heads (two programs for
-DeepSeek's 128, next to each other in the grid so the latent tile is shared through L2) over
-one split. Each 64-token latent tile [64, Rk + Dpe] is loaded once into shared memory and
-serves as the keys of two score products (Rk and Dpe wide) and, through its first Rk columns,
-as the values. The [64, Rk] fp32 accumulator takes half the register file, so the program
-runs 8 warps (two warp groups, each holding half of the output columns) and fills most of
-shared memory (two latent tiles in flight): one program per SM. Fewer heads (16 or 32, as with
-tensor-parallel DeepSeek) take one 4-warp program per query, two per SM; the split count
-accounts for either (:func:`mla_programs_per_sm`). With 128 heads the kernel is compute-bound
-(~242 FLOP per KV byte); with 16 it is bandwidth-bound (~30).
+MLA has its own kernel: one program takes up to 64 of the query's heads over one split. Each
+64-token latent tile [64, Rk + Dpe] is loaded once into shared memory and serves as the keys of
+two score products (Rk and Dpe wide) and, through its first Rk columns, as the values; the
+split count accounts for how many programs an SM holds (:func:`mla_programs_per_sm`). Tiles
+and occupancy as measured: ``docs/switch-points.md``.
 
 Split-KV (flash-decoding): the split count S is chosen on the host from static shapes only
 (programs per split and the block table's capacity); each program takes an equal,
 tile-aligned share of its own query's ``kv_len`` (read on the device). With S > 1 the programs
-write fp32 partials and a second kernel merges them by their LSEs. An empty range yields
-out = 0 and lse = -inf. Nothing here syncs with the host, so the launch is CUDA-graph safe.
+write fp32 partials that the LSE merge family's split merge
+(:func:`~cp_modules.kernels.lse_merge.merge_splits_triton`) combines in a second launch (not
+fused into this kernel). An empty range yields out = 0 and lse = -inf. Nothing here syncs with
+the host, so the launch is CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -38,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from cp_modules.kernels.lse_merge import merge_splits_triton
 
 __all__ = [
     "DecodeConfig",
@@ -59,11 +58,6 @@ _MAX_SPLITS = 64
 # MLA with few heads per program is bandwidth-bound and wants every SM's program slots busy,
 # which at B = 1 takes more splits than GQA's cap (the merge reads the partials in chunks).
 _MLA_MAX_SPLITS = 256
-# Output columns per program of the split merge: a row's partials are read by several programs
-# (MLA's 512 columns by 8), so a long split list at B = 1 is spread over many SMs. On an H200,
-# 16 MLA heads with 256 splits merge in 10 us instead of 19, 64 heads with 128 in 7.7 instead of
-# 17.5; 128 heads with 64 splits take 6.7 instead of 5.8.
-_MERGE_BLOCK_DV = 64
 # Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
 # output), in units of one 64-token latent tile.
 _SPLIT_COST_TILES = 5
@@ -326,64 +320,6 @@ def _paged_mla_kernel(
         tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    PO,
-    PLSE,
-    OUT,
-    LSE,
-    stride_pot,
-    stride_poh,
-    stride_pos,
-    stride_plt,
-    stride_plh,
-    stride_ot,
-    stride_oh,
-    stride_lt,
-    stride_lh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    # One program: BLOCK_DV output columns of one (query, head) row (several programs per row,
-    # so a long split list is read by many SMs at B = 1). The split LSEs (base 2) are read at
-    # once; the fp32 partial outputs CHUNK_S splits at a time.
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    dv_block = tl.program_id(2)
-    lse_row = PLSE + t * stride_plt + h * stride_plh
-    offs_s = tl.arange(0, BLOCK_S)
-    lse2 = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse2, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse2 - m_safe), 0)
-    offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    dv_mask = offs_dv < DV
-    po_row = PO + t * stride_pot + h * stride_poh
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, CHUNK_S):
-        offs_c = s0 + tl.arange(0, CHUNK_S)
-        c_mask = offs_c < NUM_SPLITS
-        w = tl.exp2(tl.load(lse_row + offs_c, mask=c_mask, other=float("-inf")) - m_safe)
-        po = tl.load(
-            po_row + offs_c[:, None] * stride_pos + offs_dv[None, :],
-            mask=c_mask[:, None] & dv_mask[None, :],
-            other=0.0,
-        )
-        acc += tl.sum(po * w[:, None], 0)
-    out = acc / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        OUT + t * stride_ot + h * stride_oh + offs_dv, out.to(OUT.dtype.element_ty), mask=dv_mask
-    )
-    if dv_block == 0:
-        lse = tl.where(
-            total > 0.0, (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0))), float("-inf")
-        )
-        tl.store(LSE + t * stride_lt + h * stride_lh, lse * 0.6931471805599453)
-
-
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tile sizes and launch parameters of the split kernel.
@@ -411,11 +347,7 @@ def default_config(group: int, dk: int, dv: int, dpe: int, split: bool = True) -
     says whether the KV range is cut into several splits (see :func:`choose_num_splits`); the
     head tile does not depend on it, so the split count can be chosen first.
 
-    Measured on an H200 (bf16, 32 query / 8 KV heads, D = 128, CUDA-graph replay): without
-    splits (programs >= SMs: B >= 64 here) 128-token KV tiles on 8 warps with 2 stages read
-    4.12-4.45 TB/s at B = 64 against 3.40-3.77 for 64-token tiles on 4 warps with 3 stages
-    (B = 256: 4.37-4.45 against 4.24-4.30); with splits (B = 1 and 8) the 64-token tiles win
-    (B = 8: 2.72-4.29 against 2.39-3.34).
+    Why these tiles (measured): ``docs/switch-points.md``.
     """
     if dpe > 0:
         return mla_default_config(group)
@@ -438,9 +370,7 @@ def mla_default_config(heads: int) -> DecodeConfig:
     The [BLOCK_H, 512] fp32 accumulator fills half the register file at 64 heads, so 64 heads
     take 8 warps (two warp groups, each holding half of the output columns; the tensor-core
     tile is 64 rows high). Q (72 KiB) and two 64-token latent tiles (2 x 72 KiB) fill shared
-    memory. Measured on an H200 (bf16): 64/64/8 warps/2 stages with the score tile split over
-    the warp groups ran at ~350 TFLOP/s; 32-token tiles, 16 warps or replicated scores ran
-    at 175-285.
+    memory. Measurements: ``docs/switch-points.md``.
     """
     block_h = min(64, max(16, _pow2(heads)))
     if block_h >= 64:
@@ -477,11 +407,8 @@ def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
 def mla_programs_per_sm(cfg: DecodeConfig) -> int:
     """How many MLA programs of these tiles one SM runs at a time (shared memory, registers).
 
-    The default tiles with Triton 3.6 on an H200 (bf16, Rk 512 + P 64, 2 stages): 16 heads on
-    4 warps take 92 KB of shared memory and 255 registers a thread, 32 heads 113 KB and 255,
-    so two fit in an SM (228 KB, 64k registers); 64 heads on 8 warps take 224 KB (one). With
-    split counts that fill two programs per SM, 16 and 32 heads read 3.0-4.3 TB/s at B = 8
-    and 64, against 2.0-2.9 with one per SM.
+    The default tiles: two of 16 or 32 heads on 4 warps fit in an H200's SM, one of 64 heads on
+    8 warps (shared memory and registers as measured: ``docs/switch-points.md``).
     """
     return 1 if cfg.block_h >= 64 or cfg.num_warps >= 8 else 2
 
@@ -496,13 +423,10 @@ def choose_mla_num_splits(
 ) -> int:
     """KV splits for MLA's ``num_programs`` (query, head-tile) programs, static shapes only.
 
-    An MLA program fills much of a multiprocessor's shared memory, so ``programs_per_sm`` of
-    them (:func:`mla_programs_per_sm`) run per SM at a time. The estimated makespan of ``s``
-    splits over a range of ``max_kv_len`` tokens (the block table's capacity) is waves x
-    (tiles per split + a fixed cost per program, larger when partial outputs are written and
-    merged); the count is the fewest splits within 2 % of the best estimate, with splits no
-    shorter than ``_MIN_SPLIT_TOKENS`` and at most ``_MLA_MAX_SPLITS``. Memoised: it runs on
-    every eager decode call.
+    ``programs_per_sm`` MLA programs run per SM at a time (:func:`mla_programs_per_sm`). The
+    count is the fewest splits whose estimated makespan (waves x (tiles per split + a fixed
+    cost per program)) is within 2 % of the best, splits no shorter than ``_MIN_SPLIT_TOKENS``
+    and at most ``_MLA_MAX_SPLITS``. Memoised: it runs on every eager decode call.
     """
     if num_programs <= 0:
         return 1
@@ -572,7 +496,7 @@ def _launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _launch_merge(o_buf, l_buf, out, lse)
+        merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse
 
 
@@ -588,22 +512,6 @@ def _split_buffers(
     so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
     sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
     return o_buf, l_buf, so, sl
-
-
-def _launch_merge(
-    o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-) -> None:
-    t, hq, num_splits, dv = o_buf.shape
-    block_dv = min(_MERGE_BLOCK_DV, _pow2(dv))
-    _merge_splits_kernel[(t, hq, triton.cdiv(dv, block_dv))](
-        o_buf, l_buf, out, lse,
-        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
-        l_buf.stride(0), l_buf.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), CHUNK_S=min(32, _pow2(num_splits)),
-        DV=dv, BLOCK_DV=block_dv,
-        num_warps=4,
-    )  # fmt: skip
 
 
 def paged_attention_kernel(
@@ -688,5 +596,5 @@ def paged_mla_attention_kernel(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _launch_merge(o_buf, l_buf, out, lse)
+        merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse

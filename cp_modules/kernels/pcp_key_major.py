@@ -1,10 +1,9 @@
 """Key-major PCP backward: each rank takes the gradients of its own key chunks.
 
-The block backward of :mod:`cp_modules.kernels.pcp_attention` is query-major: a rank's head
+The block backward of :mod:`cp_modules.kernels.pcp_blocks` is query-major: a rank's head
 and tail queries against the gathered keys, whose K / V gradients then go back to their owners
-by a reduce-scatter. Its blocks are at most one chunk of queries tall, and cuDNN's backward at
-MLA's head dims (Dqk 192 / Dv 128) is slow there: ~300 TFLOP/s for every unmasked block,
-against ~480 for a long causal call (H200, bf16, 32 heads).
+by a reduce-scatter. Its blocks are at most one chunk of queries tall, where cuDNN's backward
+at MLA's head dims (Dqk 192 / Dv 128) is slow.
 
 Key-major turns the loop around. A rank keeps the keys it owns, and takes for each of its chunks
 every query of the request at or after the chunk's first token: one tall call with a causal
@@ -13,9 +12,7 @@ mask when queries outnumber keys. Each chunk's dK / dV are then complete on thei
 queries' gradients are partial sums, one per rank, reduce-scattered back to the queries'
 owners. The rank needs every later query's Q, O, dO and LSE, so the backward all-gathers them.
 
-For a 32k-token sequence with MLA's dims the attention alone then takes 1.08 / 1.10 / 1.21x
-dense/P at P = 2 / 4 / 8, against 1.26 / 1.51 / 1.59 query-major; at D = 128 (MHA / GQA)
-query-major is as fast or faster (benchmarks/results/pcp-key-major-2026-11-30.json).
+Where each is faster (measured): ``docs/switch-points.md``.
 """
 
 from __future__ import annotations
@@ -24,13 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from cp_modules.kernels.pcp_attention import (
-    Piece,
-    _segments,
-    attention_block_backward,
-    select_block_backend,
-    sum_pieces_into,
-)
+from cp_modules.kernels.attention_blocks import attention_block_backward, select_block_backend
+from cp_modules.kernels.grad_assembly import Piece, sum_pieces_into
+from cp_modules.kernels.pcp_blocks import host_segments
 
 Targets = list[tuple[int, torch.Tensor]]
 
@@ -122,7 +115,7 @@ def pcp_key_major_backward(
     dv_p: list[Piece] = []
     dout, q, out, k, v = (x.contiguous() for x in (dout, q, out, k, v))
     lse = lse.contiguous()
-    for req, q0, ql, k0, kl in _segments(segments):
+    for req, q0, ql, k0, kl in host_segments(segments):
         first = k0 + kl - ql  # the chunk's first token in batch order
         rows = slice(first, ends[req])
         keys = slice(q0, q0 + ql)

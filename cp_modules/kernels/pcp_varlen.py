@@ -1,6 +1,6 @@
 """PCP head/tail attention of every segment in one variable-length kernel call.
 
-The block path (:mod:`cp_modules.kernels.pcp_attention`) runs each segment (a request's head
+The block path (:mod:`cp_modules.kernels.pcp_blocks`) runs each segment (a request's head
 or tail chunk on this rank) as its own kernel calls and sums its gradients row run by row:
 with tens of requests a step is bound by host time. Here every segment is one sequence of a
 varlen call: its real queries against its keys ``[k_start, k_start + k_len)``, causal
@@ -29,9 +29,9 @@ against 192) are zero-padded to the query dim and the padding columns of the out
 (the backward likewise pads ``dout`` and ``out``, whose padding adds nothing to
 ``rowsum(dout * out)``).
 
-The packing depends only on the plan's segments (and prefix lengths), so it is built once per
-plan and kept on the plan's host segments tensor (:func:`varlen_pack_cached`): every layer of
-a step, forward and backward, reuses it.
+The packing depends only on the plan's segments (and prefix lengths), so the caller builds it
+once per plan (:func:`varlen_pack`) and passes it to every layer's call, forward and backward
+(:mod:`cp_modules.ops.pcp_policy` keeps it with the plan's state).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cp_modules.kernels.lse_merge import merge_partials_into
 from cp_modules.reference.pcp_attention import (
     attention_with_lse,
     attention_with_lse_backward,
@@ -53,7 +54,6 @@ __all__ = [
     "pcp_prefill_attention_varlen",
     "pcp_prefill_attention_varlen_backward",
     "varlen_pack",
-    "varlen_pack_cached",
 ]
 
 
@@ -300,37 +300,6 @@ def varlen_pack(
     )
 
 
-_PACK_ATTR = "_cp_varlen_pack"
-
-
-def varlen_pack_cached(
-    segments: torch.Tensor,
-    device: torch.device | str,
-    prefix_cu: list[int] | None = None,
-    num_rows: int | None = None,
-) -> VarlenPack:
-    """:func:`varlen_pack`, memoised on ``segments`` (per device, prefix and row count,
-    dropped if ``segments`` is modified)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (
-        str(device),
-        segments._version,
-        None if prefix_cu is None else tuple(prefix_cu),
-        num_rows,
-    )
-    cached = getattr(segments, _PACK_ATTR, None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    pack = varlen_pack(segments, device, prefix_cu, num_rows)
-    try:
-        setattr(segments, _PACK_ATTR, (key, pack))
-    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes
-        pass
-    return pack
-
-
 # --------------------------------------------------------------------------- kernels
 
 
@@ -371,8 +340,8 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
-    # Zero columns up to ``d``. One concatenation (2.6 TB/s on an H200 for [49152, 128, 128]
-    # bf16 to 192) is faster than constant padding (1.6 TB/s) or a copy into a zeroed buffer.
+    # Zero columns up to ``d``, by one concatenation (the fastest way measured:
+    # docs/switch-points.md).
     if x.shape[-1] == d:
         return x
     return torch.cat((x, x.new_zeros(*x.shape[:-1], d - x.shape[-1])), dim=-1)
@@ -443,11 +412,10 @@ def pcp_prefill_attention_varlen(
     Same contract as :func:`~cp_modules.reference.pcp_attention.pcp_prefill_attention_reference`:
     out [T, Hq, Dv] (0 on padding rows), lse [T, Hq] fp32 (-inf there). ``prefix_*``: the
     requests' cached keys / values ragged by ``prefix_cu`` (host ints), or None.
-    ``forward`` overrides the kernel (tests pass the reference).
+    ``pack``: :func:`varlen_pack` of ``segments`` (built here if None); ``forward`` overrides
+    the kernel (tests pass the reference).
     """
-    from cp_modules.kernels.pcp_attention import merge_partials_into
-
-    pack = pack or varlen_pack_cached(segments, q.device, prefix_cu, q.shape[0])
+    pack = pack or varlen_pack(segments, q.device, prefix_cu, q.shape[0])
     forward = forward or _kernels(q.device)[0]
     if pack.new.cu_q_host[-1] == 0:  # no queries here: all padding
         return _padding_result(q, v)
@@ -503,8 +471,8 @@ def pcp_prefill_attention_varlen_backward(
     """Gradients of :func:`pcp_prefill_attention_varlen`: dq [T], dk [N], dv [N] and, with a
     prefix, dprefix_k [C], dprefix_v [C], in the inputs' dtypes (0 on rows nothing reaches). A
     key row gets up to two contributions (the request's head and tail segments), added in the
-    result's dtype."""
-    pack = pack or varlen_pack_cached(segments, q.device, prefix_cu, q.shape[0])
+    result's dtype. ``pack``: as in :func:`pcp_prefill_attention_varlen`."""
+    pack = pack or varlen_pack(segments, q.device, prefix_cu, q.shape[0])
     backward = backward or _kernels(q.device)[1]
     qi, ki = pack.q_index, pack.k_index
     if pack.new.cu_q_host[-1] == 0:  # no queries here: all padding

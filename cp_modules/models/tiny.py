@@ -78,6 +78,7 @@ class _Block(nn.Module):
     def __init__(self, c: TinyLMConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn: CPFlashAttention | CPMLAAttention
         if c.attention == "gqa":
             self.self_attn = CPFlashAttention(
                 c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,

@@ -48,6 +48,8 @@ class CPFlashAttention(nn.Module):
         head_dim: per-head dim (default ``hidden_size // num_heads``).
         rope_theta: RoPE base.
         bias: bias on q/k/v (Qwen2 style); o_proj has none.
+        sinks: learn one sink logit per head (gpt-oss): softmax over the scores and the sink,
+            whose probability adds no value (parameter ``sinks`` [num_heads], zeros at init).
 
     Shapes: forward(hidden_states [T, hidden], positions [T]) -> [T, hidden].
     """
@@ -62,6 +64,7 @@ class CPFlashAttention(nn.Module):
         rope_theta: float = 10000.0,
         bias: bool = False,
         o_bias: bool = False,
+        sinks: bool = False,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -77,6 +80,7 @@ class CPFlashAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
         self.rotary = RotaryEmbedding(self.head_dim, rope_theta)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         # Set by apply_tensor_parallel: the TP group, and the KV head this TP position uses
         # when KV heads are replicated over TP.
         self.tp_group: tuple[str, int] = ("", 1)
@@ -105,7 +109,13 @@ class CPFlashAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention core after projections and RoPE: [T, H, D], [T, Hkv, D] x2 -> [T, H, D]."""
-        return gqa_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.kv_cache, scale=self.scaling)
+        sinks = self.sinks
+        if isinstance(sinks, DTensor):  # TP: this rank's heads
+            sinks = sinks.to_local()
+        return gqa_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), self.kv_cache, scale=self.scaling,
+            sinks=sinks,
+        )
 
 
 class CPMLAAttention(nn.Module):
@@ -230,6 +240,10 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, config=None) -> nn.Module:
     module.tp_group = (tp_mesh.get_group().group_name, tp)
     if isinstance(module, CPFlashAttention):
         plan["q_proj"] = ColwiseParallel()
+        if module.sinks is not None:
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            module.sinks = nn.Parameter(distribute_tensor(module.sinks.data, tp_mesh, [Shard(0)]))
         if module.num_kv_heads % tp == 0:
             plan["k_proj"] = ColwiseParallel()
             plan["v_proj"] = ColwiseParallel()

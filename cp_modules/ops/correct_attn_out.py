@@ -7,8 +7,8 @@ Shape legend:
 The ``ag_rs`` DCP combine all-gathers the LSEs, corrects every rank's output with this op and
 sums the results over the ranks with a reduce-scatter (output ``[K, B, H/K, D]``, block k goes
 to rank k) or an all-reduce (K = 1). On CPU it runs
-:mod:`cp_modules.reference.correct_attn_out`; on CUDA the Triton kernel of
-:mod:`cp_modules.kernels.correct_attn_out`. Not differentiable (decode only).
+:mod:`cp_modules.reference.lse_merge`; on CUDA the Triton kernel of
+:mod:`cp_modules.kernels.lse_merge`. Not differentiable (decode only).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from cp_modules.ops._lib import lib
 from cp_modules.ops.lse_combine import _check_base, _check_out_dtype
-from cp_modules.reference.correct_attn_out import correct_attn_out_reference
+from cp_modules.reference.lse_merge import correct_attn_out_reference
 
 __all__ = ["correct_attn_out"]
 
@@ -32,7 +32,7 @@ def _correct_cpu(out, all_lse, rank, num_blocks=1, base2=False):
 
 
 def _correct_cuda(out, all_lse, rank, num_blocks=1, base2=False):
-    from cp_modules.kernels.correct_attn_out import correct_attn_out_triton
+    from cp_modules.kernels.lse_merge import correct_attn_out_triton
 
     if out.stride(-1) != 1:
         out = out.contiguous()

@@ -26,15 +26,13 @@ from __future__ import annotations
 import torch
 
 from cp_modules.distributed.collectives import all_gather, reduce_scatter
-from cp_modules.kernels.pcp_attention import (
-    pcp_prefill_attention_backward_cuda,
-    select_block_backend,
-)
+from cp_modules.kernels.attention_blocks import select_block_backend
 from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.ops.pcp_policy import pcp_policy_args, pcp_prefill_attention_backward_cuda
 from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
 __all__ = ["gqa_attention", "mla_attention"]
@@ -43,6 +41,11 @@ _CACHE_NEEDS_NO_GRAD = (
     "attention with a KV cache is inference-only (the cache write is not differentiable): run "
     "it under torch.no_grad() or torch.inference_mode(), or train without a cache"
 )
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    # fp32 LSEs, fp64 for fp64 inputs (the backward recomputes probabilities from them).
+    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _gather(x: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
@@ -136,7 +139,7 @@ def _check_trainable(meta: CPStepMetadata) -> None:
 # ----------------------------------------------------------------------------- GQA / MHA
 
 
-def _gqa_forward(q, k, v, k_cache, v_cache, scale):
+def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None):
     meta = current_step()
     _check_local(meta, q, k, v)
     has_cache = k_cache.numel() > 0
@@ -166,11 +169,13 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
                 prefix_cu_seqlens=meta.prefix_cu_seqlens,
             )
         # Fresh outputs of the prefill op: decode rows are written into them in place.
-        out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
-        lse = lse.float()
+        out, lse = pcp_prefill_attention(
+            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy, **prefix
+        )
+        lse = lse.to(_lse_dtype(q))
     else:
         out = q.new_zeros(out_shape)
-        lse = torch.full(out_shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(out_shape[:2], float("-inf"), dtype=_lse_dtype(q), device=q.device)
     if meta.has_decode:
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
@@ -184,19 +189,50 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale):
             ),
         )
         out.index_copy_(0, idx, o.to(out.dtype))
-        lse.index_copy_(0, idx, lse_d.float())
+        lse.index_copy_(0, idx, lse_d.to(lse.dtype))
+    if sinks is not None:
+        out, lse = _apply_sinks(out, lse, sinks)
     return out, lse
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
+        raise ValueError(
+            f"sinks must hold one logit per local query head, [{q.shape[1]}], got "
+            f"{tuple(sinks.shape)}"
+        )
+
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """Attention sinks on the merged result: softmax over the scores and one logit ``s_h``
+    per head, the sink column dropped. With ``L`` the merged LSE: ``O' = O * sigmoid(L - s)``
+    and ``L' = logaddexp(L, s)``. Applied once per query token after every PCP/DCP merge, so
+    each rank's partial results stay sink-free. Rows without keys (``L = -inf``) stay 0."""
+    s = sinks.to(lse.dtype)[None, :]
+    lse_s = torch.logaddexp(lse, s)
+    return out * torch.exp(lse - lse_s).unsqueeze(-1).to(out.dtype), lse_s
+
+
+def _sinks_grad(dout, out, lse, sinks, valid):
+    """Gradient of the sink logits from the output with sinks ``out`` and its LSE ``lse``:
+    ``ds_h = -sum_t exp(s_h - L'_t) * (dO'_t . O'_t)`` over this rank's real tokens (a partial
+    sum, like a weight gradient)."""
+    acc = lse.dtype
+    d = (dout.to(acc) * out.to(acc)).sum(-1)  # [T, H]
+    p_sink = torch.exp(sinks.to(acc)[None, :] - lse)
+    return -(p_sink * d * valid[:, None].to(acc)).sum(0).to(sinks.dtype)
 
 
 @torch.library.custom_op("cp::gqa_attention", mutates_args=())
 def _gqa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`)."""
+    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`);
+    with ``sinks`` [H], ``out`` and ``lse`` include the sink (see :func:`_apply_sinks`)."""
     empty = q.new_empty(0)
     meta = current_step()
     _check_trainable(meta)
-    out, lse = _gqa_forward(q, k, v, empty, empty, scale)
+    out, lse = _gqa_forward(q, k, v, empty, empty, scale, sinks)
     return out, lse, step_handle(meta)
 
 
@@ -207,20 +243,21 @@ def _gqa_attention_with_cache(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    sinks: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gqa_forward(q, k, v, k_cache, v_cache, scale)
+    return _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks)
 
 
 def _gqa_fake(q, k, v, *args):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
 
 
 def _handle_fake(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-_gqa_attention.register_fake(lambda q, k, v, scale: (*_gqa_fake(q, k, v), _handle_fake(q)))
+_gqa_attention.register_fake(lambda q, k, v, sinks, scale: (*_gqa_fake(q, k, v), _handle_fake(q)))
 _gqa_attention_with_cache.register_fake(_gqa_fake)
 
 
@@ -233,10 +270,14 @@ def _gqa_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     handle: torch.Tensor,
+    sinks: torch.Tensor | None,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq, dkv): dkv [2, T, Hkv, D] holds dK then dV (one reduce-scatter result; an op's
-    outputs may not alias, so autograd splits it). ``handle``: the forward's plan."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dkv, dsinks): dkv [2, T, Hkv, D] holds dK then dV (one reduce-scatter result; an
+    op's outputs may not alias, so autograd splits it); dsinks [H] (empty without sinks).
+    ``handle``: the forward's plan. ``out`` and ``lse`` are the forward's, sinks included:
+    the probabilities recomputed from them are the sink-normalised ones, so the attention
+    backward needs nothing else for sinks."""
     meta = step_of(handle)
     k_full, v_full = _gather_kv(k, v, meta)
     rt = meta.runtime
@@ -251,11 +292,11 @@ def _gqa_attention_backward(
         # The kernels' gradient blocks are summed straight into the gathered layout.
         dk_into, dv_into = _gathered_targets(meta, buf)
         dq, *_ = pcp_prefill_attention_backward_cuda(
-            *args, None, None, None, scale, dk_into=dk_into, dv_into=dv_into
+            *args, None, None, None, scale, policy=rt.policy, dk_into=dk_into, dv_into=dv_into
         )
     else:
         dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-            *args, None, None, None, scale
+            *args, None, None, None, scale, *pcp_policy_args(rt.policy, q.shape[2], v.shape[2])
         )
         rows = _gathered_rows(meta.plan.gather_index, t)
         flat = buf.view(-1, *k.shape[1:])
@@ -263,7 +304,8 @@ def _gqa_attention_backward(
         flat.index_copy_(0, rows + t, dv_full)
         _zero_padding(meta, buf)
     dkv = reduce_scatter(buf.view(-1, *k.shape[1:]), rt.pcp_group, rt.pcp_size)
-    return dq, dkv.view(2, t, *k.shape[1:])
+    dsinks = q.new_empty(0) if sinks is None else _sinks_grad(dout, out, lse, sinks, meta.plan.local_valid)
+    return dq, dkv.view(2, t, *k.shape[1:]), dsinks
 
 
 def _gathered_rows(index: torch.Tensor, t: int) -> torch.Tensor:
@@ -296,22 +338,26 @@ def _gathered_targets(meta: CPStepMetadata, buf: torch.Tensor):
 
 
 @_gqa_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, handle, scale):
-    return torch.empty_like(q), k.new_empty((2, *k.shape))
+def _(dout, q, k, v, out, lse, handle, sinks, scale):
+    ds = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), k.new_empty((2, *k.shape)), ds
 
 
 def _gqa_setup(ctx, inputs, output):
-    q, k, v, scale = inputs
+    q, k, v, sinks, scale = inputs
     out, lse, handle = output
     ctx.scale = scale
+    ctx.has_sinks = sinks is not None
     ctx.mark_non_differentiable(lse, handle)
-    ctx.save_for_backward(q, k, v, out, lse, handle)
+    ctx.save_for_backward(q, k, v, out, lse, handle, sinks)
 
 
 def _gqa_backward(ctx, dout, _dlse, _dhandle):
-    q, k, v, out, lse, handle = ctx.saved_tensors
-    dq, dkv = torch.ops.cp.gqa_attention_backward(dout, q, k, v, out, lse, handle, ctx.scale)
-    return dq, dkv[0], dkv[1], None
+    q, k, v, out, lse, handle, sinks = ctx.saved_tensors
+    dq, dkv, dsinks = torch.ops.cp.gqa_attention_backward(
+        dout, q, k, v, out, lse, handle, sinks if ctx.has_sinks else None, ctx.scale
+    )
+    return dq, dkv[0], dkv[1], dsinks if ctx.has_sinks else None, None
 
 
 _gqa_attention.register_autograd(_gqa_backward, setup_context=_gqa_setup)
@@ -334,6 +380,7 @@ def gqa_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel GQA/MHA attention of this rank's local tokens for the current step.
 
@@ -343,16 +390,23 @@ def gqa_attention(
         kv_cache: ``(k_cache, v_cache)`` [NB, BS, Hkv, D] of this layer, written in place, or
             None (training, cache-less forward).
         scale: softmax scale.
+        sinks: [H] per-head sink logits of the local heads (gpt-oss), or None: softmax over
+            the scores and the sink, which takes probability but adds no value; differentiable.
 
     Returns:
         [T, H, D] attention output of the local tokens (padding rows are 0).
+
+    Raises:
+        ValueError: for ``sinks`` that are not one logit per local head.
     """
+    _check_sinks(sinks, q)
+    grads = (q, k, v) + (() if sinks is None else (sinks,))
     if kv_cache is None:
-        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, scale)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, sinks, scale)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         raise RuntimeError(_CACHE_NEEDS_NO_GRAD)
     else:
-        out, _ = torch.ops.cp.gqa_attention_with_cache(q, k, v, kv_cache[0], kv_cache[1], scale)
+        out, _ = torch.ops.cp.gqa_attention_with_cache(q, k, v, kv_cache[0], kv_cache[1], sinks, scale)
     return out
 
 
@@ -393,11 +447,13 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             pk, pv = _up_project(_read_prefix(cache, meta), w_uk, w_uv, rk, h)
             prefix = dict(prefix_k=pk, prefix_v=pv, prefix_cu_seqlens=meta.prefix_cu_seqlens)
         # Fresh outputs of the prefill op: decode rows are written into them in place.
-        out, lse = pcp_prefill_attention(q, k_full, v_full, meta.plan, scale=scale, **prefix)
-        lse = lse.float()
+        out, lse = pcp_prefill_attention(
+            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy, **prefix
+        )
+        lse = lse.to(_lse_dtype(q))
     else:
         out = q.new_zeros(out_shape)
-        lse = torch.full(out_shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(out_shape[:2], float("-inf"), dtype=_lse_dtype(q), device=q.device)
     if meta.has_decode:
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
@@ -416,7 +472,7 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
         )
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
         out.index_copy_(0, idx, o.to(out.dtype))
-        lse.index_copy_(0, idx, lse_d.float())
+        lse.index_copy_(0, idx, lse_d.to(lse.dtype))
     return out, lse
 
 
@@ -451,7 +507,7 @@ def _mla_attention_with_cache(
 
 def _mla_fake(q, latent, w_uk, w_uv, *args):
     shape = (q.shape[0], q.shape[1], w_uv.shape[1])
-    return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
 
 
 _mla_attention.register_fake(lambda q, latent, w_uk, w_uv, scale, rk: (*_mla_fake(q, latent, w_uk, w_uv), _handle_fake(q)))
@@ -550,6 +606,7 @@ def _mla_attention_backward(
     k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
         dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host, None, None, None, scale,
+        *pcp_policy_args(meta.runtime.policy, q.shape[2], v_full.shape[2]),
     )
     d_latent_full, dw_uk, dw_uv = _up_project_backward(dk_full, dv_full, latent_full, w_uk, w_uv, rk)
     # Each rank's weight gradient covers its own queries' share of the keys' gradient; the

@@ -8,22 +8,27 @@ The per-request metadata travels as tensors (the plan's host copy of its segment
 batch composition changes only tensor sizes and a compiled caller does not recompile; the loop
 over requests lives inside the op. Autograd is registered on the op: its backward is a second
 op (``cp::pcp_prefill_attention_backward``) that recomputes block probabilities from the saved
-merged output and LSE. CPU runs the pure-PyTorch reference (or, with ``CP_PCP_VARLEN=always``,
-the varlen packing on reference kernels); CUDA runs the block decomposition on PyTorch's fused
-attention kernels, or one varlen call for batches of small segments.
+merged output and LSE. CPU runs the pure-PyTorch reference (or, with a policy of
+``pcp_varlen="always"``, the varlen packing on reference kernels); CUDA runs the block
+decomposition on PyTorch's fused attention kernels, or one varlen call for batches of small
+segments, as :mod:`cp_modules.ops.pcp_policy` chooses. The path policy travels in the schemas
+as scalars (:func:`~cp_modules.ops.pcp_policy.pcp_policy_args`): nothing is read from the
+environment.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cp_modules.kernels.pcp_attention import (
+from cp_modules.ops._lib import lib
+from cp_modules.ops.pcp_policy import (
+    pcp_policy_args,
     pcp_prefill_attention_backward_cuda,
     pcp_prefill_attention_cuda,
-    varlen_override,
+    policy_from_args,
 )
-from cp_modules.ops._lib import lib
 from cp_modules.partition.plan import PCPPlan
+from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
     lse_dtype,
     pcp_prefill_attention_backward_reference,
@@ -32,38 +37,49 @@ from cp_modules.reference.pcp_attention import (
 
 __all__ = ["pcp_prefill_attention"]
 
+_DEFAULT_POLICY = CPPolicy()
+
+# The policy's scalars (pcp_policy_args), the same in both schemas.
+_POLICY_ARGS = (
+    "str varlen, float? varlen_max_flop_forward, float? varlen_max_flop_backward, "
+    "float cudnn_build_s, int causal_pairs_min_rows, bool overlap_gradient_sums"
+)
 lib.define(
     "pcp_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor segments, Tensor? prefix_k, "
-    "Tensor? prefix_v, Tensor? prefix_cu_seqlens, float scale) -> (Tensor, Tensor)"
+    f"Tensor? prefix_v, Tensor? prefix_cu_seqlens, float scale, {_POLICY_ARGS}) "
+    "-> (Tensor, Tensor)"
 )
 lib.define(
     "pcp_prefill_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
     "Tensor lse, Tensor segments, Tensor? prefix_k, Tensor? prefix_v, "
-    "Tensor? prefix_cu_seqlens, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"Tensor? prefix_cu_seqlens, float scale, {_POLICY_ARGS}) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
 @torch.library.impl("cp::pcp_prefill_attention", "CPU", lib=lib)
-def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
-    if varlen_override():
-        # CP_PCP_VARLEN=always: the kernel entry takes the varlen packing (reference kernels).
+def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
+    if policy_args[0] == "always":
+        # The varlen packing on the reference kernels.
         return pcp_prefill_attention_cuda(
-            q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
-        )
+            q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
+            policy=policy_from_args(*policy_args),
+        )  # fmt: skip
     return pcp_prefill_attention_reference(
         q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
     )
 
 
 @torch.library.impl("cp::pcp_prefill_attention", "CUDA", lib=lib)
-def _forward_cuda(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
+def _forward_cuda(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
     return pcp_prefill_attention_cuda(
-        q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
-    )
+        q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
+        policy=policy_from_args(*policy_args),
+    )  # fmt: skip
 
 
 @torch.library.register_fake("cp::pcp_prefill_attention", lib=lib)
-def _forward_fake(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
+def _forward_fake(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=lse_dtype(q.dtype))
     return out, lse
@@ -75,29 +91,34 @@ def _no_prefix_grad(x: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
 
 
 @torch.library.impl("cp::pcp_prefill_attention_backward", "CPU", lib=lib)
-def _backward_cpu(dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
-    # CP_PCP_VARLEN=always: the kernel entry takes the varlen packing (reference kernels).
-    grads = (
-        pcp_prefill_attention_backward_cuda
-        if varlen_override()
-        else pcp_prefill_attention_backward_reference
-    )
-    dq, dk, dv, dpk, dpv = grads(
-        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
-    )
+def _backward_cpu(
+    dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args
+):
+    args = (dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
+    if policy_args[0] == "always":
+        # The varlen packing on the reference kernels.
+        grads = pcp_prefill_attention_backward_cuda(*args, policy=policy_from_args(*policy_args))
+    else:
+        grads = pcp_prefill_attention_backward_reference(*args)
+    dq, dk, dv, dpk, dpv = grads
     return dq, dk, dv, _no_prefix_grad(k, dpk), _no_prefix_grad(v, dpv)
 
 
 @torch.library.impl("cp::pcp_prefill_attention_backward", "CUDA", lib=lib)
-def _backward_cuda(dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
+def _backward_cuda(
+    dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args
+):
     dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_cuda(
-        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
-    )
+        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
+        policy=policy_from_args(*policy_args),
+    )  # fmt: skip
     return dq, dk, dv, _no_prefix_grad(k, dpk), _no_prefix_grad(v, dpv)
 
 
 @torch.library.register_fake("cp::pcp_prefill_attention_backward", lib=lib)
-def _backward_fake(dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale):
+def _backward_fake(
+    dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args
+):
     has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
     return (
         torch.empty_like(q),
@@ -109,9 +130,10 @@ def _backward_fake(dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale = inputs
+    q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args = inputs
     out, lse = output
     ctx.scale = scale
+    ctx.policy_args = tuple(policy_args)
     ctx.has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
     # The LSE is an output for merging and inspection; what training needs from it (the cached
     # prefix merge) happens inside the op, so no gradient flows back through it.
@@ -122,11 +144,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens = ctx.saved_tensors
     dq, dk, dv, dpk, dpv = torch.ops.cp.pcp_prefill_attention_backward(
-        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, ctx.scale
-    )
+        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, ctx.scale,
+        *ctx.policy_args,
+    )  # fmt: skip
     if not ctx.has_prefix:
         dpk = dpv = None
-    return dq, dk, dv, None, dpk, dpv, None, None
+    return dq, dk, dv, None, dpk, dpv, None, None, *(None,) * len(ctx.policy_args)
 
 
 torch.library.register_autograd(
@@ -144,6 +167,7 @@ def pcp_prefill_attention(
     prefix_k: torch.Tensor | None = None,
     prefix_v: torch.Tensor | None = None,
     prefix_cu_seqlens: torch.Tensor | None = None,
+    policy: CPPolicy | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's DualChunkSwap queries over the gathered K/V, with LSE.
 
@@ -164,6 +188,8 @@ def pcp_prefill_attention(
         prefix_cu_seqlens: [R + 1] int cumulative prefix lengths. Defaults to the plan's
             (each request's whole context, ``cumsum(num_computed_tokens)``). A CPU tensor
             avoids a device sync.
+        policy: the path choices and thresholds (:class:`~cp_modules.policy.CPPolicy`; default
+            ``CPPolicy()``); usually the step's ``runtime.policy``. They change speed only.
 
     Returns:
         out [T, Hq, Dv] in q's dtype and lse [T, Hq] fp32 (fp64 for fp64 inputs; natural log);
@@ -236,6 +262,8 @@ def pcp_prefill_attention(
                     f"prefix_cu_seqlens must rise from 0 to the {prefix_k.shape[0]} prefix "
                     f"tokens, got {cu.tolist()}"  # ok: host (error path, CPU tensor)
                 )
+    policy = _DEFAULT_POLICY if policy is None else policy
     return torch.ops.cp.pcp_prefill_attention(
-        q, k_full, v_full, plan.segments_host, prefix_k, prefix_v, prefix_cu_seqlens, scale
-    )
+        q, k_full, v_full, plan.segments_host, prefix_k, prefix_v, prefix_cu_seqlens, scale,
+        *pcp_policy_args(policy, q.shape[2], v_full.shape[2]),
+    )  # fmt: skip

@@ -79,10 +79,6 @@ class PCPPlan:
             metadata on the device and on the host.
         prefix_cu_seqlens, prefix_cu_seqlens_host: [R + 1] int64, cumulative
             ``num_computed_tokens``: the layout of a dense cached prefix gathered per request.
-        q_head_index, q_tail_index: [sum head_q_len], [sum tail_q_len] int64, local rows of the
-            real head / tail queries, request by request (what ``pcp_select`` packs).
-        k_head_index, k_tail_index: [sum head_k_len], [sum tail_k_len] int64, rows of the
-            restored K/V that the head / tail queries attend, request by request.
     """
 
     pcp_size: int
@@ -113,10 +109,6 @@ class PCPPlan:
     gather_runs_host: torch.Tensor
     prefix_cu_seqlens: torch.Tensor
     prefix_cu_seqlens_host: torch.Tensor
-    q_head_index: torch.Tensor
-    q_tail_index: torch.Tensor
-    k_head_index: torch.Tensor
-    k_tail_index: torch.Tensor
 
 
 def _as_int_array(name: str, values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
@@ -288,10 +280,6 @@ def plan_pcp(
     )
     prefix_cu = np.concatenate([[0], np.cumsum(computed)]).astype(np.int64)
 
-    def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        owner, offset = _ragged_arange(lengths)
-        return starts[owner] + offset
-
     arrays = dict(
         token_indices=token_indices,
         positions=positions,
@@ -313,10 +301,6 @@ def plan_pcp(
         key_offsets=key_offsets,
         segments=segments,
         prefix_cu_seqlens=prefix_cu,
-        q_head_index=ranges(local_offsets, head_q),
-        q_tail_index=ranges(local_offsets + chunk, tail_q),
-        k_head_index=ranges(key_offsets, head_k),
-        k_tail_index=ranges(key_offsets, tail_k),
     )
     return PCPPlan(
         gather_runs_host=torch.from_numpy(_runs(gather_index, num_local)),

@@ -7,7 +7,8 @@ M = entries per row, L = M * BS (the most local tokens a row can address).
 Query ``t`` attends the first ``query_kv_len[t]`` local tokens of block-table row
 ``query_seq_idx[t]``; local token ``j`` of a row lives in block ``block_table[row, j // BS]`` at
 offset ``j % BS``. Causality within a request's new tokens and DCP sharding are both expressed
-through ``query_kv_len`` alone. An empty range gives ``out = 0`` and ``lse = -inf``.
+through ``query_kv_len`` alone; a sliding window through ``query_kv_start`` (the first local
+token a query sees). An empty range gives ``out = 0`` and ``lse = -inf``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def paged_attention_ref(
     scale: float,
     *,
     upcast: bool = True,
+    query_kv_start: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against each query's paged KV range; returns ``(out, lse)``.
 
@@ -42,6 +45,8 @@ def paged_attention_ref(
         scale: softmax scale.
         upcast: compute in fp32 (fp64 for fp64 inputs: the oracle); ``False`` computes scores, softmax and the value
             product in ``q``'s dtype (the same-dtype baseline of the tolerance rule).
+        query_kv_start: [T] first local token each query sees (sliding windows), or None (0).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before masking, or None.
 
     Returns:
         out [T, Hq, Dv] in ``q``'s dtype and lse [T, Hq] fp32 (natural log).
@@ -62,6 +67,8 @@ def paged_attention_ref(
         blocks = block_table[rows].to(torch.int64).clamp(0, nb - 1)
         blk = blocks[:, j // bs]
         visible = j[None, :] < query_kv_len[t0:t1, None].to(torch.int64)  # [t, L]
+        if query_kv_start is not None:
+            visible &= j[None, :] >= query_kv_start[t0:t1, None].to(torch.int64)
         # Slots past a query's range may hold anything (NaN included): zero them so that a
         # zero probability times garbage cannot leak into the sums.
         hidden = ~visible[:, :, None, None]
@@ -69,6 +76,8 @@ def paged_attention_ref(
         v = v_cache[blk, j % bs].to(cdt).masked_fill(hidden, 0)
         qc = q[t0:t1].to(cdt).view(t1 - t0, hkv, g, dk)
         s = torch.einsum("thgd,tlhd->thgl", qc, k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         lse_c = torch.logsumexp(s if upcast else s.float(), dim=-1)  # -inf for an empty range
         if upcast:
@@ -94,6 +103,8 @@ def paged_mla_attention_ref(
     kv_lora_rank: int,
     *,
     upcast: bool = True,
+    query_kv_start: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [T, H, R + P] against latent rows [NB, BS, R + P].
 
@@ -104,5 +115,6 @@ def paged_mla_attention_ref(
     """
     k = cache.unsqueeze(2)
     return paged_attention_ref(
-        q, k, k[..., :kv_lora_rank], block_table, query_seq_idx, query_kv_len, scale, upcast=upcast
+        q, k, k[..., :kv_lora_rank], block_table, query_seq_idx, query_kv_len, scale,
+        upcast=upcast, query_kv_start=query_kv_start, softcap=softcap,
     )

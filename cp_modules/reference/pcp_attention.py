@@ -18,7 +18,6 @@ import torch
 
 __all__ = [
     "lse_dtype",
-    "merge_partials_reference",
     "attention_with_lse",
     "attention_with_lse_backward",
     "pcp_prefill_attention_backward_reference",
@@ -46,20 +45,44 @@ def _fold_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return dx.reshape(m, num_kv_heads, hq // num_kv_heads, d).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """[Hq, L, M] scaled scores (at least fp32), masked entries -inf."""
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """[Hq, L, M] scaled scores (at least fp32), soft-capped, masked entries -inf.
+
+    ``window`` W (bottom-right aligned like ``causal``): query ``i`` sees key ``j`` only if
+    ``j > i + M - L - W`` (its W latest keys, itself included). ``softcap`` c: scores become
+    ``c * tanh(scores / c)`` after scaling, before masking.
+    """
     k = _expand_kv(_acc(k), q.shape[1])
     s = torch.einsum("lhd,mhd->hlm", _acc(q), k) * scale
-    if causal:
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if causal or window:
         L, M = q.shape[0], k.shape[0]
         i = torch.arange(L, device=q.device)[:, None]
         j = torch.arange(M, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (M - L), float("-inf"))
+        if causal:
+            s = s.masked_fill(j > i + (M - L), float("-inf"))
+        if window:
+            s = s.masked_fill(j <= i + (M - L) - window, float("-inf"))
     return s
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block with its LSE (bottom-right causal if ``causal``).
 
@@ -67,12 +90,13 @@ def attention_with_lse(
         q: [L, Hq, Dqk]; k: [M, Hkv, Dqk]; v: [M, Hkv, Dv] (M >= L when causal).
         scale: multiplier of ``q·k``.
         causal: mask keys after each query's position (bottom-right aligned).
+        window, softcap: see :func:`_scores` (None: none).
 
     Returns:
         out [L, Hq, Dv] in q's dtype (0 for a query with no key), lse [L, Hq] fp32 or fp64
         (``-inf`` for a query with no key).
     """
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, window, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
     out = torch.einsum("hlm,mhd->lhd", p, _expand_kv(_acc(v), q.shape[1]))
@@ -89,6 +113,8 @@ def attention_with_lse_backward(
     *,
     scale: float,
     causal: bool,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* output and LSE of its queries (fp32).
 
@@ -104,7 +130,7 @@ def attention_with_lse_backward(
         dq [L, Hq, Dqk], dk [M, Hkv, Dqk], dv [M, Hkv, Dv], in fp32 (fp64 for fp64 inputs).
     """
     hkv = k.shape[1]
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, window, softcap)
     lse_h = lse.to(s.dtype).transpose(0, 1)[..., None]
     p = torch.exp(s - lse_h.clamp_min(torch.finfo(s.dtype).min))
     do = _acc(dout)
@@ -112,36 +138,12 @@ def attention_with_lse_backward(
     dp = torch.einsum("lhd,mhd->hlm", do, _expand_kv(_acc(v), q.shape[1]))
     delta = (do * _acc(out)).sum(-1).transpose(0, 1)[..., None]
     ds = p * (dp - delta) * scale
+    if softcap:
+        # d(c tanh(u / c)) / du = 1 - tanh^2 = 1 - (s / c)^2 (0 where masked: p is 0 there).
+        ds = ds * (1 - (s.nan_to_num(neginf=0.0) / softcap) ** 2)
     dq = torch.einsum("hlm,mhd->lhd", ds, _expand_kv(_acc(k), q.shape[1]))
     dk = torch.einsum("hlm,lhd->mhd", ds, _acc(q))
     return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
-
-
-def merge_partials_reference(
-    outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact LSE-weighted merge of partial attentions of the same queries over disjoint keys.
-
-    ``out = sum_i w_i out_i`` with ``w_i = exp(lse_i - m) / sum_j exp(lse_j - m)``,
-    ``m = max_i lse_i``, and ``lse = m + log sum_j exp(lse_j - m)``, in ``lse_dtype``. Every
-    partial must have at least one key per query (finite LSEs).
-
-    Args:
-        outs: N tensors [L, H, D]; lses: N tensors [L, H] (any strides).
-        out_dtype: dtype of the merged output.
-
-    Returns:
-        out [L, H, D] in ``out_dtype``, lse [L, H] in ``lse_dtype(out_dtype)``.
-    """
-    acc_dtype = lse_dtype(out_dtype)
-    if len(outs) == 1:
-        return outs[0].to(out_dtype), lses[0].to(acc_dtype)
-    lse = torch.stack([x.to(acc_dtype) for x in lses])
-    m = lse.amax(0)
-    w = torch.exp(lse - m)
-    total = w.sum(0)
-    acc = sum(wi[..., None] * o.to(acc_dtype) for wi, o in zip(w, outs))
-    return (acc / total[..., None]).to(out_dtype), m + torch.log(total)
 
 
 def _segment_keys(
@@ -157,6 +159,7 @@ def _segment_keys(
     keys, values = k[k0 : k0 + kl], v[k0 : k0 + kl]
     if prefix_k is None or prefix_cu is None:
         return keys, values, 0
+    assert prefix_v is not None, "prefix_k without prefix_v"
     p0, p1 = prefix_cu[req], prefix_cu[req + 1]
     return torch.cat([prefix_k[p0:p1], keys]), torch.cat([prefix_v[p0:p1], values]), p1 - p0
 
@@ -170,6 +173,8 @@ def pcp_prefill_attention_reference(
     prefix_v: torch.Tensor | None,
     prefix_cu_seqlens: torch.Tensor | None,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head/tail attention of this rank's queries over the restored K/V (and cached prefixes).
 
@@ -180,6 +185,8 @@ def pcp_prefill_attention_reference(
         prefix_k: [C, Hkv, Dqk], prefix_v: [C, Hkv, Dv] cached keys/values of the requests,
             ragged by ``prefix_cu_seqlens`` ([R + 1] int64, host), or all three None.
         scale: softmax scale.
+        window: sliding window W (each query sees its W latest keys, itself included) or None.
+        softcap: logit soft-cap c or None.
 
     Returns:
         out [T, Hq, Dv] in q's dtype, lse [T, Hq] in ``lse_dtype(q.dtype)``.
@@ -194,7 +201,7 @@ def pcp_prefill_attention_reference(
         # The cached prefix precedes the new keys, so bottom-right alignment over the
         # concatenation already lets every query see its whole prefix.
         keys, values, _ = _segment_keys(seg, k, v, prefix_k, prefix_v, prefix_cu)
-        s = _scores(q[q0 : q0 + ql], keys, scale, causal=True)
+        s = _scores(q[q0 : q0 + ql], keys, scale, True, window, softcap)
         seg_lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - seg_lse[..., None])
         o = torch.einsum("hlm,mhd->lhd", p, _expand_kv(_acc(values), q.shape[1]))
@@ -215,6 +222,8 @@ def pcp_prefill_attention_backward_reference(
     prefix_v: torch.Tensor | None,
     prefix_cu_seqlens: torch.Tensor | None,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`pcp_prefill_attention_reference` from its output and LSE.
 
@@ -227,10 +236,13 @@ def pcp_prefill_attention_backward_reference(
         dprefix_v [C, Hkv, Dv] (None without a prefix), each in its input's dtype.
     """
     dq, dk, dv = (torch.zeros_like(_acc(x)) for x in (q, k, v))
-    has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
-    dpk = torch.zeros_like(_acc(prefix_k)) if has_prefix else None
-    dpv = torch.zeros_like(_acc(prefix_v)) if has_prefix else None
-    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None
+    dpk: torch.Tensor | None = None
+    dpv: torch.Tensor | None = None
+    prefix_cu: list[int] | None = None
+    if prefix_k is not None and prefix_cu_seqlens is not None:
+        assert prefix_v is not None, "prefix_k without prefix_v"
+        dpk, dpv = torch.zeros_like(_acc(prefix_k)), torch.zeros_like(_acc(prefix_v))
+        prefix_cu = prefix_cu_seqlens.tolist()
     for seg in segments.tolist():
         req, q0, ql, k0, kl = seg
         if ql == 0:
@@ -238,12 +250,14 @@ def pcp_prefill_attention_backward_reference(
         keys, values, num_prefix = _segment_keys(seg, k, v, prefix_k, prefix_v, prefix_cu)
         rows = slice(q0, q0 + ql)
         gq, gk, gv = attention_with_lse_backward(
-            dout[rows], q[rows], keys, values, out[rows], lse[rows], scale=scale, causal=True
+            dout[rows], q[rows], keys, values, out[rows], lse[rows], scale=scale, causal=True,
+            window=window, softcap=softcap,
         )
         dq[rows] += gq
         dk[k0 : k0 + kl] += gk[num_prefix:]
         dv[k0 : k0 + kl] += gv[num_prefix:]
         if num_prefix:
+            assert dpk is not None and dpv is not None and prefix_cu is not None
             p0 = prefix_cu[req]
             dpk[p0 : p0 + num_prefix] += gk[:num_prefix]
             dpv[p0 : p0 + num_prefix] += gv[:num_prefix]
@@ -251,6 +265,6 @@ def pcp_prefill_attention_backward_reference(
         dq.to(q.dtype),
         dk.to(k.dtype),
         dv.to(v.dtype),
-        None if dpk is None else dpk.to(prefix_k.dtype),
-        None if dpv is None else dpv.to(prefix_v.dtype),
+        None if dpk is None or prefix_k is None else dpk.to(prefix_k.dtype),
+        None if dpv is None or prefix_v is None else dpv.to(prefix_v.dtype),
     )

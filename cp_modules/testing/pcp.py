@@ -49,6 +49,7 @@ def dense_prefill_attention(
         c = 0 if prefix_lens is None else prefix_lens[i]
         keys, values = k[start : start + n], v[start : start + n]
         if c:
+            assert prefix_k is not None and prefix_v is not None
             keys = torch.cat([prefix_k[pstart : pstart + c], keys])
             values = torch.cat([prefix_v[pstart : pstart + c], values])
         qi = q[start : start + n].to(dtype)

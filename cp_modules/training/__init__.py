@@ -1,5 +1,6 @@
 """Context-parallel training pieces that need no trainer framework: batch sharding, loss,
-gradient sums over the replicas, full-tensor checkpoints, and a byte-level text dataset."""
+FSDP2 over the dp x pcp ranks, full-tensor checkpoints, the transformers export, and a
+byte-level text dataset."""
 
 from cp_modules.training.checkpoint import (
     CheckpointFormatError,
@@ -19,6 +20,9 @@ from cp_modules.training.context import (
     make_step_current,
 )
 from cp_modules.training.data import ByteTextDataset
+from cp_modules.training.export import export_hf
+from cp_modules.training.fsdp import apply_fsdp, fsdp_mesh, mixed_precision_policy
+from cp_modules.training.recompute import checkpoint_with_step
 
 __all__ = [
     "IGNORE_INDEX",
@@ -26,13 +30,18 @@ __all__ = [
     "CPBatch",
     "CPTrainingContext",
     "CheckpointFormatError",
+    "apply_fsdp",
+    "export_hf",
+    "fsdp_mesh",
     "full_model_state_dict",
     "full_optimizer_state_dict",
     "init_cp_training",
     "lm_cross_entropy",
+    "checkpoint_with_step",
     "load_full_model_state_dict",
     "load_full_optimizer_state_dict",
     "make_step_current",
+    "mixed_precision_policy",
     "read_checkpoint",
     "write_checkpoint",
 ]

@@ -12,7 +12,9 @@ sum of the per-rank losses over dp x pcp is the mean loss of the global batch, a
 the per-rank gradients over dp x pcp is its gradient. TP ranks are replicas of that sum (their
 activations after each row-wise projection are equal), so a parameter's gradient is summed
 over exactly the dp x pcp ranks at its (pp, tp) position, whether it is a TP-sharded DTensor
-(its local shard) or a replicated plain tensor.
+(its local shard) or a replicated plain tensor. FSDP2 on the flattened ``dp_pcp`` mesh axis
+does that sum in the backward (:func:`cp_modules.training.apply_fsdp`, used by the Lightning
+strategies); :meth:`CPTrainingContext.reduce_gradients` is the deprecated hand-written one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,11 +31,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from cp_modules.config import ParallelConfig
-from cp_modules.modules import CPRuntime, CPStepMetadata, build_step_metadata, cp_step
+from cp_modules.modules import CPRuntime, CPStepMetadata, build_step_metadata
 
 __all__ = [
     "IGNORE_INDEX",
     "CPBatch",
+    "document_lengths",
     "CPTrainingContext",
     "init_cp_training",
     "lm_cross_entropy",
@@ -73,10 +77,61 @@ class CPBatch:
 
 
 def make_step_current(meta: CPStepMetadata) -> None:
-    """Make ``meta`` the current step's metadata for the CP attention ops (forward or backward)."""
-    # cp_step leaves its metadata current after the block, which is exactly "make current".
-    with cp_step(meta):
-        pass
+    """Deprecated: make ``meta`` the current step until another is set, unscoped.
+
+    Run the forward under ``with cp_step(meta):`` instead; backwards need no current step (each
+    attention op's backward uses the plan its forward saved).
+    """
+    import warnings
+
+    import cp_modules.step as step
+
+    warnings.warn(
+        "make_step_current is deprecated: run the forward under `with cp_step(meta):`",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if not isinstance(meta, CPStepMetadata):
+        raise TypeError(f"make_step_current takes a CPStepMetadata, got {type(meta).__name__}")
+    step._CURRENT = meta
+
+
+def document_lengths(shape: tuple[int, ...], position_ids: torch.Tensor | None) -> np.ndarray:
+    """Lengths of the documents of a [B, S] batch, row by row (host ints).
+
+    Without ``position_ids`` every row is one document. With them (transformers' flattening
+    convention), each row starts at position 0 and every later position either follows the
+    previous one (``p + 1``) or is 0, which starts a new document.
+
+    Raises:
+        ValueError: naming the first row and index that break the convention.
+    """
+    num_rows, seq_len = int(shape[0]), int(shape[1])
+    if num_rows == 0 or seq_len == 0:
+        raise ValueError(f"batch['input_ids'] must hold at least one token, got shape {tuple(shape)}")
+    if position_ids is None:
+        return np.full(num_rows, seq_len, dtype=np.int64)
+    if position_ids.dtype.is_floating_point:
+        raise ValueError(f"batch['position_ids'] must be integers, got {position_ids.dtype}")
+    pos = position_ids.detach().cpu().numpy().astype(np.int64)  # ok: host (batch preparation)
+    bad_first = np.nonzero(pos[:, 0] != 0)[0]
+    if bad_first.size:
+        r = int(bad_first[0])
+        raise ValueError(
+            f"batch['position_ids'] row {r} starts at {int(pos[r, 0])} (index 0): packed rows "
+            "start every document at position 0 (transformers' flattening convention)"
+        )
+    ok = (pos[:, 1:] == pos[:, :-1] + 1) | (pos[:, 1:] == 0)
+    bad = np.argwhere(~ok)
+    if bad.size:
+        r, j = int(bad[0, 0]), int(bad[0, 1]) + 1
+        raise ValueError(
+            f"batch['position_ids'] row {r} index {j}: {int(pos[r, j - 1])} -> {int(pos[r, j])}; "
+            "within a packed row a position either follows the previous one or is 0 (a new "
+            "document)"
+        )
+    starts = np.flatnonzero(pos.reshape(-1) == 0)
+    return np.diff(np.append(starts, pos.size)).astype(np.int64)
 
 
 def lm_cross_entropy(logits: torch.Tensor, batch: CPBatch) -> torch.Tensor:
@@ -89,9 +144,9 @@ def lm_cross_entropy(logits: torch.Tensor, batch: CPBatch) -> torch.Tensor:
         logits: [T, V] for the local tokens of ``batch``.
         batch: the :class:`CPBatch` the logits were computed from.
     """
-    local = F.cross_entropy(
-        logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    # At least fp32 (bf16/fp16 logits are upcast; fp64 stays fp64).
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    local = F.cross_entropy(logits, batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return local / batch.num_global_tokens
 
 
@@ -136,21 +191,31 @@ class CPTrainingContext:
         return None if self.groups is None else self.groups.mesh
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> CPBatch:
-        """Split a replica's batch of causal-LM sequences over PCP with DualChunkSwap.
+        """Split a replica's batch of causal-LM rows over PCP with DualChunkSwap.
+
+        A row is one sequence, or several packed documents in transformers' flattening
+        convention (``DataCollatorWithFlattening``): ``position_ids`` restart at 0 at every
+        document. Each document is a segment of its own (DualChunkSwap-split like a request,
+        so ranks stay balanced): no token attends a token of another document.
 
         Every rank of a dp replica must pass the same batch (the distributed sampler of the
         Lightning strategies sees to it); the call plans the step (a small collective) and
-        all-reduces the token count over dp, so every rank calls it in step.
+        all-reduces the token count over dp, so every rank calls it in step. Run the model's
+        forward on the result under ``with cp_step(cp_batch.meta):``.
 
         Args:
-            batch: ``input_ids`` [B, S] integer tokens, optional ``labels`` [B, S] (the target
-                of each token; default: the next token, ``IGNORE_INDEX`` after the last) and
-                optional ``position_ids`` [B, S] (default ``0 .. S-1``). Other entries pass
+            batch: ``input_ids`` [B, S] integer tokens; optional ``position_ids`` [B, S]
+                (default ``0 .. S-1`` per row: one document a row; otherwise each row starts
+                at 0 and a position either follows the previous one or is 0, which starts a
+                document); optional ``labels`` [B, S], the *target* of each token (already
+                shifted; ``IGNORE_INDEX`` for none; default: the next token of the same
+                document, ``IGNORE_INDEX`` at each document's last token). Other entries pass
                 through unchanged in ``CPBatch.extra``.
 
         Raises:
-            ValueError: when ``input_ids`` is missing or not [B, S] integers, or ``labels`` /
-                ``position_ids`` do not match its shape.
+            ValueError: when ``input_ids`` is missing or not [B, S] integers, ``labels`` /
+                ``position_ids`` do not match its shape, or ``position_ids`` break the
+                flattening convention (the message names the row and index).
         """
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise ValueError(
@@ -164,10 +229,7 @@ class CPTrainingContext:
                 "batch['input_ids'] must be an integer tensor [B, S], got "
                 f"{getattr(ids, 'dtype', type(ids))} {tuple(getattr(ids, 'shape', ()))}"
             )
-        num_seqs, seq_len = ids.shape
         labels = batch.get("labels")
-        if labels is None:
-            labels = torch.cat([ids[:, 1:], ids.new_full((num_seqs, 1), IGNORE_INDEX)], dim=1)
         position_ids = batch.get("position_ids")
         for name, t in (("labels", labels), ("position_ids", position_ids)):
             if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
@@ -175,16 +237,18 @@ class CPTrainingContext:
                     f"batch['{name}'] must have the shape of input_ids {tuple(ids.shape)}, got "
                     f"{tuple(getattr(t, 'shape', ()))}"
                 )
-
-        meta = build_step_metadata(self.runtime, [seq_len] * num_seqs, device=self.device)
-        idx = meta.token_indices
-        local_ids = ids.reshape(-1).to(self.device, torch.int64)[idx]
-        flat_labels = labels.reshape(-1).to(self.device, torch.int64)
-        local_labels = flat_labels[idx].masked_fill(~meta.plan.local_valid, IGNORE_INDEX)
-        if position_ids is None:
-            positions = meta.positions
+        doc_lens = document_lengths(ids.shape, position_ids)
+        flat_ids = ids.reshape(-1).to(self.device, torch.int64)
+        if labels is None:
+            flat_labels = torch.cat([flat_ids[1:], flat_ids.new_full((1,), IGNORE_INDEX)])
+            ends = torch.as_tensor(np.cumsum(doc_lens) - 1, device=self.device)
+            flat_labels[ends] = IGNORE_INDEX
         else:
-            positions = position_ids.reshape(-1).to(self.device, torch.int64)[idx]
+            flat_labels = labels.reshape(-1).to(self.device, torch.int64)
+
+        meta = build_step_metadata(self.runtime, doc_lens.tolist(), device=self.device)
+        idx = meta.token_indices
+        local_labels = flat_labels[idx].masked_fill(~meta.plan.local_valid, IGNORE_INDEX)
         count = (flat_labels != IGNORE_INDEX).sum().to(torch.float32)
         if self.dp_group is not None:
             dist.all_reduce(count, group=self.dp_group)
@@ -192,16 +256,40 @@ class CPTrainingContext:
         count = count.clamp_min(1.0)
         extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
         return CPBatch(
-            input_ids=local_ids, labels=local_labels, positions=positions, meta=meta,
-            num_global_tokens=count, num_sequences=num_seqs, extra=extra,
+            input_ids=flat_ids[idx], labels=local_labels, positions=meta.positions, meta=meta,
+            num_global_tokens=count, num_sequences=int(ids.shape[0]), extra=extra,
         )
 
     def reduce_gradients(self, params: Iterable[nn.Parameter]) -> None:
-        """Sum the gradients of ``params`` over the dp x pcp ranks that replicate them, in place.
+        """Deprecated: sum the gradients of ``params`` over the dp x pcp ranks, in place.
 
-        TP-sharded (DTensor) parameters sum their local shards; replicated parameters their
-        full gradients. Call once per optimizer step, after the last backward.
+        Shard the model with :func:`cp_modules.training.apply_fsdp` instead (the Lightning
+        strategies do): FSDP2 sums the gradients in the backward. This path remains for models
+        without FSDP2: TP-sharded (DTensor) parameters sum their local shards, replicated
+        parameters their full gradients. Call once per optimizer step, after the last backward.
+
+        Raises:
+            ValueError: for a parameter that FSDP2 already manages (its gradient is summed
+                already; a second sum would scale it by dp x pcp).
         """
+        import warnings
+
+        from cp_modules.training.fsdp import DP_PCP_AXIS
+
+        warnings.warn(
+            "CPTrainingContext.reduce_gradients is deprecated: shard the model with "
+            "cp_modules.training.apply_fsdp(model, mesh), which sums gradients in the backward",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        params = list(params)
+        for p in params:
+            if isinstance(p, DTensor) and DP_PCP_AXIS in (p.device_mesh.mesh_dim_names or ()):
+                raise ValueError(
+                    "reduce_gradients got a parameter sharded by FSDP2 (apply_fsdp) over "
+                    f"{DP_PCP_AXIS!r}: its gradient is already summed over dp x pcp; do not "
+                    "call reduce_gradients for FSDP2 models"
+                )
         if self.replica_group is None:
             return
         seen: set[int] = set()

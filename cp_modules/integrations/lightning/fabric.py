@@ -5,16 +5,18 @@
                                 parallelize_fn=parallelize_model)
     fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy)
     fabric.launch()
-    model = fabric.setup_module(TinyLM(cfg))          # parallelize_fn(model, mesh) runs here
+    model = fabric.setup_module(TinyLM(cfg))          # parallelize_fn (TP), then FSDP2
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
     loader = fabric.setup_dataloaders(loader)         # sampler over the dp axis only
     for batch in loader:
         batch = strategy.shard_batch(batch)           # DualChunkSwap share of this rank
-        loss = lm_cross_entropy(model(batch.input_ids, batch.positions), batch)
-        fabric.backward(loss)
-        optimizer.step()                              # gradients summed over dp x pcp first
+        with cp_step(batch.meta):                     # the forward's plan (scoped)
+            loss = lm_cross_entropy(model(batch.input_ids, batch.positions), batch)
+        fabric.backward(loss)                         # FSDP2 sums gradients over dp x pcp
+        optimizer.step()
         optimizer.zero_grad()
         global_loss = strategy.reduce_loss(loss)
+    fabric.save("ckpt", {"model": model, "optimizer": optimizer})  # a DCP directory
 """
 
 from __future__ import annotations
@@ -45,25 +47,24 @@ from cp_modules.training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from cp_modules.training.context import (
-    CPBatch,
-    CPTrainingContext,
-    init_cp_training,
-    make_step_current,
-)
+from cp_modules.training.context import CPBatch, CPTrainingContext, init_cp_training
+from cp_modules.training.fsdp import apply_fsdp
 
 __all__ = ["CPFabricStrategy"]
 
 
 class CPFabricStrategy(ModelParallelStrategy):
-    """Fabric strategy: CP meshes, DualChunkSwap batches, dp-only sampler, dp x pcp gradient sums.
+    """Fabric strategy: CP meshes, DualChunkSwap batches, dp-only sampler, FSDP2 over dp x pcp.
 
     Builds the (dp, pp, pcp, tp) mesh and the DCP groups of ``parallel_config`` (through
-    :func:`~cp_modules.training.init_cp_training`), applies ``parallelize_fn(model, mesh)`` in
-    ``setup_module``, shards batches with :meth:`shard_batch`, keeps the step's metadata current
-    for the model's forward and for ``fabric.backward``, sums gradients over the dp x pcp ranks
-    before each optimizer step, and saves full-tensor safetensors checkpoints that load under
-    any layout.
+    :func:`~cp_modules.training.init_cp_training`); ``setup_module`` applies
+    ``parallelize_fn(model, mesh)`` (tensor parallelism) and then FSDP2 on the flattened
+    ``dp_pcp`` axis (:func:`~cp_modules.training.apply_fsdp`), which sums the gradients over the
+    dp x pcp ranks in the backward. Batches are sharded with :meth:`shard_batch` (run the
+    forward under ``with cp_step(batch.meta):``; the backward uses the plan its forward saved).
+    Checkpoints are Lightning's distributed checkpoints (``torch.distributed.checkpoint``, a
+    directory; loads under any layout), or with ``save_distributed_checkpoint=False`` one
+    safetensors file of full tensors (also loads under any layout).
 
     Args:
         parallel_config: the parallel degrees; the launched world must be its ``world_size``.
@@ -73,6 +74,11 @@ class CPFabricStrategy(ModelParallelStrategy):
             ``"spawn"`` (``fabric.launch(fn)`` spawns workers; ``fn`` must be module-level).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: collective timeout.
+        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (e.g.
+            ``cp_modules.training.mixed_precision_policy(torch.bfloat16, torch.float32)``);
+            default: compute and reduce in the parameters' dtype.
+        save_distributed_checkpoint: ``True``: ``save`` writes a DCP directory; ``False``: one
+            safetensors file of full tensors. ``load`` reads either.
 
     Raises:
         ValueError: for a config that is not a ParallelConfig, pipeline stages, an unknown
@@ -87,21 +93,22 @@ class CPFabricStrategy(ModelParallelStrategy):
         start_method: str = "subprocess",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        mixed_precision: Any | None = None,
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         check_strategy_args(parallel_config, start_method)
         super().__init__(
             parallelize_fn=parallelize_fn or no_parallelism,
             data_parallel_size=parallel_config.dp * parallel_config.pcp,
             tensor_parallel_size=parallel_config.tp,
-            save_distributed_checkpoint=False,
+            save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
         self.parallel_config = parallel_config
         self._start_method = start_method
+        self._mixed_precision = mixed_precision
         self._cp: CPTrainingContext | None = None
-        self._batch: CPBatch | None = None
-        self._grads_reduced = True
 
     @property
     def cp(self) -> CPTrainingContext:
@@ -138,43 +145,15 @@ class CPFabricStrategy(ModelParallelStrategy):
         if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             module = module.to(self.root_device)
         module = super().setup_module(module)
-        module.register_forward_pre_hook(self._make_batch_current)
-        return module
-
-    def _make_batch_current(self, module: nn.Module, args: Any) -> None:
-        if self._batch is not None:
-            make_step_current(self._batch.meta)
+        return apply_fsdp(module, self.device_mesh, mp_policy=self._mixed_precision)
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> CPBatch:
-        """This rank's DualChunkSwap share of a replica batch; it becomes the current step.
+        """This rank's DualChunkSwap share of a replica batch; run the model's forward on it
+        under ``with cp_step(batch.meta):``.
 
         See :meth:`cp_modules.training.CPTrainingContext.shard_batch` for the batch format.
         """
-        self._batch = self.cp.shard_batch(batch)
-        make_step_current(self._batch.meta)
-        return self._batch
-
-    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        # The attention ops' backward reads the step metadata: make sure it is this batch's.
-        if self._batch is not None:
-            make_step_current(self._batch.meta)
-        self._grads_reduced = False
-        super().backward(tensor, module, *args, **kwargs)
-
-    def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Sum the gradients of ``optimizer``'s parameters over dp x pcp (once per step).
-
-        ``optimizer.step()`` calls it; call it yourself before gradient clipping or inspection.
-        """
-        if self._grads_reduced:
-            return
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        self.cp.reduce_gradients(p for g in optimizer.param_groups for p in g["params"])
-        self._grads_reduced = True
-
-    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        self.reduce_gradients(optimizer)
-        return super().optimizer_step(optimizer, **kwargs)
+        return self.cp.shard_batch(batch)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Global mean loss from this rank's share (detached; for logging)."""
@@ -187,14 +166,19 @@ class CPFabricStrategy(ModelParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Save full tensors of the models and optimizers in ``state`` (and its plain values) to one safetensors file.
+        """Save the models, optimizers and plain values of ``state``; call on every rank.
 
-        Call on every rank (TP shards are gathered); rank 0 writes.
+        With ``save_distributed_checkpoint`` (the default) Lightning writes a distributed
+        checkpoint directory (each rank its shards; plain values in ``meta.pt``); otherwise the
+        full tensors are gathered and rank 0 writes one safetensors file.
 
         Raises:
             ValueError: for ``storage_options`` or ``filter`` (not supported), or a state value
                 a checkpoint cannot hold safely.
         """
+        if self._save_distributed_checkpoint:
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
         if storage_options is not None or filter is not None:
             raise ValueError(
                 f"{type(self).__name__}.save_checkpoint supports neither storage_options nor "
@@ -213,10 +197,11 @@ class CPFabricStrategy(ModelParallelStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a full-tensor checkpoint into ``state``, sharded for this run's layout.
+        """Load a checkpoint into ``state``, resharded for this run's layout.
 
-        Every rank reads the file (safetensors, or a tensors-only ``torch.save``; nothing else is
-        unpickled). A bare module loads a flat model state dict.
+        A directory is a distributed checkpoint (Lightning's loader, any saving layout). A file
+        is a full-tensor checkpoint: every rank reads it (safetensors, or a tensors-only
+        ``torch.save``; nothing else is unpickled). A bare module loads a flat model state dict.
 
         Raises:
             ValueError: for an empty ``state``, ``weights_only=False``, or an unsafe file.
@@ -226,9 +211,11 @@ class CPFabricStrategy(ModelParallelStrategy):
                 f"{type(self).__name__}.load_checkpoint needs a state to restore, e.g. "
                 f"state={{'model': model, 'optimizer': optimizer}}; got {state!r}"
             )
+        path = Path(self.broadcast(path))
+        if path.is_dir():
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if weights_only is False:
             raise ValueError("weights_only=False is not supported: checkpoints hold tensors and plain values only")
-        path = Path(self.broadcast(path))
         checkpoint = read_checkpoint(path)
         if isinstance(state, nn.Module):
             load_full_model_state_dict(state, checkpoint, strict=strict)

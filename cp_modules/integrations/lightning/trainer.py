@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -46,32 +47,32 @@ from cp_modules.integrations.lightning._common import (
     check_strategy_args,
     check_world,
 )
+from cp_modules.step import cp_step
 from cp_modules.training.checkpoint import (
     full_model_state_dict,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from cp_modules.training.context import (
-    CPBatch,
-    CPTrainingContext,
-    init_cp_training,
-    make_step_current,
-)
+from cp_modules.training.context import CPBatch, CPTrainingContext, init_cp_training
+from cp_modules.training.fsdp import apply_fsdp
 
 __all__ = ["CPTrainerStrategy"]
 
 
 class CPTrainerStrategy(ModelParallelStrategy):
-    """Trainer strategy: CP meshes, DualChunkSwap batches, dp-only sampler, dp x pcp gradient sums.
+    """Trainer strategy: CP meshes, DualChunkSwap batches, dp-only sampler, FSDP2 over dp x pcp.
 
     Builds the (dp, pp, pcp, tp) mesh and the DCP groups of ``parallel_config``, applies
-    ``parallelize_fn(lightning_module, mesh)`` in ``setup`` (or leaves parallelization to the
-    module's ``configure_model``, where ``self.device_mesh`` is this mesh), turns every batch
-    into this rank's :class:`~cp_modules.training.CPBatch` on its way to the device, keeps the
-    step's metadata current for ``training_step`` and its backward, sums gradients over the
-    dp x pcp ranks right after the backward of each optimizer step (before clipping and the
-    update), and writes full-tensor safetensors checkpoints that load under any layout.
+    ``parallelize_fn(lightning_module, mesh)`` in ``setup`` (or leaves tensor parallelism to the
+    module's ``configure_model``, where ``self.device_mesh`` is this mesh), then FSDP2 on the
+    flattened ``dp_pcp`` axis (:func:`~cp_modules.training.apply_fsdp`: each child module of
+    the LightningModule is a root), which sums the gradients over the dp x pcp ranks in the
+    backward. Every batch becomes this rank's :class:`~cp_modules.training.CPBatch` on its way
+    to the device, and the batch's step is scoped around ``training_step`` (backwards use their
+    forwards' plans). Checkpoints are Lightning's distributed checkpoints (a DCP directory that
+    loads under any layout), or with ``save_distributed_checkpoint=False`` one safetensors
+    file of full tensors (also any layout).
 
     Args:
         parallel_config: the parallel degrees; ``devices * num_nodes`` must be its world size.
@@ -82,6 +83,10 @@ class CPTrainerStrategy(ModelParallelStrategy):
             process as full tensors).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: collective timeout.
+        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (see
+            :func:`cp_modules.training.mixed_precision_policy`); default: the parameters' dtype.
+        save_distributed_checkpoint: ``True``: DCP directories; ``False``: full-tensor
+            safetensors files. ``fit(ckpt_path=...)`` reads either.
 
     Raises:
         ValueError: for a config that is not a ParallelConfig, pipeline stages, an unknown
@@ -96,22 +101,24 @@ class CPTrainerStrategy(ModelParallelStrategy):
         start_method: str = "subprocess",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        mixed_precision: Any | None = None,
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         check_strategy_args(parallel_config, start_method)
         super().__init__(
             data_parallel_size=parallel_config.dp * parallel_config.pcp,
             tensor_parallel_size=parallel_config.tp,
-            save_distributed_checkpoint=False,
+            save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
         self.parallel_config = parallel_config
         self._parallelize_fn = parallelize_fn
         self._start_method = start_method
+        self._mixed_precision = mixed_precision
+        # Full-tensor files (and the spawn launcher's weights) go through safetensors.
         self.checkpoint_io = SafeCheckpointIO()
         self._cp: CPTrainingContext | None = None
-        self._batch: CPBatch | None = None
-        self._grads_reduced = True
 
     @property
     def cp(self) -> CPTrainingContext:
@@ -149,6 +156,8 @@ class CPTrainerStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        if not any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+            self.model.to(self.root_device)
         # Once per module: the Trainer sets up again for validate/test after fit.
         if self._parallelize_fn is not None and not getattr(self.model, "_cp_parallelized", False):
             module = self._parallelize_fn(self.model, self.device_mesh)
@@ -157,7 +166,8 @@ class CPTrainerStrategy(ModelParallelStrategy):
                     "parallelize_fn must shard the LightningModule in place and return it, got "
                     f"{type(module).__name__}"
                 )
-            self.model._cp_parallelized = True
+            self.model._cp_parallelized = True  # type: ignore[assignment]
+        apply_fsdp(self.model, self.device_mesh, mp_policy=self._mixed_precision)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -175,91 +185,66 @@ class CPTrainerStrategy(ModelParallelStrategy):
             return batch
         return self.cp.shard_batch(batch)
 
-    def _enter_batch(self, args: tuple, kwargs: dict) -> None:
+    @staticmethod
+    def _step_of(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+        # The step of the batch being run, scoped to its *_step call (batches may be planned
+        # ahead by prefetching; each carries its own plan, and backwards use what their
+        # forwards saved).
         batch = args[0] if args else kwargs.get("batch")
-        if isinstance(batch, CPBatch):
-            # Batches may be planned ahead (prefetching); the one being run is the current step.
-            self._batch = batch
-            make_step_current(batch.meta)
+        return cp_step(batch.meta) if isinstance(batch, CPBatch) else contextlib.nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().training_step(*args, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().validation_step(*args, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().test_step(*args, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter_batch(args, kwargs)
-        return super().predict_step(*args, **kwargs)
-
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # The attention ops' backward reads the step metadata: make sure it is this batch's.
-        if self._batch is not None:
-            make_step_current(self._batch.meta)
-        self._grads_reduced = False
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Sum the gradients of ``optimizer``'s parameters over dp x pcp (once per step).
-
-        Runs inside every optimizer step; call it yourself only to look at gradients earlier.
-        """
-        if self._grads_reduced:
-            return
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        self.cp.reduce_gradients(p for g in optimizer.param_groups for p in g["params"])
-        self._grads_reduced = True
-
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        # The closure runs training_step and backward (after any accumulated micro-batches);
-        # the sum goes right after it, before the precision plugin's clipping and the update.
-        def closure_then_reduce() -> Any:
-            out = closure()
-            self.reduce_gradients(optimizer)
-            return out
-
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        with self._step_of(args, kwargs):
+            return super().predict_step(*args, **kwargs)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Global mean loss from this rank's share (detached; for ``self.log``)."""
         return self.cp.reduce_loss(loss)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full tensors of the module (rank 0; other ranks get an empty dict). A collective."""
+        """The module's state: sharded (DCP) or full tensors on rank 0 (others: empty). A collective."""
         assert self.model is not None
+        if self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
         return full_model_state_dict(self.model)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Full optimizer state keyed by parameter name (rank 0). A collective."""
+        """Optimizer state keyed by parameter name: sharded (DCP) or full on rank 0. A collective."""
         assert self.model is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
         return full_optimizer_state_dict(self.model, optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Rank 0 writes the (full-tensor) checkpoint as one safetensors file."""
+        """A DCP directory (every rank writes its shards), or rank 0 writes one safetensors file."""
+        if self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         path = Path(self.broadcast(filepath))
         if self.global_rank == 0:
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a full-tensor checkpoint on every rank and load model and optimizers, resharded.
+        """Load model and optimizers from a DCP directory or a full-tensor file, resharded.
 
         Raises:
             ValueError: for ``weights_only=False`` or a file that is not safe to read.
         """
         path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         assert self.model is not None and self.lightning_module is not None
         load_full_model_state_dict(
@@ -276,7 +261,6 @@ class CPTrainerStrategy(ModelParallelStrategy):
         return checkpoint
 
     def teardown(self) -> None:
-        self._batch = None
         super().teardown()
 
 
@@ -298,6 +282,7 @@ class _FullWeightsSpawnLauncher(_MultiProcessingLauncher):
         weights_path = None
         if fitting:
             weights_path = os.path.join(tempfile.mkdtemp(), "weights.safetensors")
+            assert state_dict is not None
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)

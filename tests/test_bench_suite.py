@@ -1,0 +1,83 @@
+"""The benchmark suite's plumbing on CPU: the parts import without Hydra or a GPU, the launcher
+runs as a file and as a module, and the report regenerates the committed dated report from the
+committed results."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report, suite
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+DATED = "2026-11-30-NVIDIA_H200"
+
+
+def test_parts_import_without_hydra():
+    # The H200 image has no hydra / omegaconf: nothing the suite runs may import them.
+    code = (
+        "import importlib, sys\n"
+        "import benchmarks.suite as s\n"
+        "for n in s.ORDER:\n"
+        "    importlib.import_module(f'benchmarks.bench_{n}')\n"
+        "import benchmarks.report\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=300)
+
+
+def test_every_part_has_its_file():
+    assert sorted(p.stem for p in BENCH.glob("bench_*.py")) == sorted(
+        f"bench_{n}" for n in suite.ORDER
+    )
+
+
+@pytest.mark.parametrize("how", [["benchmarks/suite.py"], ["-m", "benchmarks.suite"]])
+def test_launcher_refuses_unknown_parts_before_running_any(how):
+    r = subprocess.run(
+        [sys.executable, *how, "--only", "pcp,nope"], cwd=REPO, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "unknown benchmarks ['nope']" in r.stderr and "=== pcp" not in r.stdout
+
+
+def test_report_regenerates_the_dated_report(tmp_path):
+    pytest.importorskip("matplotlib")  # without it the report has no plots section
+    assert report.main(["--results", str(BENCH / "results"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / f"{DATED}.md").read_text() == (BENCH / f"{DATED}.md").read_text()
+    got = json.loads((tmp_path / f"{DATED}.json").read_text())
+    assert got == json.loads((BENCH / f"{DATED}.json").read_text())
+    # Every result file the report reads is kept, and it reads all that are kept but the
+    # earlier PCP run its notes cite and the two-GPU communication run of the NCCL report.
+    kept = {p.name for p in (BENCH / "results").glob("*.json")}
+    assert set(got["sources"].values()) == kept - {
+        "pcp-first-overlap-2026-11-30.json",
+        "dcp_comm-2026-11-30.json",
+    }
+
+
+def test_pcp_studies_keep_the_defaults_of_their_former_scripts():
+    from benchmarks import bench_pcp
+
+    a = bench_pcp.parse_args([])
+    assert a.run is bench_pcp.run_suite_part and a.pcp == [2, 4, 8]
+    assert a.shapes == list(bench_pcp.SHAPES) and not a.check_only
+    a = bench_pcp.parse_args(["key-major"])
+    assert a.run is bench_pcp.run_key_major
+    assert (a.shapes, a.pcp) == (["mla-32k", "mha-32k", "gqa-32k"], [2, 4, 8])
+    a = bench_pcp.parse_args(["grad-layout"])
+    assert (a.run, a.rounds) == (bench_pcp.run_grad_layout, 5)
+    assert a.shapes == ["mha-32k", "gqa-32k", "mha-32k-pad", "mha-128k"]
+    a = bench_pcp.parse_args(["varlen", "--batches", "64x256+2048"])
+    assert (a.run, a.pcp, a.rounds, a.shapes) == (bench_pcp.run_varlen, [2, 8], 2, ["gqa", "mla"])
+    assert a.batches == ["64x256+2048"]
+    a = bench_pcp.parse_args(["new-shapes"])
+    assert (a.run, a.pcp, a.prompts) == (bench_pcp.run_new_shapes, [2, 8], 6)
+    a = bench_pcp.parse_args(["timeline", "--out", "x"])
+    assert (a.run, a.pcp, a.out) == (bench_pcp.run_timeline, [4, 8], "x")
+    assert a.shapes == ["mha-32k", "gqa-32k", "mla-32k"]

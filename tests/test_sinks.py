@@ -1,0 +1,103 @@
+"""Attention sinks (one learned logit per head): the CP op against the dense masked-softmax
+oracle (fp64, output and gradients, the sinks' own included), and every layout on gloo ranks
+against one process (prefill, decode with the DCP combine, mixed and training steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_modules.ops.cp_attention import gqa_attention
+from cp_modules.reference.masked_attention import dense_attention
+from cp_modules.step import CPRuntime, build_step_metadata, cp_step, restore_tokens
+from cp_modules.testing import run_distributed
+from cp_modules.verify import TOLERANCE, VerifyArgs, run_verify, verify_rank
+
+LENS = [13, 1, 6]
+H, HKV, D = 4, 2, 8
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(LENS)
+    q, k, v = (torch.randn(n, h, D, generator=g, dtype=torch.float64) for h in (H, HKV, HKV))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64)
+    dout = torch.randn(n, H, D, generator=g, dtype=torch.float64)
+    return q, k, v, sinks, dout
+
+
+def _leaves(*xs):
+    return [x.clone().requires_grad_() for x in xs]
+
+
+def test_sinks_equal_the_dense_oracle():
+    q0, k0, v0, s0, dout = _inputs()
+    scale = D**-0.5
+    # The oracle, request by request.
+    q, k, v, s = _leaves(q0, k0, v0, s0)
+    outs, start = [], 0
+    for n in LENS:
+        o, _ = dense_attention(q[start : start + n], k[start : start + n], v[start : start + n],
+                               scale=scale, sinks=s)  # fmt: skip
+        outs.append(o)
+        start += n
+    want = torch.cat(outs)
+    want_grads = torch.autograd.grad(want, [q, k, v, s], dout)
+    # The CP op on one process (DualChunkSwap segments, padding included).
+    meta = build_step_metadata(CPRuntime.single(), LENS)
+    idx = meta.token_indices
+    q, k, v, s = _leaves(q0[idx], k0[idx], v0[idx], s0)
+    with cp_step(meta):
+        out = gqa_attention(q, k, v, scale=scale, sinks=s)
+    got = restore_tokens(out, meta)
+    torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
+    gl = dout[idx] * meta.plan.local_valid[:, None, None]
+    grads = torch.autograd.grad(out, [q, k, v, s], gl)
+    for name, g, w in zip("qkv", grads[:3], want_grads[:3]):
+        torch.testing.assert_close(restore_tokens(g, meta), w, atol=1e-12, rtol=1e-11, msg=name)
+    torch.testing.assert_close(grads[3], want_grads[3], atol=1e-12, rtol=1e-11, msg="sinks")
+    # Sinks take probability: the output differs from plain attention.
+    with cp_step(meta), torch.no_grad():
+        plain = restore_tokens(gqa_attention(q, k, v, scale=scale), meta)
+    assert (plain - got).abs().max() > 1e-3
+
+
+def test_sinks_must_be_one_logit_per_head():
+    q, k, v, s, _ = _inputs()
+    meta = build_step_metadata(CPRuntime.single(), LENS)
+    idx = meta.token_indices
+    with cp_step(meta), pytest.raises(ValueError, match=r"one logit per local query head, \[4\]"):
+        gqa_attention(q[idx], k[idx], v[idx], scale=1.0, sinks=s[:3])
+
+
+def test_verify_refuses_sinks_on_mla_before_spawning():
+    with pytest.raises(ValueError, match="--sinks applies to --attention gqa only"):
+        run_verify(VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention="mla", sinks=True))
+
+
+def _run_cases(rank, world_size, cases):
+    return [(f"{a.tp}-{a.pcp}-{a.dcp}-{a.dcp_comm_backend}-{a.mode}", verify_rank(rank, world_size, a)["errors"])
+            for a in cases]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, layouts",
+    [
+        (2, [(1, 2, 2, "ag_rs"), (2, 1, 2, "a2a")]),
+        (4, [(2, 2, 2, "a2a"), (1, 4, 4, "ag_rs"), (2, 2, 4, "a2a")]),
+    ],
+    ids=["world2", "world4"],
+)
+def test_sinks_on_every_path_equal_one_process(world_size, layouts):
+    cases = [
+        VerifyArgs(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend,
+                   mode=mode, seq_lens=[19, 3, 8], decode_steps=2, block_size=4, sinks=True)
+        for tp, pcp, dcp, backend in layouts
+        for mode in ("mixed", "train")
+    ]  # fmt: skip
+    results = run_distributed(_run_cases, world_size, cases, timeout_s=900)
+    for per_rank in results:
+        for name, errors in per_rank:
+            assert errors, name
+            assert max(errors.values()) <= TOLERANCE["float32"], (name, errors)
