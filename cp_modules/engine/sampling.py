@@ -26,7 +26,10 @@ class SamplingParams:
             (1.0: all).
         seed: seed of the sampling generator (the same on every rank).
         eos_token_id: stop a request after it generates one of these ids (kept in the output,
-            as HF ``generate`` does); None: no stop token.
+            as HF ``generate`` does); None: the model's ``generation_config.eos_token_id``
+            (the engine's default).
+        ignore_eos: with ``eos_token_id=None``, no stop token at all (run to
+            ``max_new_tokens``).
 
     Raises:
         ValueError: for a parameter out of its range.
@@ -38,6 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     eos_token_id: int | Sequence[int] | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

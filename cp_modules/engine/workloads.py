@@ -13,7 +13,7 @@ import os
 import torch
 
 from cp_modules.engine.engine import GenerationEngine, GenerationResult
-from cp_modules.engine.model import build_model
+from cp_modules.engine.model import build_model, load_tokenizer, model_dir
 from cp_modules.engine.sampling import SamplingParams
 from cp_modules.recipe_configs import (
     BenchmarkConf,
@@ -35,40 +35,44 @@ __all__ = [
 
 
 def make_prompts(conf: GenerateConf) -> tuple[list[list[int]], object | None]:
-    """Token ids of the workload's prompts, and the tokenizer when the prompts are text.
+    """Token ids of the workload's prompts, and the tokenizer when the model has one.
 
-    Raises:
-        ValueError: for text prompts without a checkpoint to take the tokenizer from.
+    With a tokenizer, ``workload.prompts`` (text) are encoded, through the tokenizer's chat
+    template as one user turn each when ``workload.chat`` and the tokenizer has a template.
+    Without text prompts, or for a tiny model (no tokenizer), the prompts are random ids of
+    ``workload.prompt_lens`` tokens drawn with ``workload.seed``.
     """
     w = conf.workload
-    if w.prompts:
-        if not conf.model.checkpoint:
-            raise ValueError(
-                "workload.prompts (text) needs model.checkpoint (a local model directory with a "
-                "tokenizer); without one use workload.prompt_lens"
-            )
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(conf.model.checkpoint, local_files_only=True)
-        return [tok(p)["input_ids"] for p in w.prompts], tok
+    tok = load_tokenizer(conf.model) if w.prompts else None
+    if w.prompts and tok is not None:
+        if w.chat and getattr(tok, "chat_template", None):
+            ids = [
+                list(tok.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True,
+                )["input_ids"])
+                for p in w.prompts
+            ]
+        else:
+            ids = [tok(p)["input_ids"] for p in w.prompts]
+        return ids, tok
     vocab_size = conf.model.vocab_size
-    if conf.model.checkpoint:
+    path = model_dir(conf.model)
+    if path is not None:
         from transformers import AutoConfig
 
-        vocab_size = AutoConfig.from_pretrained(conf.model.checkpoint, local_files_only=True).vocab_size
+        extra = {"gguf_file": conf.model.gguf_file} if conf.model.gguf_file else {}
+        vocab_size = AutoConfig.from_pretrained(path, local_files_only=True, **extra).vocab_size
     g = torch.Generator().manual_seed(w.seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in w.prompt_lens], None
 
 
-def sampling_params(conf: GenerateConf, model=None) -> SamplingParams:
-    """The workload's sampling; without an ``eos_token_id`` the model's generation config's."""
+def sampling_params(conf: GenerateConf) -> SamplingParams:
+    """The workload's sampling; ``eos_token_id`` None: the engine stops at the model's
+    generation config's end-of-sequence ids."""
     w = conf.workload
-    eos = w.eos_token_id
-    if eos is None and model is not None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     return SamplingParams(
         max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_k=w.top_k,
-        top_p=w.top_p, seed=w.seed, eos_token_id=eos,
+        top_p=w.top_p, seed=w.seed, eos_token_id=w.eos_token_id,
     )
 
 
@@ -110,7 +114,7 @@ def generate_on_rank(
         conf.model, conf.parallel, conf.backend, max_num_tokens=w.max_num_tokens,
         max_num_seqs=w.max_num_seqs, progress=w.progress,
     )
-    params = sampling_params(conf, engine.model)
+    params = sampling_params(conf)
     if conf.backend.compile:
         # Compile the prefill and decode graphs before the timed run.
         engine.generate(prompts, dataclasses.replace(params, max_new_tokens=2))

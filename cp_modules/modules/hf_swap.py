@@ -1,63 +1,68 @@
-"""Drop-in swap: HuggingFace causal LMs run their own forward with context-parallel attention.
+"""Drop-in context parallelism for HuggingFace causal LMs: :func:`swap_attention`.
 
-:func:`swap_attention` replaces every ``self_attn`` of a transformers model, in place, by an
-adapter that *is* a :class:`CPFlashAttention` (Llama, Qwen2, Mistral: GQA/MHA) or a
-:class:`CPMLAAttention` (DeepSeek-V2/V3: MLA) and takes over the original projection modules
-themselves, so weights (and biases, dtypes, devices) are kept as they are. The adapters accept
-HF's attention call (``hidden_states [1, T, hidden]``, ``position_embeddings`` computed by the
-model from ``position_ids``) and return ``(out, None)``. With a TP size > 1 the rest of the
-model (embeddings, MLPs, LM head) is sharded with ``parallelize_module`` on the TP mesh.
+GQA/MHA models keep every module they have. Their attention goes through transformers'
+attention interface, set to the ``"cp"`` backend (:mod:`cp_modules.modules.hf_attention`):
+the model's own projections, q/k norms, rope variant and scaling run as they are, and cp does
+the attention of the step (PCP, the paged DCP-sharded KV cache, decode, training). Each
+attention module gets a :class:`~cp_modules.modules.hf_attention.CPLayerBinding`
+(``module.cp_binding``); the model gets the KV-cache store ``model.cp_kv_caches``, filled by
+:func:`allocate_kv_caches` (one paged cache per ``layer_idx``).
 
-The model is then fed one step of the batch's flattened tokens as a single row:
+MLA models (DeepSeek-V2/V3 and derivatives) swap every ``self_attn`` for a
+:class:`HFCPMLAAttention` (a :class:`CPMLAAttention` that takes over the original projection
+and norm modules: latent gather in prefill, absorbed decode), weights kept.
+
+With a TP size > 1 the attention projections are sharded with ``parallelize_module`` after the
+model's own TP plan (``config.base_model_tp_plan``: ``colwise`` / ``rowwise``, or
+``colwise_gather_output`` / ``rowwise_split_input`` where a fused or normed projection needs
+every head on every rank; ``replicated_with_grad_allreduce`` norms sum their gradients over
+TP), and the embeddings, MLPs and LM head with :func:`parallelize_non_attention`.
+
+The model is fed one step of the batch's flattened tokens as a single row:
 ``input_ids [1, T]`` = this rank's local tokens ``meta.token_indices`` and
-``position_ids [1, T]`` = ``meta.positions``, under ``with cp_step(meta):``. Hidden states (or
-logits) of the local tokens go through :func:`restore_tokens` to come back in batch order.
-
-The model's ``config._attn_implementation`` becomes ``"cp_modules"``, registered with
-transformers' ``AttentionInterface`` and without a mask function, so HF builds no causal mask
-(the CP ops know the causal structure from the step's metadata).
+``position_ids [1, T]`` = ``meta.positions``, with ``use_cache=False``, under
+``with cp_step(meta):``. Hidden states (or logits) of the local tokens go through
+:func:`restore_tokens` to come back in batch order.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 
 import torch
 from torch import nn
 
+from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache, kv_cache_bytes_per_block
 from cp_modules.config import ParallelConfig
-from cp_modules.modules.attention import CPFlashAttention, CPMLAAttention, apply_tensor_parallel
+from cp_modules.modules.attention import CPMLAAttention, apply_tensor_parallel
+from cp_modules.modules.hf_attention import (
+    CP_ATTN_IMPLEMENTATION,
+    CPKVCaches,
+    CPLayerBinding,
+    RefusedMask,
+    check_call,
+    refusal,
+    register_cp_attention,
+)
 from cp_modules.modules.rope import RotaryEmbedding
 
 __all__ = [
     "CP_ATTN_IMPLEMENTATION",
-    "HFCPFlashAttention",
     "HFCPMLAAttention",
+    "allocate_kv_caches",
     "cp_attention_layers",
+    "free_kv_caches",
+    "kv_cache_tensors",
+    "parallelize_non_attention",
     "swap_attention",
 ]
 
-CP_ATTN_IMPLEMENTATION = "cp_modules"
-
-_GQA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLA_PROJECTIONS = (
     "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
     "kv_b_proj", "o_proj",
 )
-
-
-def _cp_attention_placeholder(module, *args, **kwargs):
-    raise RuntimeError(
-        f"{type(module).__name__} was not replaced by swap_attention but the model's "
-        f"attn_implementation is {CP_ATTN_IMPLEMENTATION!r}: call swap_attention(model, ...) on "
-        "the whole model"
-    )
-
-
-def _register_attention_interface() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(CP_ATTN_IMPLEMENTATION, _cp_attention_placeholder)
 
 
 def _rope_from_hf(position_embeddings, kwargs, rotary) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,36 +94,6 @@ def _check_hidden(hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states[0]
 
 
-class HFCPFlashAttention(CPFlashAttention):
-    """CPFlashAttention called the way HF Llama/Qwen2/Mistral decoder layers call attention.
-
-    Shapes: forward(hidden_states [1, T, hidden], position_embeddings (cos, sin) [1, T, D])
-    -> (out [1, T, hidden], None).
-    """
-
-    @classmethod
-    def from_hf(cls, attn: nn.Module, config) -> HFCPFlashAttention:
-        """Adapter owning ``attn``'s projection modules (weights kept, not copied)."""
-        num_heads = config.num_attention_heads
-        with torch.device("meta"):  # every parameter is replaced by attn's own below
-            layer = cls(
-                config.hidden_size, num_heads,
-                getattr(config, "num_key_value_heads", None) or num_heads, attn.head_dim,
-                rope_theta=_rope_theta(config),
-                bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-            )
-        for name in _GQA_PROJECTIONS:
-            setattr(layer, name, getattr(attn, name))
-        layer.scaling = attn.scaling
-        return _finish(layer, attn, attn.head_dim, config)
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        x = _check_hidden(hidden_states)
-        cos, sin = _rope_from_hf(position_embeddings, kwargs, self.rotary)
-        out = super().forward(x, None, position_embeddings=(cos, sin))
-        return out.unsqueeze(0), None
-
-
 class HFCPMLAAttention(CPMLAAttention):
     """CPMLAAttention called the way HF DeepSeek-V2/V3 decoder layers call attention.
 
@@ -145,24 +120,24 @@ class HFCPMLAAttention(CPMLAAttention):
             mod = getattr(attn, name, None)
             if mod is not None:
                 setattr(layer, name, mod)
-        return _finish(layer, attn, attn.qk_rope_head_dim, config)
+        device = next(attn.parameters()).device
+        layer.rotary = RotaryEmbedding(attn.qk_rope_head_dim, _rope_theta(config)).to(device)
+        layer.layer_idx = getattr(attn, "layer_idx", None)
+        layer.where = f"{type(attn).__name__} (layer_idx={layer.layer_idx})"
+        layer.train(attn.training)
+        left = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
+        assert not left, f"adapter tensors not taken from the HF module: {left}"
+        return layer
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        if isinstance(attention_mask, RefusedMask):
+            raise refusal(None, self, f"{self.where}: {attention_mask.feature}")
+        if attention_mask is not None:
+            raise refusal(None, self, f"{self.where}: an explicit attention mask")
         x = _check_hidden(hidden_states)
         cos, sin = _rope_from_hf(position_embeddings, kwargs, self.rotary)
         out = super().forward(x, None, position_embeddings=(cos, sin))
         return out.unsqueeze(0), None
-
-
-def _finish(layer, attn: nn.Module, rope_dim: int, config):
-    """Rotary tables on the weights' device (used only without position_embeddings)."""
-    device = next(attn.parameters()).device
-    layer.rotary = RotaryEmbedding(rope_dim, _rope_theta(config)).to(device)
-    layer.layer_idx = getattr(attn, "layer_idx", None)
-    layer.train(attn.training)
-    left = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
-    assert not left, f"adapter tensors not taken from the HF module: {left}"
-    return layer
 
 
 def _rope_theta(config) -> float:
@@ -174,28 +149,57 @@ def _is_mla(attn: nn.Module) -> bool:
     return hasattr(attn, "kv_a_proj_with_mqa") and hasattr(attn, "kv_b_proj")
 
 
-def _is_gqa(attn: nn.Module) -> bool:
-    return all(isinstance(getattr(attn, n, None), nn.Linear) for n in _GQA_PROJECTIONS)
+_USES_INTERFACE: dict[type, bool] = {}
 
 
-def _check_full_attention(config) -> None:
-    """Sliding-window layers would attend fewer keys than the CP modules (full causal)."""
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", window is not None)
-    if other or (window is not None and uses_window):
+def _uses_interface(attn: nn.Module) -> bool:
+    """Whether ``attn``'s forward calls transformers' attention interface."""
+    cls = type(attn)
+    if cls not in _USES_INTERFACE:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            src = ""
+        _USES_INTERFACE[cls] = "ALL_ATTENTION_FUNCTIONS" in src
+    return _USES_INTERFACE[cls]
+
+
+def cp_attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of ``model`` that cp serves, in module order: the model's own
+    modules bound to the ``cp`` interface (``module.cp_binding``) and MLA adapters."""
+    return [
+        m for m in model.modules()
+        if getattr(m, "cp_binding", None) is not None or isinstance(m, CPMLAAttention)
+    ]
+
+
+def _parallel_args(parallel):
+    from cp_modules.distributed.groups import CPGroups
+
+    if parallel is None:
+        return ParallelConfig(), None
+    if isinstance(parallel, ParallelConfig):
+        return parallel, None
+    if isinstance(parallel, CPGroups):
+        return parallel.config, parallel
+    raise ValueError(
+        f"parallel must be a ParallelConfig, CPGroups or None, got {type(parallel).__name__}"
+    )
+
+
+def _check_layer_types(model: nn.Module, hf_config) -> None:
+    other = {
+        i: t for i, t in enumerate(getattr(hf_config, "layer_types", None) or [])
+        if t != "full_attention"
+    }
+    if other:
+        i, t = next(iter(other.items()))
         raise ValueError(
-            "swap_attention supports full causal attention only, but the model config has "
-            f"layer_types {other or 'full_attention'} / sliding_window={window}: set "
-            "config.sliding_window=None (and layer_types to 'full_attention') when every "
-            "sequence is shorter than the window"
+            f"{type(model).__name__} layer {i} (and {len(other) - 1} more): layer type {t!r} "
+            "is not implemented by context-parallel attention (full causal attention only); "
+            "set config.layer_types to 'full_attention' only when every sequence is shorter "
+            "than the window"
         )
-
-
-def cp_attention_layers(model: nn.Module) -> list[CPFlashAttention | CPMLAAttention]:
-    """The context-parallel attention layers of ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, (CPFlashAttention, CPMLAAttention))]
 
 
 def swap_attention(
@@ -204,84 +208,192 @@ def swap_attention(
     *,
     parallelize_rest: bool = True,
 ) -> nn.Module:
-    """Replace the attention layers of a HF causal LM with CP modules in place; return the model.
+    """Make a HF causal LM context-parallel, in place; return the model.
+
+    GQA/MHA attention is set to transformers' ``"cp"`` attention interface (the model keeps
+    its modules); MLA attention (DeepSeek-V2/V3 style) is swapped for :class:`HFCPMLAAttention`.
 
     Args:
-        model: a transformers model (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-            ``MistralForCausalLM``, ``DeepseekV2/V3ForCausalLM`` or their base models); every
-            ``self_attn`` is swapped.
+        model: a transformers causal LM (or base model).
         parallel: the layout, as :class:`~cp_modules.distributed.groups.CPGroups` (tensor
             parallelism is applied on ``groups.mesh["tp"]``) or a :class:`ParallelConfig`
             (heads are validated against it; when its world size is > 1 the groups are built
             with ``init_cp_groups`` and kept as ``model.cp_groups``). ``None``: one process.
         parallelize_rest: with TP > 1, also shard the embeddings, MLPs (``gate/up/down_proj``)
-            and the LM head with ``parallelize_module`` (embedding and LM head over the
-            vocabulary, MLPs column-/row-wise); routed MoE experts stay replicated.
+            and the LM head with ``parallelize_module``; routed MoE experts stay replicated.
 
     Raises:
-        ValueError: for a model without swappable attention layers, sliding-window attention,
-            or head counts the layout cannot serve.
+        ValueError: naming the model class, the layer and the feature, for attention cp cannot
+            serve exactly: a layer that neither goes through the attention interface nor is
+            MLA, sliding-window / chunked / non-causal layers, sinks, soft-capping (the
+            forward refuses what only shows at call time), head counts or a TP plan the
+            layout cannot serve.
     """
-    from cp_modules.distributed.groups import CPGroups, init_cp_groups
+    from cp_modules.distributed.groups import init_cp_groups
 
-    groups = None
-    if parallel is None:
-        config = ParallelConfig()
-    elif isinstance(parallel, ParallelConfig):
-        config = parallel
-    elif isinstance(parallel, CPGroups):
-        config, groups = parallel.config, parallel
-    else:
-        raise ValueError(
-            f"parallel must be a ParallelConfig, CPGroups or None, got {type(parallel).__name__}"
-        )
+    config, groups = _parallel_args(parallel)
     hf_config = getattr(model, "config", None)
     if hf_config is None:
         raise ValueError(f"expected a transformers model with a .config, got {type(model).__name__}")
-    _check_full_attention(hf_config)
+    model_name = type(model).__name__
+    _check_layer_types(model, hf_config)
+    register_cp_attention()
+    caches = getattr(model, "cp_kv_caches", None) or CPKVCaches()
 
     targets = [
         (name, mod) for name, mod in model.named_modules()
-        if name.rsplit(".", 1)[-1] == "self_attn" and not isinstance(mod, (CPFlashAttention, CPMLAAttention))
+        if name.rsplit(".", 1)[-1] == "self_attn" and getattr(mod, "cp_binding", None) is None
+        and not isinstance(mod, CPMLAAttention)
     ]
     if not targets and not cp_attention_layers(model):
         raise ValueError(
-            f"{type(model).__name__} has no `self_attn` modules to swap: supported are "
-            "Llama/Qwen2/Mistral-style (q/k/v/o_proj) and DeepSeek-V2/V3-style (MLA) models"
+            f"{model_name} has no `self_attn` modules: cp serves causal LMs whose attention goes "
+            "through transformers' attention interface, and DeepSeek-V2/V3-style MLA models"
         )
-    swapped = []
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    swapped_mla, bound = [], []
     for name, attn in targets:
         if _is_mla(attn):
-            config.validate_heads(hf_config.num_attention_heads, None)
+            config.validate_heads(num_heads, None)
             new = HFCPMLAAttention.from_hf(attn, hf_config)
-        elif _is_gqa(attn):
-            config.validate_heads(
-                hf_config.num_attention_heads,
-                getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-            )
-            new = HFCPFlashAttention.from_hf(attn, hf_config)
-        else:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            swapped_mla.append(new)
+            continue
+        where = f"{model_name} layer {name!r}"
+        if not _uses_interface(attn):
             raise ValueError(
-                f"{name} ({type(attn).__name__}) is neither GQA/MHA (q_proj, k_proj, v_proj, "
-                "o_proj) nor MLA (kv_a_proj_with_mqa, kv_b_proj)"
+                f"{where}: {type(attn).__name__} does not go through transformers' attention "
+                "interface and is not a known MLA layer, so cp cannot serve it"
             )
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        swapped.append(new)
-
-    _register_attention_interface()
-    model.set_attn_implementation(CP_ATTN_IMPLEMENTATION)
+        layer_idx = getattr(attn, "layer_idx", None)
+        if not isinstance(layer_idx, int):
+            raise ValueError(f"{where}: {type(attn).__name__} has no integer layer_idx (its KV-cache slot)")
+        config.validate_heads(num_heads, num_kv_heads)
+        head_dim = getattr(attn, "head_dim", None) or hf_config.hidden_size // num_heads
+        binding = CPLayerBinding(
+            model_name=model_name, layer_name=name, layer_idx=layer_idx, caches=caches,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=head_dim,
+        )
+        # What shows on the module already (windows, sinks, is_causal) fails here, not at the
+        # first forward.
+        check_call(binding, attn, None, 0.0, {})
+        bound.append((name, attn, binding))
+    if len({b.layer_idx for _, _, b in bound}) != len(bound):
+        raise ValueError(f"{model_name}: attention modules share a layer_idx (each needs its own KV cache)")
 
     if config.world_size > 1 and groups is None:
         groups = init_cp_groups(config)
         model.cp_groups = groups
     if groups is not None and config.tp > 1:
         tp_mesh = groups.mesh["tp"]
-        for layer in swapped:
+        plan = _attention_tp_plan(hf_config)
+        for _, attn, binding in bound:
+            _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_kv_heads)
+        for layer in swapped_mla:
             apply_tensor_parallel(layer, tp_mesh)
         if parallelize_rest:
             parallelize_non_attention(model, tp_mesh)
+    for _, attn, binding in bound:
+        attn.cp_binding = binding
+    model.cp_kv_caches = caches
+    model.set_attn_implementation(CP_ATTN_IMPLEMENTATION)
     return model
+
+
+# ----------------------------------------------------------------------------- TP
+
+_DEFAULT_ATTENTION_PLAN = {
+    "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+    "qkv_proj": "colwise_gather_output",
+}
+_GATHERED = ("colwise_gather_output", "rowwise_split_input")
+
+
+def _attention_tp_plan(hf_config) -> dict[str, str]:
+    """The model's TP plan for the children of ``self_attn`` (child name -> style)."""
+    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+    own = {}
+    for key, style in plan.items():
+        m = re.fullmatch(r"(?:.*\.)?self_attn\.(\w+)", key)
+        if m:
+            own[m.group(1)] = style
+    return own or dict(_DEFAULT_ATTENTION_PLAN)
+
+
+def _grad_allreduce(module: nn.Module, tp_group: tuple[str, int]) -> None:
+    """Sum the gradients of a replicated module's parameters over TP (each rank's covers only
+    its own heads)."""
+    from cp_modules.distributed.collectives import all_reduce
+
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: all_reduce(g.contiguous(), *tp_group))
+
+
+def _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_kv_heads) -> None:
+    """Shard one attention module's projections over ``tp_mesh`` after the model's TP plan."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    tp_group = (tp_mesh.get_group().group_name, tp)
+    children = {n: m for n, m in attn.named_children() if any(True for _ in m.parameters())}
+    missing = sorted(set(children) - set(plan))
+    if missing:
+        raise ValueError(
+            f"{binding.where()}: tensor_parallel_size={tp} but the model's TP plan does not say "
+            f"how to shard {missing}: run with tensor_parallel_size=1"
+        )
+    styles = {n: plan[n] for n in children}
+    known = {"colwise", "rowwise", "replicated_with_grad_allreduce", *_GATHERED}
+    odd = {n: s for n, s in styles.items() if s not in known}
+    if odd:
+        raise ValueError(f"{binding.where()}: TP styles {odd} are not supported by cp; known: {sorted(known)}")
+    replicated = any(s in _GATHERED for s in styles.values())
+    binding.tp_group = tp_group
+    kv_sharded = True
+    if replicated:
+        if config.tp_positions_per_dcp_group > 1:
+            raise ValueError(
+                f"{binding.where()}: the model's TP plan keeps every head on every TP rank "
+                f"({styles}), so a DCP group may span only PCP ranks: need "
+                f"decode_context_parallel_size <= prefill_context_parallel_size, got "
+                f"dcp={config.dcp}, pcp={config.pcp} (or run with tensor_parallel_size=1)"
+            )
+        binding.heads_replicated = True
+        binding.num_kv_heads = num_kv_heads
+        if any(s in ("colwise", "rowwise") for s in styles.values()):
+            raise ValueError(f"{binding.where()}: a TP plan that mixes gathered and sharded heads: {styles}")
+    elif num_kv_heads % tp:
+        # Fewer KV heads than TP ranks: k/v projections stay replicated, each rank uses the
+        # KV head of its query heads (gradients summed over TP in the attention function).
+        kv_sharded = False
+        binding.kv_replica_index = tp_mesh.get_local_rank() * num_kv_heads // tp
+        binding.num_kv_heads = 1
+        styles = {n: s for n, s in styles.items() if n not in ("k_proj", "v_proj")}
+    else:
+        binding.num_kv_heads = num_kv_heads // tp
+    torch_plan = {}
+    for n, s in styles.items():
+        if s == "colwise":
+            torch_plan[n] = ColwiseParallel()
+        elif s == "rowwise":
+            torch_plan[n] = RowwiseParallel()
+        elif s == "colwise_gather_output":
+            torch_plan[n] = ColwiseParallel(output_layouts=Replicate())
+        elif s == "rowwise_split_input":
+            torch_plan[n] = RowwiseParallel(input_layouts=Replicate())
+        elif not replicated and (kv_sharded or not n.startswith("k_")):
+            # replicated_with_grad_allreduce: a q/k norm over this rank's heads. With replicated
+            # KV heads the k side's gradient is already summed by the attention function.
+            _grad_allreduce(children[n], tp_group)
+    parallelize_module(attn, tp_mesh, torch_plan)
 
 
 def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
@@ -304,7 +416,7 @@ def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
     plan = {}
     skipped = []
     for name, mod in model.named_modules():
-        if isinstance(mod, (CPFlashAttention, CPMLAAttention)):
+        if isinstance(mod, CPMLAAttention) or getattr(mod, "cp_binding", None) is not None:
             continue
         children = {n: getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")}
         if all(isinstance(c, nn.Linear) for c in children.values()):
@@ -344,3 +456,66 @@ def _module_name(root: nn.Module, target: nn.Module | None) -> str | None:
         if mod is target:
             return name
     return None
+
+
+# ----------------------------------------------------------------------------- KV caches
+
+
+def allocate_kv_caches(
+    model: nn.Module, num_blocks: int, block_size: int, *, dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> int:
+    """Give every cp layer of ``model`` a paged KV cache of ``num_blocks`` blocks on this rank;
+    return the bytes one block takes over all layers.
+
+    Interface-served layers get ``(k_cache, v_cache)`` ``[NB, BS, Hkv_local, D]`` in
+    ``model.cp_kv_caches`` by ``layer_idx``; MLA layers a latent cache ``[NB, BS, Rk + Dr]``.
+
+    Raises:
+        ValueError: for a model :func:`swap_attention` has not prepared.
+    """
+    layers = cp_attention_layers(model)
+    if not layers:
+        raise ValueError("model has no context-parallel attention: call swap_attention(model, ...) first")
+    free_kv_caches(model)  # the old caches go before the new ones are allocated
+    per_block = 0
+    for layer in layers:
+        b = getattr(layer, "cp_binding", None)
+        if b is not None:
+            b.caches.caches[b.layer_idx] = allocate_kv_cache(
+                num_blocks, block_size, b.num_kv_heads, b.head_dim, dtype=dtype, device=device
+            )
+            per_block += kv_cache_bytes_per_block(
+                block_size, dtype=dtype, num_kv_heads=b.num_kv_heads, head_dim=b.head_dim
+            )
+        else:
+            layer.kv_cache = allocate_mla_cache(
+                num_blocks, block_size, layer.kv_lora_rank, layer.qk_rope_head_dim,
+                dtype=dtype, device=device,
+            )
+            per_block += kv_cache_bytes_per_block(
+                block_size, dtype=dtype, kv_lora_rank=layer.kv_lora_rank,
+                rope_dim=layer.qk_rope_head_dim,
+            )
+    return per_block
+
+
+def free_kv_caches(model: nn.Module) -> None:
+    """Drop every cp layer's KV cache (the layers then run cache-less, e.g. for training)."""
+    for layer in cp_attention_layers(model):
+        b = getattr(layer, "cp_binding", None)
+        if b is not None:
+            b.caches.caches.pop(b.layer_idx, None)
+        else:
+            layer.kv_cache = None
+
+
+def kv_cache_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every KV-cache tensor of ``model``'s cp layers (e.g. to mark them for torch.compile)."""
+    out = []
+    for layer in cp_attention_layers(model):
+        b = getattr(layer, "cp_binding", None)
+        cache = b.caches.get(b.layer_idx) if b is not None else layer.kv_cache
+        if cache is not None:
+            out.extend(cache if isinstance(cache, tuple) else (cache,))
+    return out
