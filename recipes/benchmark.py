@@ -25,10 +25,10 @@ import sys
 import hydra
 import torch
 from omegaconf import DictConfig
+from recipe_configs import BenchmarkConf, load_config, register_configs
+from recipe_workloads import benchmark_on_rank, compare_outputs, single_process
 
 from cp_modules.engine import launch, under_torchrun
-from cp_modules.engine.workloads import benchmark_on_rank, compare_outputs, single_process
-from cp_modules.recipe_configs import BenchmarkConf, load_config, register_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

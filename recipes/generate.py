@@ -19,16 +19,16 @@ import sys
 
 import hydra
 from omegaconf import DictConfig
-
-from cp_modules.engine import GenerationResult, launch
-from cp_modules.engine.model import model_name
-from cp_modules.engine.workloads import (
+from recipe_configs import GenerateConf, load_config, register_configs
+from recipe_models import model_name
+from recipe_workloads import (
     compare_outputs,
     generate_on_rank,
     make_prompts,
     single_process,
 )
-from cp_modules.recipe_configs import GenerateConf, load_config, register_configs
+
+from cp_modules.engine import GenerationResult, launch
 
 
 def _show(ids: list[int], tokenizer, limit: int = 12) -> str:

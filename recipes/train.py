@@ -33,11 +33,7 @@ import hydra
 import lightning as L
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
-
-from cp_modules.integrations.lightning import CPFabricStrategy, CPTrainerStrategy
-from cp_modules.models import TinyLM, TinyLMConfig, parallelize_model
-from cp_modules.recipe_configs import (
+from recipe_configs import (
     BackendConf,
     Device,
     Family,
@@ -45,6 +41,10 @@ from cp_modules.recipe_configs import (
     ParallelConf,
     load_config,
 )
+from torch.utils.data import DataLoader
+
+from cp_modules.integrations.lightning import CPFabricStrategy, CPTrainerStrategy
+from cp_modules.models import TinyLM, TinyLMConfig, parallelize_model
 from cp_modules.step import cp_step
 from cp_modules.training import ByteTextDataset, lm_cross_entropy
 
@@ -163,8 +163,9 @@ def _build_model(conf: TrainConf, groups=None) -> torch.nn.Module:
     if not conf.model.hf:
         torch.manual_seed(conf.model.seed)
         return TinyLM(tiny_lm_config(conf.model))
+    from recipe_models import build_model
+
     from cp_modules import swap_attention
-    from cp_modules.engine.model import build_model
 
     model = build_model(conf.model).train()
     return HFTokensLM(swap_attention(model, groups))

@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+from recipe_configs import Family, ModelConf
+from recipe_models import build_model
 
 from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.engine import (
@@ -15,11 +17,9 @@ from cp_modules.engine import (
     Request,
     SamplingParams,
     Scheduler,
-    build_model,
     sample_tokens,
 )
 from cp_modules.modules.hf_swap import swap_attention
-from cp_modules.recipe_configs import Family, ModelConf
 
 LENS = (29, 1, 9, 4, 17)
 MAX_NEW = 8

@@ -58,7 +58,7 @@ class Case:
 
 
 def _model_conf(family: str, num_kv_heads: int, bias: bool = False, tied: bool = False, dtype: str = "float32"):
-    from cp_modules.recipe_configs import Family, ModelConf
+    from recipe_configs import Family, ModelConf
 
     if family == "deepseek_v3":
         return ModelConf(family=Family.deepseek_v3, num_kv_heads=8, q_lora_rank=32, tie_word_embeddings=tied,
@@ -111,9 +111,11 @@ def _train_grads(model, groups, runtime):
 
 
 def _rank_body(rank: int, world_size: int, cases: list[Case], prompts):
+    from recipe_models import build_model
+
     from cp_modules.config import ParallelConfig
     from cp_modules.distributed.groups import init_cp_groups
-    from cp_modules.engine import GenerationEngine, SamplingParams, build_model
+    from cp_modules.engine import GenerationEngine, SamplingParams
     from cp_modules.modules.hf_swap import swap_attention
     from cp_modules.step import CPRuntime
 
@@ -140,8 +142,8 @@ def hf_reference():
     """One process's results per model: greedy tokens of HF's own ``generate`` (original
     attention), or the gradients of the training loss."""
     import torch
+    from recipe_models import build_model
 
-    from cp_modules.engine import build_model
     from cp_modules.modules.hf_swap import swap_attention
     from cp_modules.step import CPRuntime
 
@@ -240,9 +242,10 @@ def test_world2_generation_equals_hf_generate_and_gradients_equal_the_original(h
 
 
 def _refused_layout(rank: int, world_size: int):
+    from recipe_models import build_model
+
     from cp_modules.config import ParallelConfig
     from cp_modules.distributed.groups import init_cp_groups
-    from cp_modules.engine import build_model
     from cp_modules.modules.hf_swap import swap_attention
 
     groups = init_cp_groups(ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2))

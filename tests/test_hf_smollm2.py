@@ -14,12 +14,12 @@ import copy
 
 import pytest
 import torch
+from recipe_configs import ModelConf
+from recipe_models import build_model, load_tokenizer, model_dir
 
-from cp_modules.engine import GenerationEngine, SamplingParams, build_model
-from cp_modules.engine.model import load_tokenizer, model_dir
+from cp_modules.engine import GenerationEngine, SamplingParams
 from cp_modules.modules import CPRuntime, build_step_metadata, cp_step, restore_tokens
 from cp_modules.modules.hf_swap import allocate_kv_caches, swap_attention
-from cp_modules.recipe_configs import ModelConf
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "Count to three."]
 

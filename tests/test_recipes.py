@@ -16,8 +16,7 @@ import subprocess
 import sys
 
 import pytest
-
-from cp_modules.recipe_configs import (
+from recipe_configs import (
     BackendConf,
     BenchmarkConf,
     BenchmarkWorkload,

@@ -2,7 +2,6 @@
 
 from cp_modules.engine.engine import GenerationEngine, GenerationResult, GenerationStats
 from cp_modules.engine.launch import LaunchError, launch, under_torchrun
-from cp_modules.engine.model import build_model, hf_config
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 
@@ -15,8 +14,6 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "StepBatch",
-    "build_model",
-    "hf_config",
     "launch",
     "sample_tokens",
     "under_torchrun",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -249,15 +250,17 @@ def _mask_codes() -> dict:
         return _CODES
     import transformers.masking_utils as mu
 
+    # Built only for their code objects: the closures' arguments are never used.
+    none: Any = None
     _CODES.update({
         "and": mu.and_masks(mu.causal_mask_function).__code__,
         "or": mu.or_masks(mu.causal_mask_function).__code__,
-        "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__,
-        "packed": mu.packed_sequence_mask_function(None).__code__,
+        "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, none).__code__,
+        "packed": mu.packed_sequence_mask_function(none).__code__,
         "window": mu.sliding_window_overlay(1).__code__,
-        "chunk": mu.chunked_overlay(1, None).__code__,
-        "block": mu.blockwise_overlay(None).__code__,
-        "padding": mu.padding_mask_function(None).__code__,
+        "chunk": mu.chunked_overlay(1, none).__code__,
+        "block": mu.blockwise_overlay(none).__code__,
+        "padding": mu.padding_mask_function(none).__code__,
         "window_bidir": mu.sliding_window_bidirectional_overlay(1).__code__,
     })
     return _CODES

@@ -1,4 +1,4 @@
-"""Build a HuggingFace causal LM from a :class:`~cp_modules.recipe_configs.ModelConf`.
+"""Build a HuggingFace causal LM from a :class:`~recipe_configs.ModelConf`.
 
 Tiny models are made from a config (:mod:`cp_modules.modules.hf_families`) with weights seeded
 by ``ModelConf.seed`` (no downloads); ``ModelConf.checkpoint`` (a local model directory) or
@@ -9,9 +9,8 @@ GGUF file, named by ``ModelConf.gguf_file``) loads real weights instead.
 from __future__ import annotations
 
 import torch
+from recipe_configs import Family, ModelConf
 from torch import nn
-
-from cp_modules.recipe_configs import Family, ModelConf
 
 __all__ = ["DTYPES", "build_model", "hf_config", "load_tokenizer", "model_dir", "model_name"]
 

@@ -11,17 +11,17 @@ import dataclasses
 import os
 
 import torch
-
-from cp_modules.engine.engine import GenerationEngine, GenerationResult
-from cp_modules.engine.model import build_model, load_tokenizer, model_dir
-from cp_modules.engine.sampling import SamplingParams
-from cp_modules.recipe_configs import (
+from recipe_configs import (
     BenchmarkConf,
     GenerateConf,
     GenerateWorkload,
     ModelConf,
     ParallelConf,
 )
+from recipe_models import build_model, load_tokenizer, model_dir
+
+from cp_modules.engine.engine import GenerationEngine, GenerationResult
+from cp_modules.engine.sampling import SamplingParams
 
 __all__ = [
     "benchmark_on_rank",
