@@ -432,12 +432,13 @@ def test_hf_export_loads_in_plain_transformers_with_the_trained_logits(lightning
     from transformers import AutoModelForCausalLM
 
     from cp_modules import swap_attention
+    from cp_modules.modules.hf_attention import CP_ATTN_IMPLEMENTATION
 
     results, tmpdir = lightning_results
     trained = torch.from_numpy(results[0]["hf"])
     hf = AutoModelForCausalLM.from_pretrained(os.path.join(tmpdir, "hf"), dtype=torch.float32)
     assert type(hf).__name__ == "LlamaForCausalLM"
-    assert hf.config._attn_implementation != "cp_modules"
+    assert hf.config._attn_implementation != CP_ATTN_IMPLEMENTATION  # a plain transformers model
     with torch.no_grad():
         logits = hf(input_ids=_hf_eval_ids()).logits.reshape(-1, hf.config.vocab_size)
     torch.testing.assert_close(logits, trained, rtol=RTOL, atol=ATOL)
