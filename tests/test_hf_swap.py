@@ -13,6 +13,8 @@ paged KV cache, the prompts prefilled in two chunks (the second attends the cach
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -157,26 +159,56 @@ def _gemma2(**kw):
     return tf.Gemma2ForCausalLM(config).eval()
 
 
-def _gpt_oss():
+def _gpt_oss(**kw):
     import transformers as tf
 
+    torch.manual_seed(0)
     config = tf.GptOssConfig(
         vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["full_attention"] * 2,
-    )
-    return tf.GptOssForCausalLM(config).eval()
+        **{"layer_types": ["full_attention"] * 2, **kw},
+    )  # fmt: skip
+    model = tf.GptOssForCausalLM(config).eval()
+    with torch.no_grad():  # sinks start at 0; give them values that matter
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
+# Windows, soft-capping and sinks through the attention interface (CPU reference paths): a
+# window of 3 keys is shorter than the prompts, so it changes every logit after the third.
+MASKED = {
+    "mistral_window": lambda: build_tiny("mistral", sliding_window=3),
+    "qwen2_sliding_layers": lambda: build_tiny("qwen2", use_sliding_window=True, sliding_window=3,
+                                               max_window_layers=1),
+    "gemma2_window_softcap": lambda: _gemma2(sliding_window=3, attn_logit_softcapping=5.0),
+    "gpt_oss_sinks_window": lambda: _gpt_oss(layer_types=["sliding_attention", "full_attention"],
+                                             sliding_window=3),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", sorted(MASKED))
+def test_windows_softcap_and_sinks_equal_the_original_model(variant):
+    prompts = _prompts()
+    original = MASKED[variant]()
+    want = _original_logits(original, prompts)
+    model = swap_attention(copy.deepcopy(original))
+    got = _run_step(model, prompts, [0] * len(prompts), [len(p) for p in prompts])
+    torch.testing.assert_close(got, torch.cat(want))
+    # The paged cache: prefill the first part of each prompt, then the rest (decode of the
+    # one-token remainder, chunked prefill of the others) attends the window over the cache.
+    allocate_kv_caches(model, 16, 4, dtype=torch.float32)
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    split = [n // 2 for n in LENS]
+    split[1] = 1
+    _run_step(model, prompts, [0, 0, 0], split, table)
+    rest = [i for i, (s, n) in enumerate(zip(split, LENS)) if s < n]
+    got = _run_step(model, [prompts[i] for i in rest], [split[i] for i in rest], [LENS[i] for i in rest], table[rest])
+    torch.testing.assert_close(got, torch.cat([want[i][split[i]:] for i in rest]))
 
 
 REFUSED = {
     # name: (model builder, forward kwargs, training mode, what the message names)
-    "sliding_window": (lambda: build_tiny("mistral", sliding_window=16), {}, False,
-                       ("MistralForCausalLM", "model.layers.0.self_attn", "sliding_window=16")),
-    "sliding_layers": (lambda: build_tiny("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
-                       {}, False, ("Qwen2ForCausalLM", "layer 1", "sliding_attention")),
-    "softcap": (lambda: _gemma2(layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0), {}, False,
-                ("Gemma2ForCausalLM", "model.layers.0.self_attn", "softcap=50.0")),
-    "sinks": (_gpt_oss, {}, False, ("GptOssForCausalLM", "model.layers.0.self_attn", "sinks")),
     "non_causal": (_noncausal, {}, False, ("LlamaForCausalLM", "model.layers.0.self_attn", "non-causal")),
     "padding_mask": (lambda: build_tiny("llama"), {"attention_mask": torch.ones(1, 10, dtype=torch.long)}, False,
                      ("LlamaForCausalLM", "model.layers.0.self_attn", "padding attention_mask")),
@@ -202,9 +234,9 @@ def test_keyword_arguments_are_never_dropped():
     model = swap_attention(_build("llama"))
     attn = model.model.layers[1].self_attn
     q, k = torch.zeros(1, 8, 4, 8), torch.zeros(1, 2, 4, 8)
-    for kw, name in [({"s_aux": torch.zeros(8)}, "s_aux"), ({"softcap": 30.0}, "softcap=30.0"),
-                     ({"sliding_window": 4}, "sliding_window=4"), ({"is_causal": False}, "is_causal=False"),
-                     ({"new_feature": 1}, "'new_feature'")]:
+    for kw, name in [({"sinks": torch.zeros(8)}, "'sinks'"), ({"s_aux": torch.zeros(3)}, "sinks of shape (3,)"),
+                     ({"sliding_window": 4}, "inconsistent sliding windows"),
+                     ({"is_causal": False}, "is_causal=False"), ({"new_feature": 1}, "'new_feature'")]:
         with pytest.raises(ValueError, match="LlamaForCausalLM layer 'model.layers.1.self_attn'") as info:
             cp_attention_forward(attn, q, k, k, None, scaling=0.3, **kw)
         assert name in str(info.value)
@@ -212,6 +244,9 @@ def test_keyword_arguments_are_never_dropped():
     with pytest.raises(RuntimeError, match="no context-parallel step is active"):
         cp_attention_forward(attn, q, k, k, None, scaling=0.3, sliding_window=None, softcap=None,
                              position_ids=torch.arange(4)[None], use_cache=False)
+    # Served features pass the checks too.
+    with pytest.raises(RuntimeError, match="no context-parallel step is active"):
+        cp_attention_forward(attn, q, k, k, None, scaling=0.3, softcap=30.0, s_aux=torch.zeros(8))
 
 
 def test_attention_outside_the_interface_is_refused():

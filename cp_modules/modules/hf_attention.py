@@ -101,18 +101,24 @@ class RefusedMask:
     feature: str
 
 
+@dataclass(frozen=True)
+class WindowMask:
+    """A sliding-window causal mask of ``size`` keys (served: passed on as the window)."""
+
+    size: int
+
+
 def _active(value) -> bool:
     return value is not None and value is not False and not (isinstance(value, (int, float)) and value == 0)
 
 
-# Keyword arguments that change attention, with when they are active. None of them is
-# implemented yet: an active one is refused. (Support for one adds its handling in
-# :func:`cp_attention_forward` and drops it from this table.)
+# Keyword arguments that change attention and that cp serves (taken by cp_attention_forward):
+# the sliding window, the logit soft-cap and the attention sinks.
+_SERVED_KWARGS = frozenset({"sliding_window", "softcap", "s_aux"})
+
+# Keyword arguments that change attention, with when they are active: an active one is refused.
 _FEATURES: dict[str, tuple[Callable[[object], bool], str]] = {
-    "sliding_window": (_active, "sliding-window attention (sliding_window={value})"),
-    "softcap": (_active, "attention logit soft-capping (softcap={value})"),
-    "s_aux": (lambda v: v is not None, "attention sinks (s_aux)"),
-    "sinks": (lambda v: v is not None, "attention sinks (sinks)"),
+    "sinks": (lambda v: v is not None, "attention sinks passed as 'sinks' (cp takes s_aux)"),
     "is_causal": (lambda v: v is not None and not v, "non-causal attention (is_causal={value})"),
     "attention_chunk_size": (_active, "chunked attention (attention_chunk_size={value})"),
     "cu_seq_lens_q": (lambda v: v is not None, "packed varlen sequences (cu_seq_lens_q)"),
@@ -136,11 +142,6 @@ def _module_features(module) -> list[str]:
     found = []
     if getattr(module, "is_causal", True) is False:
         found.append("non-causal attention (module.is_causal=False)")
-    window = getattr(module, "sliding_window", None)
-    if _active(window):
-        found.append(f"sliding-window attention (module.sliding_window={window})")
-    if getattr(module, "sinks", None) is not None:
-        found.append("attention sinks (module.sinks)")
     return found
 
 
@@ -159,6 +160,8 @@ def check_call(binding: CPLayerBinding, module, attention_mask, dropout, kwargs)
     if _active(dropout) and module.training:
         raise refusal(binding, module, f"attention dropout in training (dropout={dropout})")
     for name, value in kwargs.items():
+        if name in _SERVED_KWARGS:
+            continue
         if name in _FEATURES:
             is_active, text = _FEATURES[name]
             if is_active(value):
@@ -167,7 +170,7 @@ def check_call(binding: CPLayerBinding, module, attention_mask, dropout, kwargs)
             raise refusal(binding, module, f"the keyword argument {name!r} (its effect on attention is unknown)")
     if isinstance(attention_mask, RefusedMask):
         raise refusal(binding, module, attention_mask.feature)
-    if attention_mask is not None:
+    if attention_mask is not None and not isinstance(attention_mask, WindowMask):
         raise refusal(
             binding, module,
             f"an explicit attention mask ({type(attention_mask).__name__}; cp attends causally "
@@ -231,11 +234,38 @@ def cp_attention_forward(
         v = copy_to_group(v, *binding.tp_group)[:, i : i + 1]
     if scaling is None:
         scaling = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
+    window = _window(binding, module, attention_mask, kwargs.get("sliding_window"))
+    softcap: Any = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise refusal(
+            binding, module,
+            f"attention sinks of shape {tuple(sinks.shape)} for {q.shape[1]} local query heads "
+            "(shard the sinks with the heads)",
+        )
     out = gqa_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), binding.caches.get(binding.layer_idx),
-        scale=float(scaling),
-    )
+        scale=float(scaling), sinks=sinks, sliding_window=window,
+        softcap=float(softcap) if _active(softcap) else None,
+    )  # fmt: skip
     return out.unsqueeze(0), None
+
+
+def _window(binding, module, attention_mask, window_kwarg) -> int | None:
+    """The layer's sliding window: what its mask, its keyword argument and the module say,
+    which must agree (a window one of them leaves out is refused, never guessed)."""
+    said: dict[str, Any] = {
+        "the mask": attention_mask.size if isinstance(attention_mask, WindowMask) else None,
+        "sliding_window=": window_kwarg if _active(window_kwarg) else None,
+        "module.sliding_window": getattr(module, "sliding_window", None),
+    }
+    sizes = {int(v) for v in said.values() if _active(v)}
+    if len(sizes) > 1 or (sizes and said["the mask"] is None):
+        raise refusal(
+            binding, module,
+            f"inconsistent sliding windows ({', '.join(f'{k} {v}' for k, v in said.items())})",
+        )
+    return sizes.pop() if sizes else None
 
 
 # ----------------------------------------------------------------------------- masks
@@ -276,24 +306,29 @@ _NAMES = {
 }
 
 
-def _classify_eager(fn, codes, causal, bidirectional) -> str | None:
-    """None when ``fn`` is causal attention over packed rows; else what it is (exact walk)."""
+def _classify_eager(fn, codes, causal, bidirectional, allow: tuple[str, ...] = ()) -> str | None:
+    """None when ``fn`` is causal attention over packed rows (with the overlays named in
+    ``allow``); else what it is (exact walk)."""
     if fn is causal:
         return None
     if fn is bidirectional:
         return "bidirectional (non-causal) attention"
     code = getattr(fn, "__code__", None)
+    if code is not None and any(code is codes[name] for name in allow):
+        return None
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ()))) if code else {}
     if code is codes["and"] and len(cells.get("mask_functions", ())) == 2:
         remap, packed = cells["mask_functions"]
         if getattr(packed, "__code__", None) is codes["packed"] and getattr(remap, "__code__", None) is codes["remap"]:
             inner = dict(zip(remap.__code__.co_freevars, (c.cell_contents for c in remap.__closure__)))
-            return _classify_eager(inner["mask_function"], codes, causal, bidirectional)
+            return _classify_eager(inner["mask_function"], codes, causal, bidirectional, allow)
     if code is codes["and"] or code is codes["or"]:
         for f in cells.get("mask_functions", ()):
-            found = _classify_eager(f, codes, causal, bidirectional)
+            found = _classify_eager(f, codes, causal, bidirectional, allow)
             if found is not None:
                 return found
+        if code is codes["and"] and allow:
+            return None  # every part is causal or an allowed overlay
     for key, text in _NAMES.items():
         if code is codes[key]:
             return text
@@ -328,7 +363,17 @@ def cp_attention_mask(
     if "allow_is_bidirectional_skip" in kwargs:
         return RefusedMask("bidirectional (non-causal) attention")
     if local_size is not None:
-        return RefusedMask(f"local attention (sliding window or chunk of {local_size})")
+        config = kwargs.get("config")
+        if getattr(config, "attention_chunk_size", None) == local_size:
+            return RefusedMask(f"chunked attention (chunks of {local_size})")
+        if not torch.compiler.is_compiling():
+            found = _classify_eager(
+                mask_function, _mask_codes(), mu.causal_mask_function,
+                mu.bidirectional_mask_function, allow=("window",),
+            )  # fmt: skip
+            if found is not None:
+                return RefusedMask(found)
+        return WindowMask(int(local_size))
     if use_vmap:
         return RefusedMask("a custom mask overlay (or_mask_function / and_mask_function)")
     codes = _mask_codes()

@@ -187,18 +187,22 @@ def _parallel_args(parallel):
     )
 
 
+# Layer types the attention interface serves: full causal attention, and sliding windows
+# (the window arrives as the layer's mask and keyword argument; CPU reference paths).
+_SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def _check_layer_types(model: nn.Module, hf_config) -> None:
     other = {
         i: t for i, t in enumerate(getattr(hf_config, "layer_types", None) or [])
-        if t != "full_attention"
+        if t not in _SERVED_LAYER_TYPES
     }
     if other:
         i, t = next(iter(other.items()))
         raise ValueError(
             f"{type(model).__name__} layer {i} (and {len(other) - 1} more): layer type {t!r} "
-            "is not implemented by context-parallel attention (full causal attention only); "
-            "set config.layer_types to 'full_attention' only when every sequence is shorter "
-            "than the window"
+            "is not implemented by context-parallel attention (served: "
+            f"{', '.join(_SERVED_LAYER_TYPES)})"
         )
 
 
