@@ -355,7 +355,12 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
         src = ""
     lines = [re.sub(r"\s*#.*$", "", ln.strip()) for ln in src.splitlines() if re.match(r"\s*logits\s*=\s", ln)]
     steps = []
+    # Gemma-style final soft-capping runs only when the config sets it (an `if` around it).
+    final_softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     for ln in lines[1:]:
+        if "final_logit_softcapping" in ln or ln == "logits = torch.tanh(logits)":
+            if final_softcap is None:
+                continue
         if ln == "logits = logits * self.logit_scale":
             steps.append(lambda x: x * model.logit_scale)
         elif ln == "logits = logits / self.config.logits_scaling":

@@ -77,6 +77,8 @@ class CPLayerBinding:
             query heads use (keys/values arrive with every KV head); else None.
         tp_group: (name, size) of the TP group (replicated-KV gradients are summed over it).
         heads_replicated: every TP rank holds all heads (the model's TP plan gathers q/k/v).
+        sinks_slice: (TP rank, TP size) when the module's sinks hold every head and this rank
+            attends with its heads' slice; else None.
     """
 
     model_name: str
@@ -89,6 +91,7 @@ class CPLayerBinding:
     kv_replica_index: int | None = None
     tp_group: tuple[str, int] = ("", 1)
     heads_replicated: bool = False
+    sinks_slice: tuple[int, int] | None = None
 
     def where(self) -> str:
         return f"{self.model_name} layer {self.layer_name!r} (layer_idx={self.layer_idx})"
@@ -237,6 +240,9 @@ def cp_attention_forward(
     window = _window(binding, module, attention_mask, kwargs.get("sliding_window"))
     softcap: Any = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
+    if sinks is not None and binding.sinks_slice is not None and sinks.shape == (q.shape[1] * binding.sinks_slice[1],):
+        r = binding.sinks_slice[0]
+        sinks = sinks[r * q.shape[1] : (r + 1) * q.shape[1]]
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise refusal(
             binding, module,

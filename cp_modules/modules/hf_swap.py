@@ -383,6 +383,14 @@ def _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_
         styles = {n: s for n, s in styles.items() if n not in ("k_proj", "v_proj")}
     else:
         binding.num_kv_heads = num_kv_heads // tp
+    sinks = getattr(attn, "sinks", None)
+    if isinstance(sinks, nn.Parameter) and not replicated:
+        from cp_modules.distributed.collectives import all_reduce
+
+        # Per-head sink logits (gpt-oss) stay whole on every rank; each rank attends with its
+        # heads' slice, and the slices' gradients are summed over TP.
+        binding.sinks_slice = (tp_mesh.get_local_rank(), tp)
+        sinks.register_hook(lambda g: all_reduce(g.contiguous(), *tp_group))
     torch_plan = {}
     for n, s in styles.items():
         if s == "colwise":
