@@ -74,6 +74,7 @@ from cp_modules.ops.pcp_policy import (
 from cp_modules.partition import plan_pcp
 from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
     attention_with_lse,
     attention_with_lse_backward,
 )
@@ -166,16 +167,16 @@ ROUNDS = 5
 def rank_fns(plan, q, k, v, dout, scale):
     """(forward, backward, forward + backward) callables of one rank's head/tail attention."""
     ql, dl = q[plan.token_indices], dout[plan.token_indices]
-    args = (plan.segments_host, None, None, None, scale)
+    inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, scale)
 
     def forward():
-        return pcp_prefill_attention_cuda(ql, k, v, *args, **BLOCKS)
+        return pcp_prefill_attention_cuda(inputs, **BLOCKS)
 
     o, lse = forward()
     return (
         forward,
-        lambda: pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, lse, *args, **BLOCKS),
-        lambda: pcp_prefill_attention_backward_cuda(dl, ql, k, v, *forward(), *args, **BLOCKS),
+        lambda: pcp_prefill_attention_backward_cuda(dl, o, lse, inputs, **BLOCKS),
+        lambda: pcp_prefill_attention_backward_cuda(dl, *forward(), inputs, **BLOCKS),
     )
 
 
@@ -242,12 +243,12 @@ def bench_shape(name, pcps, check_only=False):
         plans = [plan_pcp([S], [0], P, r, device=DEVICE) for r in range(P)]
         for plan in plans:
             ql, dl = q[plan.token_indices], dout[plan.token_indices]
-            args = (plan.segments_host, None, None, None, scale)
-            o, lse = pcp_prefill_attention_cuda(ql, k, v, *args, **BLOCKS)
+            inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, scale)
+            o, lse = pcp_prefill_attention_cuda(inputs, **BLOCKS)
             rows, valid = plan.token_indices[plan.local_valid], plan.local_valid
             errs["out"] = max(errs["out"], max_err(o[valid], ref_out[rows]))
             errs["lse"] = max(errs["lse"], max_err(lse[valid], ref_lse[rows]))
-            gq, gk, gv = pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, lse, *args, **BLOCKS)[:3]
+            gq, gk, gv = pcp_prefill_attention_backward_cuda(dl, o, lse, inputs, **BLOCKS)[:3]
             totals[0].index_add_(0, rows, gq[valid].float())
             totals[1] += gk.float()
             totals[2] += gv.float()
@@ -460,12 +461,12 @@ def rank_variants(S, P, r, q, k, v, dout, scale):
     plan = plan_pcp([S], [0], P, r, device="cuda")
     t, hkv, d = plan.num_local_tokens_padded, k.shape[1], k.shape[2]
     ql, dl = q[plan.token_indices], dout[plan.token_indices]
-    args = (plan.segments_host, None, None, None, scale)
-    o, lse = pcp_prefill_attention_cuda(ql, k, v, *args, **BLOCKS)
+    inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, scale)
+    o, lse = pcp_prefill_attention_cuda(inputs, **BLOCKS)
     gidx, pad = plan.gather_index, plan.gather_index.numel() < P * t
 
     def restored():
-        dq, dk, dv, _, _ = pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, lse, *args, **BLOCKS)
+        dq, dk, dv, _, _ = pcp_prefill_attention_backward_cuda(dl, o, lse, inputs, **BLOCKS)
         buf = (dk.new_zeros if pad else dk.new_empty)((P * t, 2, hkv, d))
         buf.select(1, 0).index_copy_(0, gidx, dk)
         buf.select(1, 1).index_copy_(0, gidx, dv)
@@ -477,12 +478,12 @@ def rank_variants(S, P, r, q, k, v, dout, scale):
         meta = SimpleNamespace(plan=plan, num_local_tokens=t)
         dk_into, dv_into = _gathered_targets(meta, buf)
         dq = pcp_prefill_attention_backward_cuda(
-            dl, ql, k, v, o, lse, *args, dk_into=dk_into, dv_into=dv_into, **BLOCKS
+            dl, o, lse, inputs, dk_into=dk_into, dv_into=dv_into, **BLOCKS
         )[0]
         return dq, buf[r, 0], buf[r, 1]
 
     def kernels():
-        return pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, lse, *args, **BLOCKS)
+        return pcp_prefill_attention_backward_cuda(dl, o, lse, inputs, **BLOCKS)
 
     return {"restored": restored, "direct": direct, "kernels": kernels}
 
@@ -592,16 +593,14 @@ def varlen_batch(shape, R, L, P, rounds, C=0):
         plan = plan_pcp(n, [C] * R, P, r, device="cuda")
         ql, dl = q[plan.token_indices], dout[plan.token_indices]
         pre = (pk, pv, plan.prefix_cu_seqlens_host) if C else (None, None, None)
-        args = (plan.segments_host, *pre, scale)
+        inputs = PrefillInputs(ql, k, v, plan.segments_host, *pre, scale)
         fns = {}
         for name, pol in (("blocks", NEVER_VARLEN), ("varlen", ALWAYS_VARLEN)):
-            o, s = pcp_prefill_attention_cuda(ql, k, v, *args, policy=pol)
+            o, s = pcp_prefill_attention_cuda(inputs, policy=pol)
             fns[name] = (
-                lambda pol=pol, ql=ql, args=args: pcp_prefill_attention_cuda(
-                    ql, k, v, *args, policy=pol
-                ),
-                lambda pol=pol, o=o, s=s, ql=ql, dl=dl, args=args: (
-                    pcp_prefill_attention_backward_cuda(dl, ql, k, v, o, s, *args, policy=pol)
+                lambda pol=pol, inputs=inputs: pcp_prefill_attention_cuda(inputs, policy=pol),
+                lambda pol=pol, o=o, s=s, dl=dl, inputs=inputs: pcp_prefill_attention_backward_cuda(
+                    dl, o, s, inputs, policy=pol
                 ),
             )
         (ob, sb), (ov, sv) = fns["blocks"][0](), fns["varlen"][0]()
@@ -672,12 +671,12 @@ def new_shape_prompt(shape, S, P, policy):
     v = torch.randn(S, hkv, dv, device="cuda", dtype=torch.bfloat16)
     plan = plan_pcp([S], [0], P, P - 1, device="cuda")
     ql = q[plan.token_indices]
-    args = (plan.segments_host, None, None, None, dqk**-0.5)
+    inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, dqk**-0.5)
     res = {}
     for call in ("first", "second"):
-        t_f, (o, lse) = timed(lambda: pcp_prefill_attention_cuda(ql, k, v, *args, policy=policy))
+        t_f, (o, lse) = timed(lambda: pcp_prefill_attention_cuda(inputs, policy=policy))
         dout = torch.randn_like(o)
-        grads = (dout, ql, k, v, o, lse, *args)
+        grads = (dout, o, lse, inputs)
         t_b, _ = timed(lambda g=grads: pcp_prefill_attention_backward_cuda(*g, policy=policy))
         res[call] = {"fwd_ms": t_f, "bwd_ms": t_b}
     return res

@@ -6,7 +6,11 @@ import torch
 
 from benchmarks import bench_pcp as bench
 from cp_modules.partition import plan_pcp
-from cp_modules.reference.pcp_attention import attention_with_lse, attention_with_lse_backward
+from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
+    attention_with_lse,
+    attention_with_lse_backward,
+)
 from cp_modules.testing.numerics import max_abs_err
 
 
@@ -29,13 +33,13 @@ def test_rank_calls_on_both_paths_equal_dense():
         for r in range(P):
             plan = plan_pcp([S], [0], P, r, device="cpu")
             ql, dl = q[plan.token_indices], dout[plan.token_indices]
-            args = (plan.segments_host, None, None, None, scale)
-            o, s = bench.pcp_prefill_attention_cuda(ql, k, v, *args, policy=policy)
+            inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, scale)
+            o, s = bench.pcp_prefill_attention_cuda(inputs, policy=policy)
             rows, valid = plan.token_indices[plan.local_valid], plan.local_valid
             assert max_abs_err(o[valid], out[rows]) < 1e-12
             assert max_abs_err(s[valid], lse[rows]) < 1e-12
             gq, gk, gv, gpk, gpv = bench.pcp_prefill_attention_backward_cuda(
-                dl, ql, k, v, o, s, *args, policy=policy
+                dl, o, s, inputs, policy=policy
             )
             assert gpk is None and gpv is None
             dq.index_add_(0, rows, gq[valid])

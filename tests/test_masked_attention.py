@@ -11,6 +11,7 @@ import torch
 from cp_modules.partition import plan_pcp
 from cp_modules.reference.masked_attention import dense_attention
 from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
 )
@@ -54,13 +55,15 @@ def test_windowed_softcapped_pcp_reference_equals_dense(pcp, window, softcap):
     for rank in range(pcp):
         plan = plan_pcp(NEW, CACHED, pcp, rank, decode_threshold=0)
         idx, valid = plan.token_indices, plan.local_valid
-        args = (q_all[idx], k_new, v_new, plan.segments_host, k_pre, v_pre, prefix_cu, scale)
-        out, lse = pcp_prefill_attention_reference(*args, window=window, softcap=softcap)
+        inputs = PrefillInputs(
+            q_all[idx], k_new, v_new, plan.segments_host, k_pre, v_pre, prefix_cu, scale
+        )
+        out, lse = pcp_prefill_attention_reference(inputs, window=window, softcap=softcap)
         torch.testing.assert_close(out[valid], torch.cat(want_out)[idx][valid], atol=1e-13, rtol=1e-12)
         torch.testing.assert_close(lse[valid], torch.cat(want_lse)[idx][valid], atol=1e-13, rtol=1e-12)
         gl = do_all[idx] * valid[:, None, None]
         gq, gk, gv, gpk, gpv = pcp_prefill_attention_backward_reference(
-            gl, args[0], k_new, v_new, out, lse, *args[3:], window=window, softcap=softcap
+            gl, out, lse, inputs, window=window, softcap=softcap
         )
         dq.index_add_(0, idx[valid], gq[valid])
         dk += gk

@@ -38,6 +38,7 @@ from cp_modules.partition import plan_pcp
 from cp_modules.policy import CPPolicy
 from cp_modules.reference.lse_merge import merge_partials_reference
 from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
     attention_with_lse,
     attention_with_lse_backward,
     pcp_prefill_attention_backward_reference,
@@ -129,16 +130,16 @@ def test_block_decomposition_equals_reference(pcp, batch, pairs):
             plan.prefix_cu_seqlens_host if pk is not None else None,
             0.3,
         )
-        ql = q[plan.token_indices]
-        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args)
-        ref_out, ref_lse = pcp_prefill_attention_reference(ql, k, v, *args)
+        inputs = PrefillInputs(q[plan.token_indices], k, v, *args)
+        out, lse = pcp_prefill_attention_cuda(inputs)
+        ref_out, ref_lse = pcp_prefill_attention_reference(inputs)
         assert max_abs_err(out, ref_out) < 1e-12
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
         finite = torch.isfinite(ref_lse)
         assert max_abs_err(lse[finite], ref_lse[finite]) < 1e-12
         dout = torch.randn_like(out)
-        got = pcp_blocks_backward(dout, ql, k, v, ref_out, ref_lse, *args, causal_pairs=pairs)
-        want = pcp_prefill_attention_backward_reference(dout, ql, k, v, ref_out, ref_lse, *args)
+        got = pcp_blocks_backward(dout, ref_out, ref_lse, inputs, causal_pairs=pairs)
+        want = pcp_prefill_attention_backward_reference(dout, ref_out, ref_lse, inputs)
         for a, b in zip(got, want):
             assert (a is None) == (b is None)
             if a is not None:
@@ -231,8 +232,9 @@ def test_forward_merges_into_the_squares_output(length):
                     firsts.append(o.data_ptr())
                 return o, s
 
-            out, lse = pcp_blocks_forward(ql, k, v, *args, block_forward=block_forward)
-            ref_out, ref_lse = pcp_prefill_attention_reference(ql, k, v, *args)
+            inputs = PrefillInputs(ql, k, v, *args)
+            out, lse = pcp_blocks_forward(inputs, block_forward=block_forward)
+            ref_out, ref_lse = pcp_prefill_attention_reference(inputs)
             assert max_abs_err(out, ref_out) < 1e-12
             valid = plan.local_valid
             assert max_abs_err(lse[valid], ref_lse[valid]) < 1e-12
@@ -326,11 +328,10 @@ def _check_backward_into_gathered_rows(pcp, batch, dtype, device):
         ql = q[plan.token_indices]
         # The block path's writes (the varlen path has a test).
         blocks = dict(policy=CPPolicy(pcp_varlen="never"))
-        out, lse = pcp_prefill_attention_cuda(
-            ql, k, v, plan.segments_host, None, None, None, 0.3, **blocks
-        )
+        inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, 0.3)
+        out, lse = pcp_prefill_attention_cuda(inputs, **blocks)
         dout = torch.randn_like(out)
-        args = (dout, ql, k, v, out, lse, plan.segments_host, None, None, None, 0.3)
+        args = (dout, out, lse, inputs)
         dq, dk, dv, _, _ = pcp_prefill_attention_backward_cuda(*args, **blocks)
         buf = torch.full((pcp, 2, t, *k.shape[1:]), float("nan"), dtype=dtype, device=device)
         meta = SimpleNamespace(plan=plan, num_local_tokens=t)
@@ -384,19 +385,19 @@ def test_gpu_overlapped_gradient_writes_equal_inline(dtype, pairs):
             plan = plan_pcp(n, m, 4, r, device="cuda")
             pcu = plan.prefix_cu_seqlens_host if pk is not None else None
             args = (plan.segments_host, pk, pv, pcu, 0.3)
-            ql = q[plan.token_indices]
-            out, lse = pcp_blocks_forward(ql, k, v, *args)
+            inputs = PrefillInputs(q[plan.token_indices], k, v, *args)
+            out, lse = pcp_blocks_forward(inputs)
             dout = torch.randn_like(out)
             results = []
             for overlap in (False, True):
                 bk, bv = (torch.full_like(x, float("nan")) for x in (k, v))
                 into = [(0, bk[:5]), (5, bk[5:])], [(0, bv[:7]), (7, bv[7:])]
                 res = pcp_blocks_backward(
-                    dout, ql, k, v, out, lse, *args, block_backward=block_backward,
+                    dout, out, lse, inputs, block_backward=block_backward,
                     causal_pairs=pairs, overlap_gradient_sums=overlap,
                 )  # fmt: skip
                 res_into = pcp_blocks_backward(
-                    dout, ql, k, v, out, lse, *args, block_backward=block_backward,
+                    dout, out, lse, inputs, block_backward=block_backward,
                     causal_pairs=pairs, overlap_gradient_sums=overlap,
                     dk_into=into[0], dv_into=into[1],
                 )  # fmt: skip

@@ -16,6 +16,7 @@ from cp_modules.ops.pcp_policy import CudnnRental, plan_state, segment_flop
 from cp_modules.partition import plan_pcp
 from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
 )
@@ -150,9 +151,9 @@ def test_interleaved_requests_take_one_prefix_sequence_per_segment():
     pk, pv = _tensors([6], 4, 2, 8, torch.float64, "cpu", seed=10)[1:]
     pack = varlen_pack(segs, "cpu", cu, 10)
     assert len(pack.in_place.prefix.cu_q_host) - 1 == len(pack.in_place.new.cu_q_host) - 1
-    args = (segs, pk, pv, torch.tensor(cu), 0.3)
-    want_out, want_lse = pcp_prefill_attention_reference(q, k, v, *args)
-    out, lse = pcp_prefill_attention_varlen(q, k, v, segs, 0.3, pk, pv, cu, pack=pack)
+    inputs = PrefillInputs(q, k, v, segs, pk, pv, torch.tensor(cu), 0.3)
+    want_out, want_lse = pcp_prefill_attention_reference(inputs)
+    out, lse = pcp_prefill_attention_varlen(inputs, pack=pack)
     assert max_abs_err(out, want_out) < 1e-12
     fin = torch.isfinite(want_lse)
     assert torch.equal(fin, torch.isfinite(lse)) and max_abs_err(lse[fin], want_lse[fin]) < 1e-12
@@ -227,11 +228,11 @@ def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims, prefix):
         ql = q[plan.token_indices]
         cu = plan.prefix_cu_seqlens_host if sum(m) else None
         pre = (pk, pv, cu) if sum(m) else (None, None, None)
-        args = (plan.segments_host, *pre, 0.3)
-        want_out, want_lse = pcp_prefill_attention_reference(ql, k, v, *args)
+        inputs = PrefillInputs(ql, k, v, plan.segments_host, *pre, 0.3)
+        want_out, want_lse = pcp_prefill_attention_reference(inputs)
         dout = torch.randn_like(want_out)
         dout[~plan.local_valid] = 100.0  # nothing may flow from the padding rows' gradient
-        want = pcp_prefill_attention_backward_reference(dout, ql, k, v, want_out, want_lse, *args)
+        want = pcp_prefill_attention_backward_reference(dout, want_out, want_lse, inputs)
         cu_host = None if cu is None else cu.tolist()
         # The calls over the rows as they lie (the default), and the packed rows.
         packs = {
@@ -242,17 +243,14 @@ def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims, prefix):
         assert (packs["in-place"].in_place is not None) == has_queries
         assert packs["packed"].in_place is None
         for layout, pack in packs.items():
-            out, lse = pcp_prefill_attention_varlen(
-                ql, k, v, plan.segments_host, 0.3, *pre[:2], cu_host, pack=pack
-            )
+            out, lse = pcp_prefill_attention_varlen(inputs, pack=pack)
             assert max_abs_err(out, want_out) < 1e-12, layout
             assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), layout
             fin = torch.isfinite(want_lse)
             assert max_abs_err(lse[fin], want_lse[fin]) < 1e-12, layout
             got = pcp_prefill_attention_varlen_backward(
-                dout, ql, k, v, want_out, want_lse, plan.segments_host, 0.3, *pre[:2], cu_host,
-                pack=pack,
-            )  # fmt: skip
+                dout, want_out, want_lse, inputs, pack=pack
+            )
             assert len(got) == (5 if sum(m) else 3)
             for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
                 assert max_abs_err(a, b) < 1e-12, (layout, name)
@@ -300,31 +298,28 @@ def test_gpu_varlen_flash_equals_reference(batch, shape, pcp, dtype):
         ql = q[plan.token_indices]
         cu = plan.prefix_cu_seqlens_host if sum(m) else None
         pre = (pk, pv, cu) if sum(m) else (None, None, None)
-        pre_host = (*pre[:2], None if cu is None else cu.tolist())
+        cu_host = None if cu is None else cu.tolist()
+        inputs = PrefillInputs(ql, k, v, plan.segments_host, *pre, 0.1)
         f32 = [None if x is None or x.dtype == torch.int64 else x.float() for x in (ql, k, v, *pre)]
-        args32 = (plan.segments_host, f32[3], f32[4], cu, 0.1)
-        o_ref, s_ref = pcp_prefill_attention_reference(*f32[:3], *args32)
+        inputs32 = PrefillInputs(*f32[:3], plan.segments_host, f32[3], f32[4], cu, 0.1)
+        o_ref, s_ref = pcp_prefill_attention_reference(inputs32)
         valid = plan.local_valid
         do = torch.randn_like(o_ref).to(dtype)
         do[~valid] = 100.0  # nothing may flow from the padding rows' gradient
-        want = pcp_prefill_attention_backward_reference(do.float(), *f32[:3], o_ref, s_ref, *args32)
+        want = pcp_prefill_attention_backward_reference(do.float(), o_ref, s_ref, inputs32)
         # Over the rows as they lie (the default: padding rows are sequences without keys,
         # whatever the kernel leaves there is overwritten), and over packed rows.
         packs = {
-            "in-place": varlen_pack(plan.segments_host, "cuda", pre_host[2], ql.shape[0]),
-            "packed": varlen_pack(plan.segments_host, "cuda", pre_host[2]),
+            "in-place": varlen_pack(plan.segments_host, "cuda", cu_host, ql.shape[0]),
+            "packed": varlen_pack(plan.segments_host, "cuda", cu_host),
         }
         for layout, pack in packs.items():
-            out, lse = pcp_prefill_attention_varlen(
-                ql, k, v, plan.segments_host, 0.1, *pre_host, pack=pack
-            )
+            out, lse = pcp_prefill_attention_varlen(inputs, pack=pack)
             assert out.is_contiguous() and lse.is_contiguous() and out._base is None, layout
             assert max_abs_err(out[valid], o_ref[valid]) <= 8 * eps * o_ref.abs().max().item()
             assert max_abs_err(lse[valid], s_ref[valid]) <= 1e-3, layout
             assert torch.all(out[~valid] == 0) and torch.all(lse[~valid] == float("-inf"))
-            got = pcp_prefill_attention_varlen_backward(
-                do, ql, k, v, out, lse, plan.segments_host, 0.1, *pre_host, pack=pack
-            )
+            got = pcp_prefill_attention_varlen_backward(do, out, lse, inputs, pack=pack)
             names = ("dq", "dk", "dv", "dprefix_k", "dprefix_v")
             assert len(got) == (5 if sum(m) else 3)
             for name, a, b in zip(names, got, want):
@@ -349,12 +344,12 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
     for r in range(pcp):
         plan = plan_pcp(n, [0] * len(n), pcp, r)
         ql = q[plan.token_indices]
-        args = (plan.segments_host, None, None, None, 0.3)
-        want_out, want_lse = pcp_prefill_attention_reference(ql, k, v, *args)
-        out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, policy=always)
+        inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, 0.3)
+        want_out, want_lse = pcp_prefill_attention_reference(inputs)
+        out, lse = pcp_prefill_attention_cuda(inputs, policy=always)
         assert max_abs_err(out, want_out) < 1e-12
         dout = torch.randn_like(out)
-        want = pcp_prefill_attention_backward_reference(dout, ql, k, v, want_out, want_lse, *args)
+        want = pcp_prefill_attention_backward_reference(dout, want_out, want_lse, inputs)
         calls = []
 
         def counting(*a, calls=calls, **kw):
@@ -362,7 +357,7 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
             return attention_block_backward(*a, **kw)
 
         got = pcp_prefill_attention_backward_cuda(
-            dout, ql, k, v, want_out, want_lse, *args, policy=always, block_backward=counting
+            dout, want_out, want_lse, inputs, policy=always, block_backward=counting
         )
         assert not calls
         for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
@@ -372,9 +367,8 @@ def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
         half = k.shape[0] // 2
         into = [[(0, buf[j, :half]), (half, buf[j, half:])] for j in range(2)]
         got = pcp_prefill_attention_backward_cuda(
-            dout, ql, k, v, want_out, want_lse, *args, policy=always,
-            dk_into=into[0], dv_into=into[1],
-        )  # fmt: skip
+            dout, want_out, want_lse, inputs, policy=always, dk_into=into[0], dv_into=into[1]
+        )
         assert got[1] is None and got[2] is None
         assert max_abs_err(buf[0], want[1]) < 1e-12 and max_abs_err(buf[1], want[2]) < 1e-12
 
@@ -452,19 +446,19 @@ def test_gpu_automatic_choice_follows_segment_size(dims):
                     auto, direction, plan.segments_host, segs, ql, k, v, None, rental=rental
                 )
                 assert got is w, (n, direction)
-            args = (plan.segments_host, None, None, None, d**-0.5)
-            out, lse = pcp_prefill_attention_cuda(ql, k, v, *args, policy=forced[want])
-            ref_out, ref_lse = pcp_prefill_attention_cuda(ql, k, v, *args, policy=forced[not want])
+            inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, d**-0.5)
+            out, lse = pcp_prefill_attention_cuda(inputs, policy=forced[want])
+            ref_out, ref_lse = pcp_prefill_attention_cuda(inputs, policy=forced[not want])
             valid = plan.local_valid
             eps = torch.finfo(torch.bfloat16).eps
             assert max_abs_err(out[valid], ref_out[valid]) <= 8 * eps * ref_out.abs().max().item()
             assert max_abs_err(lse[valid], ref_lse[valid]) <= 1e-3
             dout = torch.randn_like(out)
             got = pcp_prefill_attention_backward_cuda(
-                dout, ql, k, v, out, lse, *args, policy=forced[want_bwd]
+                dout, out, lse, inputs, policy=forced[want_bwd]
             )
             other = pcp_prefill_attention_backward_cuda(
-                dout, ql, k, v, out, lse, *args, policy=forced[not want_bwd]
+                dout, out, lse, inputs, policy=forced[not want_bwd]
             )
             for name, a, b in zip(("dq", "dk", "dv"), got[:3], other[:3]):
                 assert max_abs_err(a, b) <= 16 * eps * b.abs().max().item(), name
@@ -486,13 +480,13 @@ def test_policy_forces_the_varlen_path_through_the_op(monkeypatch):
         counting = lambda *a, fn=fn, **kw: calls.append(fn) or fn(*a, **kw)  # noqa: E731
         monkeypatch.setattr(pcp_policy, name, counting)
     out, lse = torch.ops.cp.pcp_prefill_attention(*args, *policy)
-    want_out, want_lse = pcp_prefill_attention_reference(*args)
+    want_out, want_lse = pcp_prefill_attention_reference(PrefillInputs(*args))
     assert max_abs_err(out, want_out) < 1e-12 and torch.equal(lse.isinf(), want_lse.isinf())
     dout = torch.randn_like(out)
     got = torch.ops.cp.pcp_prefill_attention_backward(
         dout, *args[:3], out, lse, *args[3:], *policy
     )
-    want = pcp_prefill_attention_backward_reference(dout, *args[:3], out, lse, *args[3:])
+    want = pcp_prefill_attention_backward_reference(dout, out, lse, PrefillInputs(*args))
     for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
         assert max_abs_err(a, b) < 1e-12, name
     assert len(calls) == 2

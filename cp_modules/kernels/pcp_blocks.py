@@ -42,7 +42,7 @@ from cp_modules.kernels.attention_blocks import (
 from cp_modules.kernels.grad_assembly import Piece, sum_pieces_into
 from cp_modules.kernels.lse_merge import merge_partials_into
 from cp_modules.policy import CPPolicy
-from cp_modules.reference.pcp_attention import lse_dtype
+from cp_modules.reference.pcp_attention import PrefillInputs, lse_dtype
 
 __all__ = [
     "host_segments",
@@ -132,14 +132,7 @@ def host_segments(segments: torch.Tensor) -> list[list[int]]:
 
 
 def pcp_blocks_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: torch.Tensor,
-    prefix_k: torch.Tensor | None,
-    prefix_v: torch.Tensor | None,
-    prefix_cu_seqlens: torch.Tensor | None,
-    scale: float,
+    inputs: PrefillInputs,
     *,
     block_forward: BlockForward = attention_block_forward,
     segs: list[list[int]] | None = None,
@@ -147,9 +140,8 @@ def pcp_blocks_forward(
     """Head/tail attention of the local queries by blocks; same contract as the reference.
 
     Args:
-        q: [T, Hq, Dqk]; k: [N, Hkv, Dqk]; v: [N, Hkv, Dv]; segments: [S, 5] int64 on the host;
-        prefix_k: [C, Hkv, Dqk]; prefix_v: [C, Hkv, Dv]; prefix_cu_seqlens: [R + 1] int64 on the
-        host (or the three None); scale: softmax scale.
+        inputs: the queries, keys, values, host segments, prefixes and scale
+            (:class:`~cp_modules.reference.pcp_attention.PrefillInputs`).
         block_forward: the per-block kernel (tests pass the reference to check the
             decomposition on CPU).
         segs: :func:`host_segments` of ``segments`` if the caller has them already.
@@ -157,6 +149,7 @@ def pcp_blocks_forward(
     Returns:
         out [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] fp32 (-inf on padding).
     """
+    q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale = inputs
     segs = host_segments(segments) if segs is None else segs
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     prefix_cu = None
@@ -351,16 +344,9 @@ def _still_needed(
 
 def pcp_blocks_backward(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    segments: torch.Tensor,
-    prefix_k: torch.Tensor | None,
-    prefix_v: torch.Tensor | None,
-    prefix_cu_seqlens: torch.Tensor | None,
-    scale: float,
+    inputs: PrefillInputs,
     *,
     block_backward: BlockBackward = attention_block_backward,
     causal_pairs: bool | None = None,
@@ -374,7 +360,8 @@ def pcp_blocks_backward(
 ]:
     """Gradients of :func:`pcp_blocks_forward`, block by block.
 
-    Every block (the paired squares, each rectangle and prefix) yields (dq, dk, dv) for its
+    ``dout``: [T, Hq, Dv] gradient of the output; ``out``, ``lse``: the forward's results;
+    ``inputs``: as in the forward. Every block (the paired squares, each rectangle and prefix) yields (dq, dk, dv) for its
     rows; :func:`sum_pieces_into` writes each gradient row once, on CUDA partly on a second
     stream while the squares run (``overlap_gradient_sums``). Pieces are the kernels'
     outputs, summed in fp32 and rounded once per row. ``causal_pairs``: whether unmasked
@@ -388,6 +375,7 @@ def pcp_blocks_backward(
         dq [T, Hq, Dqk], dk [N, Hkv, Dqk], dv [N, Hkv, Dv], dprefix_k, dprefix_v (None
         without a prefix), each in its input's dtype.
     """
+    q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale = inputs
     segs = host_segments(segments) if segs is None else segs
     dout, q, k, v, out = (x.contiguous() for x in (dout, q, k, v, out))
     lse = lse.contiguous()

@@ -43,6 +43,7 @@ import torch
 
 from cp_modules.kernels.lse_merge import merge_partials_into
 from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
     attention_with_lse,
     attention_with_lse_backward,
     lse_dtype,
@@ -394,15 +395,15 @@ def _padding_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tor
     return out, torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
 
 
+def _host_prefix_cu(inputs: PrefillInputs) -> list[int] | None:
+    # The prefix offsets as host ints, or None without a prefix (prefix_k and its offsets).
+    if inputs.prefix_k is None or inputs.prefix_cu_seqlens is None:
+        return None
+    return inputs.prefix_cu_seqlens.tolist()  # ok: host (CPU tensor)
+
+
 def pcp_prefill_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: torch.Tensor,
-    scale: float,
-    prefix_k: torch.Tensor | None = None,
-    prefix_v: torch.Tensor | None = None,
-    prefix_cu: list[int] | None = None,
+    inputs: PrefillInputs,
     *,
     pack: VarlenPack | None = None,
     forward=None,
@@ -410,12 +411,13 @@ def pcp_prefill_attention_varlen(
     """Head/tail attention of the local queries (and cached prefixes) by varlen calls.
 
     Same contract as :func:`~cp_modules.reference.pcp_attention.pcp_prefill_attention_reference`:
-    out [T, Hq, Dv] (0 on padding rows), lse [T, Hq] fp32 (-inf there). ``prefix_*``: the
-    requests' cached keys / values ragged by ``prefix_cu`` (host ints), or None.
-    ``pack``: :func:`varlen_pack` of ``segments`` (built here if None); ``forward`` overrides
-    the kernel (tests pass the reference).
+    out [T, Hq, Dv] (0 on padding rows), lse [T, Hq] fp32 (-inf there). ``inputs``: a
+    :class:`~cp_modules.reference.pcp_attention.PrefillInputs` (contiguous tensors; the prefix
+    offsets on the host). ``pack``: :func:`varlen_pack` of the segments (built here if None);
+    ``forward`` overrides the kernel (tests pass the reference).
     """
-    pack = pack or varlen_pack(segments, q.device, prefix_cu, q.shape[0])
+    q, k, v, segments, prefix_k, prefix_v, _, scale = inputs
+    pack = pack or varlen_pack(segments, q.device, _host_prefix_cu(inputs), q.shape[0])
     forward = forward or _kernels(q.device)[0]
     if pack.new.cu_q_host[-1] == 0:  # no queries here: all padding
         return _padding_result(q, v)
@@ -454,16 +456,9 @@ def pcp_prefill_attention_varlen(
 
 def pcp_prefill_attention_varlen_backward(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    segments: torch.Tensor,
-    scale: float,
-    prefix_k: torch.Tensor | None = None,
-    prefix_v: torch.Tensor | None = None,
-    prefix_cu: list[int] | None = None,
+    inputs: PrefillInputs,
     *,
     pack: VarlenPack | None = None,
     backward=None,
@@ -471,17 +466,21 @@ def pcp_prefill_attention_varlen_backward(
     """Gradients of :func:`pcp_prefill_attention_varlen`: dq [T], dk [N], dv [N] and, with a
     prefix, dprefix_k [C], dprefix_v [C], in the inputs' dtypes (0 on rows nothing reaches). A
     key row gets up to two contributions (the request's head and tail segments), added in the
-    result's dtype. ``pack``: as in :func:`pcp_prefill_attention_varlen`."""
-    pack = pack or varlen_pack(segments, q.device, prefix_cu, q.shape[0])
+    result's dtype. ``dout``: [T, Hq, Dv] gradient of the output; ``out``, ``lse``: the
+    forward's results (contiguous); ``inputs``, ``pack``: as in
+    :func:`pcp_prefill_attention_varlen`."""
+    q, k, v, segments, prefix_k, prefix_v, _, scale = inputs
+    has_prefix = prefix_k is not None and inputs.prefix_cu_seqlens is not None
+    pack = pack or varlen_pack(segments, q.device, _host_prefix_cu(inputs), q.shape[0])
     backward = backward or _kernels(q.device)[1]
     qi, ki = pack.q_index, pack.k_index
     if pack.new.cu_q_host[-1] == 0:  # no queries here: all padding
         zeros = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
-        if prefix_cu is None:
+        if not has_prefix:
             return zeros
         return (*zeros, torch.zeros_like(prefix_k), torch.zeros_like(prefix_v))
     calls = pack.in_place
-    if prefix_cu is None and calls is not None and calls.num_rows == q.shape[0]:
+    if not has_prefix and calls is not None and calls.num_rows == q.shape[0]:
         # Queries, outputs and their gradients where they lie; keys packed (their gradient
         # ranges must not overlap), added back per restored row.
         gq, gk, gv = backward(
@@ -498,7 +497,7 @@ def pcp_prefill_attention_varlen_backward(
         dop, qp, k.index_select(0, ki), v.index_select(0, ki), op, lsep, pack.new, scale
     )
     dprefix = ()
-    if prefix_cu is not None:
+    if has_prefix:
         if pack.prefix is None:  # no query here has a prefix
             dprefix = (torch.zeros_like(prefix_k), torch.zeros_like(prefix_v))
         else:

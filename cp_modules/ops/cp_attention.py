@@ -47,6 +47,7 @@ from cp_modules.ops.mla_attention import mla_attention
 from cp_modules.ops.paged_decode import paged_attention
 from cp_modules.ops.pcp_attention import check_masking, pcp_prefill_attention
 from cp_modules.ops.pcp_policy import pcp_policy_args, pcp_prefill_attention_backward_cuda
+from cp_modules.reference.pcp_attention import PrefillInputs
 from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
 __all__ = ["gqa_attention", "mla_attention"]
@@ -209,19 +210,20 @@ def _gqa_attention_backward(
     # The reduce-scatter input: per rank, its dK rows then its dV rows, so the result splits
     # into contiguous dK and dV without a copy.
     buf = k.new_empty((rt.pcp_size, 2, t, *k.shape[1:]))
-    args = (dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host)
+    dout = dout.contiguous()
     runs = meta.plan.gather_runs_host
     min_rows = rt.policy.direct_grad_min_rows_per_run
     if q.is_cuda and not (window or softcap) and k_full.shape[0] >= min_rows * runs.shape[0]:
         # The kernels' gradient blocks are summed straight into the gathered layout.
         dk_into, dv_into = _gathered_targets(meta, buf)
+        inputs = PrefillInputs(q, k_full, v_full, meta.plan.segments_host, None, None, None, scale)
         dq, *_ = pcp_prefill_attention_backward_cuda(
-            *args, None, None, None, scale, policy=rt.policy, dk_into=dk_into, dv_into=dv_into
+            dout, out, lse, inputs, policy=rt.policy, dk_into=dk_into, dv_into=dv_into
         )
     else:
         dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-            *args, None, None, None, scale, *pcp_policy_args(rt.policy, q.shape[2], v.shape[2]),
-            window, softcap,
+            dout, q, k_full, v_full, out, lse, meta.plan.segments_host, None, None, None, scale,
+            *pcp_policy_args(rt.policy, q.shape[2], v.shape[2]), window, softcap,
         )  # fmt: skip
         rows = _gathered_rows(meta.plan.gather_index, t)
         flat = buf.view(-1, *k.shape[1:])

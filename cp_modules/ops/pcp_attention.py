@@ -30,6 +30,7 @@ from cp_modules.ops.pcp_policy import (
 from cp_modules.partition.plan import PCPPlan
 from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
     lse_dtype,
     pcp_prefill_attention_backward_reference,
     pcp_prefill_attention_reference,
@@ -73,32 +74,25 @@ def _split_policy(policy_args: tuple) -> tuple[tuple, int, float]:
 
 @torch.library.impl("cp::pcp_prefill_attention", "CPU", lib=lib)
 def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
+    inputs = PrefillInputs(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
     policy_args, window, softcap = _split_policy(policy_args)
     if window or softcap:
         return pcp_prefill_attention_reference(
-            q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
-            window=window or None, softcap=softcap or None,
-        )  # fmt: skip
+            inputs, window=window or None, softcap=softcap or None
+        )
     if policy_args[0] == "always":
         # The varlen packing on the reference kernels.
-        return pcp_prefill_attention_cuda(
-            q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
-            policy=policy_from_args(*policy_args),
-        )  # fmt: skip
-    return pcp_prefill_attention_reference(
-        q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
-    )
+        return pcp_prefill_attention_cuda(inputs, policy=policy_from_args(*policy_args))
+    return pcp_prefill_attention_reference(inputs)
 
 
 @torch.library.impl("cp::pcp_prefill_attention", "CUDA", lib=lib)
 def _forward_cuda(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
+    inputs = PrefillInputs(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
     policy_args, window, softcap = _split_policy(policy_args)
     if window or softcap:
         raise ValueError(_MASKED_ON_CUDA)
-    return pcp_prefill_attention_cuda(
-        q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
-        policy=policy_from_args(*policy_args),
-    )  # fmt: skip
+    return pcp_prefill_attention_cuda(inputs, policy=policy_from_args(*policy_args))
 
 
 @torch.library.register_fake("cp::pcp_prefill_attention", lib=lib)
@@ -117,7 +111,8 @@ def _no_prefix_grad(x: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
 def _backward_cpu(
     dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args
 ):
-    args = (dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
+    inputs = PrefillInputs(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
+    args = (dout, out, lse, inputs)
     policy_args, window, softcap = _split_policy(policy_args)
     if window or softcap:
         grads = pcp_prefill_attention_backward_reference(
@@ -139,10 +134,10 @@ def _backward_cuda(
     policy_args, window, softcap = _split_policy(policy_args)
     if window or softcap:
         raise ValueError(_MASKED_ON_CUDA)
+    inputs = PrefillInputs(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
     dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_cuda(
-        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
-        policy=policy_from_args(*policy_args),
-    )  # fmt: skip
+        dout, out, lse, inputs, policy=policy_from_args(*policy_args)
+    )
     return dq, dk, dv, _no_prefix_grad(k, dpk), _no_prefix_grad(v, dpv)
 
 

@@ -50,6 +50,7 @@ from cp_modules.kernels.pcp_varlen import (
     varlen_pack,
 )
 from cp_modules.policy import CPPolicy
+from cp_modules.reference.pcp_attention import PrefillInputs
 
 __all__ = [
     "CUDNN_SHAPES_KEPT",
@@ -268,24 +269,21 @@ def policy_from_args(
     )
 
 
-def _contiguous_inputs(q, k, v, prefix_k, prefix_v, prefix_cu_seqlens):
+def _contiguous_inputs(inputs: PrefillInputs) -> tuple[PrefillInputs, list[int] | None]:
+    # The inputs with contiguous tensors, and the prefix offsets as host ints (None without).
+    q, k, v, _, prefix_k, prefix_v, prefix_cu_seqlens, _ = inputs
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    has_prefix = prefix_k is not None and prefix_cu_seqlens is not None
-    if has_prefix:
+    prefix_cu = None
+    if prefix_k is not None and prefix_cu_seqlens is not None:
+        assert prefix_v is not None, "prefix_k and prefix_v come together"
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
-    prefix_cu = prefix_cu_seqlens.tolist() if has_prefix else None  # ok: host (CPU tensor)
-    return q, k, v, prefix_k, prefix_v, prefix_cu
+        prefix_cu = prefix_cu_seqlens.tolist()  # ok: host (CPU tensor)
+    inputs = inputs._replace(q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v)
+    return inputs, prefix_cu
 
 
 def pcp_prefill_attention_cuda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: torch.Tensor,
-    prefix_k: torch.Tensor | None,
-    prefix_v: torch.Tensor | None,
-    prefix_cu_seqlens: torch.Tensor | None,
-    scale: float,
+    inputs: PrefillInputs,
     *,
     policy: CPPolicy = DEFAULT_POLICY,
     block_forward: BlockForward = attention_block_forward,
@@ -294,42 +292,29 @@ def pcp_prefill_attention_cuda(
     implementation of ``cp::pcp_prefill_attention``; on CPU its kernels are the reference's).
 
     Args:
-        q: [T, Hq, Dqk]; k: [N, Hkv, Dqk]; v: [N, Hkv, Dv]; segments: [S, 5] int64 on the host;
-        prefix_k: [C, Hkv, Dqk]; prefix_v: [C, Hkv, Dv]; prefix_cu_seqlens: [R + 1] int64 on the
-        host (or the three None); scale: softmax scale.
+        inputs: the queries, keys, values, host segments, prefixes and scale
+            (:class:`~cp_modules.reference.pcp_attention.PrefillInputs`).
         policy: the path choice (:func:`choose_varlen`).
         block_forward: the blocks' per-block kernel.
 
     Returns:
         out [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] fp32 (-inf on padding).
     """
+    segments = inputs.segments
     segs = host_segments(segments)
-    q, k, v, prefix_k, prefix_v, prefix_cu = _contiguous_inputs(
-        q, k, v, prefix_k, prefix_v, prefix_cu_seqlens
-    )
+    inputs, prefix_cu = _contiguous_inputs(inputs)
+    q, k, v = inputs.q, inputs.k, inputs.v
     if choose_varlen(policy, "forward", segments, segs, q, k, v, prefix_cu):
         pack = plan_state(segments).varlen_pack(segments, q.device, prefix_cu, q.shape[0])
-        return pcp_prefill_attention_varlen(
-            q, k, v, segments, scale, prefix_k, prefix_v, prefix_cu, pack=pack
-        )
-    return pcp_blocks_forward(
-        q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
-        block_forward=block_forward, segs=segs,
-    )  # fmt: skip
+        return pcp_prefill_attention_varlen(inputs, pack=pack)
+    return pcp_blocks_forward(inputs, block_forward=block_forward, segs=segs)
 
 
 def pcp_prefill_attention_backward_cuda(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    segments: torch.Tensor,
-    prefix_k: torch.Tensor | None,
-    prefix_v: torch.Tensor | None,
-    prefix_cu_seqlens: torch.Tensor | None,
-    scale: float,
+    inputs: PrefillInputs,
     *,
     policy: CPPolicy = DEFAULT_POLICY,
     block_backward: BlockBackward = attention_block_backward,
@@ -340,6 +325,8 @@ def pcp_prefill_attention_backward_cuda(
 ]:
     """Gradients of :func:`pcp_prefill_attention_cuda` on the path ``policy`` chooses.
 
+    ``dout``: [T, Hq, Dv] gradient of the output; ``out``, ``lse``: the forward's results;
+    ``inputs``: as in the forward.
     ``dk_into`` / ``dv_into``: targets tiling the N rows of dK / dV
     (:func:`~cp_modules.kernels.grad_assembly.sum_pieces_into`) that receive the gradient
     instead of a fresh tensor; that result is then None.
@@ -348,16 +335,15 @@ def pcp_prefill_attention_backward_cuda(
         dq [T, Hq, Dqk], dk [N, Hkv, Dqk], dv [N, Hkv, Dv], dprefix_k, dprefix_v (None
         without a prefix), each in its input's dtype.
     """
+    segments = inputs.segments
     segs = host_segments(segments)
-    q, k, v, prefix_k, prefix_v, prefix_cu = _contiguous_inputs(
-        q, k, v, prefix_k, prefix_v, prefix_cu_seqlens
-    )
+    contiguous, prefix_cu = _contiguous_inputs(inputs)
+    q, k, v = contiguous.q, contiguous.k, contiguous.v
     if choose_varlen(policy, "backward", segments, segs, q, k, v, prefix_cu):
         pack = plan_state(segments).varlen_pack(segments, q.device, prefix_cu, q.shape[0])
         dq, dk, dv, *dprefix = pcp_prefill_attention_varlen_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), segments, scale,
-            prefix_k, prefix_v, prefix_cu, pack=pack,
-        )  # fmt: skip
+            dout.contiguous(), out.contiguous(), lse.contiguous(), contiguous, pack=pack
+        )
         dpk, dpv = dprefix if dprefix else (None, None)
         if dk_into is not None:
             assert dv_into is not None, "dk_into and dv_into come together"
@@ -366,7 +352,7 @@ def pcp_prefill_attention_backward_cuda(
             return dq, None, None, dpk, dpv
         return dq, dk, dv, dpk, dpv
     return pcp_blocks_backward(
-        dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale,
+        dout, out, lse, contiguous,
         block_backward=block_backward,
         causal_pairs_min_rows=policy.causal_pairs_min_rows,
         overlap_gradient_sums=policy.overlap_gradient_sums,

@@ -14,15 +14,41 @@ the oracle can be made exact).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
+    "PrefillInputs",
     "lse_dtype",
     "attention_with_lse",
     "attention_with_lse_backward",
     "pcp_prefill_attention_backward_reference",
     "pcp_prefill_attention_reference",
 ]
+
+
+class PrefillInputs(NamedTuple):
+    """What every PCP prefill attention path reads: this rank's queries, the restored new
+    keys/values, the plan's segments, the cached prefixes and the softmax scale.
+
+    Fields:
+        q: [T, Hq, Dqk] local queries in ``token_indices`` order.
+        k: [N, Hkv, Dqk], v: [N, Hkv, Dv] restored, unpadded new keys/values.
+        segments: [S, 5] int64 host tensor (``SEGMENT_FIELDS``).
+        prefix_k: [C, Hkv, Dqk], prefix_v: [C, Hkv, Dv] cached keys/values of the requests,
+            ragged by ``prefix_cu_seqlens`` ([R + 1] int64, host), or all three None.
+        scale: softmax scale.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    segments: torch.Tensor
+    prefix_k: torch.Tensor | None
+    prefix_v: torch.Tensor | None
+    prefix_cu_seqlens: torch.Tensor | None
+    scale: float
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -165,32 +191,22 @@ def _segment_keys(
 
 
 def pcp_prefill_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: torch.Tensor,
-    prefix_k: torch.Tensor | None,
-    prefix_v: torch.Tensor | None,
-    prefix_cu_seqlens: torch.Tensor | None,
-    scale: float,
+    inputs: PrefillInputs,
+    *,
     window: int | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head/tail attention of this rank's queries over the restored K/V (and cached prefixes).
 
     Args:
-        q: [T, Hq, Dqk] local queries in ``token_indices`` order.
-        k: [N, Hkv, Dqk], v: [N, Hkv, Dv] restored, unpadded new keys/values.
-        segments: [S, 5] int64 host tensor (``SEGMENT_FIELDS``).
-        prefix_k: [C, Hkv, Dqk], prefix_v: [C, Hkv, Dv] cached keys/values of the requests,
-            ragged by ``prefix_cu_seqlens`` ([R + 1] int64, host), or all three None.
-        scale: softmax scale.
+        inputs: the queries, keys, values, segments, prefixes and scale (:class:`PrefillInputs`).
         window: sliding window W (each query sees its W latest keys, itself included) or None.
         softcap: logit soft-cap c or None.
 
     Returns:
         out [T, Hq, Dv] in q's dtype, lse [T, Hq] in ``lse_dtype(q.dtype)``.
     """
+    q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale = inputs
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype))
     prefix_cu = None if prefix_cu_seqlens is None else prefix_cu_seqlens.tolist()
@@ -212,29 +228,24 @@ def pcp_prefill_attention_reference(
 
 def pcp_prefill_attention_backward_reference(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    segments: torch.Tensor,
-    prefix_k: torch.Tensor | None,
-    prefix_v: torch.Tensor | None,
-    prefix_cu_seqlens: torch.Tensor | None,
-    scale: float,
+    inputs: PrefillInputs,
+    *,
     window: int | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`pcp_prefill_attention_reference` from its output and LSE.
 
     Args:
-        dout: [T, Hq, Dv] gradient of the output; out, lse: the forward's results; the other
-            arguments as in the forward.
+        dout: [T, Hq, Dv] gradient of the output; out, lse: the forward's results; inputs,
+            window, softcap: as in the forward.
 
     Returns:
         dq [T, Hq, Dqk], dk [N, Hkv, Dqk], dv [N, Hkv, Dv], dprefix_k [C, Hkv, Dqk] and
         dprefix_v [C, Hkv, Dv] (None without a prefix), each in its input's dtype.
     """
+    q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale = inputs
     dq, dk, dv = (torch.zeros_like(_acc(x)) for x in (q, k, v))
     dpk: torch.Tensor | None = None
     dpv: torch.Tensor | None = None
