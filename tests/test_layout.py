@@ -185,3 +185,10 @@ def test_cli_as_module_process():
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 2 and "invalid configuration" in r.stderr and r.stdout == ""
+
+
+def test_dp_pcp_groups_are_the_gradient_sum_groups():
+    # dp=2, pcp=2, tp=2: ranks ((d * pcp) + c) * tp + t; each TP position sums over dp x pcp.
+    layout = rank_layout(ParallelConfig(data_parallel_size=2, prefill_context_parallel_size=2,
+                                        tensor_parallel_size=2))  # fmt: skip
+    assert layout.dp_pcp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]

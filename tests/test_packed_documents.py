@@ -2,7 +2,7 @@
 
 A row whose ``position_ids`` restart at 0 holds several documents; each is a PCP segment of its
 own, no query attends another document, and a document's last token has no target. Through a
-swapped HF Llama and an MLA model (DeepSeek-V3) on gloo ranks (pcp 2 and 4, tp 2 once), the
+swapped HF Llama and an MLA model (DeepSeek-V3) on gloo ranks (pcp 2 and 4, tp 2 once, dp 2 once), the
 loss and every parameter gradient equal one process running each document alone (float64).
 """
 
@@ -113,24 +113,28 @@ def _packed_on_ranks(family, config):
         logits = model(input_ids=cb.input_ids[None], position_ids=cb.positions[None]).logits[0]
         loss = lm_cross_entropy(logits, cb)
     loss.backward()
-    pcp_group = ctx.groups.pcp
+    # Gradients of every rank's loss share, summed over the dp x pcp ranks of its TP position.
+    sum_group = ctx.replica_group
     grads = {}
     for k, p in model.named_parameters():
         if p.grad is None:
             continue
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-        torch.distributed.all_reduce(g, group=pcp_group)
+        if sum_group is not None:
+            torch.distributed.all_reduce(g, group=sum_group)
         grads[k] = g
     return ctx.reduce_loss(loss), grads
 
 
 def _rank_body(rank, world_size, layouts):
     failures = []
-    for family, tp, pcp in layouts:
+    for family, tp, pcp, dp in layouts:
         want_loss, want = _documents_alone(family)
-        config = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp)
+        config = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                                data_parallel_size=dp)  # fmt: skip
+        # Every dp replica is fed the same packed rows here: the global mean is theirs.
         loss, got = _packed_on_ranks(family, config)
-        name = f"{family} tp{tp} pcp{pcp}"
+        name = f"{family} tp{tp} pcp{pcp} dp{dp}"
         if set(got) != set(want):
             failures.append(f"{name}: parameters with gradients differ: {set(got) ^ set(want)}")
             continue
@@ -147,8 +151,8 @@ def _rank_body(rank, world_size, layouts):
 @pytest.mark.parametrize(
     "world_size, layouts",
     [
-        (2, [("llama", 1, 2), ("deepseek_v3", 1, 2)]),
-        (4, [("llama", 1, 4), ("deepseek_v3", 1, 4), ("llama", 2, 2)]),
+        (2, [("llama", 1, 2, 1), ("deepseek_v3", 1, 2, 1)]),
+        (4, [("llama", 1, 4, 1), ("deepseek_v3", 1, 4, 1), ("llama", 2, 2, 1), ("deepseek_v3", 1, 2, 2)]),
     ],
     ids=["world2", "world4"],
 )

@@ -37,6 +37,7 @@ class RankLayout:
     pp_groups: list[list[int]]
     ep_groups: list[list[int]]
     replica_groups: list[list[int]]
+    dp_pcp_groups: list[list[int]]
     sizes: tuple[int, int, int, int]  # (dp, pp, pcp, tp)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -92,6 +93,9 @@ def rank_layout(config: ParallelConfig) -> RankLayout:
     replica_groups = [
         [rank(d, p, c, t) for p in range(pp) for c in range(pcp) for t in range(tp)] for d in range(dp)
     ]
+    dp_pcp_groups = [
+        [rank(d, p, c, t) for d in range(dp) for c in range(pcp)] for p in range(pp) for t in range(tp)
+    ]
     layout = RankLayout(
         world_size=config.world_size,
         tp_groups=tp_groups,
@@ -102,6 +106,7 @@ def rank_layout(config: ParallelConfig) -> RankLayout:
         pp_groups=pp_groups,
         ep_groups=ep_groups,
         replica_groups=replica_groups,
+        dp_pcp_groups=dp_pcp_groups,
         sizes=(dp, pp, pcp, tp),
     )
     return layout

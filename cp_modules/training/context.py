@@ -150,16 +150,6 @@ def lm_cross_entropy(logits: torch.Tensor, batch: CPBatch) -> torch.Tensor:
     return local / batch.num_global_tokens
 
 
-def _replica_groups(config: ParallelConfig) -> list[list[int]]:
-    """Ranks that sum their gradients: all dp x pcp ranks of one (pp, tp) position."""
-    dp, pp, pcp, tp = config.dp, config.pp, config.pcp, config.tp
-    return [
-        [((d * pp + p) * pcp + c) * tp + t for d in range(dp) for c in range(pcp)]
-        for p in range(pp)
-        for t in range(tp)
-    ]
-
-
 @dataclass
 class CPTrainingContext:
     """This rank's view of a context-parallel training run (groups, runtime, reductions).
@@ -361,7 +351,7 @@ def init_cp_training(
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     replica_group = None
     # Every rank creates every group, in the same order (torch.distributed's rule).
-    for ranks in _replica_groups(config):
+    for ranks in groups.layout.dp_pcp_groups:  # all dp x pcp ranks of one (pp, tp) position
         g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
         if rank in ranks:
             replica_group = g
