@@ -66,7 +66,7 @@ def report(conf: BenchmarkConf, parallel: dict, single: dict) -> None:
           f"{conf.workload.max_new_tokens} new tokens each")
     print(f"{'layout':<34}{'tok/s':>9}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}"
           f"{'KV blocks/rank':>16}")
-    for label, r in ((f"tp={p.tp} pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend.value}", parallel),
+    for label, r in ((f"tp={p.tp} pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend}", parallel),
                      ("one process", single)):
         blocks = max(x["peak_blocks"] for x in r["ranks"])
         print(f"{label:<34}{r['tokens_per_s']:>9.1f}{r['ttft_s'] * 1e3:>9.0f}"

@@ -41,7 +41,7 @@ def _show(ids: list[int], tokenizer, limit: int = 12) -> str:
 def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> None:
     p = conf.parallel
     print(f"{model_name(conf.model)} ({conf.model.dtype}) on {p.world_size} rank(s): tp={p.tp} "
-          f"pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend.value}")
+          f"pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend}")
     for i, (prompt, out, why) in enumerate(zip(prompts, result.outputs, result.finish_reasons)):
         print(f"  [{i}] prompt {len(prompt):>5} tokens {_show(prompt, tokenizer)}")
         print(f"      -> {len(out)} tokens ({why}) {_show(out, tokenizer, limit=len(out))}")

@@ -18,23 +18,16 @@ __all__ = [
     "BackendConf",
     "BenchmarkConf",
     "BenchmarkWorkload",
-    "CommBackend",
     "Device",
     "Family",
     "GenerateConf",
     "GenerateWorkload",
     "ModelConf",
-    "ParallelConf",
     "load_config",
     "register_configs",
 ]
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
-
-
-class CommBackend(Enum):
-    ag_rs = "ag_rs"
-    a2a = "a2a"
 
 
 class Family(Enum):
@@ -61,37 +54,6 @@ class Device(Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-@dataclass
-class ParallelConf:
-    """Parallel degrees (``conf/parallel``); world size = dp * pcp * tp."""
-
-    tp: int = 1
-    pcp: int = 1
-    dcp: int = 1
-    dp: int = 1
-    dcp_comm_backend: CommBackend = CommBackend.ag_rs
-    interleave: int = 1
-    packed_a2a: bool = True
-
-    def __post_init__(self) -> None:
-        self.to_parallel_config()  # every size and cross-field rule, as a ValueError
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pcp * self.tp
-
-    def to_parallel_config(self) -> ParallelConfig:
-        backend = self.dcp_comm_backend
-        return ParallelConfig(
-            tensor_parallel_size=self.tp,
-            prefill_context_parallel_size=self.pcp,
-            decode_context_parallel_size=self.dcp,
-            dcp_comm_backend=backend.value if isinstance(backend, CommBackend) else backend,
-            dcp_kv_cache_interleave_size=self.interleave,
-            data_parallel_size=self.dp,
-        )
 
 
 @dataclass
@@ -172,6 +134,7 @@ class BackendConf:
     num_threads: int = 0
     block_size: int = 16
     master_addr: str = "127.0.0.1"
+    packed_a2a: bool = True  # the a2a DCP combine moves outputs and LSEs in one all-to-all
     collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -239,7 +202,7 @@ class GenerateWorkload:
 class GenerateConf:
     """Schema of ``conf/generate.yaml``."""
 
-    parallel: ParallelConf = field(default_factory=ParallelConf)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConf = field(default_factory=ModelConf)
     backend: BackendConf = field(default_factory=BackendConf)
     workload: GenerateWorkload = field(default_factory=GenerateWorkload)
@@ -275,7 +238,7 @@ class BenchmarkWorkload:
 class BenchmarkConf:
     """Schema of ``conf/benchmark.yaml``."""
 
-    parallel: ParallelConf = field(default_factory=ParallelConf)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConf = field(default_factory=ModelConf)
     backend: BackendConf = field(default_factory=BackendConf)
     workload: BenchmarkWorkload = field(default_factory=BenchmarkWorkload)

@@ -16,10 +16,10 @@ from recipe_configs import (
     GenerateConf,
     GenerateWorkload,
     ModelConf,
-    ParallelConf,
 )
 from recipe_models import build_model, load_tokenizer, model_dir
 
+from cp_modules.config import ParallelConfig
 from cp_modules.engine.engine import GenerationEngine, GenerationResult
 from cp_modules.engine.sampling import SamplingParams
 
@@ -84,7 +84,7 @@ def _device(conf_backend) -> torch.device:
 
 
 def build_engine(
-    model_conf: ModelConf, parallel: ParallelConf, backend, *, max_num_tokens: int,
+    model_conf: ModelConf, parallel: ParallelConfig, backend, *, max_num_tokens: int,
     max_num_seqs: int = 16, progress: bool = True,
 ) -> GenerationEngine:
     """The model of ``model_conf`` with CP attention on this rank's groups, in an engine."""
@@ -93,7 +93,7 @@ def build_engine(
 
     if backend.num_threads:
         torch.set_num_threads(backend.num_threads)
-    config = parallel.to_parallel_config()
+    config = parallel
     groups = init_cp_groups(config) if config.world_size > 1 else None
     model = build_model(model_conf, _device(backend))
     swap_attention(model, groups if groups is not None else config)
@@ -101,7 +101,7 @@ def build_engine(
         model, groups, block_size=backend.block_size, max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, compile=backend.compile, compile_backend=backend.compile_backend,
         progress=progress,
-        packed_a2a=parallel.packed_a2a,
+        packed_a2a=backend.packed_a2a,
     )
 
 
@@ -127,7 +127,7 @@ def single_process(conf: GenerateConf | BenchmarkConf) -> GenerateConf | Benchma
     workload = conf.workload
     if isinstance(workload, GenerateWorkload):
         workload = dataclasses.replace(workload, progress=False)
-    return dataclasses.replace(conf, parallel=ParallelConf(), workload=workload)
+    return dataclasses.replace(conf, parallel=ParallelConfig(), workload=workload)
 
 
 def compare_outputs(got: list[list[int]], want: list[list[int]]) -> list[int]:

@@ -38,11 +38,11 @@ from recipe_configs import (
     Device,
     Family,
     ModelConf,
-    ParallelConf,
     load_config,
 )
 from torch.utils.data import DataLoader
 
+from cp_modules.config import ParallelConfig
 from cp_modules.integrations.lightning import CPFabricStrategy, CPTrainerStrategy
 from cp_modules.models import TinyLM, TinyLMConfig, parallelize_model
 from cp_modules.step import cp_step
@@ -90,7 +90,7 @@ class TrainWorkload:
 class TrainConf:
     """Schema of ``conf/train.yaml``."""
 
-    parallel: ParallelConf = field(default_factory=ParallelConf)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConf = field(default_factory=ModelConf)
     backend: BackendConf = field(default_factory=BackendConf)
     workload: TrainWorkload = field(default_factory=TrainWorkload)
@@ -255,7 +255,7 @@ def _distributed_checkpoint(w: TrainWorkload) -> bool:
 
 def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPFabricStrategy(
-        conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
+        conf.parallel, _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
         save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
@@ -306,7 +306,7 @@ class LitTinyLM(L.LightningModule):
 
 def run_trainer(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPTrainerStrategy(
-        conf.parallel.to_parallel_config(), _parallelize_fn(conf), start_method="spawn",
+        conf.parallel, _parallelize_fn(conf), start_method="spawn",
         process_group_backend=dist_backend,
         save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
