@@ -153,6 +153,20 @@ def test_activation_checkpointing_equals_the_plain_run(kind, reentrant):
     _assert_equal_grads(got, _reference(kind, BATCH_A, 1), "checkpointed")
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_plain_torch_checkpoint_with_the_backward_inside_the_step(reentrant):
+    # torch.utils.checkpoint itself: its recompute reads the scoped step, so the backward runs
+    # inside the step's cp_step.
+    layer = _layer("gqa")
+    x, w = _data(BATCH_A, 1)
+    meta = build_step_metadata(CPRuntime.single(), BATCH_A)
+    xl = x[meta.token_indices].clone().requires_grad_()
+    with cp_step(meta):
+        y = torch.utils.checkpoint.checkpoint(layer, xl, meta.positions, use_reentrant=reentrant)
+        (y * (w[meta.token_indices] * meta.plan.local_valid[:, None])).sum().backward()
+    _assert_equal_grads(_grads(layer, xl, meta), _reference("gqa", BATCH_A, 1), "torch checkpoint")
+
+
 def test_plain_checkpoint_recompute_outside_the_step_is_a_clear_error():
     layer = _layer("gqa")
     x, w = _data(BATCH_A, 1)
