@@ -13,7 +13,7 @@ from benchmarks import report, suite
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-DATED = "2026-11-30-NVIDIA_H200"
+DATED = "2026-12-01-NVIDIA_H200"
 # What the committed dated report holds of an op removed since (the fused PCP select): the
 # results it came from keep it, the report no longer reads it.
 REMOVED_GOALS = ("fused PCP select TB/s",)
