@@ -49,10 +49,16 @@ def matmul_rate() -> float:
 
 def prefill(name: str, s: int, hq: int, hkv: int, dqk: int, dv: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, hq, s, dqk, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    q = torch.randn(
+        1, hq, s, dqk, device="cuda", dtype=torch.bfloat16, generator=g
+    ).requires_grad_()
     # MLA prefill has as many K/V heads as q heads; GQA repeats KV heads (enable_gqa).
-    k = torch.randn(1, hkv, s, dqk, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    v = torch.randn(1, hkv, s, dv, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(
+        1, hkv, s, dqk, device="cuda", dtype=torch.bfloat16, generator=g
+    ).requires_grad_()
+    v = torch.randn(
+        1, hkv, s, dv, device="cuda", dtype=torch.bfloat16, generator=g
+    ).requires_grad_()
     do = torch.randn(1, hq, s, dv, device="cuda", dtype=torch.bfloat16, generator=g)
     flops_fwd = s * s * hq * (dqk + dv)  # causal: half of 2 matmuls of 2*S^2*H*D
     res: dict = {}
@@ -60,18 +66,27 @@ def prefill(name: str, s: int, hq: int, hkv: int, dqk: int, dv: int) -> dict:
     for bname, be in BACKENDS.items():
         try:
             with sdpa_kernel(be):
+
                 def fwd():
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+                    return F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, enable_gqa=hq != hkv
+                    )
+
                 o = fwd()
                 outs[bname] = o.detach()
                 t_f = do_bench(fwd, warmup=3, rep=20)
                 out = fwd()
                 t_b = do_bench(
                     lambda out=out: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
-                    warmup=3, rep=20,
+                    warmup=3,
+                    rep=20,
                 )
-            res[bname] = dict(fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=flops_fwd / t_f / 1e9,
-                              bwd_tflops=2.5 * flops_fwd / t_b / 1e9)
+            res[bname] = dict(
+                fwd_ms=t_f,
+                bwd_ms=t_b,
+                fwd_tflops=flops_fwd / t_f / 1e9,
+                bwd_tflops=2.5 * flops_fwd / t_b / 1e9,
+            )
         except RuntimeError as e:  # the backend does not serve this shape
             res[bname] = dict(error=str(e).splitlines()[0][:120])
     served = {b: r for b, r in res.items() if "fwd_ms" in r}
@@ -84,8 +99,18 @@ def prefill(name: str, s: int, hq: int, hkv: int, dqk: int, dv: int) -> dict:
                 served[b]["wrong"] = True
         res["best_fwd"] = best
         res["best_bwd"] = min(served, key=lambda b: served[b]["bwd_ms"])
-    print(name, json.dumps({b: {k2: round(v2, 2) if isinstance(v2, float) else v2 for k2, v2 in r.items()}
-                            if isinstance(r, dict) else r for b, r in res.items()}), flush=True)
+    print(
+        name,
+        json.dumps(
+            {
+                b: {k2: round(v2, 2) if isinstance(v2, float) else v2 for k2, v2 in r.items()}
+                if isinstance(r, dict)
+                else r
+                for b, r in res.items()
+            }
+        ),
+        flush=True,
+    )
     return res
 
 
@@ -93,13 +118,20 @@ def main() -> int:
     metrics: dict = {}
     metrics["copy_TBps"] = copy_bandwidth()
     metrics["matmul_bf16_TFLOPs"] = matmul_rate()
-    print(f"copy {metrics['copy_TBps']:.2f} TB/s, bf16 matmul {metrics['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+    print(
+        f"copy {metrics['copy_TBps']:.2f} TB/s, bf16 matmul {metrics['matmul_bf16_TFLOPs']:.0f} TFLOP/s"
+    )
     for s in (8192, 16384):
         metrics[f"gqa_d64_S{s}"] = prefill(f"gqa_d64_S{s}", s, 32, 8, 64, 64)
         metrics[f"gqa_d128_S{s}"] = prefill(f"gqa_d128_S{s}", s, 32, 8, 128, 128)
         metrics[f"mla_192_128_S{s}"] = prefill(f"mla_192_128_S{s}", s, 128, 128, 192, 128)
-    out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": triton.__version__, "metrics": metrics}
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "metrics": metrics,
+    }
     path = RESULTS / f"ceilings-{out['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

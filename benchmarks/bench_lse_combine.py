@@ -241,8 +241,12 @@ def _comm_rank(rank: int, world: int) -> dict:
             if dcp == 1:
                 continue
             for backend, packed in (("ag_rs", False), ("a2a", False), ("a2a", True)):
-                cfg = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-                                     decode_context_parallel_size=dcp, dcp_comm_backend=backend)
+                cfg = ParallelConfig(
+                    tensor_parallel_size=tp,
+                    prefill_context_parallel_size=pcp,
+                    decode_context_parallel_size=dcp,
+                    dcp_comm_backend=backend,
+                )
                 groups = init_cp_groups(cfg)
                 spec = DCPCommSpec.from_groups(groups, packed=packed)
                 name = f"tp{tp}_pcp{pcp}_dcp{dcp}_{backend}{'_packed' if packed else ''}"
@@ -260,7 +264,9 @@ def _comm_rank(rank: int, world: int) -> dict:
                         all_lse = [torch.empty_like(lse) for _ in range(dcp)]
                         dist.all_gather(all_out, out, group=groups.dcp)
                         dist.all_gather(all_lse, lse, group=groups.dcp)
-                        ref, _ = lse_combine_reference(torch.stack(all_out).float(), torch.stack(all_lse))
+                        ref, _ = lse_combine_reference(
+                            torch.stack(all_out).float(), torch.stack(all_lse)
+                        )
                         own = slice(spec.gather_rank * hl, (spec.gather_rank + 1) * hl)
                         err = (got.float() - ref[:, own]).abs().max().item()
                         # bf16 outputs: within 2 bf16 ulps of the largest output (ag_rs rounds
@@ -313,7 +319,9 @@ def run_comm(world_size: int, out: str | None) -> int:
         )
     bad = {k: v["max_err"] for k, v in merged.items() if v["max_err"] > v["err_bound"]}
     for k, v in merged.items():
-        print(f"{k:<48} eager {v['eager_us']:8.1f} us  graph {v['graph_us']:8.1f} us  err {v['max_err']:.1e}")
+        print(
+            f"{k:<48} eager {v['eager_us']:8.1f} us  graph {v['graph_us']:8.1f} us  err {v['max_err']:.1e}"
+        )
     report = {"date": datetime.date.today().isoformat(),
               "gpu": f"{world_size}x {torch.cuda.get_device_name()}",
               "torch": torch.__version__, "triton": triton.__version__,
@@ -375,11 +383,7 @@ def main() -> int:
         "triton": triton.__version__,
         "metrics": metrics,
     }
-    path = (
-        pathlib.Path(args.out)
-        if args.out
-        else RESULTS / f"lse_combine-{date}.json"
-    )
+    path = pathlib.Path(args.out) if args.out else RESULTS / f"lse_combine-{date}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")

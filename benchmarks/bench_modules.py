@@ -65,8 +65,13 @@ def llama_layer():
 
 def mla_layer(heads=128):
     return CPMLAAttention(
-        7168, heads, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128,
+        7168,
+        heads,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
     ).to(DEV, DT)
 
 
@@ -95,7 +100,11 @@ def dense_reference(layer, x, dtype):
         k = torch.cat((kvb[..., :128], k_pe.expand(-1, 128, -1)), -1)
         v = kvb[..., 128:]
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True,
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        is_causal=True,
+        enable_gqa=True,
         scale=layer.scaling,
     )
     out = layer.o_proj(o.transpose(0, 1).reshape(s, -1)).float()
@@ -144,7 +153,9 @@ def bench_prefill(name, layer, seq, metrics):
     with torch.no_grad(), cp_step(meta):
         torch.cuda.reset_peak_memory_stats()
         t_eager = do_bench(lambda: layer(xl, meta.positions), warmup=3, rep=20)
-        metrics[f"{name}_prefill{seq // 1024}k_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics[f"{name}_prefill{seq // 1024}k_peak_GiB"] = (
+            torch.cuda.max_memory_allocated() / 2**30
+        )
         compiled(xl, meta.positions)
         t_comp = do_bench(lambda: compiled(xl, meta.positions), warmup=3, rep=20)
     metrics[f"{name}_prefill{seq // 1024}k_eager_ms"] = t_eager
@@ -179,7 +190,9 @@ def bench_prefill_many(name, layer, batch, length, metrics):
     metrics[f"{key}_auto_eager_ms"] = times["auto"]
     metrics[f"{key}_paths_rel_maxdiff"] = diff / scale
     if not diff <= 2e-2 * scale:
-        raise SystemExit(f"{name}: block and varlen prefill outputs differ: {diff:.3e} (max {scale:.3e})")
+        raise SystemExit(
+            f"{name}: block and varlen prefill outputs differ: {diff:.3e} (max {scale:.3e})"
+        )
 
 
 def bench_decode(name, layer, batch, ctx, metrics, block_size=64):
@@ -194,8 +207,12 @@ def bench_decode(name, layer, batch, ctx, metrics, block_size=64):
         c = allocate_mla_cache(nb, block_size, 512, 64, dtype=DT, device=DEV)
         c.normal_()
         layer.kv_cache = c
-    bt = (torch.arange(batch * blocks_per, dtype=torch.int32, device=DEV) + 1).view(batch, blocks_per)
-    meta = build_step_metadata(RT, [1] * batch, [ctx] * batch, block_table=bt, block_size=block_size, device=DEV)
+    bt = (torch.arange(batch * blocks_per, dtype=torch.int32, device=DEV) + 1).view(
+        batch, blocks_per
+    )
+    meta = build_step_metadata(
+        RT, [1] * batch, [ctx] * batch, block_table=bt, block_size=block_size, device=DEV
+    )
     x = torch.randn(meta.num_local_tokens, layer.hidden_size, device=DEV, dtype=DT)
     compiled = torch.compile(layer, fullgraph=True)
     with torch.no_grad(), cp_step(meta):
@@ -333,7 +350,9 @@ def train_paths(seq_lens: list[int], out: str) -> int:
         m = metrics[f"S={S} P={n}"] = {
             "step_ms_slowest_rank": ms,
             "key_major_speedup": ms["query_major"] / ms["key_major"],
-            "peak_mib_worst_rank": {p: max(r[S]["peak_mib"][p] for r in per_rank) for p in TRAIN_PATHS},
+            "peak_mib_worst_rank": {
+                p: max(r[S]["peak_mib"][p] for r in per_rank) for p in TRAIN_PATHS
+            },
             "grad_rel_diff": max(r[S]["grad_rel_diff"] for r in per_rank),
             "per_rank_ms": [r[S]["ms"] for r in per_rank],
         }
@@ -382,7 +401,10 @@ def main() -> int:
             bench_decode(name, layer, batch, ctx, metrics)
         for b, n in MANY_SHAPES if args.many_only else MANY_SHAPES[:1]:
             bench_prefill_many(name, layer, b, n, metrics)
-        print(json.dumps({k: round(v, 4) for k, v in metrics.items() if k.startswith(name)}), flush=True)
+        print(
+            json.dumps({k: round(v, 4) for k, v in metrics.items() if k.startswith(name)}),
+            flush=True,
+        )
     out = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),

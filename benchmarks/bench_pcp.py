@@ -799,7 +799,6 @@ def timeline_shape(name: str, pcps: list[int]) -> dict:
     return res
 
 
-
 def needs_cuda() -> bool:
     if torch.cuda.is_available():
         return True

@@ -86,14 +86,24 @@ def pcp_gather(s: Shapes, p: int, tokens: int, e: int = 2) -> dict:
     coef_b = (p - 1) / p * s.prefill_gather_bytes_per_token / BETA_BPS
     coef_f = s.prefill_heads * (s.prefill_dqk + s.prefill_dv) / p / F_ATTN
     return dict(
-        gather_MB=gather_bytes / 1e6, t_gather_us=1e6 * t_gather, t_attn_us=1e6 * t_attn,
-        hidden=t_gather <= t_attn, hide_from_tokens=int(coef_b / coef_f) + 1,
+        gather_MB=gather_bytes / 1e6,
+        t_gather_us=1e6 * t_gather,
+        t_attn_us=1e6 * t_attn,
+        hidden=t_gather <= t_attn,
+        hide_from_tokens=int(coef_b / coef_f) + 1,
     )
 
 
 def model(batches=(1, 8, 64, 256), sizes=(2, 4, 8), prefill_tokens=(8192, 32768, 131072)) -> dict:
-    out = {"assumptions": dict(alpha_graph_us=ALPHA_GRAPH_S * 1e6, alpha_eager_us=ALPHA_EAGER_S * 1e6,
-                               beta_GBps=BETA_BPS / 1e9, attn_TFLOPs=F_ATTN / 1e12, hbm_TBps=HBM_BPS / 1e12)}
+    out = {
+        "assumptions": dict(
+            alpha_graph_us=ALPHA_GRAPH_S * 1e6,
+            alpha_eager_us=ALPHA_EAGER_S * 1e6,
+            beta_GBps=BETA_BPS / 1e9,
+            attn_TFLOPs=F_ATTN / 1e12,
+            hbm_TBps=HBM_BPS / 1e12,
+        )
+    }
     for s in (LLAMA3_8B, DEEPSEEK_V3):
         m = {"shapes": asdict(s), "decode": {}, "break_even_tokens": {}, "prefill": {}}
         for n in sizes:
@@ -102,7 +112,8 @@ def model(batches=(1, 8, 64, 256), sizes=(2, 4, 8), prefill_tokens=(8192, 32768,
             packed = dcp_decode(s, n, 64)["a2a_packed"]["t_graph_us"] * 1e-6
             agrs = dcp_decode(s, n, 64)["ag_rs"]["t_graph_us"] * 1e-6
             m["break_even_tokens"][f"N{n}"] = dict(
-                a2a_packed=dcp_break_even_tokens(s, n, packed), ag_rs=dcp_break_even_tokens(s, n, agrs)
+                a2a_packed=dcp_break_even_tokens(s, n, packed),
+                ag_rs=dcp_break_even_tokens(s, n, agrs),
             )
             for t in prefill_tokens:
                 m["prefill"][f"P{n}_T{t}"] = pcp_gather(s, n, t)
@@ -111,20 +122,30 @@ def model(batches=(1, 8, 64, 256), sizes=(2, 4, 8), prefill_tokens=(8192, 32768,
 
 
 def format_table(res: dict) -> str:
-    lines = ["| model | N | B | ag_rs bytes / colls / us (graph) | a2a | packed a2a |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| model | N | B | ag_rs bytes / colls / us (graph) | a2a | packed a2a |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in ("llama3_8b", "deepseek_v3"):
         for key, v in res[name]["decode"].items():
             n, b = key.split("_")
-            cells = [f"{v[k]['bytes'] / 1e3:.1f} KB / {v[k]['collectives']} / {v[k]['t_graph_us']:.1f}"
-                     for k in ("ag_rs", "a2a", "a2a_packed")]
+            cells = [
+                f"{v[k]['bytes'] / 1e3:.1f} KB / {v[k]['collectives']} / {v[k]['t_graph_us']:.1f}"
+                for k in ("ag_rs", "a2a", "a2a_packed")
+            ]
             lines.append(f"| {name} | {n[1:]} | {b[1:]} | " + " | ".join(cells) + " |")
-    lines += ["", "| model | P | T | gathered MB | gather us | attention us | hidden | hides from T |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| model | P | T | gathered MB | gather us | attention us | hidden | hides from T |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in ("llama3_8b", "deepseek_v3"):
         for key, v in res[name]["prefill"].items():
             p, t = key.split("_")
-            lines.append(f"| {name} | {p[1:]} | {t[1:]} | {v['gather_MB']:.1f} | {v['t_gather_us']:.0f} | "
-                         f"{v['t_attn_us']:.0f} | {v['hidden']} | {v['hide_from_tokens']} |")
+            lines.append(
+                f"| {name} | {p[1:]} | {t[1:]} | {v['gather_MB']:.1f} | {v['t_gather_us']:.0f} | "
+                f"{v['t_attn_us']:.0f} | {v['hidden']} | {v['hide_from_tokens']} |"
+            )
     return "\n".join(lines)
 
 

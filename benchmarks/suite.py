@@ -41,7 +41,10 @@ def run_suite(only: list[str] | None = None, timeout_s: float = 240.0) -> int:
             ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-        print(f"=== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.time() - t0:.0f} s", flush=True)
+        print(
+            f"=== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.time() - t0:.0f} s",
+            flush=True,
+        )
         if rc != 0:
             failed.append(name)
     subprocess.run([sys.executable, "-m", "benchmarks.report"], cwd=REPO, check=False)

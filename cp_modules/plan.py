@@ -77,7 +77,14 @@ def _format(report: dict) -> str:
         f"interleave {c['dcp_kv_cache_interleave_size']}",
         "",
     ]
-    for key in ("tp_groups", "pcp_groups", "dcp_groups", "partial_tp_groups", "dp_groups", "ep_groups"):
+    for key in (
+        "tp_groups",
+        "pcp_groups",
+        "dcp_groups",
+        "partial_tp_groups",
+        "dp_groups",
+        "ep_groups",
+    ):
         lines.append(f"{key:<18} {report[key]}")
     lines += [
         "",
@@ -101,7 +108,9 @@ def _format(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cp_modules.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m cp_modules.plan", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pcp", type=int, default=1)
     p.add_argument("--dcp", type=int, default=1)

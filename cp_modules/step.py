@@ -170,9 +170,13 @@ def _check_batch(num_new: np.ndarray, num_computed: np.ndarray) -> None:
             f"length, got {num_new.shape} and {num_computed.shape}"
         )
     if (num_new < 1).any():
-        raise ValueError(f"every request needs >= 1 new token, got num_new_tokens={num_new.tolist()}")  # ok: host (numpy)
+        raise ValueError(
+            f"every request needs >= 1 new token, got num_new_tokens={num_new.tolist()}"
+        )  # ok: host (numpy)
     if (num_computed < 0).any():
-        raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed.tolist()}")  # ok: host (numpy)
+        raise ValueError(
+            f"num_computed_tokens must be >= 0, got {num_computed.tolist()}"
+        )  # ok: host (numpy)
 
 
 def build_step_metadata(
@@ -250,7 +254,9 @@ def build_step_metadata(
     dec_reqs = np.nonzero(is_decode)[0]
     dec_counts = num_new[dec_reqs]
     dec_req_of_tok = np.repeat(dec_reqs, dec_counts)
-    dec_tok_in_req = np.arange(dec_counts.sum()) - np.repeat(np.cumsum(dec_counts) - dec_counts, dec_counts)
+    dec_tok_in_req = np.arange(dec_counts.sum()) - np.repeat(
+        np.cumsum(dec_counts) - dec_counts, dec_counts
+    )
     local_decode_idx = local_offsets[dec_req_of_tok] + dec_tok_in_req
     dec_positions = num_comp[dec_req_of_tok] + dec_tok_in_req
 
@@ -266,7 +272,9 @@ def build_step_metadata(
         used = (num_new + num_comp + virtual - 1) // virtual
         bt_host = block_table.cpu()
         max_block_id = max(int(bt_host[r, : used[r]].max()) for r in range(num_new.size))
-        if int(bt_host.min()) < 0 and any(int(bt_host[r, : used[r]].min()) < 0 for r in range(num_new.size)):
+        if int(bt_host.min()) < 0 and any(
+            int(bt_host[r, : used[r]].min()) < 0 for r in range(num_new.size)
+        ):
             raise ValueError("block_table holds negative block ids in entries the batch uses")
         block_table = block_table.to(dev)
         req_of_new = np.repeat(np.arange(num_new.size), num_new)
@@ -274,8 +282,13 @@ def build_step_metadata(
             np.arange(num_new.sum()) - np.repeat(np.cumsum(num_new) - num_new, num_new)
         )
         slot_mapping = dcp_slot_mapping(
-            t(pos_of_new), t(req_of_new), block_table, block_size,
-            runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave,
+            t(pos_of_new),
+            t(req_of_new),
+            block_table,
+            block_size,
+            runtime.dcp_size,
+            runtime.dcp_rank,
+            runtime.config.interleave,
         )
         decode_kv_len = dcp_query_kv_len(
             t(dec_positions), runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
@@ -326,7 +339,8 @@ def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, bloc
         h = np.uint64((int(h) ^ int(v)) * 1099511628211 % (1 << 63))
     mine = torch.tensor(
         [num_new.size, int(num_new.sum()), int(num_comp.sum()), bt, block_size, int(h)],
-        dtype=torch.int64, device=dev,
+        dtype=torch.int64,
+        device=dev,
     )
     world = dist.get_world_size(group)
     everyone = all_gather(mine, runtime.batch_group, world).view(world, mine.numel())
@@ -354,7 +368,9 @@ def _prefix_gather_plan(
     lens = torch.from_numpy(prefix_len)
     local_counts = np.stack([local_seq_len(lens, d, k, i).numpy() for k in range(d)])  # [D, R]
     padded = int(local_counts[0].sum())  # rank 0 holds the most of every request
-    req_offsets = np.concatenate([np.zeros((d, 1), np.int64), np.cumsum(local_counts, 1)[:, :-1]], 1)
+    req_offsets = np.concatenate(
+        [np.zeros((d, 1), np.int64), np.cumsum(local_counts, 1)[:, :-1]], 1
+    )
     # This rank's read slots, request by request.
     mine = local_counts[r]
     req = np.repeat(np.arange(prefix_len.size), mine)

@@ -77,12 +77,22 @@ GQA_SHAPES = {
 }
 MLA_SHAPES = {
     "tiny": dict(
-        hidden_size=64, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=16, v_head_dim=16,
+        hidden_size=64,
+        num_heads=8,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
     ),
     "model": dict(
-        hidden_size=1024, num_heads=8, q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128,
+        hidden_size=1024,
+        num_heads=8,
+        q_lora_rank=512,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
 }
 
@@ -110,8 +120,10 @@ def _config(a: VerifyArgs):
             f"--world-size {a.world_size} must equal tp*pcp = {a.tp}*{a.pcp} (dp = pp = 1 here)"
         )
     return ParallelConfig(
-        tensor_parallel_size=a.tp, prefill_context_parallel_size=a.pcp,
-        decode_context_parallel_size=a.dcp, dcp_comm_backend=a.dcp_comm_backend,
+        tensor_parallel_size=a.tp,
+        prefill_context_parallel_size=a.pcp,
+        decode_context_parallel_size=a.dcp,
+        dcp_comm_backend=a.dcp_comm_backend,
         dcp_kv_cache_interleave_size=a.interleave,
     )
 
@@ -159,11 +171,20 @@ def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device):
     if isinstance(layer, CPFlashAttention):
         kv = layer.num_kv_heads if layer.kv_replica_index is None else 1
         heads = layer.k_proj.weight
-        local_kv = (heads.to_local() if hasattr(heads, "to_local") else heads).shape[0] // layer.head_dim
+        local_kv = (heads.to_local() if hasattr(heads, "to_local") else heads).shape[
+            0
+        ] // layer.head_dim
         kv = min(kv, local_kv)
-        return allocate_kv_cache(num_blocks, block_size, kv, layer.head_dim, dtype=dtype, device=device)
+        return allocate_kv_cache(
+            num_blocks, block_size, kv, layer.head_dim, dtype=dtype, device=device
+        )
     return allocate_mla_cache(
-        num_blocks, block_size, layer.kv_lora_rank, layer.qk_rope_head_dim, dtype=dtype, device=device
+        num_blocks,
+        block_size,
+        layer.kv_lora_rank,
+        layer.qk_rope_head_dim,
+        dtype=dtype,
+        device=device,
     )
 
 
@@ -201,8 +222,12 @@ def _run(layer, runtime, a: VerifyArgs, inputs, device, compiled, block_table, t
     outs = []
     for (new, comp), x in zip(_steps(a), inputs):
         meta = build_step_metadata(
-            runtime, new, comp, block_table=None if train else block_table,
-            block_size=a.block_size, device=device,
+            runtime,
+            new,
+            comp,
+            block_table=None if train else block_table,
+            block_size=a.block_size,
+            device=device,
         )
         x_local = x.to(device)[meta.token_indices]
         if train:
@@ -222,7 +247,11 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
     from cp_modules.modules import CPRuntime, apply_tensor_parallel
 
     dtype = getattr(torch, a.dtype)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     cfg = _config(a)
     groups = init_cp_groups(cfg)
     runtime = CPRuntime.from_groups(groups, packed_a2a=a.packed_a2a, policy=a.policy())
@@ -240,7 +269,9 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
     # uses the first ceil(L / (block_size * dcp)) entries of each row.
     blocks_per_req = -(-max_len // a.block_size)
     num_reqs = len(a.seq_lens)
-    block_table = (torch.arange(num_reqs * blocks_per_req, dtype=torch.int32) + 1).view(num_reqs, blocks_per_req)
+    block_table = (torch.arange(num_reqs * blocks_per_req, dtype=torch.int32) + 1).view(
+        num_reqs, blocks_per_req
+    )
     num_blocks = num_reqs * blocks_per_req + 1
 
     # Low-precision runs follow the 2x rule: the parallel result's error against an fp32 run of
@@ -271,7 +302,10 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
             # Each rank's loss covers its own real tokens (as in training), so the gradients
             # summed over PCP ranks are those of the whole batch.
             loss = sum(
-                (y.float() * (w.to(device).float()[m.token_indices] * m.plan.local_valid[:, None])).sum()
+                (
+                    y.float()
+                    * (w.to(device).float()[m.token_indices] * m.plan.local_valid[:, None])
+                ).sum()
                 for (_, y, _, m), w in zip(saved, grad_w)
             )
             loss.backward()
@@ -304,7 +338,10 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
             errors[key] = float((r - par[key]).abs().max()) if r.numel() else 0.0
             bounds[key] = TOLERANCE[a.dtype]
     return {
-        "rank": rank, "errors": errors, "bounds": bounds, "graph_breaks": results.get("graph_breaks"),
+        "rank": rank,
+        "errors": errors,
+        "bounds": bounds,
+        "graph_breaks": results.get("graph_breaks"),
         "graphs": results.get("graphs"),
     }
 
@@ -356,7 +393,9 @@ def sweep_cases(a: VerifyArgs) -> list[VerifyArgs]:
         for dcp in valid_dcp_sizes(tp, pcp):
             for backend in ("ag_rs", "a2a") if dcp > 1 else ("ag_rs",):
                 for att in ("gqa", "mla"):
-                    base = replace(a, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend, attention=att)
+                    base = replace(
+                        a, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend, attention=att
+                    )
                     cases.append(base)
                     if pcp > 1 and dcp == 1 and backend == "ag_rs":
                         cases.append(replace(base, mode="train"))
@@ -377,7 +416,11 @@ def run_sweep(a: VerifyArgs) -> dict:
     from cp_modules.testing.distributed import run_distributed
 
     cases = sweep_cases(a)
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.world_size else "gloo"
+    backend = (
+        "nccl"
+        if torch.cuda.is_available() and torch.cuda.device_count() >= a.world_size
+        else "gloo"
+    )
     per_rank = run_distributed(_sweep_rank, a.world_size, cases, backend=backend, timeout_s=3600)
     summary, ok = {}, True
     for i in range(len(cases)):
@@ -386,8 +429,14 @@ def run_sweep(a: VerifyArgs) -> dict:
         summary[per_rank[0][i]["case"]] = {"max_abs_err": err, "ok": within}
         ok &= within
     worst = max(v["max_abs_err"] for v in summary.values())
-    return {"ok": ok, "max_abs_err": worst, "rule": _rule(a), "backend": backend,
-            "cases": summary, "num_cases": len(cases)}
+    return {
+        "ok": ok,
+        "max_abs_err": worst,
+        "rule": _rule(a),
+        "backend": backend,
+        "cases": summary,
+        "num_cases": len(cases),
+    }
 
 
 def _rule(a: VerifyArgs) -> str:
@@ -401,7 +450,11 @@ def run_verify(a: VerifyArgs) -> dict:
     from cp_modules.testing.distributed import run_distributed
 
     _config(a)  # validate before spawning anything
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.world_size else "gloo"
+    backend = (
+        "nccl"
+        if torch.cuda.is_available() and torch.cuda.device_count() >= a.world_size
+        else "gloo"
+    )
     per_rank = run_distributed(verify_rank, a.world_size, a, backend=backend, timeout_s=1800)
     errors: dict[str, float] = {}
     bounds: dict[str, float] = {}
@@ -430,7 +483,9 @@ def run_verify(a: VerifyArgs) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cp_modules.verify", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m cp_modules.verify", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pcp", type=int, default=2)
@@ -446,19 +501,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-heads", type=int, default=None)
     p.add_argument("--unpacked-a2a", action="store_true", help="two all-to-alls instead of one")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--widths", default="tiny", choices=list(WIDTHS),
-                   help="layer widths: tiny (quick on CPUs) or model (real head dims, for GPUs)")
-    p.add_argument("--mla-backward", default="auto", choices=["auto", "key_major", "query_major"],
-                   help="MLA's training backward path (CPPolicy.mla_backward)")
-    p.add_argument("--pcp-varlen", default="auto", choices=["auto", "always", "never"],
-                   help="PCP prefill path: blocks or one varlen call (CPPolicy.pcp_varlen)")
+    p.add_argument(
+        "--widths",
+        default="tiny",
+        choices=list(WIDTHS),
+        help="layer widths: tiny (quick on CPUs) or model (real head dims, for GPUs)",
+    )
+    p.add_argument(
+        "--mla-backward",
+        default="auto",
+        choices=["auto", "key_major", "query_major"],
+        help="MLA's training backward path (CPPolicy.mla_backward)",
+    )
+    p.add_argument(
+        "--pcp-varlen",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="PCP prefill path: blocks or one varlen call (CPPolicy.pcp_varlen)",
+    )
     p.add_argument("--sinks", action="store_true", help="a learned sink logit per head (GQA)")
     p.add_argument("--sliding-window", type=int, default=None, help="window W of every query (GQA)")
     p.add_argument("--softcap", type=float, default=None, help="logit soft-cap c (GQA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--sweep", action="store_true",
-                   help="every accepted configuration of --world-size (both backends, gqa and mla) in one spawn")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="every accepted configuration of --world-size (both backends, gqa and mla) in one spawn",
+    )
     ns = p.parse_args(argv)
     try:
         seq_lens = [int(s) for s in ns.seq_lens.split(",") if s]
@@ -466,13 +536,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--seq-lens must be comma-separated integers, got {ns.seq_lens!r}", file=sys.stderr)
         return 2
     a = VerifyArgs(
-        world_size=ns.world_size, tp=ns.tp, pcp=ns.pcp, dcp=ns.dcp,
-        dcp_comm_backend=ns.dcp_comm_backend, attention=ns.attention, mode=ns.mode,
-        seq_lens=seq_lens, decode_steps=ns.decode_steps, dtype=ns.dtype, interleave=ns.interleave,
-        block_size=ns.block_size, compile=ns.compile, seed=ns.seed,
-        packed_a2a=not ns.unpacked_a2a, num_kv_heads=ns.num_kv_heads, widths=ns.widths,
-        mla_backward=ns.mla_backward, pcp_varlen=ns.pcp_varlen, sinks=ns.sinks,
-        sliding_window=ns.sliding_window, softcap=ns.softcap,
+        world_size=ns.world_size,
+        tp=ns.tp,
+        pcp=ns.pcp,
+        dcp=ns.dcp,
+        dcp_comm_backend=ns.dcp_comm_backend,
+        attention=ns.attention,
+        mode=ns.mode,
+        seq_lens=seq_lens,
+        decode_steps=ns.decode_steps,
+        dtype=ns.dtype,
+        interleave=ns.interleave,
+        block_size=ns.block_size,
+        compile=ns.compile,
+        seed=ns.seed,
+        packed_a2a=not ns.unpacked_a2a,
+        num_kv_heads=ns.num_kv_heads,
+        widths=ns.widths,
+        mla_backward=ns.mla_backward,
+        pcp_varlen=ns.pcp_varlen,
+        sinks=ns.sinks,
+        sliding_window=ns.sliding_window,
+        softcap=ns.softcap,
     )
     if ns.sweep:
         summary = run_sweep(a)
@@ -481,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for k, v in summary["cases"].items():
                 print(f"{k:<40} max abs err {v['max_abs_err']:.3e}  {'ok' if v['ok'] else 'FAIL'}")
-            print(f"{'OK' if summary['ok'] else 'FAILED'}: {summary['num_cases']} cases, max abs err "
-                  f"{summary['max_abs_err']:.3e} ({summary['rule']}, {summary['backend']})")
+            print(
+                f"{'OK' if summary['ok'] else 'FAILED'}: {summary['num_cases']} cases, max abs err "
+                f"{summary['max_abs_err']:.3e} ({summary['rule']}, {summary['backend']})"
+            )
         return 0 if summary["ok"] else 1
     try:
         summary = run_verify(a)
@@ -496,9 +583,13 @@ def main(argv: list[str] | None = None) -> int:
             b = summary["bounds"][k]
             print(f"{k:<28} max abs err {v:.3e} (bound {b:.1e})  {'ok' if v <= b else 'FAIL'}")
         if a.compile:
-            print(f"graph breaks: {summary['graph_breaks']}, compiled graphs: {summary['compiled_graphs']}")
-        print(f"{'OK' if summary['ok'] else 'FAILED'}: max abs err {summary['max_abs_err']:.3e} "
-              f"({summary['rule']}, {summary['backend']})")
+            print(
+                f"graph breaks: {summary['graph_breaks']}, compiled graphs: {summary['compiled_graphs']}"
+            )
+        print(
+            f"{'OK' if summary['ok'] else 'FAILED'}: max abs err {summary['max_abs_err']:.3e} "
+            f"({summary['rule']}, {summary['backend']})"
+        )
     return 0 if summary["ok"] else 1
 
 

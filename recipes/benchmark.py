@@ -62,19 +62,29 @@ def hardware(device: str) -> str:
 
 def report(conf: BenchmarkConf, parallel: dict, single: dict) -> None:
     p = conf.parallel
-    print(f"generation: {conf.model.checkpoint or conf.model.family.value} ({conf.model.dtype}), prompts {conf.workload.prompt_lens}, "
-          f"{conf.workload.max_new_tokens} new tokens each")
-    print(f"{'layout':<34}{'tok/s':>9}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}"
-          f"{'KV blocks/rank':>16}")
-    for label, r in ((f"tp={p.tp} pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend}", parallel),
-                     ("one process", single)):
+    print(
+        f"generation: {conf.model.checkpoint or conf.model.family.value} ({conf.model.dtype}), prompts {conf.workload.prompt_lens}, "
+        f"{conf.workload.max_new_tokens} new tokens each"
+    )
+    print(
+        f"{'layout':<34}{'tok/s':>9}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}"
+        f"{'KV blocks/rank':>16}"
+    )
+    for label, r in (
+        (f"tp={p.tp} pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend}", parallel),
+        ("one process", single),
+    ):
         blocks = max(x["peak_blocks"] for x in r["ranks"])
-        print(f"{label:<34}{r['tokens_per_s']:>9.1f}{r['ttft_s'] * 1e3:>9.0f}"
-              f"{r['prefill_tokens_per_s']:>15.0f}{r['decode_tokens_per_s']:>14.1f}{blocks:>16}")
+        print(
+            f"{label:<34}{r['tokens_per_s']:>9.1f}{r['ttft_s'] * 1e3:>9.0f}"
+            f"{r['prefill_tokens_per_s']:>15.0f}{r['decode_tokens_per_s']:>14.1f}{blocks:>16}"
+        )
     mem = [x["peak_memory_bytes"] for x in parallel["ranks"]]
     if mem[0] is not None:
-        print(f"peak device memory per rank: {max(mem) / 2**30:.2f} GiB "
-              f"(one process: {single['ranks'][0]['peak_memory_bytes'] / 2**30:.2f} GiB)")
+        print(
+            f"peak device memory per rank: {max(mem) / 2**30:.2f} GiB "
+            f"(one process: {single['ranks'][0]['peak_memory_bytes'] / 2**30:.2f} GiB)"
+        )
 
 
 register_configs()
@@ -90,8 +100,12 @@ def main(cfg: DictConfig) -> None:
     if not conf.workload.generation:
         sys.exit(1 if failed else 0)
     parallel = launch(
-        benchmark_on_rank, conf.parallel.world_size, conf, backend=dist_backend,
-        master_addr=conf.backend.master_addr, timeout_s=conf.backend.collective_timeout_s,
+        benchmark_on_rank,
+        conf.parallel.world_size,
+        conf,
+        backend=dist_backend,
+        master_addr=conf.backend.master_addr,
+        timeout_s=conf.backend.collective_timeout_s,
     )
     if parallel is None:  # a rank other than 0 under torchrun
         return
@@ -99,22 +113,36 @@ def main(cfg: DictConfig) -> None:
 
     report(conf, parallel, single)
     mismatch = compare_outputs(parallel.pop("outputs"), single.pop("outputs"))
-    print("greedy tokens identical to one process" if not mismatch else f"MISMATCH in prompts {mismatch}")
+    print(
+        "greedy tokens identical to one process"
+        if not mismatch
+        else f"MISMATCH in prompts {mismatch}"
+    )
     out_dir = pathlib.Path(conf.workload.out_dir)
     if not out_dir.is_absolute():
         out_dir = ROOT / out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"generation-{hardware(device)}-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps({
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "hardware": hardware(device),
-        "torch": torch.__version__,
-        "config": {"parallel": vars(conf.parallel), "model": vars(conf.model), "workload": vars(conf.workload)},
-        "kernels": kernels,
-        "parallel": parallel,
-        "single_process": single,
-        "identical": not mismatch,
-    }, indent=2, default=str))
+    path.write_text(
+        json.dumps(
+            {
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "hardware": hardware(device),
+                "torch": torch.__version__,
+                "config": {
+                    "parallel": vars(conf.parallel),
+                    "model": vars(conf.model),
+                    "workload": vars(conf.workload),
+                },
+                "kernels": kernels,
+                "parallel": parallel,
+                "single_process": single,
+                "identical": not mismatch,
+            },
+            indent=2,
+            default=str,
+        )
+    )
     print(f"wrote {path}")
     sys.exit(1 if failed or mismatch else 0)
 

@@ -40,17 +40,23 @@ def _show(ids: list[int], tokenizer, limit: int = 12) -> str:
 
 def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> None:
     p = conf.parallel
-    print(f"{model_name(conf.model)} ({conf.model.dtype}) on {p.world_size} rank(s): tp={p.tp} "
-          f"pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend}")
+    print(
+        f"{model_name(conf.model)} ({conf.model.dtype}) on {p.world_size} rank(s): tp={p.tp} "
+        f"pcp={p.pcp} dcp={p.dcp} {p.dcp_comm_backend}"
+    )
     for i, (prompt, out, why) in enumerate(zip(prompts, result.outputs, result.finish_reasons)):
         print(f"  [{i}] prompt {len(prompt):>5} tokens {_show(prompt, tokenizer)}")
         print(f"      -> {len(out)} tokens ({why}) {_show(out, tokenizer, limit=len(out))}")
     s = result.stats
-    print(f"generated {s.num_generated_tokens} tokens in {s.total_s:.2f} s over {s.num_steps} steps: "
-          f"{s.tokens_per_s:.1f} tok/s; time to first token {s.ttft_s * 1e3:.0f} ms (mean); "
-          f"prefill {s.prefill_tokens_per_s:.0f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s")
-    print(f"KV cache per rank: {s.peak_blocks} blocks of {conf.backend.block_size} tokens in use at most "
-          f"({s.kv_cache_bytes / 2**20:.2f} MiB allocated)")
+    print(
+        f"generated {s.num_generated_tokens} tokens in {s.total_s:.2f} s over {s.num_steps} steps: "
+        f"{s.tokens_per_s:.1f} tok/s; time to first token {s.ttft_s * 1e3:.0f} ms (mean); "
+        f"prefill {s.prefill_tokens_per_s:.0f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s"
+    )
+    print(
+        f"KV cache per rank: {s.peak_blocks} blocks of {conf.backend.block_size} tokens in use at most "
+        f"({s.kv_cache_bytes / 2**20:.2f} MiB allocated)"
+    )
 
 
 register_configs()
@@ -61,12 +67,19 @@ def main(cfg: DictConfig) -> None:
     conf = load_config(cfg, GenerateConf)
     prompts, tokenizer = make_prompts(conf)
     if conf.workload.prompts and tokenizer is None:
-        print(f"{model_name(conf.model)} has no tokenizer: random prompts of {conf.workload.prompt_lens} tokens")
+        print(
+            f"{model_name(conf.model)} has no tokenizer: random prompts of {conf.workload.prompt_lens} tokens"
+        )
     _, dist_backend = conf.backend.resolve()
 
     result = launch(
-        generate_on_rank, conf.parallel.world_size, conf, prompts, backend=dist_backend,
-        master_addr=conf.backend.master_addr, timeout_s=conf.backend.collective_timeout_s,
+        generate_on_rank,
+        conf.parallel.world_size,
+        conf,
+        prompts,
+        backend=dist_backend,
+        master_addr=conf.backend.master_addr,
+        timeout_s=conf.backend.collective_timeout_s,
     )
     if result is None:  # a rank other than 0 under torchrun
         return
@@ -79,11 +92,15 @@ def main(cfg: DictConfig) -> None:
         return
     reference = generate_on_rank(0, 1, single_process(conf), prompts)
     bad = compare_outputs(result.outputs, reference.outputs)
-    print(f"single process: {reference.stats.tokens_per_s:.1f} tok/s, KV cache "
-          f"{reference.stats.peak_blocks} blocks at most")
+    print(
+        f"single process: {reference.stats.tokens_per_s:.1f} tok/s, KV cache "
+        f"{reference.stats.peak_blocks} blocks at most"
+    )
     if bad:
         for i in bad:
-            print(f"MISMATCH prompt {i}: parallel {result.outputs[i]} != single process {reference.outputs[i]}")
+            print(
+                f"MISMATCH prompt {i}: parallel {result.outputs[i]} != single process {reference.outputs[i]}"
+            )
         sys.exit(1)
     print(f"OK: greedy tokens identical to single-process generation ({len(prompts)} prompts)")
 

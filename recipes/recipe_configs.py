@@ -104,10 +104,19 @@ class ModelConf:
         if self.checkpoint and self.package:
             raise ValueError("model.checkpoint and model.package are exclusive: give one directory")
         if self.gguf_file and not (self.checkpoint or self.package):
-            raise ValueError("model.gguf_file needs model.checkpoint or model.package (its directory)")
+            raise ValueError(
+                "model.gguf_file needs model.checkpoint or model.package (its directory)"
+            )
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"model.dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:

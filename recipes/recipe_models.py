@@ -127,7 +127,9 @@ def build_model(conf: ModelConf, device: torch.device | str | None = None) -> nn
         from transformers import AutoModelForCausalLM
 
         extra = {"gguf_file": conf.gguf_file} if conf.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **extra)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, **extra
+        )
     else:
         from cp_modules.modules.hf_families import build_tiny
 

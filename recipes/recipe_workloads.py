@@ -47,9 +47,13 @@ def make_prompts(conf: GenerateConf) -> tuple[list[list[int]], object | None]:
     if w.prompts and tok is not None:
         if w.chat and getattr(tok, "chat_template", None):
             ids = [
-                list(tok.apply_chat_template(
-                    [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True,
-                )["input_ids"])
+                list(
+                    tok.apply_chat_template(
+                        [{"role": "user", "content": p}],
+                        add_generation_prompt=True,
+                        return_dict=True,
+                    )["input_ids"]
+                )
                 for p in w.prompts
             ]
         else:
@@ -71,21 +75,32 @@ def sampling_params(conf: GenerateConf) -> SamplingParams:
     generation config's end-of-sequence ids."""
     w = conf.workload
     return SamplingParams(
-        max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_k=w.top_k,
-        top_p=w.top_p, seed=w.seed, eos_token_id=w.eos_token_id,
+        max_new_tokens=w.max_new_tokens,
+        temperature=w.temperature,
+        top_k=w.top_k,
+        top_p=w.top_p,
+        seed=w.seed,
+        eos_token_id=w.eos_token_id,
     )
 
 
 def _device(conf_backend) -> torch.device:
     device, _ = conf_backend.resolve()
     if device == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        )
     return torch.device("cpu")
 
 
 def build_engine(
-    model_conf: ModelConf, parallel: ParallelConfig, backend, *, max_num_tokens: int,
-    max_num_seqs: int = 16, progress: bool = True,
+    model_conf: ModelConf,
+    parallel: ParallelConfig,
+    backend,
+    *,
+    max_num_tokens: int,
+    max_num_seqs: int = 16,
+    progress: bool = True,
 ) -> GenerationEngine:
     """The model of ``model_conf`` with CP attention on this rank's groups, in an engine."""
     from cp_modules.distributed.groups import init_cp_groups
@@ -98,8 +113,13 @@ def build_engine(
     model = build_model(model_conf, _device(backend))
     swap_attention(model, groups if groups is not None else config)
     return GenerationEngine(
-        model, groups, block_size=backend.block_size, max_num_tokens=max_num_tokens,
-        max_num_seqs=max_num_seqs, compile=backend.compile, compile_backend=backend.compile_backend,
+        model,
+        groups,
+        block_size=backend.block_size,
+        max_num_tokens=max_num_tokens,
+        max_num_seqs=max_num_seqs,
+        compile=backend.compile,
+        compile_backend=backend.compile_backend,
         progress=progress,
         packed_a2a=backend.packed_a2a,
     )
@@ -111,8 +131,12 @@ def generate_on_rank(
     """One rank of ``recipes/generate.py``: rank 0 returns the result, other ranks None."""
     w = conf.workload
     engine = build_engine(
-        conf.model, conf.parallel, conf.backend, max_num_tokens=w.max_num_tokens,
-        max_num_seqs=w.max_num_seqs, progress=w.progress,
+        conf.model,
+        conf.parallel,
+        conf.backend,
+        max_num_tokens=w.max_num_tokens,
+        max_num_seqs=w.max_num_seqs,
+        progress=w.progress,
     )
     params = sampling_params(conf)
     if conf.backend.compile:
@@ -147,11 +171,17 @@ def benchmark_on_rank(rank: int, world_size: int, conf: BenchmarkConf) -> dict |
 
     w = conf.workload
     engine = build_engine(
-        conf.model, conf.parallel, conf.backend, max_num_tokens=w.max_num_tokens,
-        max_num_seqs=max(len(w.prompt_lens), 1), progress=False,
+        conf.model,
+        conf.parallel,
+        conf.backend,
+        max_num_tokens=w.max_num_tokens,
+        max_num_seqs=max(len(w.prompt_lens), 1),
+        progress=False,
     )
     g = torch.Generator().manual_seed(w.seed)
-    prompts = [torch.randint(0, conf.model.vocab_size, (n,), generator=g).tolist() for n in w.prompt_lens]
+    prompts = [
+        torch.randint(0, conf.model.vocab_size, (n,), generator=g).tolist() for n in w.prompt_lens
+    ]
     params = SamplingParams(max_new_tokens=w.max_new_tokens, seed=w.seed)
     engine.generate(prompts, dataclasses.replace(params, max_new_tokens=2))
     cuda = engine.device.type == "cuda"

@@ -123,12 +123,19 @@ def tiny_lm_config(model: ModelConf) -> TinyLMConfig:
     family = model.family if isinstance(model.family, Family) else Family(model.family)
     return TinyLMConfig(
         attention="mla" if family is Family.deepseek_v3 else "gqa",
-        vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size, num_layers=model.num_layers,
-        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        qkv_bias=family is Family.qwen2, rope_theta=model.rope_theta,
-        q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank,
-        qk_nope_head_dim=model.qk_nope_head_dim, qk_rope_head_dim=model.qk_rope_head_dim,
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        qkv_bias=family is Family.qwen2,
+        rope_theta=model.rope_theta,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_nope_head_dim=model.qk_nope_head_dim,
+        qk_rope_head_dim=model.qk_rope_head_dim,
         v_head_dim=model.v_head_dim,
     )
 
@@ -200,19 +207,26 @@ class _Meter:
             self.tokens += tokens
             self.seconds += seconds
         if self.rank0 and (step % self.log_every == 0 or step == self.total):
-            print(f"step {step:>4}/{self.total}  loss {loss:.4f}  {self.tokens_per_s:8.0f} tok/s", flush=True)
+            print(
+                f"step {step:>4}/{self.total}  loss {loss:.4f}  {self.tokens_per_s:8.0f} tok/s",
+                flush=True,
+            )
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def summary(self) -> dict:
-        return {"first_loss": self.losses[0] if self.losses else float("nan"),
-                "last_loss": self.losses[-1] if self.losses else float("nan"),
-                "steps": len(self.losses), "tokens_per_s": self.tokens_per_s}
+        return {
+            "first_loss": self.losses[0] if self.losses else float("nan"),
+            "last_loss": self.losses[-1] if self.losses else float("nan"),
+            "steps": len(self.losses),
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 # ---- Fabric ------------------------------------------------------------------------------
+
 
 def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
     """One rank's Fabric loop; returns the run's summary."""
@@ -241,8 +255,12 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
             optimizer.zero_grad()
             global_loss = strategy.reduce_loss(loss).item()
             step += 1
-            meter.update(step, global_loss, int(cp_batch.num_global_tokens.item()),
-                         time.perf_counter() - start)
+            meter.update(
+                step,
+                global_loss,
+                int(cp_batch.num_global_tokens.item()),
+                time.perf_counter() - start,
+            )
     if w.save:
         state["step"] = step
         fabric.save(w.save, state)
@@ -255,7 +273,9 @@ def _distributed_checkpoint(w: TrainWorkload) -> bool:
 
 def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPFabricStrategy(
-        conf.parallel, _parallelize_fn(conf), start_method="spawn",
+        conf.parallel,
+        _parallelize_fn(conf),
+        start_method="spawn",
         process_group_backend=dist_backend,
         save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
@@ -264,6 +284,7 @@ def run_fabric(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
 
 
 # ---- Trainer -----------------------------------------------------------------------------
+
 
 class LitTinyLM(L.LightningModule):
     """TinyLM (or the swapped transformers model) trained by the Lightning Trainer; batches
@@ -290,8 +311,12 @@ class LitTinyLM(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.meter.rank0 = self.global_rank == 0
         loss = self.trainer.strategy.reduce_loss(outputs["loss"]).item()
-        self.meter.update(self.trainer.global_step, loss, int(batch.num_global_tokens.item()),
-                          time.perf_counter() - self._start)
+        self.meter.update(
+            self.trainer.global_step,
+            loss,
+            int(batch.num_global_tokens.item()),
+            time.perf_counter() - self._start,
+        )
         for k, v in self.meter.summary().items():
             self.log(f"train/{k}", float(v))
 
@@ -306,21 +331,32 @@ class LitTinyLM(L.LightningModule):
 
 def run_trainer(conf: TrainConf, device: str, dist_backend: str) -> dict | None:
     strategy = CPTrainerStrategy(
-        conf.parallel, _parallelize_fn(conf), start_method="spawn",
+        conf.parallel,
+        _parallelize_fn(conf),
+        start_method="spawn",
         process_group_backend=dist_backend,
         save_distributed_checkpoint=_distributed_checkpoint(conf.workload),
     )
     trainer = L.Trainer(
-        accelerator=device, devices=conf.parallel.world_size, strategy=strategy,
-        max_steps=conf.workload.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator=device,
+        devices=conf.parallel.world_size,
+        strategy=strategy,
+        max_steps=conf.workload.steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(LitTinyLM(conf), _loader(conf), ckpt_path=conf.workload.resume)
     if trainer.global_rank != 0:
         return None
     m = trainer.callback_metrics
-    return {k: (float(m[f"train/{k}"]) if f"train/{k}" in m else float("nan"))
-            for k in ("first_loss", "last_loss", "steps", "tokens_per_s")}
+    return {
+        k: (float(m[f"train/{k}"]) if f"train/{k}" in m else float("nan"))
+        for k in ("first_loss", "last_loss", "steps", "tokens_per_s")
+    }
 
 
 register_train_config()
@@ -335,20 +371,28 @@ def main(cfg: DictConfig) -> None:
     p, w = conf.parallel, conf.workload
     attention = tiny_lm_config(conf.model).attention
     if conf.model.hf:
-        attention += ", transformers model" + (f" {conf.model.checkpoint}" if conf.model.checkpoint else "")
-    print(f"training {conf.model.family.value} ({attention}) with {w.strategy.value} on "
-          f"{p.world_size} rank(s): tp={p.tp} pcp={p.pcp} dp={p.dp}; {w.batch_size} x {w.seq_len} "
-          f"tokens per replica and step", flush=True)
+        attention += ", transformers model" + (
+            f" {conf.model.checkpoint}" if conf.model.checkpoint else ""
+        )
+    print(
+        f"training {conf.model.family.value} ({attention}) with {w.strategy.value} on "
+        f"{p.world_size} rank(s): tp={p.tp} pcp={p.pcp} dp={p.dp}; {w.batch_size} x {w.seq_len} "
+        f"tokens per replica and step",
+        flush=True,
+    )
 
     run = run_fabric if w.strategy is Strategy.fabric else run_trainer
     summary = run(conf, device, dist_backend)
     if summary is None:  # a rank other than 0 under torchrun
         return
 
-    print(f"done: {conf.model.family.value} ({attention}) tp={p.tp} pcp={p.pcp} dp={p.dp}: loss "
-          f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} in {int(summary['steps'])} "
-          f"steps, {summary['tokens_per_s']:.0f} tok/s ({w.strategy.value}, {device})"
-          + (f"; saved {w.save}" if w.save else ""), flush=True)
+    print(
+        f"done: {conf.model.family.value} ({attention}) tp={p.tp} pcp={p.pcp} dp={p.dp}: loss "
+        f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} in {int(summary['steps'])} "
+        f"steps, {summary['tokens_per_s']:.0f} tok/s ({w.strategy.value}, {device})"
+        + (f"; saved {w.save}" if w.save else ""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

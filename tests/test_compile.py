@@ -16,11 +16,20 @@ from cp_modules.modules import (
 class TwoLayers(nn.Module):
     def __init__(self):
         super().__init__()
-        self.attn = nn.ModuleList([
-            CPFlashAttention(32, 4, 2),
-            CPMLAAttention(32, 4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                           qk_rope_head_dim=4, v_head_dim=8),
-        ])
+        self.attn = nn.ModuleList(
+            [
+                CPFlashAttention(32, 4, 2),
+                CPMLAAttention(
+                    32,
+                    4,
+                    q_lora_rank=16,
+                    kv_lora_rank=16,
+                    qk_nope_head_dim=8,
+                    qk_rope_head_dim=4,
+                    v_head_dim=8,
+                ),
+            ]
+        )
         self.mlp = nn.Linear(32, 32)
 
     def forward(self, x, pos):
@@ -45,7 +54,9 @@ def test_piecewise_split_and_equality_over_changing_batches():
         meta = build_step_metadata(rt, lens)
         x = torch.randn(meta.num_local_tokens, 32)
         with cp_step(meta), torch.no_grad():
-            torch.testing.assert_close(compiled(x, meta.positions), model(x, meta.positions), atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                compiled(x, meta.positions), model(x, meta.positions), atol=1e-6, rtol=0
+            )
     # One capture for all three batch compositions; the two attention ops are pieces of their
     # own between three compiled pieces.
     assert seen == [(["submod_1", "submod_3"], 5)]

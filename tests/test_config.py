@@ -57,16 +57,24 @@ class TestSizes:
 
     @pytest.mark.parametrize(
         "field",
-        ["tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
-         "prefill_context_parallel_size", "dcp_kv_cache_interleave_size"],
+        [
+            "tensor_parallel_size",
+            "data_parallel_size",
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "dcp_kv_cache_interleave_size",
+        ],
     )
     def test_size_one_is_valid(self, field):
         ParallelConfig(**{field: 1})
 
     def test_world_size(self):
         cfg = ParallelConfig(
-            tensor_parallel_size=4, prefill_context_parallel_size=2,
-            decode_context_parallel_size=4, data_parallel_size=3, pipeline_parallel_size=2,
+            tensor_parallel_size=4,
+            prefill_context_parallel_size=2,
+            decode_context_parallel_size=4,
+            data_parallel_size=3,
+            pipeline_parallel_size=2,
         )
         assert cfg.world_size == 48  # dcp adds no ranks
 
@@ -78,7 +86,10 @@ class TestDcpRules:
 
     @pytest.mark.parametrize("tp,dcp", [(4, 3), (4, 8), (6, 4), (1, 2)])
     def test_pcp1_dcp_not_dividing_tp_rejected(self, tp, dcp):
-        with pytest.raises(ValueError, match=rf"decode_context_parallel_size={dcp} .*must divide tensor_parallel_size={tp}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"decode_context_parallel_size={dcp} .*must divide tensor_parallel_size={tp}",
+        ):
             ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
 
     @pytest.mark.parametrize(
@@ -96,7 +107,9 @@ class TestDcpRules:
     )
     def test_pcp_dcp_accepted(self, tp, pcp, dcp):
         cfg = ParallelConfig(
-            tensor_parallel_size=tp, prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp
+            tensor_parallel_size=tp,
+            prefill_context_parallel_size=pcp,
+            decode_context_parallel_size=dcp,
         )
         assert cfg.tp_positions_per_dcp_group == max(1, dcp // pcp)
 
@@ -107,7 +120,8 @@ class TestDcpRules:
     def test_pcp_dcp_rejected(self, tp, pcp, dcp):
         with pytest.raises(ValueError, match=r"valid values: \[1, "):
             ParallelConfig(
-                tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                tensor_parallel_size=tp,
+                prefill_context_parallel_size=pcp,
                 decode_context_parallel_size=dcp,
             )
 
@@ -128,7 +142,9 @@ class TestInterleave:
 
     @pytest.mark.parametrize("block,inter", [(16, 32), (16, 3), (64, 24), (16, 17)])
     def test_block_size_rejected(self, block, inter):
-        with pytest.raises(ValueError, match=rf"dcp_kv_cache_interleave_size={inter} must be <= block_size={block}"):
+        with pytest.raises(
+            ValueError, match=rf"dcp_kv_cache_interleave_size={inter} must be <= block_size={block}"
+        ):
             ParallelConfig(dcp_kv_cache_interleave_size=inter).validate_block_size(block)
 
     @pytest.mark.parametrize("block", [0, -16])
@@ -163,7 +179,9 @@ class TestInterleave:
 class TestHeads:
     def test_query_heads_divisible_by_tp(self):
         ParallelConfig(tensor_parallel_size=4).validate_heads(32, 8)
-        with pytest.raises(ValueError, match=r"num_heads=30 must be divisible by tensor_parallel_size=4"):
+        with pytest.raises(
+            ValueError, match=r"num_heads=30 must be divisible by tensor_parallel_size=4"
+        ):
             ParallelConfig(tensor_parallel_size=4).validate_heads(30, 2)
 
     def test_kv_heads_and_tp_divide(self):
@@ -182,7 +200,7 @@ class TestHeads:
             # pcp=1: DCP group of dcp TP positions must share one KV head: dcp <= tp/kv.
             (4, 1, 4, 1, True),
             (4, 1, 4, 2, False),
-            (4, 1, 2, 2, True),   # boundary: dcp == tp/kv
+            (4, 1, 2, 2, True),  # boundary: dcp == tp/kv
             (4, 1, 2, 4, False),  # kv == tp: every TP position has its own KV head
             (8, 1, 4, 2, True),
             (8, 1, 8, 2, False),
@@ -200,15 +218,20 @@ class TestHeads:
     )
     def test_dcp_group_must_share_kv_heads(self, tp, pcp, dcp, kv, ok):
         cfg = ParallelConfig(
-            tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+            tensor_parallel_size=tp,
+            prefill_context_parallel_size=pcp,
             decode_context_parallel_size=dcp,
         )
         heads = 24 if tp == 6 else 32
         if ok:
             cfg.validate_heads(heads, kv)
         else:
-            with pytest.raises(ValueError, match="All ranks of a DCP group must hold the same KV heads"):
+            with pytest.raises(
+                ValueError, match="All ranks of a DCP group must hold the same KV heads"
+            ):
                 cfg.validate_heads(heads, kv)
 
     def test_mla_always_shares_the_latent(self):
-        ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8).validate_heads(128, None)
+        ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8).validate_heads(
+            128, None
+        )

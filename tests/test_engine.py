@@ -36,7 +36,11 @@ def _one_thread():
 
 def _conf(family: str) -> ModelConf:
     if family in ("deepseek_v3", "deepseek_v2"):
-        return ModelConf(family=Family(family), num_kv_heads=8, q_lora_rank=32 if family == "deepseek_v3" else None)
+        return ModelConf(
+            family=Family(family),
+            num_kv_heads=8,
+            q_lora_rank=32 if family == "deepseek_v3" else None,
+        )
     return ModelConf(family=Family(family), num_kv_heads=2)
 
 
@@ -48,8 +52,12 @@ def _prompts(lens=LENS, seed=3) -> list[list[int]]:
 def _hf_generate(model, prompts, **kw) -> list[list[int]]:
     with torch.no_grad():
         return [
-            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           do_sample=False, **kw)[0, len(p):].tolist()
+            model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                **kw,
+            )[0, len(p) :].tolist()
             for p in prompts
         ]
 
@@ -81,7 +89,9 @@ def test_eos_stops_a_request_like_hf_generate():
     engine = _engine("llama")
     free = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW)).outputs
     eos = free[0][2]  # request 0 stops after its third token
-    want = _hf_generate(build_model(_conf("llama")), prompts, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    want = _hf_generate(
+        build_model(_conf("llama")), prompts, max_new_tokens=MAX_NEW, eos_token_id=eos
+    )
     res = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, eos_token_id=eos))
     assert res.outputs == want
     assert res.outputs[0] == free[0][:3] and res.finish_reasons[0] == "eos"
@@ -101,8 +111,13 @@ def test_the_engine_stops_at_the_models_eos_by_default():
     want = _hf_generate(model, prompts, max_new_tokens=MAX_NEW)
     res = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert res.outputs == want and res.outputs[0] == free[0][:3]
-    assert [why == "eos" for why in res.finish_reasons] == [any(t in eos for t in o) for o in res.outputs]
-    assert engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)).outputs == free
+    assert [why == "eos" for why in res.finish_reasons] == [
+        any(t in eos for t in o) for o in res.outputs
+    ]
+    assert (
+        engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)).outputs
+        == free
+    )
 
 
 @pytest.mark.parametrize("family", ["cohere", "granite"])
@@ -130,7 +145,9 @@ def test_logits_post_processing_the_engine_does_not_know_is_refused():
             return logits
 
     model.__class__ = Shifted
-    with pytest.raises(ValueError, match=r"Shifted.forward post-processes its logits with 'logits = logits \+ 1.0'"):
+    with pytest.raises(
+        ValueError, match=r"Shifted.forward post-processes its logits with 'logits = logits \+ 1.0'"
+    ):
         GenerationEngine(model)
 
 
@@ -201,7 +218,9 @@ def test_scheduler_budget_chunks_and_blocks():
         assert sum(b.num_new) <= 5
         # Decodes come first, one token each.
         n_dec = sum(r.is_decoding for r in b.requests)
-        assert b.num_new[:n_dec] == [1] * n_dec and not any(r.is_decoding for r in b.requests[n_dec:])
+        assert b.num_new[:n_dec] == [1] * n_dec and not any(
+            r.is_decoding for r in b.requests[n_dec:]
+        )
         steps.append([(r.index, n) for r, n in zip(b.requests, b.num_new)])
         s.update(b, [7] * len(b.sample_requests), frozenset(), 0.0)
     assert steps[0] == [(0, 5)] and steps[1] == [(0, 5)]
@@ -217,9 +236,23 @@ def test_scheduler_waits_for_blocks_and_rejects_a_request_that_never_fits():
     b = s.schedule()
     assert [r.index for r in b.requests] == [0]
     with pytest.raises(ValueError, match="num_blocks=1"):
-        Scheduler(_requests((6,), 2), num_blocks=1, block_size=4, dcp_size=1, max_num_tokens=8, max_num_seqs=1)
+        Scheduler(
+            _requests((6,), 2),
+            num_blocks=1,
+            block_size=4,
+            dcp_size=1,
+            max_num_tokens=8,
+            max_num_seqs=1,
+        )
     with pytest.raises(ValueError, match="max_num_tokens=2"):
-        Scheduler(_requests((6,), 2), num_blocks=4, block_size=4, dcp_size=1, max_num_tokens=2, max_num_seqs=3)
+        Scheduler(
+            _requests((6,), 2),
+            num_blocks=4,
+            block_size=4,
+            dcp_size=1,
+            max_num_tokens=2,
+            max_num_seqs=3,
+        )
 
 
 def test_engine_rejects_bad_inputs():

@@ -24,11 +24,15 @@ def _configs(world_size):
                     continue
                 tp = world_size // (dp * pp * pcp)
                 for dcp in valid_dcp_sizes(tp, pcp):
-                    out.append(ParallelConfig(
-                        tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-                        decode_context_parallel_size=dcp, data_parallel_size=dp,
-                        pipeline_parallel_size=pp,
-                    ))
+                    out.append(
+                        ParallelConfig(
+                            tensor_parallel_size=tp,
+                            prefill_context_parallel_size=pcp,
+                            decode_context_parallel_size=dcp,
+                            data_parallel_size=dp,
+                            pipeline_parallel_size=pp,
+                        )
+                    )
     return out
 
 
@@ -48,7 +52,9 @@ def _check_groups(rank, world_size):
             assert x.item() == float(sum(r + 1 for r in expected)), (c, kind)
         # The DCP shard index and the peers' TP positions follow the group's rank order.
         assert g.dcp_rank == dist.get_group_rank(g.dcp, rank)
-        assert g.dcp_peer_tp_positions == [layout.coords(r)["tp"] for r in sorted(layout.group_of("dcp", rank))]
+        assert g.dcp_peer_tp_positions == [
+            layout.coords(r)["tp"] for r in sorted(layout.group_of("dcp", rank))
+        ]
         checked += 1
     return checked
 

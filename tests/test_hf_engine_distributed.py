@@ -47,9 +47,15 @@ class Case:
 
     @property
     def name(self) -> str:
-        extra = ("-bias" if self.bias else "") + ("-tied" if self.tied else "") + ("-train" if self.train else "")
-        return (f"{self.family}-kv{self.num_kv_heads}{extra}-tp{self.tp}-pcp{self.pcp}-"
-                f"dcp{self.dcp}-{self.backend}-I{self.interleave}")
+        extra = (
+            ("-bias" if self.bias else "")
+            + ("-tied" if self.tied else "")
+            + ("-train" if self.train else "")
+        )
+        return (
+            f"{self.family}-kv{self.num_kv_heads}{extra}-tp{self.tp}-pcp{self.pcp}-"
+            f"dcp{self.dcp}-{self.backend}-I{self.interleave}"
+        )
 
     @property
     def model_key(self) -> tuple:
@@ -57,14 +63,26 @@ class Case:
         return (self.family, kv, self.bias, self.tied, "float64" if self.train else "float32")
 
 
-def _model_conf(family: str, num_kv_heads: int, bias: bool = False, tied: bool = False, dtype: str = "float32"):
+def _model_conf(
+    family: str, num_kv_heads: int, bias: bool = False, tied: bool = False, dtype: str = "float32"
+):
     from recipe_configs import Family, ModelConf
 
     if family == "deepseek_v3":
-        return ModelConf(family=Family.deepseek_v3, num_kv_heads=8, q_lora_rank=32, tie_word_embeddings=tied,
-                         dtype=dtype)
-    return ModelConf(family=Family(family), num_kv_heads=num_kv_heads, attention_bias=bias,
-                     tie_word_embeddings=tied, dtype=dtype)
+        return ModelConf(
+            family=Family.deepseek_v3,
+            num_kv_heads=8,
+            q_lora_rank=32,
+            tie_word_embeddings=tied,
+            dtype=dtype,
+        )
+    return ModelConf(
+        family=Family(family),
+        num_kv_heads=num_kv_heads,
+        attention_bias=bias,
+        tie_word_embeddings=tied,
+        dtype=dtype,
+    )
 
 
 def _prompts(lens=PROMPT_LENS, seed=1234) -> list[list[int]]:
@@ -94,8 +112,11 @@ def _train_grads(model, groups, runtime):
     meta = build_step_metadata(runtime, list(TRAIN_LENS))
     model.train()
     with cp_step(meta):
-        logits = model(input_ids=flat[meta.token_indices][None], position_ids=meta.positions[None],
-                       use_cache=False).logits[0]
+        logits = model(
+            input_ids=flat[meta.token_indices][None],
+            position_ids=meta.positions[None],
+            use_cache=False,
+        ).logits[0]
     # Every PCP rank holds the same restored logits; the restore's backward sums over PCP.
     loss = (restore_tokens(logits, meta) * _loss_weights()).sum() / runtime.pcp_size
     loss.backward()
@@ -122,8 +143,10 @@ def _rank_body(rank: int, world_size: int, cases: list[Case], prompts):
     out = []
     for c in cases:
         config = ParallelConfig(
-            tensor_parallel_size=c.tp, prefill_context_parallel_size=c.pcp,
-            decode_context_parallel_size=c.dcp, dcp_comm_backend=c.backend,
+            tensor_parallel_size=c.tp,
+            prefill_context_parallel_size=c.pcp,
+            decode_context_parallel_size=c.dcp,
+            dcp_comm_backend=c.backend,
             dcp_kv_cache_interleave_size=c.interleave,
         )
         groups = init_cp_groups(config)
@@ -131,7 +154,9 @@ def _rank_body(rank: int, world_size: int, cases: list[Case], prompts):
         if c.train:
             out.append((c.name, _train_grads(model, groups, CPRuntime.from_groups(groups)), None))
             continue
-        engine = GenerationEngine(model, groups, block_size=BLOCK_SIZE, max_num_tokens=BUDGET, progress=False)
+        engine = GenerationEngine(
+            model, groups, block_size=BLOCK_SIZE, max_num_tokens=BUDGET, progress=False
+        )
         res = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
         out.append((c.name, res.outputs, res.stats.peak_blocks))
     return out
@@ -163,9 +188,11 @@ def hf_reference():
             with torch.no_grad():
                 cache[key, train] = [
                     model.generate(
-                        torch.tensor([p]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                        torch.tensor([p]),
+                        max_new_tokens=MAX_NEW_TOKENS,
+                        do_sample=False,
                         attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                    )[0, len(p):].tolist()
+                    )[0, len(p) :].tolist()
                     for p in prompts
                 ]
         return cache[key, train]
@@ -185,7 +212,9 @@ def _check(results, cases, get_reference):
                 assert got.keys() == want.keys()
                 for n in want:
                     where = f"{name} rank {rank} {n}"
-                    torch.testing.assert_close(torch.from_numpy(got[n]), want[n], msg=lambda m, w=where: f"{w}: {m}")
+                    torch.testing.assert_close(
+                        torch.from_numpy(got[n]), want[n], msg=lambda m, w=where: f"{w}: {m}"
+                    )
                 continue
             assert all(len(w) == MAX_NEW_TOKENS for w in want)
             assert got == want, (name, rank, got, want)
@@ -196,7 +225,10 @@ def _check(results, cases, get_reference):
 
 WORLD4 = [
     *(Case(f, 2, 2, 2) for f in ("llama", "qwen2", "qwen3", "phi3", "glm4", "deepseek_v3")),
-    *(Case(f, 1, 4, 4, "a2a", interleave=2) for f in ("llama", "qwen3", "phi3", "glm4", "deepseek_v3")),
+    *(
+        Case(f, 1, 4, 4, "a2a", interleave=2)
+        for f in ("llama", "qwen3", "phi3", "glm4", "deepseek_v3")
+    ),
     Case("llama", 4, 1, 2, bias=True),  # 2 KV heads over 4 TP positions: replicated KV heads
     Case("qwen3", 4, 1, 2, "a2a", tied=True),  # replicated KV heads after q/k norms
     Case("deepseek_v3", 4, 1, 4, "a2a"),
@@ -228,8 +260,9 @@ def _run(hf_reference, world_size, cases, timeout_s):
     prompts, get = hf_reference
     for c in cases:  # the parent builds the references before the ranks start
         get(c.model_key, c.train)
-    results = run_distributed(_rank_body, world_size, cases, prompts, timeout_s=timeout_s,
-                              collective_timeout_s=120)
+    results = run_distributed(
+        _rank_body, world_size, cases, prompts, timeout_s=timeout_s, collective_timeout_s=120
+    )
     _check(results, cases, get)
 
 

@@ -26,7 +26,9 @@ def _model(family: str):
                   layer_types=["sliding_attention", "full_attention"], bos_token_id=None,
                   eos_token_id=None, pad_token_id=None)  # fmt: skip
     if family == "gpt_oss":
-        model = tf.GptOssForCausalLM(tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+        model = tf.GptOssForCausalLM(
+            tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        )
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_()
@@ -69,7 +71,9 @@ def _rank_body(rank: int, world_size: int, families):
     for family in families:
         model = swap_attention(_model(family), groups)
         engine = GenerationEngine(model, groups, block_size=4, max_num_tokens=16, progress=False)
-        out[family] = engine.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW_TOKENS)).outputs
+        out[family] = engine.generate(
+            _prompts(), SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+        ).outputs
     return out
 
 

@@ -37,8 +37,9 @@ def smollm2():
     tok = load_tokenizer(_conf())
     model = build_model(_conf())
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                return_dict=True)["input_ids"]
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
         for q in QUESTIONS
     ]
     with torch.no_grad():
@@ -47,20 +48,32 @@ def smollm2():
         ref = [exact(input_ids=torch.tensor([p])).logits[0] for p in prompts]
         del exact
         greedy = [
-            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=8,
+                do_sample=False,
+            )[0, len(p) :].tolist()
             for p in prompts
         ]
     return tok, swap_attention(model), prompts, (logits, ref), greedy
 
 
 def _step(model, prompts, starts, ends, table=None):
-    meta = build_step_metadata(CPRuntime.single(), [e - s for s, e in zip(starts, ends)], starts,
-                               block_table=table, block_size=16)
+    meta = build_step_metadata(
+        CPRuntime.single(),
+        [e - s for s, e in zip(starts, ends)],
+        starts,
+        block_table=table,
+        block_size=16,
+    )
     flat = torch.tensor([t for p, s, e in zip(prompts, starts, ends) for t in p[s:e]])
     with torch.no_grad(), cp_step(meta):
-        out = model(input_ids=flat[meta.token_indices][None], position_ids=meta.positions[None],
-                    use_cache=False).logits[0]
+        out = model(
+            input_ids=flat[meta.token_indices][None],
+            position_ids=meta.positions[None],
+            use_cache=False,
+        ).logits[0]
     return restore_tokens(out, meta)
 
 
@@ -81,7 +94,11 @@ def test_logits_on_chat_prompts_equal_hfs_own_forward(smollm2):
     split = [n // 3 for n in lens]
     _step(model, prompts, [0] * 3, split, table)
     got = _step(model, prompts, split, lens, table)
-    _assert_rule(got, torch.cat([w[s:] for w, s in zip(hf, split)]), torch.cat([w[s:] for w, s in zip(ref, split)]))
+    _assert_rule(
+        got,
+        torch.cat([w[s:] for w, s in zip(hf, split)]),
+        torch.cat([w[s:] for w, s in zip(ref, split)]),
+    )
 
 
 def test_greedy_generation_equals_hf_generate(smollm2):

@@ -39,8 +39,12 @@ from cp_modules.modules.hf_swap import (
 )
 
 LENS = [13, 1, 6]
-VARIANTS = {**{f: {} for f in FAMILIES}, "llama_bias": {"attention_bias": True, "num_key_value_heads": 4},
-            "cohere_qk_norm": {"use_qk_norm": True}, "stablelm_qk_norm": {"qk_layernorm": True}}
+VARIANTS = {
+    **{f: {} for f in FAMILIES},
+    "llama_bias": {"attention_bias": True, "num_key_value_heads": 4},
+    "cohere_qk_norm": {"use_qk_norm": True},
+    "stablelm_qk_norm": {"qk_layernorm": True},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +79,12 @@ def _run_step(model, prompts, starts, ends, block_table=None, **kw):
     )
     flat = torch.cat([p[s:e] for p, s, e in zip(prompts, starts, ends)])
     with torch.no_grad(), cp_step(meta):
-        logits = model(input_ids=flat[meta.token_indices][None], position_ids=meta.positions[None],
-                       use_cache=False, **kw).logits
+        logits = model(
+            input_ids=flat[meta.token_indices][None],
+            position_ids=meta.positions[None],
+            use_cache=False,
+            **kw,
+        ).logits
         return restore_tokens(logits[0], meta)
 
 
@@ -96,7 +104,10 @@ def test_logits_equal_the_original_model_with_and_without_a_paged_cache(variant)
     if mla:
         assert all(isinstance(m, HFCPMLAAttention) for m in layers)
     else:  # the model's own modules, bound to the interface: nothing replaced
-        assert all(not isinstance(m, CPMLAAttention) and m is modules[m.cp_binding.layer_name] for m in layers)
+        assert all(
+            not isinstance(m, CPMLAAttention) and m is modules[m.cp_binding.layer_name]
+            for m in layers
+        )
         assert [m.cp_binding.layer_idx for m in layers] == [0, 1]
     assert model.config._attn_implementation == CP_ATTN_IMPLEMENTATION
     assert list(model.state_dict()) == names  # same parameter names: checkpoints load as they are
@@ -112,8 +123,14 @@ def test_logits_equal_the_original_model_with_and_without_a_paged_cache(variant)
     split[1] = 1  # the one-token prompt is done in the first step
     _run_step(model, prompts, [0, 0, 0], split, table)
     rest = [i for i, (s, n) in enumerate(zip(split, LENS)) if s < n]
-    got = _run_step(model, [prompts[i] for i in rest], [split[i] for i in rest], [LENS[i] for i in rest], table[rest])
-    torch.testing.assert_close(got, torch.cat([want[i][split[i]:] for i in rest]))
+    got = _run_step(
+        model,
+        [prompts[i] for i in rest],
+        [split[i] for i in rest],
+        [LENS[i] for i in rest],
+        table[rest],
+    )
+    torch.testing.assert_close(got, torch.cat([want[i][split[i] :] for i in rest]))
     free_kv_caches(model)
     assert kv_cache_tensors(model) == []
 
@@ -142,8 +159,11 @@ def test_swap_is_idempotent():
 def _forward(model, **kw):
     meta = build_step_metadata(CPRuntime.single(), [5, 3])
     with cp_step(meta):
-        return model(input_ids=torch.arange(8)[meta.token_indices][None],
-                     position_ids=meta.positions[None], **{"use_cache": False, **kw})
+        return model(
+            input_ids=torch.arange(8)[meta.token_indices][None],
+            position_ids=meta.positions[None],
+            **{"use_cache": False, **kw},
+        )
 
 
 def _noncausal():
@@ -203,19 +223,42 @@ def test_windows_softcap_and_sinks_equal_the_original_model(variant):
     split[1] = 1
     _run_step(model, prompts, [0, 0, 0], split, table)
     rest = [i for i, (s, n) in enumerate(zip(split, LENS)) if s < n]
-    got = _run_step(model, [prompts[i] for i in rest], [split[i] for i in rest], [LENS[i] for i in rest], table[rest])
-    torch.testing.assert_close(got, torch.cat([want[i][split[i]:] for i in rest]))
+    got = _run_step(
+        model,
+        [prompts[i] for i in rest],
+        [split[i] for i in rest],
+        [LENS[i] for i in rest],
+        table[rest],
+    )
+    torch.testing.assert_close(got, torch.cat([want[i][split[i] :] for i in rest]))
 
 
 REFUSED = {
     # name: (model builder, forward kwargs, training mode, what the message names)
-    "non_causal": (_noncausal, {}, False, ("LlamaForCausalLM", "model.layers.0.self_attn", "non-causal")),
-    "padding_mask": (lambda: build_tiny("llama"), {"attention_mask": torch.ones(1, 10, dtype=torch.long)}, False,
-                     ("LlamaForCausalLM", "model.layers.0.self_attn", "padding attention_mask")),
-    "custom_mask": (lambda: build_tiny("llama"), {"attention_mask": torch.ones(1, 1, 10, 10, dtype=torch.bool)},
-                    False, ("LlamaForCausalLM", "model.layers.0.self_attn", "explicit attention mask")),
-    "dropout": (lambda: build_tiny("qwen3", attention_dropout=0.1), {}, True,
-                ("Qwen3ForCausalLM", "model.layers.0.self_attn", "dropout=0.1")),
+    "non_causal": (
+        _noncausal,
+        {},
+        False,
+        ("LlamaForCausalLM", "model.layers.0.self_attn", "non-causal"),
+    ),
+    "padding_mask": (
+        lambda: build_tiny("llama"),
+        {"attention_mask": torch.ones(1, 10, dtype=torch.long)},
+        False,
+        ("LlamaForCausalLM", "model.layers.0.self_attn", "padding attention_mask"),
+    ),
+    "custom_mask": (
+        lambda: build_tiny("llama"),
+        {"attention_mask": torch.ones(1, 1, 10, 10, dtype=torch.bool)},
+        False,
+        ("LlamaForCausalLM", "model.layers.0.self_attn", "explicit attention mask"),
+    ),
+    "dropout": (
+        lambda: build_tiny("qwen3", attention_dropout=0.1),
+        {},
+        True,
+        ("Qwen3ForCausalLM", "model.layers.0.self_attn", "dropout=0.1"),
+    ),
 }
 
 
@@ -234,16 +277,32 @@ def test_keyword_arguments_are_never_dropped():
     model = swap_attention(_build("llama"))
     attn = model.model.layers[1].self_attn
     q, k = torch.zeros(1, 8, 4, 8), torch.zeros(1, 2, 4, 8)
-    for kw, name in [({"sinks": torch.zeros(8)}, "'sinks'"), ({"s_aux": torch.zeros(3)}, "sinks of shape (3,)"),
-                     ({"sliding_window": 4}, "inconsistent sliding windows"),
-                     ({"is_causal": False}, "is_causal=False"), ({"new_feature": 1}, "'new_feature'")]:
-        with pytest.raises(ValueError, match="LlamaForCausalLM layer 'model.layers.1.self_attn'") as info:
+    for kw, name in [
+        ({"sinks": torch.zeros(8)}, "'sinks'"),
+        ({"s_aux": torch.zeros(3)}, "sinks of shape (3,)"),
+        ({"sliding_window": 4}, "inconsistent sliding windows"),
+        ({"is_causal": False}, "is_causal=False"),
+        ({"new_feature": 1}, "'new_feature'"),
+    ]:
+        with pytest.raises(
+            ValueError, match="LlamaForCausalLM layer 'model.layers.1.self_attn'"
+        ) as info:
             cp_attention_forward(attn, q, k, k, None, scaling=0.3, **kw)
         assert name in str(info.value)
     # Inert arguments (and features switched off) pass the checks; then the op needs a step.
     with pytest.raises(RuntimeError, match="no context-parallel step is active"):
-        cp_attention_forward(attn, q, k, k, None, scaling=0.3, sliding_window=None, softcap=None,
-                             position_ids=torch.arange(4)[None], use_cache=False)
+        cp_attention_forward(
+            attn,
+            q,
+            k,
+            k,
+            None,
+            scaling=0.3,
+            sliding_window=None,
+            softcap=None,
+            position_ids=torch.arange(4)[None],
+            use_cache=False,
+        )
     # Served features pass the checks too.
     with pytest.raises(RuntimeError, match="no context-parallel step is active"):
         cp_attention_forward(attn, q, k, k, None, scaling=0.3, softcap=30.0, s_aux=torch.zeros(8))
@@ -269,14 +328,17 @@ def test_attention_outside_the_interface_is_refused():
             self.config = tiny_config("llama")
             self.layers = torch.nn.ModuleList([Block()])
 
-    with pytest.raises(ValueError, match=r"Model layer 'layers.0.self_attn': OwnAttention does not go through"):
+    with pytest.raises(
+        ValueError, match=r"Model layer 'layers.0.self_attn': OwnAttention does not go through"
+    ):
         swap_attention(Model())
 
 
 def test_swap_rejects_a_layout_that_cannot_serve_the_heads():
     # 2 KV heads, tp=2, pcp=2, dcp=4: a DCP group would span ranks holding different KV heads.
-    config = ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
-                            decode_context_parallel_size=4)
+    config = ParallelConfig(
+        tensor_parallel_size=2, prefill_context_parallel_size=2, decode_context_parallel_size=4
+    )
     with pytest.raises(ValueError, match="KV heads"):
         swap_attention(_build("llama"), config)
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
@@ -293,9 +355,16 @@ def test_swap_rejects_models_without_attention_and_bad_arguments():
 def test_swapped_attention_takes_one_row_of_tokens_and_no_hf_cache():
     model = swap_attention(_build("llama"))
     meta = build_step_metadata(CPRuntime.single(), [2, 2])
-    with torch.no_grad(), cp_step(meta), pytest.raises(ValueError, match=r"one row of the step's local tokens"):
-        model(input_ids=torch.zeros(2, 2, dtype=torch.long), position_ids=torch.zeros(2, 2, dtype=torch.long),
-              use_cache=False)
+    with (
+        torch.no_grad(),
+        cp_step(meta),
+        pytest.raises(ValueError, match=r"one row of the step's local tokens"),
+    ):
+        model(
+            input_ids=torch.zeros(2, 2, dtype=torch.long),
+            position_ids=torch.zeros(2, 2, dtype=torch.long),
+            use_cache=False,
+        )
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -322,8 +391,13 @@ def test_compiled_prefill_and_decode_have_no_graph_break(variant):
     table = torch.arange(12, dtype=torch.int32).view(3, 4)
 
     def step(rows, starts, ends):
-        meta = build_step_metadata(CPRuntime.single(), [e - s for s, e in zip(starts, ends)], starts,
-                                   block_table=table[rows], block_size=4)
+        meta = build_step_metadata(
+            CPRuntime.single(),
+            [e - s for s, e in zip(starts, ends)],
+            starts,
+            block_table=table[rows],
+            block_size=4,
+        )
         flat = torch.cat([prompts[r][s:e] for r, s, e in zip(rows, starts, ends)])
         with torch.no_grad(), cp_step(meta):
             hidden = compiled(flat[meta.token_indices][None], meta.positions[None].clone())[0]

@@ -25,7 +25,14 @@ LAYERS = {
 }  # fmt: skip
 # Environment variables the library may read: the launcher's rank and world (torchrun's), and
 # the Triton interpreter switch that the test harness hands on to the processes it spawns.
-LAUNCH_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET"}
+LAUNCH_VARIABLES = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TRITON_INTERPRET",
+}
 
 
 def _modules():
@@ -43,7 +50,11 @@ def _layer(module: str) -> str:
 def _imports(tree: ast.AST, top_level_only: bool):
     nodes = tree.body if top_level_only else ast.walk(tree)
     for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cp_modules"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("cp_modules")
+        ):
             yield node.module
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("cp_modules"))
@@ -103,5 +114,9 @@ def test_no_environment_switches_in_the_library():
 
 
 def test_no_file_over_600_lines():
-    long = {str(p.relative_to(PACKAGE)): n for _, p, _ in _modules() if (n := len(p.read_text().splitlines())) > 600}
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for _, p, _ in _modules()
+        if (n := len(p.read_text().splitlines())) > 600
+    }
     assert not long, long

@@ -13,9 +13,12 @@ from cp_modules.plan import build_plan, main
 
 def cfg(tp, pcp=1, dcp=1, backend="ag_rs", dp=1, pp=1):
     return ParallelConfig(
-        tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-        decode_context_parallel_size=dcp, dcp_comm_backend=backend,
-        data_parallel_size=dp, pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        prefill_context_parallel_size=pcp,
+        decode_context_parallel_size=dcp,
+        dcp_comm_backend=backend,
+        data_parallel_size=dp,
+        pipeline_parallel_size=pp,
     )
 
 
@@ -25,40 +28,67 @@ H = 32
 CASES = {
     "case1-pcp1-tp4-dcp4": dict(
         config=cfg(4, 1, 4),
-        tp=[[0, 1, 2, 3]], pcp=[[0], [1], [2], [3]], dcp=[[0, 1, 2, 3]],
+        tp=[[0, 1, 2, 3]],
+        pcp=[[0], [1], [2], [3]],
+        dcp=[[0, 1, 2, 3]],
         partial_tp=[[0, 1, 2, 3]],
         heads={0: (0, 8), 1: (8, 16), 2: (16, 24), 3: (24, 32)},
-        gather="full_tp", reduce="reduce_scatter", fraction=1.0,
+        gather="full_tp",
+        reduce="reduce_scatter",
+        fraction=1.0,
     ),
     "case2-pcp1-tp4-dcp2": dict(
         config=cfg(4, 1, 2),
-        tp=[[0, 1, 2, 3]], pcp=[[0], [1], [2], [3]], dcp=[[0, 1], [2, 3]],
+        tp=[[0, 1, 2, 3]],
+        pcp=[[0], [1], [2], [3]],
+        dcp=[[0, 1], [2, 3]],
         partial_tp=[[0, 1], [2, 3]],
         heads={0: (0, 8), 1: (8, 16), 2: (16, 24), 3: (24, 32)},
-        gather="partial_tp", reduce="all_reduce_slice", fraction=0.5,
+        gather="partial_tp",
+        reduce="all_reduce_slice",
+        fraction=0.5,
     ),
     "case3-pcp2-tp2-dcp4": dict(
         config=cfg(2, 2, 4),
-        tp=[[0, 1], [2, 3]], pcp=[[0, 2], [1, 3]], dcp=[[0, 2, 1, 3]],
+        tp=[[0, 1], [2, 3]],
+        pcp=[[0, 2], [1, 3]],
+        dcp=[[0, 2, 1, 3]],
         partial_tp=[[0, 1], [2, 3]],
         heads={0: (0, 16), 1: (16, 32), 2: (0, 16), 3: (16, 32)},
-        gather="full_tp", reduce="all_reduce_slice", fraction=1.0,
+        gather="full_tp",
+        reduce="all_reduce_slice",
+        fraction=1.0,
     ),
     "case4-pcp2-tp2-dcp2": dict(
         config=cfg(2, 2, 2),
-        tp=[[0, 1], [2, 3]], pcp=[[0, 2], [1, 3]], dcp=[[0, 2], [1, 3]],
+        tp=[[0, 1], [2, 3]],
+        pcp=[[0, 2], [1, 3]],
+        dcp=[[0, 2], [1, 3]],
         partial_tp=[[0], [2], [1], [3]],
         heads={0: (0, 16), 2: (0, 16), 1: (16, 32), 3: (16, 32)},
-        gather="none", reduce="all_reduce", fraction=0.0,
+        gather="none",
+        reduce="all_reduce",
+        fraction=0.0,
     ),
     "case5-pcp2-tp4-dcp4": dict(
         config=cfg(4, 2, 4),
-        tp=[[0, 1, 2, 3], [4, 5, 6, 7]], pcp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        tp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        pcp=[[0, 4], [1, 5], [2, 6], [3, 7]],
         dcp=[[0, 4, 1, 5], [2, 6, 3, 7]],
         partial_tp=[[0, 1], [4, 5], [2, 3], [6, 7]],
-        heads={0: (0, 8), 4: (0, 8), 1: (8, 16), 5: (8, 16), 2: (16, 24), 6: (16, 24),
-               3: (24, 32), 7: (24, 32)},
-        gather="partial_tp", reduce="all_reduce_slice", fraction=0.5,
+        heads={
+            0: (0, 8),
+            4: (0, 8),
+            1: (8, 16),
+            5: (8, 16),
+            2: (16, 24),
+            6: (16, 24),
+            3: (24, 32),
+            7: (24, 32),
+        },
+        gather="partial_tp",
+        reduce="all_reduce_slice",
+        fraction=0.5,
     ),
 }
 
@@ -76,7 +106,9 @@ def test_design_cases(name):
         assert head_range(H, c.tp, layout.coords(r)["tp"]) == rng
     plan = comm_plan(c)
     assert (plan.query_gather, plan.reduce, plan.query_gather_fraction) == (
-        case["gather"], case["reduce"], case["fraction"]
+        case["gather"],
+        case["reduce"],
+        case["fraction"],
     )
 
 
@@ -146,7 +178,9 @@ def test_build_plan_head_ownership():
 
 
 def test_cli_json(capsys):
-    assert main(["--tp", "4", "--pcp", "2", "--dcp", "4", "--dcp-comm-backend", "a2a", "--json"]) == 0
+    assert (
+        main(["--tp", "4", "--pcp", "2", "--dcp", "4", "--dcp-comm-backend", "a2a", "--json"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["tp_groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert out["pcp_groups"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -158,7 +192,10 @@ def test_cli_json(capsys):
 
 
 def test_cli_text(capsys):
-    assert main(["--tp", "2", "--pcp", "2", "--dcp", "2", "--num-heads", "8", "--num-kv-heads", "2"]) == 0
+    assert (
+        main(["--tp", "2", "--pcp", "2", "--dcp", "2", "--num-heads", "8", "--num-kv-heads", "2"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "dcp_groups         [[0, 2], [1, 3]]" in text
     assert "decode query all-gather: none" in text
@@ -181,8 +218,21 @@ def test_cli_invalid_exits_2(args, msg, capsys):
 
 def test_cli_as_module_process():
     r = subprocess.run(
-        [sys.executable, "-m", "cp_modules.plan", "--tp", "4", "--pcp", "2", "--dcp", "3", "--json"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "cp_modules.plan",
+            "--tp",
+            "4",
+            "--pcp",
+            "2",
+            "--dcp",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2 and "invalid configuration" in r.stderr and r.stdout == ""
 

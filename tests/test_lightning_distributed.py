@@ -87,7 +87,7 @@ def _full_params(model, prefix=""):
     out = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name[len(prefix):] if name.startswith(prefix) else name] = t.detach().clone()
+        out[name[len(prefix) :] if name.startswith(prefix) else name] = t.detach().clone()
     return out
 
 
@@ -98,6 +98,7 @@ def _layout(tp=1, pcp=1, dp=1):
 
 
 # ---- Fabric -----------------------------------------------------------------------------
+
 
 def _fabric_run(config, attention, steps, *, seed=MODEL_SEED, save=None, load=None, dcp=True):
     from cp_modules.integrations.lightning import CPFabricStrategy
@@ -129,6 +130,7 @@ def _fabric_run(config, attention, steps, *, seed=MODEL_SEED, save=None, load=No
 
 # ---- Trainer ----------------------------------------------------------------------------
 
+
 class LitLM(L.LightningModule):
     """A TinyLM whose training step records what each rank saw and the global loss."""
 
@@ -155,17 +157,25 @@ def _trainer_run(config, attention, max_steps, *, seed=MODEL_SEED, save=None, ck
 
     lit = LitLM(attention, seed)
     trainer = L.Trainer(
-        accelerator="cpu", devices=config.world_size,
+        accelerator="cpu",
+        devices=config.world_size,
         strategy=CPTrainerStrategy(config, parallelize_model),
-        max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(lit, DataLoader(_Tokens(), batch_size=BATCH, shuffle=True), ckpt_path=ckpt_path)
     if save is not None:
         trainer.save_checkpoint(save)
     return {
-        "seen": lit.seen, "losses": lit.losses, "params": lit.params,
-        "dp_rank": trainer.strategy.cp.dp_rank, "global_step": trainer.global_step,
+        "seen": lit.seen,
+        "losses": lit.losses,
+        "params": lit.params,
+        "dp_rank": trainer.strategy.cp.dp_rank,
+        "global_step": trainer.global_step,
     }
 
 
@@ -180,13 +190,17 @@ def _lightning_cases(rank, world_size, tmpdir):
         "fabric_gqa_b": _fabric_run(_layout(dp=2, pcp=2), "gqa", 1, seed=99, load=fabric_ckpt),
         "fabric_mla_dp": _fabric_run(_layout(dp=2, pcp=2), "mla", 2, save=fabric_full, dcp=False),
         "trainer_mla_a": _trainer_run(_layout(tp=2, pcp=2), "mla", 2, save=trainer_ckpt),
-        "trainer_mla_b": _trainer_run(_layout(dp=2, pcp=2), "mla", 3, seed=99, ckpt_path=trainer_ckpt),
+        "trainer_mla_b": _trainer_run(
+            _layout(dp=2, pcp=2), "mla", 3, seed=99, ckpt_path=trainer_ckpt
+        ),
         "trainer_gqa_dp": _trainer_run(_layout(dp=2, pcp=2), "gqa", 2),
     }
     for r in out.values():
         # Rank 0's copy is enough (every rank gathers the same tensors). Sent as numpy: the
         # result queue would share tensor storage with a process that is about to exit.
-        r["params"] = [{k: v.numpy() for k, v in p.items()} for p in r["params"]] if rank == 0 else None
+        r["params"] = (
+            [{k: v.numpy() for k, v in p.items()} for p in r["params"]] if rank == 0 else None
+        )
     out["hf"] = _hf_export_case(rank, tmpdir)
     out["mixed_precision"] = _mixed_precision_case(rank)
     return out
@@ -202,8 +216,13 @@ def _hf_model():
 
     torch.manual_seed(MODEL_SEED)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     return LlamaForCausalLM(config)
 
@@ -211,7 +230,10 @@ def _hf_model():
 def _hf_batches():
     data = _Tokens()
     return [
-        {k: torch.stack([data[i][k] for i in range(s * BATCH, (s + 1) * BATCH)]) for k in ("input_ids", "labels")}
+        {
+            k: torch.stack([data[i][k] for i in range(s * BATCH, (s + 1) * BATCH)])
+            for k in ("input_ids", "labels")
+        }
         for s in range(HF_STEPS)
     ]
 
@@ -248,7 +270,10 @@ def _hf_export_case(rank, tmpdir):
     logits = _hf_train(ctx, model)
     export_hf(model, os.path.join(tmpdir, "hf"))
     # The deprecated hand-written sum refuses FSDP2 parameters (it would sum them twice).
-    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="already summed"):
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        pytest.raises(ValueError, match="already summed"),
+    ):
         warnings.simplefilter("always")
         ctx.reduce_gradients(model.parameters())
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
@@ -263,7 +288,9 @@ def _mixed_precision_case(rank):
     model = apply_fsdp(
         _new_model("gqa"), ctx.mesh, mp_policy=mixed_precision_policy(torch.bfloat16, torch.float32)
     )
-    batch = {k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in ("input_ids", "labels")}
+    batch = {
+        k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in ("input_ids", "labels")
+    }
     cb = ctx.shard_batch(batch)
     with cp_step(cb.meta):
         logits = model(cb.input_ids, cb.positions)
@@ -285,6 +312,7 @@ def _mixed_precision_case(rank):
 
 # ---- the one-process replay -------------------------------------------------------------
 
+
 def _global_batches(per_rank, dp_ranks):
     """Global batch of each step: the samples of dp replica 0, then replica 1, ..."""
     first_of_replica = {}
@@ -294,7 +322,9 @@ def _global_batches(per_rank, dp_ranks):
     steps = len(per_rank[0]["seen"])
     batches = []
     for s in range(steps):
-        idx = [i for d in sorted(first_of_replica) for i in per_rank[first_of_replica[d]]["seen"][s]]
+        idx = [
+            i for d in sorted(first_of_replica) for i in per_rank[first_of_replica[d]]["seen"][s]
+        ]
         samples = [data[i] for i in idx]
         batches.append({k: torch.stack([x[k] for x in samples]) for k in ("input_ids", "labels")})
     return batches
@@ -327,7 +357,9 @@ def _assert_params_close(got, want, what):
 
 
 def _max_rel_err(got, want):
-    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)) for n in want)
+    return max(
+        float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)) for n in want
+    )
 
 
 def _check_run(results, name, attention, *, expect_steps, prefix_runs=()):
@@ -339,7 +371,9 @@ def _check_run(results, name, attention, *, expect_steps, prefix_runs=()):
         batches += _global_batches(per_rank, [r["dp_rank"] for r in per_rank])
     losses = [x for per_rank in per_rank_runs for x in per_rank[0]["losses"]]
     params = [
-        {k: torch.from_numpy(v) for k, v in p.items()} for k_run in runs for p in results[0][k_run]["params"]
+        {k: torch.from_numpy(v) for k, v in p.items()}
+        for k_run in runs
+        for p in results[0][k_run]["params"]
     ]
     assert len(losses) == len(batches) == expect_steps, (name, len(losses), len(batches))
     _, ref_losses, ref_params = _replay(attention, batches)
@@ -407,19 +441,25 @@ def test_fabric_dp2_pcp2_matches_one_process_and_full_checkpoint(lightning_resul
     model = _new_model("mla", seed=5)
     model.load_state_dict(ckpt["model"])
     for name, p in model.named_parameters():
-        assert torch.equal(p, torch.from_numpy(results[0]["fabric_mla_dp"]["params"][1][name])), name
+        assert torch.equal(p, torch.from_numpy(results[0]["fabric_mla_dp"]["params"][1][name])), (
+            name
+        )
 
 
 def test_trainer_steps_and_cross_layout_resume_match_one_process(lightning_results):
     results, tmpdir = lightning_results
     assert all(r["trainer_mla_b"]["global_step"] == 3 for r in results)
-    err = _check_run(results, "trainer_mla_b", "mla", expect_steps=3, prefix_runs=("trainer_mla_a",))
+    err = _check_run(
+        results, "trainer_mla_b", "mla", expect_steps=3, prefix_runs=("trainer_mla_a",)
+    )
     print("trainer mla tp2pcp2 -> dp2pcp2:", err)
     ckpt = _read_dcp(os.path.join(tmpdir, "trainer_dcp"), tmpdir)
     model = _new_model("mla", seed=5)
     model.load_state_dict({k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()})
     for name, p in model.named_parameters():
-        assert torch.equal(p, torch.from_numpy(results[0]["trainer_mla_a"]["params"][1][name])), name
+        assert torch.equal(p, torch.from_numpy(results[0]["trainer_mla_a"]["params"][1][name])), (
+            name
+        )
 
 
 def test_trainer_dp2_pcp2_matches_one_process_and_samples_per_replica(lightning_results):
@@ -447,7 +487,9 @@ def test_hf_export_loads_in_plain_transformers_with_the_trained_logits(lightning
     ref_logits = _hf_train(CPTrainingContext.single(), ref)
     torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(hf.get_parameter(name), p.detach(), rtol=RTOL, atol=ATOL, msg=name)
+        torch.testing.assert_close(
+            hf.get_parameter(name), p.detach(), rtol=RTOL, atol=ATOL, msg=name
+        )
     # Training moved the weights (the comparison is not of two untrained models).
     assert not torch.equal(hf.lm_head.weight, _hf_model().lm_head.weight)
 
@@ -460,7 +502,9 @@ def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_state(lightning_re
     assert all(r["mixed_precision"]["loss"] == got["loss"] for r in results)
     # The loss of the same batch in fp32 on one process, to bf16 precision (8 mantissa bits
     # through two layers: a relative error of a few 2^-8).
-    batch = {k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in ("input_ids", "labels")}
+    batch = {
+        k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in ("input_ids", "labels")
+    }
     ctx = CPTrainingContext.single()
     cb = ctx.shard_batch(batch)
     with cp_step(cb.meta), torch.no_grad():

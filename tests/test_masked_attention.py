@@ -29,7 +29,9 @@ def _tensors(seed=0):
 
 
 @pytest.mark.parametrize("pcp", [1, 2, 3])
-@pytest.mark.parametrize("window, softcap", [(3, None), (7, None), (64, None), (None, 2.0), (5, 1.5)])
+@pytest.mark.parametrize(
+    "window, softcap", [(3, None), (7, None), (64, None), (None, 2.0), (5, 1.5)]
+)
 def test_windowed_softcapped_pcp_reference_equals_dense(pcp, window, softcap):
     qs, ks, vs, dos = _tensors()
     scale = D**-0.5
@@ -59,8 +61,12 @@ def test_windowed_softcapped_pcp_reference_equals_dense(pcp, window, softcap):
             q_all[idx], k_new, v_new, plan.segments_host, k_pre, v_pre, prefix_cu, scale
         )
         out, lse = pcp_prefill_attention_reference(inputs, window=window, softcap=softcap)
-        torch.testing.assert_close(out[valid], torch.cat(want_out)[idx][valid], atol=1e-13, rtol=1e-12)
-        torch.testing.assert_close(lse[valid], torch.cat(want_lse)[idx][valid], atol=1e-13, rtol=1e-12)
+        torch.testing.assert_close(
+            out[valid], torch.cat(want_out)[idx][valid], atol=1e-13, rtol=1e-12
+        )
+        torch.testing.assert_close(
+            lse[valid], torch.cat(want_lse)[idx][valid], atol=1e-13, rtol=1e-12
+        )
         gl = do_all[idx] * valid[:, None, None]
         gq, gk, gv, gpk, gpv = pcp_prefill_attention_backward_reference(
             gl, out, lse, inputs, window=window, softcap=softcap
@@ -72,10 +78,18 @@ def test_windowed_softcapped_pcp_reference_equals_dense(pcp, window, softcap):
         dpv += gpv
     wq = torch.cat([g[0][c:] for g, c in zip(grads, CACHED)])
     torch.testing.assert_close(dq, wq, atol=1e-12, rtol=1e-11)
-    torch.testing.assert_close(dk, torch.cat([g[1][c:] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11)
-    torch.testing.assert_close(dv, torch.cat([g[2][c:] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11)
-    torch.testing.assert_close(dpk, torch.cat([g[1][:c] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11)
-    torch.testing.assert_close(dpv, torch.cat([g[2][:c] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11)
+    torch.testing.assert_close(
+        dk, torch.cat([g[1][c:] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11
+    )
+    torch.testing.assert_close(
+        dv, torch.cat([g[2][c:] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11
+    )
+    torch.testing.assert_close(
+        dpk, torch.cat([g[1][:c] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11
+    )
+    torch.testing.assert_close(
+        dpv, torch.cat([g[2][:c] for g, c in zip(grads, CACHED)]), atol=1e-12, rtol=1e-11
+    )
 
 
 def _cached_schedule():

@@ -73,8 +73,13 @@ def test_compiled_equals_eager_without_recompiles(gqa):
     compiled = torch.compile(gqa, fullgraph=True, dynamic=True)
     gqa.kv_cache = allocate_kv_cache(64, 4, 2, 8, dtype=torch.float32)
     bt = torch.arange(60).view(3, 20)
-    schedule = [([9, 5, 3], [0, 0, 0]), ([1, 1, 1], [9, 5, 3]), ([4, 1, 1], [10, 6, 4]),
-                ([1, 1, 6], [14, 7, 5]), ([1, 1, 1], [15, 8, 11])]
+    schedule = [
+        ([9, 5, 3], [0, 0, 0]),
+        ([1, 1, 1], [9, 5, 3]),
+        ([4, 1, 1], [10, 6, 4]),
+        ([1, 1, 6], [14, 7, 5]),
+        ([1, 1, 1], [15, 8, 11]),
+    ]
     cache_eager = [c.clone() for c in gqa.kv_cache]
     for new, comp in schedule:
         x = torch.randn(sum(new), 64)
@@ -117,8 +122,15 @@ def test_training_gradients_equal_dense(gqa):
 @torch.no_grad()
 def test_mla_decode_absorbed_equals_prefill_path():
     torch.manual_seed(0)
-    m = CPMLAAttention(64, 4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                       qk_rope_head_dim=8, v_head_dim=16)
+    m = CPMLAAttention(
+        64,
+        4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
     x = torch.randn(10, 64)
     full = run(m, x, [10])  # no cache: up-projected K/V
     m.kv_cache = allocate_mla_cache(8, 4, 32, 8, dtype=torch.float32)
@@ -159,7 +171,9 @@ def test_cache_head_shape_mismatch(gqa):
 
 
 def test_block_table_too_narrow(gqa):
-    with pytest.raises(ValueError, match="block_table has 2 blocks per request but the longest request needs 3"):
+    with pytest.raises(
+        ValueError, match="block_table has 2 blocks per request but the longest request needs 3"
+    ):
         build_step_metadata(RT, [9], [0], block_table=torch.arange(2).view(1, 2), block_size=4)
 
 
@@ -168,8 +182,10 @@ def test_prefix_needs_block_table():
         build_step_metadata(RT, [3], [5])
 
 
-@pytest.mark.parametrize("new,comp,msg", [([0, 3], [0, 0], ">= 1 new token"), ([3], [-1], ">= 0"),
-                                          ([3, 4], [0], "equal length")])
+@pytest.mark.parametrize(
+    "new,comp,msg",
+    [([0, 3], [0, 0], ">= 1 new token"), ([3], [-1], ">= 0"), ([3, 4], [0], "equal length")],
+)
 def test_bad_batches(new, comp, msg):
     with pytest.raises(ValueError, match=msg):
         build_step_metadata(RT, new, comp)

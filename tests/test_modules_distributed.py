@@ -28,11 +28,21 @@ def _sweep(world_size, attention=("gqa", "mla"), interleave=(1,)):
             for backend in ("ag_rs", "a2a") if dcp > 1 else ("ag_rs",):
                 for att in attention:
                     for inter in interleave:
-                        cases.append(VerifyArgs(
-                            world_size=world_size, tp=tp, pcp=pcp, dcp=dcp,
-                            dcp_comm_backend=backend, attention=att, mode="mixed",
-                            seq_lens=[19, 3, 8], decode_steps=2, interleave=inter, block_size=4,
-                        ))
+                        cases.append(
+                            VerifyArgs(
+                                world_size=world_size,
+                                tp=tp,
+                                pcp=pcp,
+                                dcp=dcp,
+                                dcp_comm_backend=backend,
+                                attention=att,
+                                mode="mixed",
+                                seq_lens=[19, 3, 8],
+                                decode_steps=2,
+                                interleave=inter,
+                                block_size=4,
+                            )
+                        )
     return cases
 
 
@@ -40,7 +50,12 @@ def _run_cases(rank, world_size, cases):
     out = []
     for a in cases:
         r = verify_rank(rank, world_size, a)
-        out.append((f"tp{a.tp}-pcp{a.pcp}-dcp{a.dcp}-{a.dcp_comm_backend}-{a.attention}-{a.mode}-I{a.interleave}", r["errors"]))
+        out.append(
+            (
+                f"tp{a.tp}-pcp{a.pcp}-dcp{a.dcp}-{a.dcp_comm_backend}-{a.attention}-{a.mode}-I{a.interleave}",
+                r["errors"],
+            )
+        )
     return out
 
 
@@ -73,8 +88,18 @@ def test_varlen_path_world2_mixed_schedule_and_training():
     # pcp_varlen="always": every PCP attention (prefill, chunked prefill over a cached prefix,
     # training forward and backward into the reduce-scatter layout) runs the varlen packing.
     cases = [
-        VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention=att, mode=mode,
-                   seq_lens=[21, 3, 9, 16], decode_steps=2, block_size=4, pcp_varlen="always")
+        VerifyArgs(
+            world_size=2,
+            tp=1,
+            pcp=2,
+            dcp=1,
+            attention=att,
+            mode=mode,
+            seq_lens=[21, 3, 9, 16],
+            decode_steps=2,
+            block_size=4,
+            pcp_varlen="always",
+        )
         for att in ("gqa", "mla")
         for mode in ("mixed", "train")
     ]
@@ -85,8 +110,18 @@ def test_varlen_path_world2_mixed_schedule_and_training():
 def test_varlen_path_world4_pcp4():
     # As above with 4 PCP ranks: requests shorter than 2 * pcp leave ranks without queries.
     cases = [
-        VerifyArgs(world_size=4, tp=1, pcp=4, dcp=1, attention=att, mode=mode,
-                   seq_lens=[37, 2, 11, 16], decode_steps=2, block_size=4, pcp_varlen="always")
+        VerifyArgs(
+            world_size=4,
+            tp=1,
+            pcp=4,
+            dcp=1,
+            attention=att,
+            mode=mode,
+            seq_lens=[37, 2, 11, 16],
+            decode_steps=2,
+            block_size=4,
+            pcp_varlen="always",
+        )
         for att, mode in (("gqa", "mixed"), ("mla", "train"))
     ]
     results = run_distributed(_run_cases, 4, cases, timeout_s=900)
@@ -96,8 +131,18 @@ def test_varlen_path_world4_pcp4():
 def test_model_widths_world2():
     # The self-check's "model" widths (real head dims, 1024-wide projections), as run on GPUs.
     cases = [
-        VerifyArgs(world_size=2, tp=tp, pcp=pcp, dcp=dcp, attention=att, mode=mode,
-                   seq_lens=[21, 3, 9], decode_steps=2, block_size=4, widths="model")
+        VerifyArgs(
+            world_size=2,
+            tp=tp,
+            pcp=pcp,
+            dcp=dcp,
+            attention=att,
+            mode=mode,
+            seq_lens=[21, 3, 9],
+            decode_steps=2,
+            block_size=4,
+            widths="model",
+        )
         for att in ("gqa", "mla")
         for tp, pcp, dcp, mode in ((1, 2, 1, "train"), (2, 1, 2, "mixed"))
     ]
@@ -107,14 +152,23 @@ def test_model_widths_world2():
 def test_unknown_widths_are_refused_before_spawning():
     from cp_modules.verify import run_verify
 
-    with pytest.raises(ValueError, match=r"--widths must be one of \('tiny', 'model'\), got 'huge'"):
+    with pytest.raises(
+        ValueError, match=r"--widths must be one of \('tiny', 'model'\), got 'huge'"
+    ):
         run_verify(VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, widths="huge"))
 
 
 def test_training_pcp2_tp2_and_pcp4():
     cases = [
-        VerifyArgs(world_size=4, tp=tp, pcp=pcp, dcp=1, attention=att, mode="train",
-                   seq_lens=[37, 2, 11, 16])
+        VerifyArgs(
+            world_size=4,
+            tp=tp,
+            pcp=pcp,
+            dcp=1,
+            attention=att,
+            mode="train",
+            seq_lens=[37, 2, 11, 16],
+        )
         for tp, pcp in ((2, 2), (1, 4))
         for att in ("gqa", "mla")
     ]
@@ -130,7 +184,10 @@ def _run_counting_key_major(rank, world_size, cases, direct):
     import cp_modules.ops.mla_attention as ops
 
     if direct:
-        cases = [dataclasses.replace(c, policy_changes={"direct_grad_min_rows_per_run": 1}) for c in cases]
+        cases = [
+            dataclasses.replace(c, policy_changes={"direct_grad_min_rows_per_run": 1})
+            for c in cases
+        ]
     inner, calls = ops.pcp_key_major_backward, []
 
     def counted(*args, **kwargs):
@@ -171,8 +228,11 @@ def _disagreeing_batches(rank, world_size):
     from cp_modules.distributed.groups import init_cp_groups
     from cp_modules.modules import CPRuntime, build_step_metadata
 
-    groups = init_cp_groups(ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
-                                           decode_context_parallel_size=2))
+    groups = init_cp_groups(
+        ParallelConfig(
+            tensor_parallel_size=2, prefill_context_parallel_size=2, decode_context_parallel_size=2
+        )
+    )
     rt = CPRuntime.from_groups(groups)
     build_step_metadata(rt, [12, 5])  # agreed
     lens = [12, 5] if rank != 3 else [12, 6]

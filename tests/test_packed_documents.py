@@ -33,7 +33,14 @@ def _packed_batch():
 
 def test_document_lengths_follow_position_resets():
     b = _packed_batch()
-    assert document_lengths(b["input_ids"].shape, b["position_ids"]).tolist() == [9, 3, 12, 1, 16, 7]
+    assert document_lengths(b["input_ids"].shape, b["position_ids"]).tolist() == [
+        9,
+        3,
+        12,
+        1,
+        16,
+        7,
+    ]
     assert document_lengths((2, 5), None).tolist() == [5, 5]
 
 
@@ -48,7 +55,9 @@ def test_document_lengths_follow_position_resets():
 def test_malformed_position_ids_name_the_row_and_index(pos, match):
     pos = torch.tensor(pos)
     with pytest.raises(ValueError, match=match):
-        CPTrainingContext.single().shard_batch({"input_ids": torch.zeros_like(pos), "position_ids": pos})
+        CPTrainingContext.single().shard_batch(
+            {"input_ids": torch.zeros_like(pos), "position_ids": pos}
+        )
 
 
 def test_packed_labels_stop_at_document_ends():
@@ -97,7 +106,9 @@ def _documents_alone(family):
         count += n - 1
     loss = total / count
     loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def _packed_on_ranks(family, config):
@@ -141,7 +152,9 @@ def _rank_body(rank, world_size, layouts):
         try:
             torch.testing.assert_close(loss, want_loss, atol=1e-12, rtol=1e-10)
             for k in want:
-                torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-10, msg=f"{name} {k}")
+                torch.testing.assert_close(
+                    got[k], want[k], atol=1e-12, rtol=1e-10, msg=f"{name} {k}"
+                )
         except AssertionError as e:
             failures.append(f"{name}: {e}")
     return failures
@@ -152,7 +165,15 @@ def _rank_body(rank, world_size, layouts):
     "world_size, layouts",
     [
         (2, [("llama", 1, 2, 1), ("deepseek_v3", 1, 2, 1)]),
-        (4, [("llama", 1, 4, 1), ("deepseek_v3", 1, 4, 1), ("llama", 2, 2, 1), ("deepseek_v3", 1, 2, 2)]),
+        (
+            4,
+            [
+                ("llama", 1, 4, 1),
+                ("deepseek_v3", 1, 4, 1),
+                ("llama", 2, 2, 1),
+                ("deepseek_v3", 1, 2, 2),
+            ],
+        ),
     ],
     ids=["world2", "world4"],
 )

@@ -248,9 +248,7 @@ def test_varlen_equals_reference_forward_and_backward(pcp, batch, dims, prefix):
             assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), layout
             fin = torch.isfinite(want_lse)
             assert max_abs_err(lse[fin], want_lse[fin]) < 1e-12, layout
-            got = pcp_prefill_attention_varlen_backward(
-                dout, want_out, want_lse, inputs, pack=pack
-            )
+            got = pcp_prefill_attention_varlen_backward(dout, want_out, want_lse, inputs, pack=pack)
             assert len(got) == (5 if sum(m) else 3)
             for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
                 assert max_abs_err(a, b) < 1e-12, (layout, name)
@@ -483,9 +481,7 @@ def test_policy_forces_the_varlen_path_through_the_op(monkeypatch):
     want_out, want_lse = pcp_prefill_attention_reference(PrefillInputs(*args))
     assert max_abs_err(out, want_out) < 1e-12 and torch.equal(lse.isinf(), want_lse.isinf())
     dout = torch.randn_like(out)
-    got = torch.ops.cp.pcp_prefill_attention_backward(
-        dout, *args[:3], out, lse, *args[3:], *policy
-    )
+    got = torch.ops.cp.pcp_prefill_attention_backward(dout, *args[:3], out, lse, *args[3:], *policy)
     want = pcp_prefill_attention_backward_reference(dout, out, lse, PrefillInputs(*args))
     for name, a, b in zip(("dq", "dk", "dv", "dprefix_k", "dprefix_v"), got, want):
         assert max_abs_err(a, b) < 1e-12, name

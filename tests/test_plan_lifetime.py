@@ -127,7 +127,9 @@ def _accumulated(kind, runtime, group=None):
         loss.backward()
     acc = [p.grad.clone() for p in layer.parameters()]
     layer.zero_grad()
-    loss, _, _ = _forward(layer, runtime, BATCH_A + BATCH_B, torch.cat([xa, xb]), torch.cat([wa, wb]))
+    loss, _, _ = _forward(
+        layer, runtime, BATCH_A + BATCH_B, torch.cat([xa, xb]), torch.cat([wa, wb])
+    )
     loss.backward()
     whole = [p.grad.clone() for p in layer.parameters()]
     if group is not None:
@@ -271,7 +273,9 @@ def _rank_body(rank, world_size):
         check(f"{kind} bwd(B)", _assert_equal_grads, got_b, ref_b, "bwd(B)")
         for reentrant in (False, True):
             got = _checkpointed(kind, rt, reentrant, group)
-            check(f"{kind} checkpoint reentrant={reentrant}", _assert_equal_grads, got, ref_a, "ckpt")
+            check(
+                f"{kind} checkpoint reentrant={reentrant}", _assert_equal_grads, got, ref_a, "ckpt"
+            )
         check(f"{kind} accumulation", same, *_accumulated(kind, rt, group))
     return failures
 

@@ -31,7 +31,10 @@ from cp_modules.config import ParallelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-RECIPES = {"generate": (GenerateConf, GenerateWorkload), "benchmark": (BenchmarkConf, BenchmarkWorkload)}
+RECIPES = {
+    "generate": (GenerateConf, GenerateWorkload),
+    "benchmark": (BenchmarkConf, BenchmarkWorkload),
+}
 SHARED_GROUPS = {"parallel": ParallelConfig, "model": ModelConf, "backend": BackendConf}
 
 
@@ -68,8 +71,13 @@ def test_every_config_file_composes_onto_its_schema():
 
 
 def test_composed_values_reach_the_objects():
-    conf = load_config(_compose("generate", ["parallel=tp2_pcp2_dcp4_a2a", "model=deepseek_v3_tiny",
-                                             "workload.max_new_tokens=3"]), GenerateConf)
+    conf = load_config(
+        _compose(
+            "generate",
+            ["parallel=tp2_pcp2_dcp4_a2a", "model=deepseek_v3_tiny", "workload.max_new_tokens=3"],
+        ),
+        GenerateConf,
+    )
     pc = conf.parallel  # Hydra composes the library's ParallelConfig itself
     assert isinstance(pc, ParallelConfig)
     assert (pc.tp, pc.pcp, pc.dcp, pc.dcp_comm_backend) == (2, 2, 4, "a2a")
@@ -110,7 +118,11 @@ def _run(recipe: str, *overrides: str, timeout: int = 600) -> subprocess.Complet
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *overrides],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -119,16 +131,29 @@ def test_the_readme_main_job_generates_real_text_and_matches_one_process():
     r = _run("generate", "workload.progress=false")  # .venv/bin/python recipes/generate.py
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SmolLM2-135M-Instruct.Q4_1.gguf (float32) on 2 rank(s): tp=1 pcp=2 dcp=2" in r.stdout
-    assert r"<|im_start|>user\nWhat is the capital of France?<|im_end|>" in r.stdout  # the chat template (repr)
+    assert (
+        r"<|im_start|>user\nWhat is the capital of France?<|im_end|>" in r.stdout
+    )  # the chat template (repr)
     assert "'The capital of France is Paris.<|im_end|>'" in r.stdout
     assert "OK: greedy tokens identical to single-process generation (2 prompts)" in r.stdout
-    assert "tok/s" in r.stdout and "time to first token" in r.stdout and "KV cache per rank" in r.stdout
+    assert (
+        "tok/s" in r.stdout
+        and "time to first token" in r.stdout
+        and "KV cache per rank" in r.stdout
+    )
 
 
 @pytest.mark.distributed
 def test_generate_recipe_runs_a_tiny_model_on_four_cpu_ranks_and_matches_one_process():
-    r = _run("generate", "model=llama_tiny", "parallel=tp2_pcp2_dcp2", "workload/generate@workload=tiny",
-             "workload.prompt_lens=[21,6,2]", "workload.max_new_tokens=5", "workload.progress=false")
+    r = _run(
+        "generate",
+        "model=llama_tiny",
+        "parallel=tp2_pcp2_dcp2",
+        "workload/generate@workload=tiny",
+        "workload.prompt_lens=[21,6,2]",
+        "workload.max_new_tokens=5",
+        "workload.progress=false",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "on 4 rank(s): tp=2 pcp=2 dcp=2" in r.stdout
     assert "OK: greedy tokens identical to single-process generation (3 prompts)" in r.stdout
@@ -142,8 +167,13 @@ def test_generate_recipe_exits_non_zero_on_a_bad_config():
 
 
 def test_benchmark_recipe_runs_on_cpu(tmp_path):
-    r = _run("benchmark", "parallel=single", "workload.prompt_lens=[30,7]", "workload.max_new_tokens=3",
-             f"workload.out_dir={tmp_path}")
+    r = _run(
+        "benchmark",
+        "parallel=single",
+        "workload.prompt_lens=[30,7]",
+        "workload.max_new_tokens=3",
+        f"workload.out_dir={tmp_path}",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (result,) = tmp_path.glob("generation-*.json")
     data = json.loads(result.read_text())

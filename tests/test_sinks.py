@@ -119,7 +119,11 @@ def test_gpu_sinks_follow_the_two_x_rule(lens):
     def dense(qq, kk, vv, ss):
         outs, a = [], 0
         for m in lens:
-            outs.append(dense_attention(qq[a : a + m], kk[a : a + m], vv[a : a + m], scale=scale, sinks=ss)[0])
+            outs.append(
+                dense_attention(qq[a : a + m], kk[a : a + m], vv[a : a + m], scale=scale, sinks=ss)[
+                    0
+                ]
+            )
             a += m
         return torch.cat(outs)
 

@@ -36,7 +36,9 @@ def test_train_config_composes_and_validates():
     assert (conf.parallel.tp, conf.parallel.pcp, conf.parallel.dp) == (2, 2, 1)
     assert conf.workload.strategy is recipe.Strategy.fabric and conf.workload.steps == 30
     assert recipe.tiny_lm_config(conf.model).attention == "gqa"
-    mla = recipe.load_train_config(_compose(["model=deepseek_v3_tiny", "workload.strategy=trainer"]))
+    mla = recipe.load_train_config(
+        _compose(["model=deepseek_v3_tiny", "workload.strategy=trainer"])
+    )
     assert recipe.tiny_lm_config(mla.model).attention == "mla"
     assert mla.workload.strategy is recipe.Strategy.trainer
     with pytest.raises(ValueError, match="workload.steps must be >= 1, got 0"):
@@ -52,7 +54,10 @@ def test_train_config_composes_and_validates():
 
 def _run(args, timeout=600):
     proc = subprocess.run(
-        [sys.executable, str(RECIPE), *args], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, str(RECIPE), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
     out = proc.stdout + proc.stderr
@@ -67,11 +72,15 @@ def _losses(out):
 @pytest.mark.distributed
 def test_recipe_trains_each_family_with_pcp_and_tp(tmp_path):
     ckpt = tmp_path / "llama.safetensors"
-    out = _run(["model=llama_tiny", "workload.steps=4", "workload.log_every=1", f"workload.save={ckpt}"])
+    out = _run(
+        ["model=llama_tiny", "workload.steps=4", "workload.log_every=1", f"workload.save={ckpt}"]
+    )
     assert "training llama (gqa) with fabric on 4 rank(s): tp=2 pcp=2 dp=1" in out
     losses = _losses(out)
     assert len(losses) == 4 and losses[-1] < losses[0], out[-2000:]
-    assert re.search(r"done: llama \(gqa\) tp=2 pcp=2 dp=1: loss \d+\.\d+ -> \d+\.\d+ in 4 steps, \d+ tok/s", out)
+    assert re.search(
+        r"done: llama \(gqa\) tp=2 pcp=2 dp=1: loss \d+\.\d+ -> \d+\.\d+ in 4 steps, \d+ tok/s", out
+    )
     from cp_modules.models import TinyLM, TinyLMConfig
     from cp_modules.training import read_checkpoint
 
@@ -79,12 +88,20 @@ def test_recipe_trains_each_family_with_pcp_and_tp(tmp_path):
     assert state["step"] == 4
     TinyLM(TinyLMConfig()).load_state_dict(state["model"])  # full tensors, one process
 
-    out = _run(["model=deepseek_v3_tiny", "workload.strategy=trainer", "workload.steps=4",
-                "workload.log_every=1"])
+    out = _run(
+        [
+            "model=deepseek_v3_tiny",
+            "workload.strategy=trainer",
+            "workload.steps=4",
+            "workload.log_every=1",
+        ]
+    )
     assert "training deepseek_v3 (mla) with trainer on 4 rank(s): tp=2 pcp=2 dp=1" in out
     losses = _losses(out)
     assert len(losses) == 4 and losses[-1] < losses[0], out[-2000:]
-    assert re.search(r"done: deepseek_v3 \(mla\) tp=2 pcp=2 dp=1: loss \d+\.\d+ -> \d+\.\d+ in 4 steps", out)
+    assert re.search(
+        r"done: deepseek_v3 \(mla\) tp=2 pcp=2 dp=1: loss \d+\.\d+ -> \d+\.\d+ in 4 steps", out
+    )
     assert torch.isfinite(torch.tensor(losses)).all()
 
 

@@ -30,6 +30,7 @@ CORPUS = Path(__file__).parent.parent / "recipes" / "data" / "tiny_corpus.txt"
 
 # ---- batches and loss ----------------------------------------------------------------------
 
+
 def test_shard_batch_single_process_keeps_every_token_and_shifts_labels():
     ids = torch.arange(2 * 6).view(2, 6)
     cb = CPTrainingContext.single().shard_batch({"input_ids": ids, "index": torch.tensor([3, 4])})
@@ -66,8 +67,13 @@ def test_lm_cross_entropy_is_the_mean_over_labelled_tokens():
         ((torch.zeros(2, 3, dtype=torch.long),), "mapping with 'input_ids'"),
         ({"input_ids": torch.zeros(6, dtype=torch.long)}, r"integer tensor \[B, S\]"),
         ({"input_ids": torch.zeros(2, 3)}, r"integer tensor \[B, S\]"),
-        ({"input_ids": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)},
-         r"batch\['labels'\] must have the shape of input_ids \(2, 3\)"),
+        (
+            {
+                "input_ids": torch.zeros(2, 3, dtype=torch.long),
+                "labels": torch.zeros(2, 4, dtype=torch.long),
+            },
+            r"batch\['labels'\] must have the shape of input_ids \(2, 3\)",
+        ),
     ],
     ids=["no-input_ids", "tuple", "1d", "float", "labels-shape"],
 )
@@ -100,11 +106,20 @@ def test_tiny_lm_config_validation():
 
 # ---- checkpoints ---------------------------------------------------------------------------
 
+
 def test_checkpoint_roundtrip_of_nested_state(tmp_path):
     state = {
         "w": torch.randn(3, 4),
-        "nested": {"step": 7, "lr": 1e-3, "name": "run", "none": None, "flag": True,
-                   "betas": (0.9, 0.999), "inf": float("inf"), "ints": {0: torch.ones(2), 5: "x"}},
+        "nested": {
+            "step": 7,
+            "lr": 1e-3,
+            "name": "run",
+            "none": None,
+            "flag": True,
+            "betas": (0.9, 0.999),
+            "inf": float("inf"),
+            "ints": {0: torch.ones(2), 5: "x"},
+        },
         "list": [torch.zeros(0), torch.tensor(3.5), [1, 2]],
     }
     state["tied"] = state["w"]  # shared storage must not break the writer
@@ -116,11 +131,15 @@ def test_checkpoint_roundtrip_of_nested_state(tmp_path):
     assert (n["step"], n["lr"], n["name"], n["none"], n["flag"]) == (7, 1e-3, "run", None, True)
     assert n["betas"] == (0.9, 0.999) and isinstance(n["betas"], tuple) and n["inf"] == float("inf")
     assert torch.equal(n["ints"][0], torch.ones(2)) and n["ints"][5] == "x"
-    assert got["list"][0].shape == (0,) and got["list"][1].item() == 3.5 and got["list"][2] == [1, 2]
+    assert (
+        got["list"][0].shape == (0,) and got["list"][1].item() == 3.5 and got["list"][2] == [1, 2]
+    )
 
 
 def test_checkpoint_writer_refuses_objects_it_cannot_store_safely(tmp_path):
-    with pytest.raises(CheckpointFormatError, match=r"'a.b' is a PosixPath, which a checkpoint cannot hold"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"'a.b' is a PosixPath, which a checkpoint cannot hold"
+    ):
         write_checkpoint(tmp_path / "c.safetensors", {"a": {"b": Path("x")}})
     assert not (tmp_path / "c.safetensors").exists()
 
@@ -170,9 +189,13 @@ def test_model_and_optimizer_state_roundtrip_single_process(tmp_path):
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    write_checkpoint(tmp_path / "c.safetensors", {
-        "model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(model, opt),
-    })
+    write_checkpoint(
+        tmp_path / "c.safetensors",
+        {
+            "model": full_model_state_dict(model),
+            "optimizer": full_optimizer_state_dict(model, opt),
+        },
+    )
     ckpt = read_checkpoint(tmp_path / "c.safetensors")
     torch.manual_seed(1)
     model2 = TinyLM(TinyLMConfig(attention="mla", num_layers=1))
@@ -190,6 +213,7 @@ def test_model_and_optimizer_state_roundtrip_single_process(tmp_path):
 
 # ---- strategy arguments (checked before any process starts) ---------------------------------
 
+
 @pytest.mark.parametrize("kind", ["fabric", "trainer"])
 def test_strategies_reject_bad_arguments(kind):
     import lightning as L
@@ -197,11 +221,17 @@ def test_strategies_reject_bad_arguments(kind):
     from cp_modules.integrations.lightning import CPFabricStrategy, CPTrainerStrategy
 
     cls = CPFabricStrategy if kind == "fabric" else CPTrainerStrategy
-    with pytest.raises(ValueError, match="parallel_config must be a cp_modules.ParallelConfig, got dict"):
+    with pytest.raises(
+        ValueError, match="parallel_config must be a cp_modules.ParallelConfig, got dict"
+    ):
         cls({"tp": 2})
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for training; valid: 1"):
+    with pytest.raises(
+        ValueError, match="pipeline_parallel_size=2 is not supported for training; valid: 1"
+    ):
         cls(ParallelConfig(pipeline_parallel_size=2))
-    with pytest.raises(ValueError, match=r"start_method must be one of \['subprocess', 'spawn'\], got 'fork'"):
+    with pytest.raises(
+        ValueError, match=r"start_method must be one of \['subprocess', 'spawn'\], got 'fork'"
+    ):
         cls(ParallelConfig(), start_method="fork")
     strategy = cls(ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2))
     match = r"devices=2 x num_nodes=1 = 2 processes, but the parallel config needs dp\*pp\*pcp\*tp = 1\*1\*2\*2 = 4"
@@ -213,6 +243,7 @@ def test_strategies_reject_bad_arguments(kind):
 
 
 # ---- FSDP2 units, the deprecated gradient sum, the transformers export ---------------------
+
 
 def test_apply_fsdp_units_are_the_blocks_then_the_roots():
     import lightning as L

@@ -19,9 +19,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 # Same signatures; the *_single names replace the *_tensor ones from torch 2.13 on. (torch types
 # a group name as ``GroupName``, a NewType of str that 2.11 lacks: hence the plain Callables.)
 _ag: Callable[..., torch.Tensor] = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-_ag_autograd: Callable[..., torch.Tensor] = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-_rs: Callable[..., torch.Tensor] = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-_rs_autograd: Callable[..., torch.Tensor] = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+_ag_autograd: Callable[..., torch.Tensor] = (
+    getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+)
+_rs: Callable[..., torch.Tensor] = (
+    getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+)
+_rs_autograd: Callable[..., torch.Tensor] = (
+    getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+)
 _c10d_ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _c10d_rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -99,7 +105,9 @@ def reduce_scatter(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -
     return _from_front(out, x.shape, world_size, dim)
 
 
-def reduce_scatter_autograd(x: torch.Tensor, group: str, world_size: int, dim: int = 0) -> torch.Tensor:
+def reduce_scatter_autograd(
+    x: torch.Tensor, group: str, world_size: int, dim: int = 0
+) -> torch.Tensor:
     """Reduce-scatter whose backward is an all-gather."""
     if world_size == 1:
         return x
@@ -129,7 +137,9 @@ def all_to_all(
     if _eager() and not isinstance(x, FakeTensor):
         rows = sum(output_split_sizes) if output_split_sizes is not None else x.shape[0]
         out = x.new_empty((rows, *x.shape[1:]))
-        dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=resolve_group(group))
+        dist.all_to_all_single(
+            out, x, output_split_sizes, input_split_sizes, group=resolve_group(group)
+        )
         return out
     return fc.wait_tensor(fc.all_to_all_single(x, output_split_sizes, input_split_sizes, group))  # type: ignore[arg-type]
 

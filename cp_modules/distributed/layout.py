@@ -82,19 +82,30 @@ def rank_layout(config: ParallelConfig) -> RankLayout:
                 for c in range(pcp):
                     partial_tp_groups.append([rank(d, p, c, t) for t in range(i * k, (i + 1) * k)])
     dp_groups = [
-        [rank(d, p, c, t) for d in range(dp)] for p in range(pp) for c in range(pcp) for t in range(tp)
+        [rank(d, p, c, t) for d in range(dp)]
+        for p in range(pp)
+        for c in range(pcp)
+        for t in range(tp)
     ]
     pp_groups = [
-        [rank(d, p, c, t) for p in range(pp)] for d in range(dp) for c in range(pcp) for t in range(tp)
+        [rank(d, p, c, t) for p in range(pp)]
+        for d in range(dp)
+        for c in range(pcp)
+        for t in range(tp)
     ]
     ep_groups = [
-        [rank(d, p, c, t) for d in range(dp) for t in range(tp)] for p in range(pp) for c in range(pcp)
+        [rank(d, p, c, t) for d in range(dp) for t in range(tp)]
+        for p in range(pp)
+        for c in range(pcp)
     ]
     replica_groups = [
-        [rank(d, p, c, t) for p in range(pp) for c in range(pcp) for t in range(tp)] for d in range(dp)
+        [rank(d, p, c, t) for p in range(pp) for c in range(pcp) for t in range(tp)]
+        for d in range(dp)
     ]
     dp_pcp_groups = [
-        [rank(d, p, c, t) for d in range(dp) for c in range(pcp)] for p in range(pp) for t in range(tp)
+        [rank(d, p, c, t) for d in range(dp) for c in range(pcp)]
+        for p in range(pp)
+        for t in range(tp)
     ]
     layout = RankLayout(
         world_size=config.world_size,

@@ -130,13 +130,19 @@ class GenerationEngine:
         self.model = model
         self.layers = cp_attention_layers(model)
         if not self.layers:
-            raise ValueError("model has no context-parallel attention: call swap_attention(model, ...) first")
+            raise ValueError(
+                "model has no context-parallel attention: call swap_attention(model, ...) first"
+            )
         self.base = model.base_model
         self.lm_head = model.get_output_embeddings()
         if self.lm_head is None or self.base is model:
             raise ValueError(f"expected a causal LM with an LM head, got {type(model).__name__}")
         groups = groups if groups is not None else getattr(model, "cp_groups", None)
-        self.runtime = CPRuntime.from_groups(groups, packed_a2a=packed_a2a) if groups is not None else CPRuntime.single()
+        self.runtime = (
+            CPRuntime.from_groups(groups, packed_a2a=packed_a2a)
+            if groups is not None
+            else CPRuntime.single()
+        )
         cfg = self.runtime.config
         if cfg.dp > 1 or cfg.pp > 1:
             raise ValueError(
@@ -148,7 +154,9 @@ class GenerationEngine:
         for name, v in (("max_num_tokens", max_num_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        if num_blocks is not None and (
+            isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1
+        ):
             raise ValueError(f"num_blocks must be None or an integer >= 1, got {num_blocks!r}")
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
@@ -172,16 +180,24 @@ class GenerationEngine:
         self._prefill_fn = self._prefill_forward
         self._decode_fn = self._decode_forward
         if compile:
-            self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True, backend=compile_backend)
-            self._decode_fn = torch.compile(self._decode_forward, dynamic=True, backend=compile_backend)
+            self._prefill_fn = torch.compile(
+                self._prefill_forward, dynamic=True, backend=compile_backend
+            )
+            self._decode_fn = torch.compile(
+                self._decode_forward, dynamic=True, backend=compile_backend
+            )
 
     # The model's own forward on this rank's local tokens: [1, T] ids and positions -> [1, T, H].
     # Two functions so that prefill and decode are compiled (and cached) separately.
     def _prefill_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.base(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
 
     def _decode_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.base(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
 
     def _ensure_cache(self, num_blocks: int) -> int:
         """(Re)allocate every layer's cache when it has fewer than ``num_blocks`` blocks."""
@@ -223,7 +239,9 @@ class GenerationEngine:
             if not p:
                 raise ValueError(f"prompts[{i}] is empty: every prompt needs >= 1 token")
             if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"prompts[{i}] holds ids outside [0, vocab_size={self.vocab_size})")
+                raise ValueError(
+                    f"prompts[{i}] holds ids outside [0, vocab_size={self.vocab_size})"
+                )
             out.append([int(t) for t in p])
         return out
 
@@ -247,11 +265,17 @@ class GenerationEngine:
             )
         requests = [Request(i, p, params.max_new_tokens) for i, p in enumerate(prompts)]
         dcp = self.runtime.dcp_size
-        need = self.num_blocks or sum(dcp_num_blocks(r.max_len, self.block_size, dcp) for r in requests)
+        need = self.num_blocks or sum(
+            dcp_num_blocks(r.max_len, self.block_size, dcp) for r in requests
+        )
         num_blocks = self._ensure_cache(need)
         sched = Scheduler(
-            requests, num_blocks=num_blocks, block_size=self.block_size, dcp_size=dcp,
-            max_num_tokens=self.max_num_tokens, max_num_seqs=self.max_num_seqs,
+            requests,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            dcp_size=dcp,
+            max_num_tokens=self.max_num_tokens,
+            max_num_seqs=self.max_num_seqs,
         )
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         stop_ids = self.stop_ids(params)
@@ -274,7 +298,9 @@ class GenerationEngine:
                 steps += 1
                 if any(t in stop_ids for t in tokens):
                     # A request stopped early: its unused tokens leave the bar's total.
-                    bar.total = sum(len(r.output) if r.finished else r.max_new_tokens for r in requests)
+                    bar.total = sum(
+                        len(r.output) if r.finished else r.max_new_tokens for r in requests
+                    )
                     bar.refresh()
         bar.close()
         stats = GenerationStats(
@@ -302,14 +328,20 @@ class GenerationEngine:
     ) -> list[int]:
         """Run one step on this rank; return the sampled ids of ``batch.sample_requests``."""
         meta = build_step_metadata(
-            self.runtime, batch.num_new, batch.num_computed, block_table=batch.block_table,
-            block_size=self.block_size, device=self.device,
+            self.runtime,
+            batch.num_new,
+            batch.num_computed,
+            block_table=batch.block_table,
+            block_size=self.block_size,
+            device=self.device,
             # Ranks given the same prompts schedule the same steps (the sampled ids are
             # broadcast): compare the batch across ranks once per call, not at every step.
             check_consistency=first,
         )
         # [1, T] ids and positions: one row of local tokens (fresh tensors, not views).
-        ids = batch.input_ids.to(self.device, non_blocking=True)[None].index_select(1, meta.token_indices)
+        ids = batch.input_ids.to(self.device, non_blocking=True)[None].index_select(
+            1, meta.token_indices
+        )
         positions = meta.positions[None].clone()
         forward = self._decode_fn if meta.all_decode else self._prefill_fn
         with cp_step(meta):
@@ -353,7 +385,11 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
         src = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         src = ""
-    lines = [re.sub(r"\s*#.*$", "", ln.strip()) for ln in src.splitlines() if re.match(r"\s*logits\s*=\s", ln)]
+    lines = [
+        re.sub(r"\s*#.*$", "", ln.strip())
+        for ln in src.splitlines()
+        if re.match(r"\s*logits\s*=\s", ln)
+    ]
     steps = []
     # Gemma-style final soft-capping runs only when the config sets it (an `if` around it).
     final_softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
@@ -377,7 +413,9 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
                 "the engine does not know: it would sample from logits the model does not give"
             )
     if lines and not lines[0].startswith("logits = self.lm_head("):
-        raise ValueError(f"{type(model).__name__}.forward computes logits as {lines[0]!r}, not with lm_head")
+        raise ValueError(
+            f"{type(model).__name__}.forward computes logits as {lines[0]!r}, not with lm_head"
+        )
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         for f in steps:

@@ -50,7 +50,10 @@ def _init(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group(
-        backend, init_method="env://", rank=rank, world_size=world_size,
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 
@@ -121,7 +124,9 @@ def _spawn(fn, world_size, args, backend, master_addr, timeout_s):
     results = ctx.Queue()
     env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(_free_port(master_addr))}
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, args, backend, timeout_s, env, results))
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, args, backend, timeout_s, env, results)
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -44,7 +44,11 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
@@ -55,7 +59,9 @@ class SamplingParams:
         eos = self.eos_token_id
         ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-            raise ValueError(f"eos_token_id must be None, an id >= 0 or a list of them, got {eos!r}")
+            raise ValueError(
+                f"eos_token_id must be None, an id >= 0 or a list of them, got {eos!r}"
+            )
         object.__setattr__(self, "eos_token_id", ids or None)
 
     @property

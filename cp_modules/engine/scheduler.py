@@ -177,7 +177,9 @@ class Scheduler:
             sample_requests=sample_reqs,
         )
 
-    def update(self, batch: StepBatch, tokens: list[int], stop_ids: frozenset[int], now: float) -> int:
+    def update(
+        self, batch: StepBatch, tokens: list[int], stop_ids: frozenset[int], now: float
+    ) -> int:
         """Record a step's sampled tokens; finish requests; return the number of new tokens."""
         for r, n in zip(batch.requests, batch.num_new):
             r.num_computed += n

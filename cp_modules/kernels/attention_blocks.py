@@ -81,7 +81,6 @@ def _select_block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     return "reference"
 
 
-
 def flash_serves(q: torch.Tensor) -> bool:
     """Whether FlashAttention-2 takes queries like ``q`` ([T, H, D] on CUDA): dtype, head dim."""
     x = q[:1].unsqueeze(0).transpose(1, 2)

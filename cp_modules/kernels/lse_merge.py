@@ -47,6 +47,7 @@ __all__ = [
     "merge_splits_triton",
 ]
 
+
 @triton.jit
 def _sanitize_lse(lse):
     # NaN and +inf mark an empty shard: treat them as -inf so the shard's weight is 0.
@@ -475,7 +476,6 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
 
 
 # Output columns per program of the split merge: a row's partials are read by several programs

@@ -54,8 +54,14 @@ class TinyLMConfig:
             raise ValueError(
                 f"attention must be one of {list(ATTENTION_KINDS)}, got {self.attention!r}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -81,15 +87,24 @@ class _Block(nn.Module):
         self.self_attn: CPFlashAttention | CPMLAAttention
         if c.attention == "gqa":
             self.self_attn = CPFlashAttention(
-                c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                rope_theta=c.rope_theta, bias=c.qkv_bias,
+                c.hidden_size,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                rope_theta=c.rope_theta,
+                bias=c.qkv_bias,
             )
         else:
             self.self_attn = CPMLAAttention(
-                c.hidden_size, c.num_heads, q_lora_rank=c.q_lora_rank,
-                kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
-                qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                rope_theta=c.rope_theta, eps=c.rms_norm_eps,
+                c.hidden_size,
+                c.num_heads,
+                q_lora_rank=c.q_lora_rank,
+                kv_lora_rank=c.kv_lora_rank,
+                qk_nope_head_dim=c.qk_nope_head_dim,
+                qk_rope_head_dim=c.qk_rope_head_dim,
+                v_head_dim=c.v_head_dim,
+                rope_theta=c.rope_theta,
+                eps=c.rms_norm_eps,
             )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)

@@ -81,7 +81,9 @@ class CPFlashAttention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+            )
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -114,7 +116,9 @@ class CPFlashAttention(nn.Module):
             i = self.kv_replica_index
             k = copy_to_group(k, *self.tp_group)[:, i : i + 1]
             v = copy_to_group(v, *self.tp_group)[:, i : i + 1]
-        cos, sin = position_embeddings if position_embeddings is not None else self.rotary(positions)
+        cos, sin = (
+            position_embeddings if position_embeddings is not None else self.rotary(positions)
+        )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attend(q, k, v)
         return self.o_proj(out.reshape(t, -1))
@@ -125,8 +129,14 @@ class CPFlashAttention(nn.Module):
         if isinstance(sinks, DTensor):  # TP: this rank's heads
             sinks = sinks.to_local()
         return gqa_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), self.kv_cache, scale=self.scaling,
-            sinks=sinks, sliding_window=self.sliding_window, softcap=self.softcap,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            self.kv_cache,
+            scale=self.scaling,
+            sinks=sinks,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
 
 
@@ -177,9 +187,13 @@ class CPMLAAttention(nn.Module):
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
             self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False
+        )
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta)
         self.tp_group: tuple[str, int] = ("", 1)
@@ -199,10 +213,14 @@ class CPMLAAttention(nn.Module):
         q = q.view(t, -1, self.qk_head_dim)
         kv = self.kv_a_proj_with_mqa(hidden_states)
         kv_c, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        cos, sin = position_embeddings if position_embeddings is not None else self.rotary(positions)
+        cos, sin = (
+            position_embeddings if position_embeddings is not None else self.rotary(positions)
+        )
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = apply_rotary(q_pe, cos, sin, interleaved=self.rope_interleave)
-        k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, interleaved=self.rope_interleave).squeeze(1)
+        k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, interleaved=self.rope_interleave).squeeze(
+            1
+        )
         # The latent is shared by every head: each TP rank's heads add to its gradient.
         latent = copy_to_group(torch.cat((self.kv_a_layernorm(kv_c), k_pe), dim=-1), *self.tp_group)
         out = self.attend(torch.cat((q_nope, q_pe), dim=-1), latent)
@@ -220,8 +238,13 @@ class CPMLAAttention(nn.Module):
         """Attention core: q [T, H, Dn + Dr], latent [T, Rk + Dr] -> [T, H, Dv]."""
         w_uk, w_uv = self.up_projection_weights()
         return mla_attention(
-            q.contiguous(), latent.contiguous(), w_uk.contiguous(), w_uv.contiguous(),
-            self.kv_cache, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,
+            q.contiguous(),
+            latent.contiguous(),
+            w_uk.contiguous(),
+            w_uv.contiguous(),
+            self.kv_cache,
+            scale=self.scaling,
+            kv_lora_rank=self.kv_lora_rank,
         )
 
 
@@ -272,4 +295,3 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, config=None) -> nn.Module:
     else:
         raise TypeError(f"expected CPFlashAttention or CPMLAAttention, got {type(module).__name__}")
     return parallelize_module(module, tp_mesh, plan)
-

@@ -112,7 +112,11 @@ class WindowMask:
 
 
 def _active(value) -> bool:
-    return value is not None and value is not False and not (isinstance(value, (int, float)) and value == 0)
+    return (
+        value is not None
+        and value is not False
+        and not (isinstance(value, (int, float)) and value == 0)
+    )
 
 
 # Keyword arguments that change attention and that cp serves (taken by cp_attention_forward):
@@ -130,14 +134,16 @@ _FEATURES: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 
 # Keyword arguments the models pass that do not change attention.
-_INERT_KWARGS = frozenset({
-    "position_ids",  # rope is applied before the call; cp takes positions from the step
-    "use_cache",
-    "cache_position",
-    "output_router_logits",
-    "max_length_q",
-    "max_length_k",
-})
+_INERT_KWARGS = frozenset(
+    {
+        "position_ids",  # rope is applied before the call; cp takes positions from the step
+        "use_cache",
+        "cache_position",
+        "output_router_logits",
+        "max_length_q",
+        "max_length_k",
+    }
+)
 
 
 def _module_features(module) -> list[str]:
@@ -170,12 +176,17 @@ def check_call(binding: CPLayerBinding, module, attention_mask, dropout, kwargs)
             if is_active(value):
                 raise refusal(binding, module, text.format(value=value))
         elif name not in _INERT_KWARGS:
-            raise refusal(binding, module, f"the keyword argument {name!r} (its effect on attention is unknown)")
+            raise refusal(
+                binding,
+                module,
+                f"the keyword argument {name!r} (its effect on attention is unknown)",
+            )
     if isinstance(attention_mask, RefusedMask):
         raise refusal(binding, module, attention_mask.feature)
     if attention_mask is not None and not isinstance(attention_mask, WindowMask):
         raise refusal(
-            binding, module,
+            binding,
+            module,
             f"an explicit attention mask ({type(attention_mask).__name__}; cp attends causally "
             "within each request of the step: call the model without attention_mask)",
         )
@@ -210,7 +221,8 @@ def cp_attention_forward(
     binding: CPLayerBinding | None = getattr(module, "cp_binding", None)
     if binding is None:
         raise refusal(
-            None, module,
+            None,
+            module,
             f"attn_implementation {CP_ATTN_IMPLEMENTATION!r} on a module swap_attention did not "
             "prepare (call swap_attention(model, ...) on the whole model)",
         )
@@ -240,12 +252,17 @@ def cp_attention_forward(
     window = _window(binding, module, attention_mask, kwargs.get("sliding_window"))
     softcap: Any = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
-    if sinks is not None and binding.sinks_slice is not None and sinks.shape == (q.shape[1] * binding.sinks_slice[1],):
+    if (
+        sinks is not None
+        and binding.sinks_slice is not None
+        and sinks.shape == (q.shape[1] * binding.sinks_slice[1],)
+    ):
         r = binding.sinks_slice[0]
         sinks = sinks[r * q.shape[1] : (r + 1) * q.shape[1]]
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise refusal(
-            binding, module,
+            binding,
+            module,
             f"attention sinks of shape {tuple(sinks.shape)} for {q.shape[1]} local query heads "
             "(shard the sinks with the heads)",
         )
@@ -268,7 +285,8 @@ def _window(binding, module, attention_mask, window_kwarg) -> int | None:
     sizes = {int(v) for v in said.values() if _active(v)}
     if len(sizes) > 1 or (sizes and said["the mask"] is None):
         raise refusal(
-            binding, module,
+            binding,
+            module,
             f"inconsistent sliding windows ({', '.join(f'{k} {v}' for k, v in said.items())})",
         )
     return sizes.pop() if sizes else None
@@ -288,17 +306,19 @@ def _mask_codes() -> dict:
 
     # Built only for their code objects: the closures' arguments are never used.
     none: Any = None
-    _CODES.update({
-        "and": mu.and_masks(mu.causal_mask_function).__code__,
-        "or": mu.or_masks(mu.causal_mask_function).__code__,
-        "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, none).__code__,
-        "packed": mu.packed_sequence_mask_function(none).__code__,
-        "window": mu.sliding_window_overlay(1).__code__,
-        "chunk": mu.chunked_overlay(1, none).__code__,
-        "block": mu.blockwise_overlay(none).__code__,
-        "padding": mu.padding_mask_function(none).__code__,
-        "window_bidir": mu.sliding_window_bidirectional_overlay(1).__code__,
-    })
+    _CODES.update(
+        {
+            "and": mu.and_masks(mu.causal_mask_function).__code__,
+            "or": mu.or_masks(mu.causal_mask_function).__code__,
+            "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, none).__code__,
+            "packed": mu.packed_sequence_mask_function(none).__code__,
+            "window": mu.sliding_window_overlay(1).__code__,
+            "chunk": mu.chunked_overlay(1, none).__code__,
+            "block": mu.blockwise_overlay(none).__code__,
+            "padding": mu.padding_mask_function(none).__code__,
+            "window_bidir": mu.sliding_window_bidirectional_overlay(1).__code__,
+        }
+    )
     return _CODES
 
 
@@ -322,11 +342,18 @@ def _classify_eager(fn, codes, causal, bidirectional, allow: tuple[str, ...] = (
     code = getattr(fn, "__code__", None)
     if code is not None and any(code is codes[name] for name in allow):
         return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ()))) if code else {}
+    cells = (
+        dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ()))) if code else {}
+    )
     if code is codes["and"] and len(cells.get("mask_functions", ())) == 2:
         remap, packed = cells["mask_functions"]
-        if getattr(packed, "__code__", None) is codes["packed"] and getattr(remap, "__code__", None) is codes["remap"]:
-            inner = dict(zip(remap.__code__.co_freevars, (c.cell_contents for c in remap.__closure__)))
+        if (
+            getattr(packed, "__code__", None) is codes["packed"]
+            and getattr(remap, "__code__", None) is codes["remap"]
+        ):
+            inner = dict(
+                zip(remap.__code__.co_freevars, (c.cell_contents for c in remap.__closure__))
+            )
             return _classify_eager(inner["mask_function"], codes, causal, bidirectional, allow)
     if code is codes["and"] or code is codes["or"]:
         for f in cells.get("mask_functions", ()):
@@ -365,7 +392,9 @@ def cp_attention_mask(
     import transformers.masking_utils as mu
 
     if attention_mask is not None:
-        return RefusedMask("a padding attention_mask (cp batches requests through the step metadata)")
+        return RefusedMask(
+            "a padding attention_mask (cp batches requests through the step metadata)"
+        )
     if "allow_is_bidirectional_skip" in kwargs:
         return RefusedMask("bidirectional (non-causal) attention")
     if local_size is not None:
@@ -388,7 +417,9 @@ def cp_attention_mask(
         if fn is mu.causal_mask_function or getattr(fn, "__code__", None) is codes["and"]:
             return None
         return RefusedMask("a mask other than causal attention")
-    found = _classify_eager(mask_function, codes, mu.causal_mask_function, mu.bidirectional_mask_function)
+    found = _classify_eager(
+        mask_function, codes, mu.causal_mask_function, mu.bidirectional_mask_function
+    )
     return None if found is None else RefusedMask(found)
 
 

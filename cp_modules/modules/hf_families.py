@@ -17,37 +17,86 @@ from torch import nn
 __all__ = ["FAMILIES", "build_tiny", "tiny_config"]
 
 _COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
     # No stop token (HF's defaults would stop at id 2 or 0).
-    bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
 )
 _MLA = dict(
-    num_key_value_heads=8, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-    v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-    n_group=1, topk_group=1, first_k_dense_replace=1,
+    num_key_value_heads=8,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
 )
 
 # family -> (transformers config class, causal-LM class, config overrides)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama3_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 32}, "max_position_embeddings": 128}),
+    "qwen2_yarn": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "max_position_embeddings": 128,
+        },
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
-        "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
-        "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {
-        "attention_multiplier": 0.3, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
-        "logits_scaling": 2.0}),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {
+            "attention_multiplier": 0.3,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+        },
+    ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 8}),

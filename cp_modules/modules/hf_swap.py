@@ -60,8 +60,14 @@ __all__ = [
 ]
 
 _MLA_PROJECTIONS = (
-    "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-    "kv_b_proj", "o_proj",
+    "q_proj",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
 )
 
 
@@ -109,10 +115,14 @@ class HFCPMLAAttention(CPMLAAttention):
             raise ValueError("kv_b_proj with a bias cannot be absorbed into the MLA decode query")
         with torch.device("meta"):  # every parameter is replaced by attn's own below
             layer = cls(
-                config.hidden_size, config.num_attention_heads,
-                q_lora_rank=getattr(attn, "q_lora_rank", None), kv_lora_rank=attn.kv_lora_rank,
-                qk_nope_head_dim=attn.qk_nope_head_dim, qk_rope_head_dim=attn.qk_rope_head_dim,
-                v_head_dim=attn.v_head_dim, rope_theta=_rope_theta(config),
+                config.hidden_size,
+                config.num_attention_heads,
+                q_lora_rank=getattr(attn, "q_lora_rank", None),
+                kv_lora_rank=attn.kv_lora_rank,
+                qk_nope_head_dim=attn.qk_nope_head_dim,
+                qk_rope_head_dim=attn.qk_rope_head_dim,
+                v_head_dim=attn.v_head_dim,
+                rope_theta=_rope_theta(config),
                 rope_interleave=complex_rope or bool(getattr(config, "rope_interleave", False)),
                 softmax_scale=attn.scaling,
             )
@@ -168,7 +178,8 @@ def cp_attention_layers(model: nn.Module) -> list[nn.Module]:
     """The attention modules of ``model`` that cp serves, in module order: the model's own
     modules bound to the ``cp`` interface (``module.cp_binding``) and MLA adapters."""
     return [
-        m for m in model.modules()
+        m
+        for m in model.modules()
         if getattr(m, "cp_binding", None) is not None or isinstance(m, CPMLAAttention)
     ]
 
@@ -194,7 +205,8 @@ _SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def _check_layer_types(model: nn.Module, hf_config) -> None:
     other = {
-        i: t for i, t in enumerate(getattr(hf_config, "layer_types", None) or [])
+        i: t
+        for i, t in enumerate(getattr(hf_config, "layer_types", None) or [])
         if t not in _SERVED_LAYER_TYPES
     }
     if other:
@@ -238,15 +250,19 @@ def swap_attention(
     config, groups = _parallel_args(parallel)
     hf_config = getattr(model, "config", None)
     if hf_config is None:
-        raise ValueError(f"expected a transformers model with a .config, got {type(model).__name__}")
+        raise ValueError(
+            f"expected a transformers model with a .config, got {type(model).__name__}"
+        )
     model_name = type(model).__name__
     _check_layer_types(model, hf_config)
     register_cp_attention()
     caches = getattr(model, "cp_kv_caches", None) or CPKVCaches()
 
     targets = [
-        (name, mod) for name, mod in model.named_modules()
-        if name.rsplit(".", 1)[-1] == "self_attn" and getattr(mod, "cp_binding", None) is None
+        (name, mod)
+        for name, mod in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "self_attn"
+        and getattr(mod, "cp_binding", None) is None
         and not isinstance(mod, CPMLAAttention)
     ]
     if not targets and not cp_attention_layers(model):
@@ -273,19 +289,28 @@ def swap_attention(
             )
         layer_idx = getattr(attn, "layer_idx", None)
         if not isinstance(layer_idx, int):
-            raise ValueError(f"{where}: {type(attn).__name__} has no integer layer_idx (its KV-cache slot)")
+            raise ValueError(
+                f"{where}: {type(attn).__name__} has no integer layer_idx (its KV-cache slot)"
+            )
         config.validate_heads(num_heads, num_kv_heads)
         head_dim = getattr(attn, "head_dim", None) or hf_config.hidden_size // num_heads
         binding = CPLayerBinding(
-            model_name=model_name, layer_name=name, layer_idx=layer_idx, caches=caches,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=head_dim,
+            model_name=model_name,
+            layer_name=name,
+            layer_idx=layer_idx,
+            caches=caches,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            v_head_dim=head_dim,
         )
         # What shows on the module already (windows, sinks, is_causal) fails here, not at the
         # first forward.
         check_call(binding, attn, None, 0.0, {})
         bound.append((name, attn, binding))
     if len({b.layer_idx for _, _, b in bound}) != len(bound):
-        raise ValueError(f"{model_name}: attention modules share a layer_idx (each needs its own KV cache)")
+        raise ValueError(
+            f"{model_name}: attention modules share a layer_idx (each needs its own KV cache)"
+        )
 
     if config.world_size > 1 and groups is None:
         groups = init_cp_groups(config)
@@ -309,7 +334,10 @@ def swap_attention(
 # ----------------------------------------------------------------------------- TP
 
 _DEFAULT_ATTENTION_PLAN = {
-    "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+    "q_proj": "colwise",
+    "k_proj": "colwise",
+    "v_proj": "colwise",
+    "o_proj": "rowwise",
     "qkv_proj": "colwise_gather_output",
 }
 _GATHERED = ("colwise_gather_output", "rowwise_split_input")
@@ -358,7 +386,9 @@ def _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_
     known = {"colwise", "rowwise", "replicated_with_grad_allreduce", *_GATHERED}
     odd = {n: s for n, s in styles.items() if s not in known}
     if odd:
-        raise ValueError(f"{binding.where()}: TP styles {odd} are not supported by cp; known: {sorted(known)}")
+        raise ValueError(
+            f"{binding.where()}: TP styles {odd} are not supported by cp; known: {sorted(known)}"
+        )
     replicated = any(s in _GATHERED for s in styles.values())
     binding.tp_group = tp_group
     kv_sharded = True
@@ -373,7 +403,9 @@ def _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_
         binding.heads_replicated = True
         binding.num_kv_heads = num_kv_heads
         if any(s in ("colwise", "rowwise") for s in styles.values()):
-            raise ValueError(f"{binding.where()}: a TP plan that mixes gathered and sharded heads: {styles}")
+            raise ValueError(
+                f"{binding.where()}: a TP plan that mixes gathered and sharded heads: {styles}"
+            )
     elif num_kv_heads % tp:
         # Fewer KV heads than TP ranks: k/v projections stay replicated, each rank uses the
         # KV head of its query heads (gradients summed over TP in the attention function).
@@ -474,7 +506,11 @@ def _module_name(root: nn.Module, target: nn.Module | None) -> str | None:
 
 
 def allocate_kv_caches(
-    model: nn.Module, num_blocks: int, block_size: int, *, dtype: torch.dtype,
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    *,
+    dtype: torch.dtype,
     device: torch.device | str | None = None,
 ) -> int:
     """Give every cp layer of ``model`` a paged KV cache of ``num_blocks`` blocks on this rank;
@@ -488,7 +524,9 @@ def allocate_kv_caches(
     """
     layers = cp_attention_layers(model)
     if not layers:
-        raise ValueError("model has no context-parallel attention: call swap_attention(model, ...) first")
+        raise ValueError(
+            "model has no context-parallel attention: call swap_attention(model, ...) first"
+        )
     free_kv_caches(model)  # the old caches go before the new ones are allocated
     per_block = 0
     for layer in layers:
@@ -502,11 +540,17 @@ def allocate_kv_caches(
             )
         else:
             layer.kv_cache = allocate_mla_cache(
-                num_blocks, block_size, layer.kv_lora_rank, layer.qk_rope_head_dim,
-                dtype=dtype, device=device,
+                num_blocks,
+                block_size,
+                layer.kv_lora_rank,
+                layer.qk_rope_head_dim,
+                dtype=dtype,
+                device=device,
             )
             per_block += kv_cache_bytes_per_block(
-                block_size, dtype=dtype, kv_lora_rank=layer.kv_lora_rank,
+                block_size,
+                dtype=dtype,
+                kv_lora_rank=layer.kv_lora_rank,
                 rope_dim=layer.qk_rope_head_dim,
             )
     return per_block

@@ -11,7 +11,9 @@ from torch import nn
 __all__ = ["RotaryEmbedding", "apply_rotary"]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` by angles given as ``cos``/``sin [T, D]`` (rotate-half layout).
 
     ``interleaved=True`` treats (x[2i], x[2i+1]) as the pairs (DeepSeek's rope layout) and

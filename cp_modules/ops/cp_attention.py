@@ -102,8 +102,14 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
             q.index_select(0, idx),
             meta,
             lambda qq: paged_attention(
-                qq, k_cache, v_cache, meta.block_table, meta.decode_seq_idx,
-                meta.decode_kv_len, scale=scale, query_kv_start=kv_start,
+                qq,
+                k_cache,
+                v_cache,
+                meta.block_table,
+                meta.decode_seq_idx,
+                meta.decode_kv_len,
+                scale=scale,
+                query_kv_start=kv_start,
                 softcap=softcap or None,
             ),
         )
@@ -177,7 +183,9 @@ def _gqa_attention_with_cache(
 
 
 def _gqa_fake(q, k, v, *args):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=lse_dtype_of(q))
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(
+        q.shape[:2], dtype=lse_dtype_of(q)
+    )
 
 
 _gqa_attention.register_fake(lambda q, k, v, *_: (*_gqa_fake(q, k, v), handle_fake(q)))
@@ -231,7 +239,11 @@ def _gqa_attention_backward(
         flat.index_copy_(0, rows + t, dv_full)
         _zero_padding(meta, buf)
     dkv = reduce_scatter(buf.view(-1, *k.shape[1:]), rt.pcp_group, rt.pcp_size)
-    dsinks = q.new_empty(0) if sinks is None else _sinks_grad(dout, out, lse, sinks, meta.plan.local_valid)
+    dsinks = (
+        q.new_empty(0)
+        if sinks is None
+        else _sinks_grad(dout, out, lse, sinks, meta.plan.local_valid)
+    )
     return dq, dkv.view(2, t, *k.shape[1:]), dsinks
 
 
@@ -337,4 +349,3 @@ def gqa_attention(
             q, k, v, kv_cache[0], kv_cache[1], sinks, scale, *masking
         )
     return out
-

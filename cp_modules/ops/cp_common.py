@@ -108,7 +108,9 @@ def check_cache(meta: CPStepMetadata, kv: torch.Tensor, *caches: torch.Tensor) -
     """Host-side checks (no device sync) that every rank makes identically before any collective."""
     for c in caches:
         if c.dtype != kv.dtype:
-            raise ValueError(f"KV cache dtype {c.dtype} differs from the layer's K/V dtype {kv.dtype}")
+            raise ValueError(
+                f"KV cache dtype {c.dtype} differs from the layer's K/V dtype {kv.dtype}"
+            )
         if c.device != kv.device:
             raise ValueError(f"KV cache is on {c.device} but the layer runs on {kv.device}")
         if meta.block_table is not None and meta.max_block_id >= c.shape[0]:

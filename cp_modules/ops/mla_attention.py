@@ -41,7 +41,9 @@ __all__ = ["mla_attention", "mla_backward_path"]
 # ----------------------------------------------------------------------------- MLA
 
 
-def _up_project(latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rk: int, num_heads: int):
+def _up_project(
+    latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rk: int, num_heads: int
+):
     """Per-head K [N, H, Dn + Dr] and V [N, H, Dv] from latent rows [N, Rk + Dr]."""
     kv_c, k_pe = latent[:, :rk], latent[:, rk:]
     k_nope = torch.einsum("nc,hdc->nhd", kv_c, w_uk)
@@ -94,8 +96,13 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             q_abs,
             meta,
             lambda qq: paged_mla_attention(
-                qq, cache, meta.block_table, meta.decode_seq_idx, meta.decode_kv_len,
-                scale=scale, kv_lora_rank=rk,
+                qq,
+                cache,
+                meta.block_table,
+                meta.decode_seq_idx,
+                meta.decode_kv_len,
+                scale=scale,
+                kv_lora_rank=rk,
             ),
         )
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
@@ -138,7 +145,9 @@ def _mla_fake(q, latent, w_uk, w_uv, *args):
     return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=lse_dtype_of(q))
 
 
-_mla_attention.register_fake(lambda q, latent, w_uk, w_uv, scale, rk: (*_mla_fake(q, latent, w_uk, w_uv), handle_fake(q)))
+_mla_attention.register_fake(
+    lambda q, latent, w_uk, w_uv, scale, rk: (*_mla_fake(q, latent, w_uk, w_uv), handle_fake(q))
+)
 _mla_attention_with_cache.register_fake(_mla_fake)
 
 
@@ -157,7 +166,11 @@ def mla_backward_path(meta: CPStepMetadata, q: torch.Tensor, out: torch.Tensor) 
     policy = meta.runtime.policy
     if policy.mla_backward != "auto":
         return policy.mla_backward
-    if not q.is_cuda or meta.runtime.pcp_size == 1 or not _long_chunks(meta.plan, policy.key_major_min_rows):
+    if (
+        not q.is_cuda
+        or meta.runtime.pcp_size == 1
+        or not _long_chunks(meta.plan, policy.key_major_min_rows)
+    ):
         return "query_major"
     # The tall calls' backend: one cuDNN call each; other kernels split them in two. (q and out
     # have the same shapes, strides and dtype on every rank, so the answer is the same too.)
@@ -186,7 +199,9 @@ def _up_project_backward(dk, dv, latent, w_uk, w_uv, rk):
 
 def _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, rk):
     """MLA's backward by key chunks (see :func:`mla_backward_path`): (dq, d_latent, dw_uk, dw_uv)."""
-    q_all, out_all, dout_all, lse_all = (gather_rows(x.contiguous(), meta) for x in (q, out, dout, lse))
+    q_all, out_all, dout_all, lse_all = (
+        gather_rows(x.contiguous(), meta) for x in (q, out, dout, lse)
+    )
     k, v = _up_project(latent, w_uk, w_uv, rk, q.shape[1])
     args = (dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale)
     min_rows = meta.runtime.policy.direct_grad_min_rows_per_run
@@ -233,10 +248,22 @@ def _mla_attention_backward(
     latent_full = gather_rows(latent, meta)
     k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
-        dout.contiguous(), q, k_full, v_full, out, lse, meta.plan.segments_host, None, None, None, scale,
+        dout.contiguous(),
+        q,
+        k_full,
+        v_full,
+        out,
+        lse,
+        meta.plan.segments_host,
+        None,
+        None,
+        None,
+        scale,
         *pcp_policy_args(meta.runtime.policy, q.shape[2], v_full.shape[2]),
     )
-    d_latent_full, dw_uk, dw_uv = _up_project_backward(dk_full, dv_full, latent_full, w_uk, w_uv, rk)
+    d_latent_full, dw_uk, dw_uv = _up_project_backward(
+        dk_full, dv_full, latent_full, w_uk, w_uv, rk
+    )
     # Each rank's weight gradient covers its own queries' share of the keys' gradient; the
     # gathered latent is identical on every PCP rank, so the weight gradients are partial sums.
     d_latent = scatter_grad(meta, d_latent_full)
@@ -245,7 +272,12 @@ def _mla_attention_backward(
 
 @_mla_attention_backward.register_fake
 def _(dout, q, latent, w_uk, w_uv, out, lse, handle, scale, kv_lora_rank):
-    return torch.empty_like(q), torch.empty_like(latent), torch.empty_like(w_uk), torch.empty_like(w_uv)
+    return (
+        torch.empty_like(q),
+        torch.empty_like(latent),
+        torch.empty_like(w_uk),
+        torch.empty_like(w_uv),
+    )
 
 
 def _mla_setup(ctx, inputs, output):
@@ -299,5 +331,7 @@ def mla_attention(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_uk, w_uv)):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
-        out, _ = torch.ops.cp.mla_attention_with_cache(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank)
+        out, _ = torch.ops.cp.mla_attention_with_cache(
+            q, latent, w_uk, w_uv, cache, scale, kv_lora_rank
+        )
     return out

@@ -311,9 +311,13 @@ def check_masking(sliding_window: int | None, softcap: float | None, q: torch.Te
         ValueError: for W < 1, c <= 0, or either on a CUDA tensor (CPU reference only).
     """
     if sliding_window is not None and (
-        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
     ):
-        raise ValueError(f"sliding_window must be an integer >= 1 (or None), got {sliding_window!r}")
+        raise ValueError(
+            f"sliding_window must be an integer >= 1 (or None), got {sliding_window!r}"
+        )
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
     if (sliding_window or softcap) and q.is_cuda:

@@ -115,6 +115,14 @@ def paged_mla_attention_ref(
     """
     k = cache.unsqueeze(2)
     return paged_attention_ref(
-        q, k, k[..., :kv_lora_rank], block_table, query_seq_idx, query_kv_len, scale,
-        upcast=upcast, query_kv_start=query_kv_start, softcap=softcap,
+        q,
+        k,
+        k[..., :kv_lora_rank],
+        block_table,
+        query_seq_idx,
+        query_kv_len,
+        scale,
+        upcast=upcast,
+        query_kv_start=query_kv_start,
+        softcap=softcap,
     )

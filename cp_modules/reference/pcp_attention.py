@@ -261,8 +261,16 @@ def pcp_prefill_attention_backward_reference(
         keys, values, num_prefix = _segment_keys(seg, k, v, prefix_k, prefix_v, prefix_cu)
         rows = slice(q0, q0 + ql)
         gq, gk, gv = attention_with_lse_backward(
-            dout[rows], q[rows], keys, values, out[rows], lse[rows], scale=scale, causal=True,
-            window=window, softcap=softcap,
+            dout[rows],
+            q[rows],
+            keys,
+            values,
+            out[rows],
+            lse[rows],
+            scale=scale,
+            causal=True,
+            window=window,
+            softcap=softcap,
         )
         dq[rows] += gq
         dk[k0 : k0 + kl] += gk[num_prefix:]

@@ -102,7 +102,17 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, args, init_file, backend, collective_timeout_s, results, child_env),
+                args=(
+                    fn,
+                    r,
+                    world_size,
+                    args,
+                    init_file,
+                    backend,
+                    collective_timeout_s,
+                    results,
+                    child_env,
+                ),
                 daemon=False,
             )
             for r in range(world_size)
@@ -121,7 +131,12 @@ def run_distributed(
             except queue.Empty:
                 # A rank that died without reporting (segfault, os._exit) is an error too.
                 for r, p in enumerate(procs):
-                    if r not in outputs and r not in errors and not p.is_alive() and p.exitcode not in (0, None):
+                    if (
+                        r not in outputs
+                        and r not in errors
+                        and not p.is_alive()
+                        and p.exitcode not in (0, None)
+                    ):
                         # Give its queued message a moment to arrive before declaring it silent.
                         try:
                             status, rank, payload = results.get(timeout=1.0)

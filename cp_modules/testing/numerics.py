@@ -35,7 +35,9 @@ def assert_close_to_reference(
     Without ``ref_same_dtype`` the bound is ``atol`` alone (use it for fp32 paths).
     """
     if out.shape != ref_fp32.shape:
-        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref_fp32.shape)}")
+        raise AssertionError(
+            f"{name}: shape {tuple(out.shape)} != reference {tuple(ref_fp32.shape)}"
+        )
     err = max_abs_err(out, ref_fp32)
     base = 0.0 if ref_same_dtype is None else max_abs_err(ref_same_dtype, ref_fp32)
     bound = factor * base + atol

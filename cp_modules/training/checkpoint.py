@@ -42,6 +42,7 @@ class CheckpointFormatError(ValueError):
 
 # ---- encoding of a nested state: tensors apart, the skeleton as JSON -------------------------
 
+
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -162,6 +163,7 @@ def _read_weights_only_pickle(path: Path, map_location) -> dict:
 
 # ---- full (unsharded) state of models and optimizers --------------------------------------
 
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -191,7 +193,9 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     if not _distributed():
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True)
+        )
     return get_optimizer_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -223,6 +227,8 @@ def load_full_optimizer_state_dict(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(
-        model, optimizer, optim_state_dict=dict(state),
+        model,
+        optimizer,
+        optim_state_dict=dict(state),
         options=StateDictOptions(full_state_dict=True),
     )

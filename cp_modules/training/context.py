@@ -108,7 +108,9 @@ def document_lengths(shape: tuple[int, ...], position_ids: torch.Tensor | None) 
     """
     num_rows, seq_len = int(shape[0]), int(shape[1])
     if num_rows == 0 or seq_len == 0:
-        raise ValueError(f"batch['input_ids'] must hold at least one token, got shape {tuple(shape)}")
+        raise ValueError(
+            f"batch['input_ids'] must hold at least one token, got shape {tuple(shape)}"
+        )
     if position_ids is None:
         return np.full(num_rows, seq_len, dtype=np.int64)
     if position_ids.dtype.is_floating_point:
@@ -246,8 +248,13 @@ class CPTrainingContext:
         count = count.clamp_min(1.0)
         extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
         return CPBatch(
-            input_ids=flat_ids[idx], labels=local_labels, positions=meta.positions, meta=meta,
-            num_global_tokens=count, num_sequences=int(ids.shape[0]), extra=extra,
+            input_ids=flat_ids[idx],
+            labels=local_labels,
+            positions=meta.positions,
+            meta=meta,
+            num_global_tokens=count,
+            num_sequences=int(ids.shape[0]),
+            extra=extra,
         )
 
     def reduce_gradients(self, params: Iterable[nn.Parameter]) -> None:

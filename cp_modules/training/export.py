@@ -96,10 +96,15 @@ def _tiny_lm_as_llama(model: nn.Module) -> tuple[Any | None, Callable[[str], str
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim or c.hidden_size // c.num_heads,
-        attention_bias=False, rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim or c.hidden_size // c.num_heads,
+        attention_bias=False,
+        rms_norm_eps=c.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         tie_word_embeddings=False,
     )

@@ -30,8 +30,9 @@ def fsdp_mesh(mesh):
     return flatten_mesh_axes(mesh, ("dp", "pcp"), DP_PCP_AXIS)
 
 
-def mixed_precision_policy(param_dtype: torch.dtype | None = None,
-                           reduce_dtype: torch.dtype | None = None):
+def mixed_precision_policy(
+    param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
+):
     """FSDP2's ``MixedPrecisionPolicy``: e.g. ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``.
 
     Parameters (and the optimizer) stay in their own dtype (fp32); the forward and backward run
@@ -46,7 +47,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     from cp_modules.modules import CPFlashAttention, CPMLAAttention
 
     return [
-        m for m in model.modules()
+        m
+        for m in model.modules()
         if any(isinstance(c, (CPFlashAttention, CPMLAAttention)) for c in m.children())
     ]
 

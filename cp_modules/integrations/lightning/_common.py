@@ -84,7 +84,9 @@ def gather_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def restore_state(checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
+def restore_state(
+    checkpoint: dict[str, Any], state: dict[str, Any], strict: bool
+) -> dict[str, Any]:
     """Load ``checkpoint`` entries into the objects of ``state`` (re-sharding full tensors).
 
     Plain values in ``state`` are replaced by the checkpoint's. Returns the entries of the
@@ -101,7 +103,9 @@ def restore_state(checkpoint: dict[str, Any], state: dict[str, Any], strict: boo
         )
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     # Models first: an optimizer's state is keyed by its model's parameter names.
-    order = sorted((k for k in state if k in checkpoint), key=lambda k: not isinstance(state[k], nn.Module))
+    order = sorted(
+        (k for k in state if k in checkpoint), key=lambda k: not isinstance(state[k], nn.Module)
+    )
     for key in order:
         obj, value = state[key], checkpoint.pop(key)
         if isinstance(obj, nn.Module):
@@ -118,12 +122,18 @@ def restore_state(checkpoint: dict[str, Any], state: dict[str, Any], strict: boo
 class SafeCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO writing safetensors files of full tensors (see ``cp_modules.training.checkpoint``)."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
-            raise ValueError(f"storage_options are not supported by {type(self).__name__}, got {storage_options!r}")
+            raise ValueError(
+                f"storage_options are not supported by {type(self).__name__}, got {storage_options!r}"
+            )
         write_checkpoint(path, checkpoint)
 
-    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if weights_only is False:
             raise ValueError(
                 "weights_only=False is not supported: checkpoints are read without unpickling "

@@ -1,22 +1,22 @@
 """Lightning Fabric strategy for context-parallel training (dp x pcp x tp).
 
-    strategy = CPFabricStrategy(ParallelConfig(tensor_parallel_size=2,
-                                               prefill_context_parallel_size=2),
-                                parallelize_fn=parallelize_model)
-    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy)
-    fabric.launch()
-    model = fabric.setup_module(TinyLM(cfg))          # parallelize_fn (TP), then FSDP2
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
-    loader = fabric.setup_dataloaders(loader)         # sampler over the dp axis only
-    for batch in loader:
-        batch = strategy.shard_batch(batch)           # DualChunkSwap share of this rank
-        with cp_step(batch.meta):                     # the forward's plan (scoped)
-            loss = lm_cross_entropy(model(batch.input_ids, batch.positions), batch)
-        fabric.backward(loss)                         # FSDP2 sums gradients over dp x pcp
-        optimizer.step()
-        optimizer.zero_grad()
-        global_loss = strategy.reduce_loss(loss)
-    fabric.save("ckpt", {"model": model, "optimizer": optimizer})  # a DCP directory
+strategy = CPFabricStrategy(ParallelConfig(tensor_parallel_size=2,
+                                           prefill_context_parallel_size=2),
+                            parallelize_fn=parallelize_model)
+fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy)
+fabric.launch()
+model = fabric.setup_module(TinyLM(cfg))          # parallelize_fn (TP), then FSDP2
+optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+loader = fabric.setup_dataloaders(loader)         # sampler over the dp axis only
+for batch in loader:
+    batch = strategy.shard_batch(batch)           # DualChunkSwap share of this rank
+    with cp_step(batch.meta):                     # the forward's plan (scoped)
+        loss = lm_cross_entropy(model(batch.input_ids, batch.positions), batch)
+    fabric.backward(loss)                         # FSDP2 sums gradients over dp x pcp
+    optimizer.step()
+    optimizer.zero_grad()
+    global_loss = strategy.reduce_loss(loss)
+fabric.save("ckpt", {"model": model, "optimizer": optimizer})  # a DCP directory
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ class CPFabricStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         check_world(self.parallel_config, self.num_processes, self.num_nodes)
         assert self.cluster_environment is not None
-        if self._start_method == "spawn" and not self.cluster_environment.creates_processes_externally:
+        if (
+            self._start_method == "spawn"
+            and not self.cluster_environment.creates_processes_externally
+        ):
             self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
         else:
             super()._configure_launcher()
@@ -215,7 +218,9 @@ class CPFabricStrategy(ModelParallelStrategy):
         if path.is_dir():
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if weights_only is False:
-            raise ValueError("weights_only=False is not supported: checkpoints hold tensors and plain values only")
+            raise ValueError(
+                "weights_only=False is not supported: checkpoints hold tensors and plain values only"
+            )
         checkpoint = read_checkpoint(path)
         if isinstance(state, nn.Module):
             load_full_model_state_dict(state, checkpoint, strict=strict)

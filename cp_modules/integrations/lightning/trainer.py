@@ -1,19 +1,19 @@
 """Lightning Trainer strategy for context-parallel training (dp x pcp x tp).
 
-    class LitLM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = TinyLM(TinyLMConfig())
+class LitLM(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = TinyLM(TinyLMConfig())
 
-        def training_step(self, batch, batch_idx):          # batch: CPBatch (this rank's share)
-            loss = lm_cross_entropy(self.model(batch.input_ids, batch.positions), batch)
-            self.log("loss", self.trainer.strategy.reduce_loss(loss))
-            return loss
+    def training_step(self, batch, batch_idx):          # batch: CPBatch (this rank's share)
+        loss = lm_cross_entropy(self.model(batch.input_ids, batch.positions), batch)
+        self.log("loss", self.trainer.strategy.reduce_loss(loss))
+        return loss
 
-    strategy = CPTrainerStrategy(ParallelConfig(tensor_parallel_size=2,
-                                                prefill_context_parallel_size=2),
-                                 parallelize_fn=parallelize_model)
-    L.Trainer(accelerator="cpu", devices=4, strategy=strategy).fit(LitLM(), loader)
+strategy = CPTrainerStrategy(ParallelConfig(tensor_parallel_size=2,
+                                            prefill_context_parallel_size=2),
+                             parallelize_fn=parallelize_model)
+L.Trainer(accelerator="cpu", devices=4, strategy=strategy).fit(LitLM(), loader)
 """
 
 from __future__ import annotations
@@ -130,7 +130,10 @@ class CPTrainerStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         check_world(self.parallel_config, self.num_processes, self.num_nodes)
         assert self.cluster_environment is not None
-        if self._start_method == "spawn" and not self.cluster_environment.creates_processes_externally:
+        if (
+            self._start_method == "spawn"
+            and not self.cluster_environment.creates_processes_externally
+        ):
             self._launcher = _FullWeightsSpawnLauncher(self)
         else:
             super()._configure_launcher()
@@ -178,7 +181,9 @@ class CPTrainerStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
         """Move the replica batch to the device and keep this rank's DualChunkSwap share (a CPBatch)."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if isinstance(batch, CPBatch):
@@ -228,7 +233,9 @@ class CPTrainerStrategy(ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         return full_optimizer_state_dict(self.model, optimizer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
+    ) -> None:
         """A DCP directory (every rank writes its shards), or rank 0 writes one safetensors file."""
         if self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -287,7 +294,9 @@ class _FullWeightsSpawnLauncher(_MultiProcessingLauncher):
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
-    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+    def _recover_results_in_main_process(
+        self, worker_output: _WorkerOutput, trainer: pl.Trainer
+    ) -> None:
         if worker_output.weights_path is not None:
             state_dict = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
             self._strategy.checkpoint_io.remove_checkpoint(Path(worker_output.weights_path).parent)
