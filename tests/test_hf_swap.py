@@ -88,6 +88,25 @@ def _run_step(model, prompts, starts, ends, block_table=None, **kw):
         return restore_tokens(logits[0], meta)
 
 
+def _check_over_the_paged_cache(model, prompts, want):
+    """Prefill the first part of each prompt into the paged cache, then the rest over the
+    cached prefix (the one-token remainder decodes, the others continue in chunked prefill):
+    the logits of the rest equal ``want``'s."""
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    split = [n // 2 for n in LENS]
+    split[1] = 1  # the one-token prompt is done in the first step
+    _run_step(model, prompts, [0, 0, 0], split, table)
+    rest = [i for i, (s, n) in enumerate(zip(split, LENS)) if s < n]
+    got = _run_step(
+        model,
+        [prompts[i] for i in rest],
+        [split[i] for i in rest],
+        [LENS[i] for i in rest],
+        table[rest],
+    )
+    torch.testing.assert_close(got, torch.cat([want[i][split[i] :] for i in rest]))
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_equal_the_original_model_with_and_without_a_paged_cache(variant):
     prompts = _prompts()
@@ -115,22 +134,9 @@ def test_logits_equal_the_original_model_with_and_without_a_paged_cache(variant)
     got = _run_step(model, prompts, [0] * len(prompts), [len(p) for p in prompts])
     torch.testing.assert_close(got, torch.cat(want))
 
-    # Paged KV cache: prefill the first part of each prompt, then the rest over the cached prefix.
     allocate_kv_caches(model, 16, 4, dtype=torch.float32)
     assert len(kv_cache_tensors(model)) == (2 if mla else 4)
-    table = torch.arange(12, dtype=torch.int32).view(3, 4)
-    split = [n // 2 for n in LENS]
-    split[1] = 1  # the one-token prompt is done in the first step
-    _run_step(model, prompts, [0, 0, 0], split, table)
-    rest = [i for i, (s, n) in enumerate(zip(split, LENS)) if s < n]
-    got = _run_step(
-        model,
-        [prompts[i] for i in rest],
-        [split[i] for i in rest],
-        [LENS[i] for i in rest],
-        table[rest],
-    )
-    torch.testing.assert_close(got, torch.cat([want[i][split[i] :] for i in rest]))
+    _check_over_the_paged_cache(model, prompts, want)
     free_kv_caches(model)
     assert kv_cache_tensors(model) == []
 
@@ -215,22 +221,8 @@ def test_windows_softcap_and_sinks_equal_the_original_model(variant):
     model = swap_attention(copy.deepcopy(original))
     got = _run_step(model, prompts, [0] * len(prompts), [len(p) for p in prompts])
     torch.testing.assert_close(got, torch.cat(want))
-    # The paged cache: prefill the first part of each prompt, then the rest (decode of the
-    # one-token remainder, chunked prefill of the others) attends the window over the cache.
     allocate_kv_caches(model, 16, 4, dtype=torch.float32)
-    table = torch.arange(12, dtype=torch.int32).view(3, 4)
-    split = [n // 2 for n in LENS]
-    split[1] = 1
-    _run_step(model, prompts, [0, 0, 0], split, table)
-    rest = [i for i, (s, n) in enumerate(zip(split, LENS)) if s < n]
-    got = _run_step(
-        model,
-        [prompts[i] for i in rest],
-        [split[i] for i in rest],
-        [LENS[i] for i in rest],
-        table[rest],
-    )
-    torch.testing.assert_close(got, torch.cat([want[i][split[i] :] for i in rest]))
+    _check_over_the_paged_cache(model, prompts, want)
 
 
 REFUSED = {
