@@ -14,6 +14,7 @@ paged KV cache, the prompts prefilled in two chunks (the second attends the cach
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -359,11 +360,14 @@ def test_swapped_attention_takes_one_row_of_tokens_and_no_hf_cache():
         )
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    # The cache's keyword: ``cache`` in newer transformers, ``past_key_values`` before.
+    params = inspect.signature(type(model).forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    cache = {name: DynamicCache(config=model.config)}
     with torch.no_grad():
-        _forward(model, use_cache=True, cache=cache)  # HF fills its own cache
+        _forward(model, use_cache=True, **cache)  # HF fills its own cache
         with pytest.raises(ValueError, match="use_cache=False"):
-            _forward(model, use_cache=True, cache=cache)  # ... and cp refuses to read it
+            _forward(model, use_cache=True, **cache)  # ... and cp refuses to read it
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "phi3"])

@@ -304,22 +304,29 @@ def _mask_codes() -> dict:
         return _CODES
     import transformers.masking_utils as mu
 
-    # Built only for their code objects: the closures' arguments are never used.
+    # Built only for their code objects: the closures' arguments are never used. A factory
+    # that this transformers version lacks has no code to match (None never matches a code).
     none: Any = None
-    _CODES.update(
-        {
-            "and": mu.and_masks(mu.causal_mask_function).__code__,
-            "or": mu.or_masks(mu.causal_mask_function).__code__,
-            "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, none).__code__,
-            "packed": mu.packed_sequence_mask_function(none).__code__,
-            "window": mu.sliding_window_overlay(1).__code__,
-            "chunk": mu.chunked_overlay(1, none).__code__,
-            "block": mu.blockwise_overlay(none).__code__,
-            "padding": mu.padding_mask_function(none).__code__,
-            "window_bidir": mu.sliding_window_bidirectional_overlay(1).__code__,
-        }
-    )
+    makers = {
+        "and": ("and_masks", (mu.causal_mask_function,)),
+        "or": ("or_masks", (mu.causal_mask_function,)),
+        # Packed rows: from transformers 5.2x positions are remapped per packed sequence; before,
+        # the packed mask is and-ed with the causal one.
+        "remap": ("remap_positions_for_packed_sequence", (mu.causal_mask_function, none)),
+        "packed": ("packed_sequence_mask_function", (none,)),
+        "window": ("sliding_window_overlay", (1,)),
+        "chunk": ("chunked_overlay", (1, none)),
+        "block": ("blockwise_overlay", (none,)),
+        "padding": ("padding_mask_function", (none,)),
+        "window_bidir": ("sliding_window_bidirectional_overlay", (1,)),
+    }
+    for key, (name, args) in makers.items():
+        factory = getattr(mu, name, None)
+        _CODES[key] = factory(*args).__code__ if factory is not None else _NO_CODE
     return _CODES
+
+
+_NO_CODE = object()  # stands for a factory missing from the installed transformers
 
 
 _NAMES = {
@@ -356,12 +363,18 @@ def _classify_eager(fn, codes, causal, bidirectional, allow: tuple[str, ...] = (
             )
             return _classify_eager(inner["mask_function"], codes, causal, bidirectional, allow)
     if code is codes["and"] or code is codes["or"]:
+        has_causal = False
         for f in cells.get("mask_functions", ()):
+            if code is codes["and"] and getattr(f, "__code__", None) is codes["packed"]:
+                # and-ed with the packed-sequence mask: the step's requests are the packed rows.
+                continue
             found = _classify_eager(f, codes, causal, bidirectional, allow)
             if found is not None:
                 return found
-        if code is codes["and"] and allow:
-            return None  # every part is causal or an allowed overlay
+            # An and-part classified as served is causal itself or an and holding causal.
+            has_causal |= f is causal or getattr(f, "__code__", None) is codes["and"]
+        if code is codes["and"] and has_causal:
+            return None  # causal, and-ed with allowed overlays and the packed-sequence mask
     for key, text in _NAMES.items():
         if code is codes[key]:
             return text
