@@ -246,9 +246,10 @@ def build_step_metadata(
     is_decode = (num_new <= decode_threshold) & (num_comp > 0)
 
     # Local rows of decode tokens (replicated on every PCP rank), from host values: a decode
-    # request keeps its n tokens, a prefill request holds 2c = 2 * ceil(n / 2P) local slots.
+    # request keeps its n tokens (as does every request at P = 1), a prefill request holds
+    # 2c = 2 * ceil(n / 2P) local slots.
     chunk = -(-num_new // (2 * runtime.pcp_size))
-    local_counts = np.where(is_decode, num_new, 2 * chunk)
+    local_counts = np.where(is_decode | (runtime.pcp_size == 1), num_new, 2 * chunk)
     local_offsets = np.concatenate([[0], np.cumsum(local_counts)[:-1]])
     assert int(local_counts.sum()) == plan.num_local_tokens_padded
     dec_reqs = np.nonzero(is_decode)[0]

@@ -24,8 +24,8 @@ def _oracle(n, m, pcp_size, rank, threshold=1):
     out = []
     start = 0
     for ni, mi in zip(n, m):
-        if ni <= threshold and mi > 0:
-            idx = list(range(ni))
+        if (ni <= threshold and mi > 0) or pcp_size == 1:
+            idx = list(range(ni))  # decodes, and every request at P = 1: unsplit, unpadded
         else:
             c = -(-ni // (2 * pcp_size))
             head = [rank * c + o for o in range(c)]
@@ -52,6 +52,23 @@ def test_eight_tokens_two_ranks_matches_the_design_example():
     # Head queries see c·(r+1) keys, tail queries c·(2P-r).
     assert p0.segments_host.tolist() == [[0, 0, 2, 0, 2], [0, 2, 2, 0, 8]]
     assert p1.segments_host.tolist() == [[0, 0, 2, 0, 4], [0, 2, 2, 0, 6]]
+
+
+def test_one_rank_keeps_each_request_whole():
+    # P = 1: no head/tail cut, no padding; the head segment is the whole causal request.
+    (p,) = _plans([5, 3, 1], [0, 2, 4], 1)
+    assert p.token_indices.tolist() == list(range(9))
+    assert p.positions.tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 4]
+    assert p.local_valid.all() and p.num_local_tokens_padded == 9
+    assert p.restore_index.tolist() == list(range(9)) and p.unpad_mask.all()
+    assert p.segments_host.tolist() == [
+        [0, 0, 5, 0, 5],
+        [0, 5, 0, 0, 0],
+        [1, 5, 3, 5, 3],
+        [1, 8, 0, 5, 0],
+        [2, 8, 1, 8, 1],
+        [2, 9, 0, 8, 0],
+    ]
 
 
 def test_sixteen_tokens_four_ranks():
@@ -233,7 +250,7 @@ def test_restore_contract_and_balance(case):
 
     # Equal causal work: slot j of the padded request order attends j + 1 padded keys; the
     # sum over each rank's prefill slots is the same on every rank.
-    padded_len = np.where(is_decode, pcp * n, 2 * pcp * -(-n // (2 * pcp)))
+    padded_len = np.where(is_decode | (pcp == 1), pcp * n, 2 * pcp * -(-n // (2 * pcp)))
     preq = np.repeat(np.arange(n.size), padded_len)
     pidx = np.arange(preq.size) - np.repeat(
         np.concatenate([[0], np.cumsum(padded_len)[:-1]]), padded_len

@@ -8,7 +8,8 @@ A prefill request with ``n`` new tokens is padded to ``2P·c`` tokens (``c = cei
 cut into ``2P`` chunks of ``c`` tokens, and rank ``r`` takes chunk ``r`` (its head) and chunk
 ``2P-1-r`` (its tail), so every rank does the same causal work. A decode request (at most
 ``decode_threshold`` new tokens and a non-empty context) is not split: every rank holds all of
-its tokens. Padding slots copy the request's first token (with its position) and are dropped by
+its tokens. With P = 1 no request is split: each is one unpadded chunk in order, its head
+segment covers it and its tail segment is empty. Padding slots copy the request's first token (with its position) and are dropped by
 the restore after the all-gather.
 
 The plan is built on the host once per step from host lists and shared by every layer; all
@@ -53,7 +54,7 @@ class PCPPlan:
             new tokens (padding slots point at the first token of their request).
         positions: [T] int64, true positions for RoPE (``num_computed + index``).
         local_valid: [T] bool, False for padding slots.
-        num_local_tokens: [R] int64, local slots of each request (``2c``, or ``n`` for a decode).
+        num_local_tokens: [R] int64, local slots of each request (``2c``, or ``n`` for a decode and at P = 1).
         restore_index: [P·T] int64, permutation of the all-gathered tokens into request order.
         unpad_mask: [P·T] bool, keeps the real tokens of the restored order (and one copy of
             each decode token).
@@ -66,7 +67,7 @@ class PCPPlan:
             run within one rank's rows. All-gathered rows outside every run are padding.
         num_scheduled_tokens, num_computed_tokens: [R] int64, the inputs.
         is_decode: [R] bool, requests replicated on every rank instead of split.
-        chunk_size: [R] int64, ``c`` (for a decode: its ``n``).
+        chunk_size: [R] int64, ``c`` (for a decode, and at P = 1: its ``n``).
         head_q_len, tail_q_len: [R] int64, real (non-padding) queries of this rank's head and
             tail chunk of each request.
         head_k_len, tail_k_len: [R] int64, keys of the restored, unpadded K/V that the head and
@@ -234,8 +235,12 @@ def plan_pcp(
     P, r = pcp_size, pcp_rank
     num_reqs = int(n.size)
     is_decode = (n <= decode_threshold) & (computed > 0)
-    chunk = np.where(is_decode, n, -(-n // (2 * P)))
-    local_n = np.where(is_decode, n, 2 * chunk)
+    # Unsplit requests keep their tokens in order as one chunk: decodes (replicated), and at
+    # P = 1 every request (one rank holds both halves, so one causal segment does the work of
+    # head and tail without padding, a second kernel call or a gradient sum).
+    unsplit = is_decode | (P == 1)
+    chunk = np.where(unsplit, n, -(-n // (2 * P)))
+    local_n = np.where(unsplit, n, 2 * chunk)
     local_offsets = _exclusive_cumsum(local_n)
     key_offsets = _exclusive_cumsum(n)
     num_local = int(local_n.sum())
@@ -247,7 +252,7 @@ def plan_pcp(
     c_t, n_t = chunk[req], n[req]
     in_head = o < c_t
     padded_idx = np.where(
-        is_decode[req], o, np.where(in_head, r * c_t + o, (2 * P - 1 - r) * c_t + o - c_t)
+        unsplit[req], o, np.where(in_head, r * c_t + o, (2 * P - 1 - r) * c_t + o - c_t)
     )
     valid = padded_idx < n_t
     in_req = np.where(valid, padded_idx, 0)
@@ -257,20 +262,20 @@ def plan_pcp(
     # Restore: walk the padded request order and name the (rank, local slot) holding each
     # element. A decode's padded length is P·n: the P replicas one after another, of which the
     # unpad mask keeps rank 0's.
-    padded_len = np.where(is_decode, P * n, 2 * P * chunk)
+    padded_len = np.where(unsplit, P * n, 2 * P * chunk)
     preq, q = _ragged_arange(padded_len)
     c_p, n_p = chunk[preq], n[preq]
     k = q // c_p
-    src_rank = np.where(is_decode[preq], k, np.where(k < P, k, 2 * P - 1 - k))
-    slot = np.where(is_decode[preq], q % c_p, np.where(k < P, q % c_p, c_p + q % c_p))
+    src_rank = np.where(unsplit[preq], k, np.where(k < P, k, 2 * P - 1 - k))
+    slot = np.where(unsplit[preq], q % c_p, np.where(k < P, q % c_p, c_p + q % c_p))
     restore_index = src_rank * num_local + local_offsets[preq] + slot
     unpad_mask = q < n_p
     gather_index = restore_index[unpad_mask]
 
-    head_chunk = np.where(is_decode, 0, r)
+    head_chunk = np.where(unsplit, 0, r)
     tail_chunk = 2 * P - 1 - r
-    head_q = np.where(is_decode, n, np.clip(n - r * chunk, 0, chunk))
-    tail_q = np.where(is_decode, 0, np.clip(n - tail_chunk * chunk, 0, chunk))
+    head_q = np.where(unsplit, n, np.clip(n - r * chunk, 0, chunk))
+    tail_q = np.where(unsplit, 0, np.clip(n - tail_chunk * chunk, 0, chunk))
     head_k = np.where(head_q > 0, head_chunk * chunk + head_q, 0)
     tail_k = np.where(tail_q > 0, tail_chunk * chunk + tail_q, 0)
     segments = np.empty((2 * num_reqs, len(SEGMENT_FIELDS)), dtype=np.int64)
