@@ -666,3 +666,76 @@ def test_gpu_gqa_window_and_softcap_two_x_rule(bs, window, softcap, splits):
                               name="out")  # fmt: skip
     assert_close_to_reference(lse[~empty], exact[1][~empty], same[1][~empty], atol=1e-4,
                               name="lse")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The Gluon MLA kernel (Hopper; not the default path).
+
+
+def _require_gluon():
+    from cp_modules.kernels.paged_decode_mla_gluon import HAS_GLUON
+
+    if not HAS_GLUON or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA kernel needs Triton's Gluon and an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("heads", [64, 128], ids=["H64", "H128"])
+@pytest.mark.parametrize("splits", [None, 1, 7, 130], ids=["Sauto", "S1", "S7", "S130"])
+@pytest.mark.parametrize("interleave", [1, 16], ids=["I1", "I16"])
+def test_gpu_gluon_mla_matches_reference(bs, heads, splits, interleave):
+    # Ragged lengths on a DCP shard (rank 1 of 2: the 1-token request leaves it empty), three
+    # tokens per request (multi-token queries), NaN in every unwritten slot: the 2x rule.
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import paged_mla_attention_gluon
+
+    d, rank = 2, 1
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave,
+                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=2)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    assert (kv_len == 0).any()
+    q = torch.randn(rows.numel(), heads, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    out, lse = paged_mla_attention_gluon(*args, splits)
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{heads}")
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_mla_cuda_graph_replay_and_refusals():
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import (
+        gluon_mla_supported,
+        paged_mla_attention_gluon,
+    )
+
+    lengths = [100, 3000, 5]
+    shard = build_shard(lengths, bs=64, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
+                        device="cuda", mla=(512, 64))  # fmt: skip
+    cache = shard.caches[0].nan_to_num_(0.0)
+    q = torch.randn(3, 128, 576, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(3, device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+
+    def run():
+        return paged_mla_attention_gluon(q, cache, shard.block_table, rows, kv_len, 0.072, 512)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    for new in ([1, 2999, 0], [100, 3000, 5], [64, 1, 4]):
+        kv_len.copy_(torch.tensor(new))
+        graph.replay()
+        ref = paged_mla_attention_ref(q, cache, shard.block_table, rows, kv_len, 0.072, 512)
+        same = paged_mla_attention_ref(q, cache, shard.block_table, rows, kv_len, 0.072, 512,
+                                       upcast=False)  # fmt: skip
+        check_against_reference(out, lse, ref, same, atol=1e-4, name="gluon-graph")
+    assert "heads" in gluon_mla_supported(q[:, :16], cache, 512)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        paged_mla_attention_gluon(q.float(), cache.float(), shard.block_table, rows, kv_len,
+                                  0.072, 512)  # fmt: skip
