@@ -5,12 +5,12 @@ P = rope dim (64), NB = physical blocks, BS = tokens per block, S = KV splits.
 
 One program serves 64 heads of one query over one split of its KV range (the head tiles of a
 query are neighbours in the grid, so they read the same split at the same time and share it
-through L2). Three partitions (``gl.warp_specialize``):
+through L2). Two warp groups (``gl.warp_specialize``, 256 threads, 256 registers each):
 
-- a loader warp issues TMA copies: Q once ([64, 576] as 9 pieces of 64 columns), then each
-  64-token latent tile as 9 pieces, each with its own barrier, so a score product starts on the
-  first piece that lands. A tile over 16-token blocks is 4 copies per piece (one per block).
-  Two tile buffers; tile 2k goes to buffer 0, tile 2k+1 to buffer 1.
+- warp group 0 also issues the TMA copies: Q once ([64, 576] as 9 pieces of 64 columns), then
+  each 64-token latent tile as 9 pieces, each with its own barrier, so a score product starts
+  on the first piece that lands. A tile over 16-token blocks is 4 copies per piece (one per
+  block). Two tile buffers; tile 2k goes to buffer 0, tile 2k+1 to buffer 1.
 - warp group 0 owns output columns [0, 256), warp group 1 [256, 512) (a [64, 512] fp32
   accumulator does not fit one warp group's registers). Per pair of tiles (A = 2k, B = 2k+1):
   WG0 computes S_A = Q K_A^T and its softmax, publishes P_A (bf16, shared memory) with its
@@ -83,6 +83,8 @@ if HAS_GLUON:
     _BH = gl.constexpr(64)
     _BN = gl.constexpr(64)
     _BC = gl.constexpr(64)
+    # Triton 3.6 names the partition-wide barrier thread_barrier, later releases barrier.
+    _sync_warp_group = getattr(gl, "thread_barrier", None) or gl.barrier
     _LAT = gl.constexpr(8)  # latent pieces: R = 512; the rope piece (P = 64) is the ninth
 
     @gluon.jit
@@ -96,16 +98,21 @@ if HAS_GLUON:
             x = bufs.index(first + c).load(blk)
             bufs.index(first + c).store(gl.where(keep, x, gl.zeros_like(x)))
         fence_async_shared()
-        gl.thread_barrier()
+        _sync_warp_group()
 
     @gluon.jit
     def _scores(q_lat, q_pe, k_lat, k_pe, k_ready, buf: gl.constexpr, phase, mma: gl.constexpr):
         # S = Q K^T over the 8 latent pieces and the rope piece, each as soon as it lands.
+        # A runtime loop: the shared-memory descriptors of the pieces are computed per piece
+        # instead of being hoisted out of the tile loop (18 of them do not fit in registers).
         s = gl.zeros([_BH, _BN], gl.float32, mma)
-        for c in gl.static_range(_LAT):
+        mbarrier.wait(k_ready.index(buf * 16), phase)
+        s = warpgroup_mma(q_lat.index(0), k_lat.index(buf * _LAT).permute((1, 0)), s,
+                          use_acc=False, is_async=True)  # fmt: skip
+        for c in range(1, _LAT):
             mbarrier.wait(k_ready.index(buf * 16 + c), phase)
             s = warpgroup_mma(q_lat.index(c), k_lat.index(buf * _LAT + c).permute((1, 0)), s,
-                              use_acc=c > 0, is_async=True)  # fmt: skip
+                              is_async=True)  # fmt: skip
         mbarrier.wait(k_ready.index(buf * 16 + _LAT), phase)
         s = warpgroup_mma(q_pe, k_pe.index(buf).permute((1, 0)), s, is_async=True)
         return s
@@ -134,7 +141,8 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_wg0(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row,
-                 stride_lh, PARTIAL: gl.constexpr):  # fmt: skip
+                 stride_lh, q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -147,11 +155,27 @@ if HAS_GLUON:
         o1 = gl.zeros([_BH, _BC], gl.float32, mma)
         o2 = gl.zeros([_BH, _BC], gl.float32, mma)
         o3 = gl.zeros([_BH, _BC], gl.float32, mma)
+        # Warp group 0 also issues the copies: Q, then the first two tiles.
+        mbarrier.expect(q_bar, (_LAT + 1) * q_desc.block_type.nbytes)
+        for c in gl.static_range(_LAT):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_bar, q_lat.index(c))
+        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
+        last_page = gl.maximum(end - 1, 0) // PAGE
+        if n_pairs > 0:
+            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, start, last_page, PAGE,
+                        BOX_ROWS)  # fmt: skip
+            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, start + _BN, last_page,
+                        PAGE, BOX_ROWS)  # fmt: skip
         mbarrier.wait(q_bar, 0)
         for k in range(n_pairs):
             phase = k & 1
             n0 = start + 2 * k * _BN
             s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma)
+            if k > 0:
+                # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
+                mbarrier.wait(k_free.index(1), phase ^ 1)
+                _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, n0 + _BN, last_page,
+                            PAGE, BOX_ROWS)  # fmt: skip
             s = warpgroup_mma_wait(0, deps=(s,))
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
             s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
@@ -168,7 +192,7 @@ if HAS_GLUON:
             vec_smem.slice(1 * _BH, _BH).store(m_new)
             vec_smem.slice(2 * _BH, _BH).store(rs)
             fence_async_shared()
-            gl.thread_barrier()
+            _sync_warp_group()
             mbarrier.arrive(pa_bar)
             if n0 + _BN > end:
                 _zero_rows_past(k_lat, 0, 4, end - n0)
@@ -176,9 +200,12 @@ if HAS_GLUON:
                                   o0 * alpha[:, None], o1 * alpha[:, None],
                                   o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(0))
-            # Tile B: warp group 1's probabilities, rescaled to its running max.
+            # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
+            # published means warp group 1 is done with buffer 0: the next tile A goes there.
             mbarrier.wait(pb_bar, phase)
+            if k + 1 < n_pairs:
+                _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, n0 + 2 * _BN, last_page,
+                            PAGE, BOX_ROWS)  # fmt: skip
             alpha_b = vec_smem.slice(3 * _BH, _BH).load(row_l)
             m_i = vec_smem.slice(4 * _BH, _BH).load(row_l)
             l_i = l_i * alpha_b + vec_smem.slice(5 * _BH, _BH).load(row_l)
@@ -188,7 +215,6 @@ if HAS_GLUON:
                                   o0 * alpha_b[:, None], o1 * alpha_b[:, None],
                                   o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(1))
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
         nonempty = l_i > 0.0
         lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -228,7 +254,6 @@ if HAS_GLUON:
                                   o0 * alpha_a[:, None], o1 * alpha_a[:, None],
                                   o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
             s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(0))
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
             s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_a, gl.max(s, 1))
@@ -243,7 +268,7 @@ if HAS_GLUON:
             vec_smem.slice(4 * _BH, _BH).store(m_new)
             vec_smem.slice(5 * _BH, _BH).store(rs)
             fence_async_shared()
-            gl.thread_barrier()
+            _sync_warp_group()
             mbarrier.arrive(pb_bar)
             if n0 + _BN > end:
                 _zero_rows_past(k_lat, _LAT + 4, 4, end - n0)
@@ -255,41 +280,33 @@ if HAS_GLUON:
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
 
     @gluon.jit
-    def _mla_loader(q_desc, c_desc, q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, BT, bt_row,
-                    q_row, start, end, n_pairs, PAGE: gl.constexpr,
-                    BOX_ROWS: gl.constexpr):  # fmt: skip
-        mbarrier.expect(q_bar, (_LAT + 1) * q_desc.block_type.nbytes)
-        for c in gl.static_range(_LAT):
-            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_bar, q_lat.index(c))
-        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
-        # Blocks past the range are never looked up: their copies read the last real block.
-        last_page = gl.maximum(end - 1, 0) // PAGE
-        for i in range(2 * n_pairs):
-            buf = i % 2
-            mbarrier.wait(k_free.index(buf), ((i // 2) & 1) ^ 1)
-            n0 = start + i * _BN
-            for c in gl.static_range(_LAT + 1):
-                bar = k_ready.index(buf * 16 + c)
-                mbarrier.expect(bar, _BN * _BC * 2)
-                for g in gl.static_range(_BN // BOX_ROWS):
-                    tok = n0 + g * BOX_ROWS
-                    page = gl.minimum(tok // PAGE, last_page)
-                    blk = gl.load(BT + bt_row + page).to(gl.int32)
-                    row = blk * PAGE + tok % PAGE
-                    if c < _LAT:
-                        dst = k_lat.index(buf * _LAT + c)
-                    else:
-                        dst = k_pe.index(buf)
-                    if BOX_ROWS < _BN:
-                        dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
-                    tma.async_copy_global_to_shared(c_desc, [row, c * _BC], bar, dst)
+    def _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf: gl.constexpr, n0, last_page,
+                    PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
+        # One 64-token latent tile into buffer ``buf``: 9 pieces of 64 columns, one barrier
+        # each; pages past the range are never looked up (their copies read the last real one).
+        for c in gl.static_range(_LAT + 1):
+            bar = k_ready.index(buf * 16 + c)
+            mbarrier.expect(bar, _BN * _BC * 2)
+            for g in gl.static_range(_BN // BOX_ROWS):
+                tok = n0 + g * BOX_ROWS
+                page = gl.minimum(tok // PAGE, last_page)
+                blk = gl.load(BT + bt_row + page).to(gl.int32)
+                row = blk * PAGE + tok % PAGE
+                if c < _LAT:
+                    dst = k_lat.index(buf * _LAT + c)
+                else:
+                    dst = k_pe.index(buf)
+                if BOX_ROWS < _BN:
+                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                tma.async_copy_global_to_shared(c_desc, [row, c * _BC], bar, dst)
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _paged_mla_gluon_kernel(q_desc, c_desc, BT, SEQ_IDX, KV_LEN, OUT, LSE, qk_scale,
                                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
                                 stride_btr, max_kv_len, num_splits,
                                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
-                                BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr):  # fmt: skip
+                                BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
+                                WG1_REGS: gl.constexpr = 256):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -327,22 +344,21 @@ if HAS_GLUON:
         for b in gl.static_range(2):
             for c in gl.static_range(_LAT + 1):
                 mbarrier.init(k_ready.index(b * 16 + c), count=1)
-            mbarrier.init(k_free.index(b), count=2)
+            mbarrier.init(k_free.index(b), count=1)
 
         bt_row = row * stride_btr
         gl.warp_specialize(
             [
                 (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free,
                             pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT, out_row,
-                            stride_oh, LSE, lse_row, stride_lh, PARTIAL)),
+                            stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT, bt_row,
+                            q_row, PAGE, BOX_ROWS, PARTIAL)),
                 (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free,
                             pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT, out_row,
                             stride_oh, _LAT * _BC // 2)),
-                (_mla_loader, (q_desc, c_desc, q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free,
-                               BT, bt_row, q_row, start, end, n_pairs, PAGE, BOX_ROWS)),
             ],
-            [4, 1],
-            [240, 24],
+            [4],
+            [WG1_REGS],
         )  # fmt: skip
 
 
