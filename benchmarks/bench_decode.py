@@ -70,11 +70,13 @@ from cp_modules.cache import (
 )
 from cp_modules.kernels.paged_decode import (
     DecodeConfig,
-    choose_mla_num_splits,
     choose_num_splits,
     default_config,
-    mla_programs_per_sm,
     paged_attention_kernel,
+)
+from cp_modules.kernels.paged_decode_mla import (
+    choose_mla_num_splits,
+    mla_programs_per_sm,
     paged_mla_attention_kernel,
 )
 from cp_modules.reference.paged_decode import (

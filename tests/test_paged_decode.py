@@ -17,12 +17,14 @@ from cp_modules.cache import (
 )
 from cp_modules.kernels.paged_decode import (
     DecodeConfig,
-    choose_mla_num_splits,
     choose_num_splits,
     default_config,
     mla_default_config,
-    mla_programs_per_sm,
     paged_attention_kernel,
+)
+from cp_modules.kernels.paged_decode_mla import (
+    choose_mla_num_splits,
+    mla_programs_per_sm,
     paged_mla_attention_kernel,
 )
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
@@ -517,3 +519,223 @@ def test_gpu_cuda_graph_replay_with_new_lengths(kind):
         graph.replay()
         want_out, want_lse = run(kv_len)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding windows (a per-query first local token) and logit soft-capping in the GQA kernel.
+
+# (row, first visible local token, local length): a start inside a block, at a block boundary
+# (32 is one for every block size below), 0, len - 1, start == len and length 0 (both empty),
+# and a few consecutive tokens of one request under a window of 28 (multi-token queries).
+WINDOW_QUERIES = [
+    (0, 0, 70), (0, 21, 70), (0, 32, 70), (0, 69, 70), (0, 70, 70), (1, 0, 0),
+    (1, 10, 38), (1, 11, 39), (1, 12, 40), (2, 50, 100), (2, 67, 98),
+]  # fmt: skip
+# Row 2's queries start at 50 or later: its blocks wholly before token 50 get out-of-range ids,
+# which the kernel must never dereference.
+_POISON_BEFORE = 50
+
+
+def _window_shard(bs, dtype, hkv=2, dk=16):
+    shard = build_shard([70, 40, 100], bs=bs, d=1, rank=0, interleave=1, dtype=dtype, hkv=hkv,
+                        dk=dk)  # fmt: skip
+    shard.block_table[2, : _POISON_BEFORE // bs] = 1 << 24
+    rows, start, kv_len = (torch.tensor(c, dtype=torch.int32) for c in zip(*WINDOW_QUERIES))
+    return shard, rows, start, kv_len
+
+
+WINDOW_CASES = [
+    # (block size, tile, splits, softcap, dtype)
+    (16, 16, 1, None, torch.float32),  # tiles inside one block
+    (8, 32, 1, None, torch.float32),  # tiles gather over 4 blocks, the first partly hidden
+    (16, 16, 3, 1.5, torch.float32),  # split-KV over the window, soft-cap
+    (32, 16, 7, None, torch.float32),  # more splits than some windows have tiles
+    (8, 16, 2, 2.0, torch.float16),  # fp16: the 2x rule
+    (16, 32, None, 1.5, torch.float32),  # split count chosen
+]
+
+
+@pytest.mark.parametrize(
+    ("bs", "block_n", "splits", "softcap", "dtype"),
+    WINDOW_CASES,
+    ids=[
+        f"BS{c[0]}-N{c[1]}-S{c[2] or 'auto'}-C{c[3] or 0}-{str(c[4]).split('.')[-1]}"
+        for c in WINDOW_CASES
+    ],
+)
+def test_gqa_kernel_window_and_softcap_match_reference_interpreted(
+    bs, block_n, splits, softcap, dtype
+):
+    shard, rows, start, kv_len = _window_shard(bs, dtype)
+    q = torch.randn(rows.numel(), 4, 16).to(dtype)
+    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1)
+    out, lse = paged_attention_kernel(q, *shard.caches, shard.block_table, rows, kv_len, 0.25,
+                                      splits, config=cfg, query_kv_start=start,
+                                      softcap=softcap)  # fmt: skip
+    args = (q, *shard.caches, shard.block_table, rows, kv_len, 0.25)
+    kw = {"query_kv_start": start, "softcap": softcap}
+    ref = paged_attention_ref(*args, **kw)
+    same = None if dtype == torch.float32 else paged_attention_ref(*args, upcast=False, **kw)
+    assert torch.isneginf(ref[1][4]).all() and torch.isneginf(ref[1][5]).all()
+    check_against_reference(out, lse, ref, same, name="window")
+
+
+def test_gqa_kernel_softcap_without_window_interpreted():
+    # Soft-cap alone, on a DCP shard with an empty query, against the fp64 oracle of the
+    # reference (the capped scores of the reference are the definition).
+    lengths, d, rank, il = [1, 90], 2, 1, 1
+    shard = build_shard(lengths, bs=16, d=d, rank=rank, interleave=il, dtype=torch.float32,
+                        hkv=1, dk=32)  # fmt: skip
+    rows, kv_len = _dcp_queries(lengths, d, rank, il, extra_tokens=1)
+    q = 3 * torch.randn(rows.numel(), 2, 32)  # large scores: tanh far from linear
+    args = (q, *shard.caches, shard.block_table, rows, kv_len, 32**-0.5)
+    out, lse = paged_attention_kernel(*args, 2, softcap=2.5)
+    ref = paged_attention_ref(*_double(args), softcap=2.5)
+    ref = (ref[0].float(), ref[1])
+    check_against_reference(out, lse, ref, None, name="softcap")
+    plain = paged_attention_ref(*args)
+    assert (lse[1:] - plain[1][1:]).abs().max() > 0.1  # the cap changed the result
+
+
+def test_op_serves_window_and_softcap_and_checks_the_start():
+    shard, rows, start, kv_len = _window_shard(16, torch.float32)
+    q = torch.randn(rows.numel(), 4, 16)
+    out, lse = paged_attention(q, *shard.caches, shard.block_table, rows, kv_len, scale=0.25,
+                               query_kv_start=start, softcap=3.0)  # fmt: skip
+    ref = paged_attention_ref(q, *shard.caches, shard.block_table, rows, kv_len, 0.25,
+                              query_kv_start=start, softcap=3.0)  # fmt: skip
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    with pytest.raises(ValueError, match="query_kv_start must be an int32/int64 tensor"):
+        paged_attention(q, *shard.caches, shard.block_table, rows, kv_len, scale=0.25,
+                        query_kv_start=start.float())  # fmt: skip
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        paged_attention(q, *shard.caches, shard.block_table, rows, kv_len, scale=0.25,
+                        softcap=-1.0)  # fmt: skip
+
+
+def _double(args):
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)  # fmt: skip
+
+
+def _windowed_dcp_queries(lengths, d, rank, il, window, extra_tokens):
+    """Decode queries (as :func:`_dcp_queries`) with the local bounds of a global window."""
+    pos, rows = [], []
+    for r, n in enumerate(lengths):
+        for g in range(max(0, n - 1 - extra_tokens), n):
+            pos.append(g)
+            rows.append(r)
+    positions = torch.tensor(pos)
+    start = local_seq_len((positions - window + 1).clamp_min(0), d, rank, il).to(torch.int32)
+    return (
+        torch.tensor(rows, dtype=torch.int32),
+        start,
+        dcp_query_kv_len(positions, d, rank, il),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("window", [1, 100, 4096, None], ids=["W1", "W100", "W4096", "Wfull"])
+@pytest.mark.parametrize("softcap", [None, 50.0, 5.0], ids=["C0", "C50", "C5"])
+@pytest.mark.parametrize("splits", [None, 1, 7], ids=["Sauto", "S1", "S7"])
+def test_gpu_gqa_window_and_softcap_two_x_rule(bs, window, softcap, splits):
+    # bf16 on a DCP shard (rank 3 of 4, interleave 16: short requests leave it empty) against
+    # the fp64 oracle: error at most twice the same-dtype reference's. Blocks wholly before
+    # every query's window get out-of-range ids that the kernel must never read.
+    d, rank, il = 4, 3, 16
+    lengths = [1, 2, 17, 300, 1025, 4097, 9000]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shard = build_shard(lengths, bs=bs, d=d, rank=rank, interleave=il, dtype=torch.bfloat16,
+                        device="cuda", hkv=8, dk=128, gen=gen)  # fmt: skip
+    w = window or 1 << 30
+    rows, start, kv_len = _windowed_dcp_queries(lengths, d, rank, il, w, extra_tokens=2)
+    rows, start, kv_len = rows.cuda(), start.cuda(), kv_len.cuda()
+    for r in range(len(lengths)):
+        first = int(start[rows == r].min()) if (rows == r).any() else 0
+        shard.block_table[r, : first // bs] = 1 << 24
+    q = torch.randn(rows.numel(), 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, *shard.caches, shard.block_table, rows, kv_len, 128**-0.5)
+    kw = {"query_kv_start": start if window else None, "softcap": softcap}
+    out, lse = paged_attention_kernel(*args, splits, **kw)
+    exact = paged_attention_ref(*_double(args), **kw)
+    same = paged_attention_ref(*args, upcast=False, **kw)
+    empty = torch.isneginf(exact[1])
+    assert torch.equal(torch.isneginf(lse), empty) and (out[empty] == 0).all()
+    assert_close_to_reference(out[~empty], exact[0][~empty], same[0][~empty], atol=1e-4,
+                              name="out")  # fmt: skip
+    assert_close_to_reference(lse[~empty], exact[1][~empty], same[1][~empty], atol=1e-4,
+                              name="lse")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The Gluon MLA kernel (Hopper; not the default path).
+
+
+def _require_gluon():
+    from cp_modules.kernels.paged_decode_mla_gluon import HAS_GLUON
+
+    if not HAS_GLUON or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA kernel needs Triton's Gluon and an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("heads", [64, 128], ids=["H64", "H128"])
+@pytest.mark.parametrize("splits", [None, 1, 7, 130], ids=["Sauto", "S1", "S7", "S130"])
+@pytest.mark.parametrize("interleave", [1, 16], ids=["I1", "I16"])
+def test_gpu_gluon_mla_matches_reference(bs, heads, splits, interleave):
+    # Ragged lengths on a DCP shard (rank 1 of 2: the 1-token request leaves it empty), three
+    # tokens per request (multi-token queries), NaN in every unwritten slot: the 2x rule.
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import paged_mla_attention_gluon
+
+    d, rank = 2, 1
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave,
+                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=2)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    assert (kv_len == 0).any()
+    q = torch.randn(rows.numel(), heads, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    out, lse = paged_mla_attention_gluon(*args, splits)
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{heads}")
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_mla_cuda_graph_replay_and_refusals():
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import (
+        gluon_mla_supported,
+        paged_mla_attention_gluon,
+    )
+
+    lengths = [100, 3000, 5]
+    shard = build_shard(lengths, bs=64, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
+                        device="cuda", mla=(512, 64))  # fmt: skip
+    cache = shard.caches[0].nan_to_num_(0.0)
+    q = torch.randn(3, 128, 576, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(3, device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+
+    def run():
+        return paged_mla_attention_gluon(q, cache, shard.block_table, rows, kv_len, 0.072, 512)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    for new in ([1, 2999, 0], [100, 3000, 5], [64, 1, 4]):
+        kv_len.copy_(torch.tensor(new))
+        graph.replay()
+        ref = paged_mla_attention_ref(q, cache, shard.block_table, rows, kv_len, 0.072, 512)
+        same = paged_mla_attention_ref(q, cache, shard.block_table, rows, kv_len, 0.072, 512,
+                                       upcast=False)  # fmt: skip
+        check_against_reference(out, lse, ref, same, atol=1e-4, name="gluon-graph")
+    assert "heads" in gluon_mla_supported(q[:, :16], cache, 512)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        paged_mla_attention_gluon(q.float(), cache.float(), shard.block_table, rows, kv_len,
+                                  0.072, 512)  # fmt: skip

@@ -11,6 +11,9 @@ With DCP, compute the lengths with :func:`cp_modules.cache.dcp_query_kv_len` fro
 positions. Both ops return ``out`` and the fp32 natural-log ``lse`` the DCP combine needs; an
 empty local range gives ``out = 0``, ``lse = -inf``.
 
+``paged_attention`` also takes a per-query first local token (``query_kv_start``: sliding
+windows) and a logit soft-cap; both run in the reference and the Triton kernel alike.
+
 CPU runs the pure-PyTorch reference, CUDA the Triton split-KV kernel. Lengths stay in device
 tensors and the split count is chosen from static shapes, so the ops are CUDA-graph safe.
 """
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_modules.kernels.paged_decode import paged_attention_kernel, paged_mla_attention_kernel
+from cp_modules.kernels.paged_decode import paged_attention_kernel
+from cp_modules.kernels.paged_decode_mla import paged_mla_attention_kernel
 from cp_modules.ops._lib import lib
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
 
@@ -47,14 +51,10 @@ def _paged_attention_cpu(q, k_cache, v_cache, block_table, query_seq_idx, query_
 
 def _paged_attention_cuda(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
                           num_splits=0, query_kv_start=None, softcap=0.0):  # fmt: skip
-    if query_kv_start is not None or softcap:
-        raise ValueError(
-            "sliding windows and soft-capping in paged decode run on the CPU reference only; "
-            "the CUDA decode kernel serves full causal attention"
-        )
     return paged_attention_kernel(
-        q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale, num_splits
-    )
+        q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale, num_splits,
+        query_kv_start=query_kv_start, softcap=softcap or None,
+    )  # fmt: skip
 
 
 def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len, scale,
@@ -168,10 +168,15 @@ def paged_attention(
     if hq % hkv:
         raise ValueError(f"query heads Hq={hq} must be a multiple of the cache's KV heads {hkv}")
     _check_common(q, (k_cache, v_cache), block_table, query_seq_idx, query_kv_len, num_splits)
-    if query_kv_start is not None and query_kv_start.shape != query_kv_len.shape:
+    if query_kv_start is not None and (
+        query_kv_start.shape != query_kv_len.shape
+        or query_kv_start.dtype not in _INDEX_DTYPES
+        or query_kv_start.device != q.device
+    ):
         raise ValueError(
-            f"query_kv_start must have query_kv_len's shape {tuple(query_kv_len.shape)}, got "
-            f"{tuple(query_kv_start.shape)}"
+            f"query_kv_start must be an int32/int64 tensor of query_kv_len's shape "
+            f"{tuple(query_kv_len.shape)} on {q.device}, got {query_kv_start.dtype} "
+            f"{tuple(query_kv_start.shape)} on {query_kv_start.device}"
         )
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 (or None), got {softcap}")

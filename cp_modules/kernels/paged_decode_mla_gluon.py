@@ -1,0 +1,420 @@
+"""Gluon (Hopper) absorbed MLA paged decode with LSE: two warp groups taking turns; launcher only.
+
+Shape letters: T = queries, H = query heads (a multiple of 64), R = latent width (512),
+P = rope dim (64), NB = physical blocks, BS = tokens per block, S = KV splits.
+
+One program serves 64 heads of one query over one split of its KV range (the head tiles of a
+query are neighbours in the grid, so they read the same split at the same time and share it
+through L2). Two warp groups (``gl.warp_specialize``, 256 threads, 256 registers each):
+
+- warp group 0 also issues the TMA copies: Q once ([64, 576] as 9 pieces of 64 columns), then
+  each 64-token latent tile as 9 pieces, each with its own barrier, so a score product starts
+  on the first piece that lands. A tile over 16-token blocks is 4 copies per piece (one per
+  block). Two tile buffers; tile 2k goes to buffer 0, tile 2k+1 to buffer 1.
+- warp group 0 owns output columns [0, 256), warp group 1 [256, 512) (a [64, 512] fp32
+  accumulator does not fit one warp group's registers). Per pair of tiles (A = 2k, B = 2k+1):
+  WG0 computes S_A = Q K_A^T and its softmax, publishes P_A (bf16, shared memory) with its
+  row max, rescale factor and row sum, then adds P_A V_A to its half. Meanwhile WG1 computes
+  S_B; it then adds P_A V_A to its half, takes the softmax of S_B from WG0's running max,
+  publishes P_B and adds P_B V_B; WG0 adds P_B V_B to its half. So the softmax of one tile
+  runs while the other warp group's tensor-core products run (FlashMLA's schedule).
+
+The values are the first R columns of the latent tile already in shared memory. A split with
+an odd tile count ends with a phantom tile B (read from the last real block, every key
+masked). Rows past the range are zeroed in shared memory before they meet P @ V (unwritten
+cache slots may hold NaN). Splits and their merge as in :mod:`cp_modules.kernels.paged_decode`.
+
+Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_modules.kernels.lse_merge import merge_splits_triton
+from cp_modules.kernels.paged_decode import _LOG2E, _split_buffers
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    HAS_GLUON = False
+
+__all__ = ["HAS_GLUON", "gluon_mla_supported", "paged_mla_attention_gluon"]
+
+_HEADS = 64  # heads per program: the wgmma tile height
+_TILE = 64  # tokens per latent tile
+_PIECE = 64  # columns per TMA piece (128 bytes of bf16: the swizzle width)
+
+
+def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """None when the Gluon kernel serves these inputs, else why not (for the caller to say)."""
+    if not HAS_GLUON:
+        return "this Triton has no Gluon"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon MLA kernel needs an sm_90 (Hopper) GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon MLA kernel takes bf16/fp16, got {q.dtype}"
+    h, width = q.shape[1], q.shape[2]
+    page = cache.shape[1]
+    if h % _HEADS or kv_lora_rank != 512 or width != 576:
+        return (
+            f"the Gluon MLA kernel serves DeepSeek's shape (heads a multiple of 64, latent 512, "
+            f"rope 64); got H={h}, R={kv_lora_rank}, row={width}"
+        )
+    if page & (page - 1) or not 8 <= page:
+        return f"the Gluon MLA kernel needs a power-of-two block size >= 8, got {page}"
+    if cache.stride(1) != width or cache.stride(0) != page * width:
+        return "the Gluon MLA kernel needs a contiguous cache"
+    return None
+
+
+if HAS_GLUON:
+    _BH = gl.constexpr(64)
+    _BN = gl.constexpr(64)
+    _BC = gl.constexpr(64)
+    # Triton 3.6 names the partition-wide barrier thread_barrier, later releases barrier.
+    _sync_warp_group = getattr(gl, "thread_barrier", None) or gl.barrier
+    _LAT = gl.constexpr(8)  # latent pieces: R = 512; the rope piece (P = 64) is the ninth
+
+    @gluon.jit
+    def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
+        # Rows >= valid of pieces [first, first + count) become 0 (generic-proxy stores, then
+        # a fence so that the warp group's next wgmma sees them).
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, blk))
+        keep = (rows < valid)[:, None]
+        for c in gl.static_range(count):
+            x = bufs.index(first + c).load(blk)
+            bufs.index(first + c).store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        _sync_warp_group()
+
+    @gluon.jit
+    def _scores(q_lat, q_pe, k_lat, k_pe, k_ready, buf: gl.constexpr, phase, mma: gl.constexpr):
+        # S = Q K^T over the 8 latent pieces and the rope piece, each as soon as it lands.
+        # A runtime loop: the shared-memory descriptors of the pieces are computed per piece
+        # instead of being hoisted out of the tile loop (18 of them do not fit in registers).
+        s = gl.zeros([_BH, _BN], gl.float32, mma)
+        mbarrier.wait(k_ready.index(buf * 16), phase)
+        s = warpgroup_mma(q_lat.index(0), k_lat.index(buf * _LAT).permute((1, 0)), s,
+                          use_acc=False, is_async=True)  # fmt: skip
+        for c in range(1, _LAT):
+            mbarrier.wait(k_ready.index(buf * 16 + c), phase)
+            s = warpgroup_mma(q_lat.index(c), k_lat.index(buf * _LAT + c).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
+        mbarrier.wait(k_ready.index(buf * 16 + _LAT), phase)
+        s = warpgroup_mma(q_pe, k_pe.index(buf).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _store_half(o0, o1, o2, o3, l_i, OUT, out_row, col0: gl.constexpr, stride_oh,
+                    mma: gl.constexpr):  # fmt: skip
+        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
+        heads = gl.arange(0, _BH, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
+        base = OUT + out_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
+        dt = OUT.dtype.element_ty
+        gl.store(base, (o0 * inv[:, None]).to(dt))
+        gl.store(base + _BC, (o1 * inv[:, None]).to(dt))
+        gl.store(base + 2 * _BC, (o2 * inv[:, None]).to(dt))
+        gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
+
+    @gluon.jit
+    def _pv4(p, k_smem, first: gl.constexpr, o0, o1, o2, o3):
+        o0 = warpgroup_mma(p, k_smem.index(first), o0, is_async=True)
+        o1 = warpgroup_mma(p, k_smem.index(first + 1), o1, is_async=True)
+        o2 = warpgroup_mma(p, k_smem.index(first + 2), o2, is_async=True)
+        o3 = warpgroup_mma(p, k_smem.index(first + 3), o3, is_async=True)
+        return o0, o1, o2, o3
+
+    @gluon.jit
+    def _mla_wg0(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
+                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row,
+                 stride_lh, q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr):  # fmt: skip
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
+        )
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dt: gl.constexpr = q_lat.dtype
+        m_i = gl.full([_BH], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([_BH], gl.float32, row_l)
+        o0 = gl.zeros([_BH, _BC], gl.float32, mma)
+        o1 = gl.zeros([_BH, _BC], gl.float32, mma)
+        o2 = gl.zeros([_BH, _BC], gl.float32, mma)
+        o3 = gl.zeros([_BH, _BC], gl.float32, mma)
+        # Warp group 0 also issues the copies: Q, then the first two tiles.
+        mbarrier.expect(q_bar, (_LAT + 1) * q_desc.block_type.nbytes)
+        for c in gl.static_range(_LAT):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_bar, q_lat.index(c))
+        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
+        last_page = gl.maximum(end - 1, 0) // PAGE
+        if n_pairs > 0:
+            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, start, last_page, PAGE,
+                        BOX_ROWS)  # fmt: skip
+            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, start + _BN, last_page,
+                        PAGE, BOX_ROWS)  # fmt: skip
+        mbarrier.wait(q_bar, 0)
+        for k in range(n_pairs):
+            phase = k & 1
+            n0 = start + 2 * k * _BN
+            s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma)
+            if k > 0:
+                # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
+                mbarrier.wait(k_free.index(1), phase ^ 1)
+                _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, n0 + _BN, last_page,
+                            PAGE, BOX_ROWS)  # fmt: skip
+            s = warpgroup_mma_wait(0, deps=(s,))
+            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
+            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            rs = gl.sum(p, 1)
+            l_i = l_i * alpha + rs
+            m_i = m_new
+            pv = p.to(dt)
+            # Publish P_A and its row statistics for warp group 1.
+            p_smem.store(pv)
+            vec_smem.slice(0 * _BH, _BH).store(alpha)
+            vec_smem.slice(1 * _BH, _BH).store(m_new)
+            vec_smem.slice(2 * _BH, _BH).store(rs)
+            fence_async_shared()
+            _sync_warp_group()
+            mbarrier.arrive(pa_bar)
+            if n0 + _BN > end:
+                _zero_rows_past(k_lat, 0, 4, end - n0)
+            o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, 0,
+                                  o0 * alpha[:, None], o1 * alpha[:, None],
+                                  o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
+            # published means warp group 1 is done with buffer 0: the next tile A goes there.
+            mbarrier.wait(pb_bar, phase)
+            if k + 1 < n_pairs:
+                _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, n0 + 2 * _BN, last_page,
+                            PAGE, BOX_ROWS)  # fmt: skip
+            alpha_b = vec_smem.slice(3 * _BH, _BH).load(row_l)
+            m_i = vec_smem.slice(4 * _BH, _BH).load(row_l)
+            l_i = l_i * alpha_b + vec_smem.slice(5 * _BH, _BH).load(row_l)
+            if n0 + 2 * _BN > end:
+                _zero_rows_past(k_lat, _LAT, 4, end - n0 - _BN)
+            o0, o1, o2, o3 = _pv4(p_smem, k_lat, _LAT,
+                                  o0 * alpha_b[:, None], o1 * alpha_b[:, None],
+                                  o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
+        nonempty = l_i > 0.0
+        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+        if not PARTIAL:
+            lse2 = lse2 * 0.6931471805599453
+        heads = gl.arange(0, _BH, layout=row_l)
+        gl.store(LSE + lse_row + heads.to(gl.int64) * stride_lh, lse2)
+
+    @gluon.jit
+    def _mla_wg1(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
+                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh,
+                 HALF_COL: gl.constexpr):  # fmt: skip
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
+        )
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dt: gl.constexpr = q_lat.dtype
+        l_i = gl.zeros([_BH], gl.float32, row_l)
+        o0 = gl.zeros([_BH, _BC], gl.float32, mma)
+        o1 = gl.zeros([_BH, _BC], gl.float32, mma)
+        o2 = gl.zeros([_BH, _BC], gl.float32, mma)
+        o3 = gl.zeros([_BH, _BC], gl.float32, mma)
+        mbarrier.wait(q_bar, 0)
+        for k in range(n_pairs):
+            phase = k & 1
+            n0 = start + (2 * k + 1) * _BN
+            s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma)
+            # Tile A with warp group 0's probabilities while S_B is in flight.
+            mbarrier.wait(pa_bar, phase)
+            alpha_a = vec_smem.slice(0 * _BH, _BH).load(row_l)
+            m_a = vec_smem.slice(1 * _BH, _BH).load(row_l)
+            l_i = l_i * alpha_a + vec_smem.slice(2 * _BH, _BH).load(row_l)
+            if n0 > end:
+                _zero_rows_past(k_lat, 4, 4, end - n0 + _BN)
+            o0, o1, o2, o3 = _pv4(p_smem, k_lat, 4,
+                                  o0 * alpha_a[:, None], o1 * alpha_a[:, None],
+                                  o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
+            s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
+            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
+            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_a, gl.max(s, 1))
+            alpha = gl.exp2(m_a - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            rs = gl.sum(p, 1)
+            l_i = l_i * alpha + rs
+            pv = p.to(dt)
+            # P_A has been read (the wait above): P_B may take its place.
+            p_smem.store(pv)
+            vec_smem.slice(3 * _BH, _BH).store(alpha)
+            vec_smem.slice(4 * _BH, _BH).store(m_new)
+            vec_smem.slice(5 * _BH, _BH).store(rs)
+            fence_async_shared()
+            _sync_warp_group()
+            mbarrier.arrive(pb_bar)
+            if n0 + _BN > end:
+                _zero_rows_past(k_lat, _LAT + 4, 4, end - n0)
+            o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, _LAT + 4,
+                                  o0 * alpha[:, None], o1 * alpha[:, None],
+                                  o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            mbarrier.arrive(k_free.index(1))
+        _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
+
+    @gluon.jit
+    def _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf: gl.constexpr, n0, last_page,
+                    PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
+        # One 64-token latent tile into buffer ``buf``: 9 pieces of 64 columns, one barrier
+        # each; pages past the range are never looked up (their copies read the last real one).
+        for c in gl.static_range(_LAT + 1):
+            bar = k_ready.index(buf * 16 + c)
+            mbarrier.expect(bar, _BN * _BC * 2)
+            for g in gl.static_range(_BN // BOX_ROWS):
+                tok = n0 + g * BOX_ROWS
+                page = gl.minimum(tok // PAGE, last_page)
+                blk = gl.load(BT + bt_row + page).to(gl.int32)
+                row = blk * PAGE + tok % PAGE
+                if c < _LAT:
+                    dst = k_lat.index(buf * _LAT + c)
+                else:
+                    dst = k_pe.index(buf)
+                if BOX_ROWS < _BN:
+                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                tma.async_copy_global_to_shared(c_desc, [row, c * _BC], bar, dst)
+
+    @gluon.jit(do_not_specialize=["num_splits"])
+    def _paged_mla_gluon_kernel(q_desc, c_desc, BT, SEQ_IDX, KV_LEN, OUT, LSE, qk_scale,
+                                stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+                                stride_btr, max_kv_len, num_splits,
+                                H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
+                                BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
+                                WG1_REGS: gl.constexpr = 256):  # fmt: skip
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        t = pid // NUM_HEAD_TILES
+        tile = pid % NUM_HEAD_TILES
+        row = gl.load(SEQ_IDX + t).to(gl.int64)
+        kv_len = gl.maximum(gl.minimum(gl.load(KV_LEN + t).to(gl.int32), max_kv_len), 0)
+        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), _BN) * _BN
+        start = split * chunk
+        end = gl.minimum(start + chunk, kv_len)
+        n_tiles = gl.maximum(gl.cdiv(end - start, _BN), 0)
+        n_pairs = (n_tiles + 1) // 2
+        q_row = t * H + tile * _BH
+        t64 = t.to(gl.int64)
+        out_row = t64 * stride_ot + (tile * _BH).to(gl.int64) * stride_oh + split * stride_os
+        lse_row = t64 * stride_lt + (tile * _BH).to(gl.int64) * stride_lh + split * stride_ls
+
+        dt: gl.constexpr = q_desc.dtype
+        layout: gl.constexpr = q_desc.layout
+        q_lat = gl.allocate_shared_memory(dt, [_LAT, _BH, _BC], layout)
+        q_pe = gl.allocate_shared_memory(dt, [_BH, _BC], layout)
+        k_lat = gl.allocate_shared_memory(dt, [2 * _LAT, _BN, _BC], layout)
+        k_pe = gl.allocate_shared_memory(dt, [2, _BN, _BC], layout)
+        p_smem = gl.allocate_shared_memory(dt, [_BH, _BN], layout)
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        vec_smem = gl.allocate_shared_memory(gl.float32, [8 * _BH], vec_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        pa_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        pb_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [32, 1], bar_layout)
+        k_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(pa_bar, count=1)
+        mbarrier.init(pb_bar, count=1)
+        for b in gl.static_range(2):
+            for c in gl.static_range(_LAT + 1):
+                mbarrier.init(k_ready.index(b * 16 + c), count=1)
+            mbarrier.init(k_free.index(b), count=1)
+
+        bt_row = row * stride_btr
+        gl.warp_specialize(
+            [
+                (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free,
+                            pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT, out_row,
+                            stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT, bt_row,
+                            q_row, PAGE, BOX_ROWS, PARTIAL)),
+                (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free,
+                            pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT, out_row,
+                            stride_oh, _LAT * _BC // 2)),
+            ],
+            [4],
+            [WG1_REGS],
+        )  # fmt: skip
+
+
+def _smem_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def paged_mla_attention_gluon(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode through the Gluon kernel; the contract of
+    :func:`~cp_modules.kernels.paged_decode_mla.paged_mla_attention_kernel`.
+
+    Raises:
+        ValueError: when the kernel cannot serve these inputs (:func:`gluon_mla_supported`).
+    """
+    from cp_modules.kernels.paged_decode import _num_sms
+    from cp_modules.kernels.paged_decode_mla import choose_mla_num_splits
+
+    why = gluon_mla_supported(q, cache, kv_lora_rank)
+    if why is not None:
+        raise ValueError(why)
+    t, h, width = q.shape
+    nb, page, _ = cache.shape
+    out = q.new_empty(t, h, kv_lora_rank)
+    lse = q.new_empty(t, h, dtype=torch.float32)
+    if t == 0:
+        return out, lse
+    head_tiles = h // _HEADS
+    max_kv_len = block_table.shape[1] * page
+    if not num_splits:
+        num_splits = choose_mla_num_splits(t * head_tiles, max_kv_len, _num_sms(q.device), _TILE, 1)
+    o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    layout = _smem_layout()
+    q2 = q.reshape(t * h, width)
+    if q2.stride(0) != width:
+        q2 = q2.contiguous()
+    box_rows = min(page, _TILE)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_HEADS, _PIECE], layout)
+    c2 = cache.view(nb * page, width)
+    c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], layout)
+    _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
+        q_desc, c_desc, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
+        scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0), max_kv_len,
+        num_splits,
+        H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,
+        PARTIAL=num_splits > 1,
+        num_warps=4,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_splits_triton(o_buf, l_buf, out, lse)
+    return out, lse

@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Compile the Gluon MLA decode kernel for sm_90 without a GPU and report ptxas's register and
+spill counts: ``python tools/compile_gluon_mla.py [block_size] [partial 0/1]``.
+
+Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
+version) and the ``ptxas`` on PATH (or $PTXAS). Writes the PTX, TTGIR and cubin to $OUT_DIR
+(default /tmp/gluon-mla).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cp_modules.kernels import paged_decode_mla_gluon as m  # noqa: E402
+
+page = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+partial = sys.argv[2] == "1" if len(sys.argv) > 2 else True
+layout = m._smem_layout()
+box = min(page, 64)
+sig = {
+    "q_desc": f"tensordesc<bf16[64, 64],{layout!r}>",
+    "c_desc": f"tensordesc<bf16[{box}, 64],{layout!r}>",
+    "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
+    "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "qk_scale": "fp32",
+    **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
+                          "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
+    **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "WG1_REGS")},
+}  # fmt: skip
+constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box, "PARTIAL": partial,
+              "WG1_REGS": int(os.environ.get("WG1_REGS", 256))}  # fmt: skip
+src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+out = Path(os.environ.get("OUT_DIR", "/tmp/gluon-mla"))
+out.mkdir(parents=True, exist_ok=True)
+stem = out / f"mla_bs{page}_partial{int(partial)}"
+stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
+stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
+print(f"triton {triton.__version__}: shared {kernel.metadata.shared} B, "
+      f"{kernel.metadata.num_warps} warps")  # fmt: skip
+ptxas = os.environ.get("PTXAS", "ptxas")
+cmd = [
+    ptxas,
+    "-arch=sm_90a",
+    "-v",
+    str(stem.with_suffix(".ptx")),
+    "-o",
+    str(stem.with_suffix(".cubin")),
+]
+done = subprocess.run(cmd, capture_output=True, text=True)
+print(done.stdout + done.stderr)
