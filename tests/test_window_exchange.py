@@ -126,12 +126,12 @@ def test_no_exchange_when_every_rank_needs_every_token():
 
 # ----------------------------------------------------------------------------- gloo ranks
 
-H, HKV, D = 4, 2, 8
+H, D = 4, 8
 
 
-def _sequences(lengths, dtype, seed):
+def _sequences(lengths, dtype, seed, hkv):
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(L, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, HKV, HKV, H)]
+    return [[torch.randn(L, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, hkv, hkv, H)]
             for L in lengths]  # fmt: skip
 
 
@@ -139,9 +139,21 @@ def _rows(seqs, i, new, done):
     return torch.cat([seqs[r][i][done[r] : done[r] + new[r]] for r in range(len(new))])
 
 
-def _heads(rt):
+def _by_token(meta, x):
+    """One process's local rows [T, ...] as [N, ...] in batch order (padding dropped)."""
+    valid = meta.plan.local_valid
+    full = x.new_zeros((meta.num_tokens, *x.shape[1:]))
+    return full.index_copy_(0, meta.token_indices[valid], x[valid])
+
+
+def _heads(rt, hkv):
+    """This TP rank's query heads and the KV heads they use (one replicated KV head when
+    there are fewer KV heads than TP ranks)."""
+    if rt is None:
+        return slice(None), slice(None)
     t, tp = rt.tp_rank, rt.tp_size
-    return slice(t * H // tp, (t + 1) * H // tp), slice(t * HKV // tp, (t + 1) * HKV // tp)
+    first_kv = t * (H // tp) // (H // hkv)
+    return slice(t * H // tp, (t + 1) * H // tp), slice(first_kv, first_kv + max(1, hkv // tp))
 
 
 def _attend(rt, meta, q, k, v, cache, sinks, W, softcap):
@@ -153,78 +165,85 @@ def _attend(rt, meta, q, k, v, cache, sinks, W, softcap):
                              softcap=softcap)  # fmt: skip
 
 
-def _train_case(rts, single, new, W, softcap, use_sinks):
+def _train_case(rts, single, new, W, softcap, use_sinks, hkv):
     """Outputs and q/k/v/sink gradients of one training step, on this rank's rows."""
     from cp_modules.distributed.collectives import all_reduce
     from cp_modules.step import build_step_metadata
 
-    seqs = _sequences(new, torch.float64, seed=3)
+    seqs = _sequences(new, torch.float64, seed=3, hkv=hkv)
     g = torch.Generator().manual_seed(5)
     s_all = torch.randn(H, generator=g, dtype=torch.float64) if use_sinks else None
     zeros = [0] * len(new)
     results = {}
     for name, rt in (*rts.items(), ("single", single)):
-        hq, hkv = _heads(rt) if name != "single" else (slice(None), slice(None))
+        hq, hk = _heads(None if name == "single" else rt, hkv)
         meta = build_step_metadata(rt, new)
         idx = meta.token_indices
         q, k, v, do = (_rows(seqs, i, new, zeros)[idx][:, h].clone()
-                       for i, h in enumerate((hq, hkv, hkv, hq)))  # fmt: skip
+                       for i, h in enumerate((hq, hk, hk, hq)))  # fmt: skip
         leaves = [q, k, v] + ([s_all[hq].clone()] if use_sinks else [])
         for x in leaves:
             x.requires_grad_()
         out = _attend(rt, meta, q, k, v, None, leaves[3] if use_sinks else None, W, softcap)
         valid = meta.plan.local_valid
         grads = torch.autograd.grad((out * do * valid[:, None, None]).sum(), leaves)
-        if use_sinks and name != "single":
-            grads = (*grads[:3], all_reduce(grads[3], rt.pcp_group, rt.pcp_size))
+        if name != "single":
+            if hkv < rt.tp_size:  # a replicated KV head: every TP rank's heads add to it
+                grads = (grads[0], *(all_reduce(g, rt.tp_group, rt.tp_size) for g in grads[1:3]),
+                         *grads[3:])  # fmt: skip
+            if use_sinks:
+                grads = (*grads[:3], all_reduce(grads[3], rt.pcp_group, rt.pcp_size))
         results[name] = (meta, out.detach(), grads)
     return results
 
 
-def _compare_train(rts, single, new, W, softcap, use_sinks):
-    res = _train_case(rts, single, new, W, softcap, use_sinks)
+def _compare_train(rts, single, new, W, softcap, use_sinks, hkv):
+    res = _train_case(rts, single, new, W, softcap, use_sinks, hkv)
     smeta, sout, sgrads = res.pop("single")
-    for name, (meta, out, grads) in res.items():
-        hq, hkv = _heads(meta.runtime)
+    for meta, out, grads in res.values():
+        hq, hk = _heads(meta.runtime, hkv)
         idx, valid = meta.token_indices, meta.plan.local_valid
-        # Single-process rows in batch order; this rank's tokens and heads of them.
-        order = torch.argsort(smeta.token_indices)
-        pick = lambda x, h: x[order][idx][valid][:, h]  # noqa: E731
+
+        def pick(x, h, idx=idx, valid=valid):
+            # Single-process rows in batch order; this rank's tokens and heads of them.
+            return _by_token(smeta, x)[idx][valid][:, h]
+
         torch.testing.assert_close(out[valid], pick(sout, hq), rtol=1e-12, atol=1e-12)
-        for got, want, h in zip(grads[:3], sgrads[:3], (hq, hkv, hkv)):
+        for got, want, h in zip(grads[:3], sgrads[:3], (hq, hk, hk)):
             torch.testing.assert_close(got[valid], pick(want, h), rtol=1e-11, atol=1e-12)
             assert not got[~valid].any()  # padding rows get no gradient
         if use_sinks:
             torch.testing.assert_close(grads[3], sgrads[3][hq], rtol=1e-11, atol=1e-12)
     ex, ag = res["exchange"], res["all_gather"]
+    assert ex[0].window_plans[W, False] is not None and not ag[0].window_plans
     torch.testing.assert_close(ex[1], ag[1], rtol=1e-13, atol=1e-13)
     for a, b in zip(ex[2], ag[2]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-def _cache_case(rts, single, steps, W, softcap, use_sinks, dtype):
+def _cache_case(rts, single, steps, W, softcap, use_sinks, dtype, hkv):
     """Outputs per step and the final caches over a schedule of (new, done) steps."""
     from cp_modules.cache.paged import allocate_kv_cache
     from cp_modules.step import build_step_metadata
 
     R = len(steps[0][0])
     lengths = [sum(s[0][r] for s in steps) for r in range(R)]
-    seqs = _sequences(lengths, dtype, seed=11)
+    seqs = _sequences(lengths, dtype, seed=11, hkv=hkv)
     g = torch.Generator().manual_seed(6)
     s_all = torch.randn(H, generator=g, dtype=torch.float64).to(dtype) if use_sinks else None
     blocks = max(lengths) // 4 + 2
     table = torch.arange(1, 1 + R * blocks, dtype=torch.int32).view(R, blocks)
     results = {}
     for name, rt in (*rts.items(), ("single", single)):
-        hq, hkv = _heads(rt) if name != "single" else (slice(None), slice(None))
-        kc, vc = allocate_kv_cache(1 + R * blocks, 4, HKV // rt.tp_size, D, dtype=dtype)
+        hq, hk = _heads(None if name == "single" else rt, hkv)
+        kc, vc = allocate_kv_cache(1 + R * blocks, 4, max(1, hkv // rt.tp_size), D, dtype=dtype)
         kc.fill_(float("nan"))  # a slot the step should have written and did not shows
         vc.fill_(float("nan"))
         outs = []
         for new, done in steps:
             meta = build_step_metadata(rt, new, done, block_table=table, block_size=4)
             idx = meta.token_indices
-            q, k, v = (_rows(seqs, i, new, done)[idx][:, h] for i, h in enumerate((hq, hkv, hkv)))
+            q, k, v = (_rows(seqs, i, new, done)[idx][:, h] for i, h in enumerate((hq, hk, hk)))
             sinks = None if s_all is None else s_all[hq]
             with torch.no_grad():
                 out = _attend(rt, meta, q, k, v, (kc, vc), sinks, W, softcap)
@@ -233,20 +252,26 @@ def _cache_case(rts, single, steps, W, softcap, use_sinks, dtype):
     return results
 
 
-def _compare_cache(rts, single, steps, W, softcap, use_sinks, dtype):
-    res = _cache_case(rts, single, steps, W, softcap, use_sinks, dtype)
+def _compare_cache(rts, single, steps, W, softcap, use_sinks, dtype, hkv):
+    res = _cache_case(rts, single, steps, W, softcap, use_sinks, dtype, hkv)
     souts, _, _ = res.pop("single")
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=2e-6)
     for name, (outs, _, _) in res.items():
         for (meta, out), (smeta, sout) in zip(outs, souts):
-            hq, _ = _heads(meta.runtime)
+            hq, _ = _heads(meta.runtime, hkv)
             idx, valid = meta.token_indices, meta.plan.local_valid
-            want = sout[torch.argsort(smeta.token_indices)][idx][valid][:, hq]
+            want = _by_token(smeta, sout)[idx][valid][:, hq]
             assert not out[valid].isnan().any(), name
-            torch.testing.assert_close(out[valid], want, **tol)
+            torch.testing.assert_close(out[valid], want, **tol, msg=lambda m, n=name: f"{n}: {m}")
     (ex, kx, vx), (ag, ka, va) = res["exchange"], res["all_gather"]
+    # With one DCP rank every rank stores every token: the all-gather is kept (also when a
+    # step's windows and shard happen to cover every token); the prefill step exchanges.
+    exchanged = [m.window_plans.get((W, True)) is not None for m, _ in ex if not m.all_decode]
+    assert exchanged[0] == (ex[0][0].runtime.dcp_size > 1) and not ag[0][0].window_plans
+    assert any(exchanged) or ex[0][0].runtime.dcp_size == 1
+    same = dict(rtol=1e-13, atol=1e-13) if dtype == torch.float64 else tol
     for (_, a), (_, b) in zip(ex, ag):
-        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(a, b, **same)
     # The same cache on this rank, slot for slot (NaN where neither path writes).
     torch.testing.assert_close(kx, ka, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(vx, va, rtol=0, atol=0, equal_nan=True)
@@ -271,9 +296,10 @@ def _window_exchange_rank(rank, world_size, layouts):
     torch.set_num_threads(1)
     done = []
     single = CPRuntime.single()
-    for tp, pcp, dcp in layouts:
+    for tp, pcp, dcp, hkv in layouts:
         config = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
                                 decode_context_parallel_size=dcp)  # fmt: skip
+        config.validate_heads(H, hkv)
         groups = init_cp_groups(config)
         rts = {
             "exchange": CPRuntime.from_groups(groups, policy=CPPolicy(window_exchange=True)),
@@ -281,13 +307,13 @@ def _window_exchange_rank(rank, world_size, layouts):
         }
         for W, softcap, sinks in FEATURES:
             where = (tp, pcp, dcp, W, softcap, sinks)
-            _compare_train(rts, single, TRAIN_NEW, W, softcap, sinks)
+            _compare_train(rts, single, TRAIN_NEW, W, softcap, sinks, hkv)
             done.append(("train", *where))
-            _compare_cache(rts, single, CHUNKED[:1], W, softcap, sinks, torch.float64)
+            _compare_cache(rts, single, CHUNKED[:1], W, softcap, sinks, torch.float64, hkv)
             done.append(("prefill", *where))
-            _compare_cache(rts, single, CHUNKED, W, softcap, sinks, torch.float64)
+            _compare_cache(rts, single, CHUNKED, W, softcap, sinks, torch.float64, hkv)
             done.append(("chunked", *where))
-            _compare_cache(rts, single, MIXED, W, softcap, sinks, torch.float32)
+            _compare_cache(rts, single, MIXED, W, softcap, sinks, torch.float32, hkv)
             done.append(("mixed", *where))
         # The exchange moved fewer rows than the all-gather in the cache-less step.
         meta_rows = _rows_received(rts["exchange"], TRAIN_NEW, FEATURES[0][0])
@@ -307,9 +333,10 @@ def _rows_received(rt, new, W):
 @pytest.mark.parametrize(
     "world_size, layouts",
     [
-        (2, [(1, 2, 1), (1, 2, 2)]),
-        (4, [(1, 4, 4), (2, 2, 4)]),
-        (8, [(1, 8, 8), (2, 4, 8)]),
+        # (tp, pcp, dcp, KV heads): a DCP group's ranks share their KV heads.
+        (2, [(1, 2, 1, 2), (1, 2, 2, 2)]),
+        (4, [(1, 4, 4, 2), (2, 2, 4, 1), (2, 2, 2, 2)]),
+        (8, [(1, 8, 8, 2), (2, 4, 8, 1)]),
     ],
     ids=["world2", "world4", "world8"],
 )
@@ -340,46 +367,57 @@ def _hf_rank(rank, world_size, windows):
     from cp_modules.config import ParallelConfig
     from cp_modules.distributed.groups import init_cp_groups
     from cp_modules.modules import CPRuntime, build_step_metadata, cp_step, restore_tokens
-    from cp_modules.modules.hf_swap import allocate_kv_caches, swap_attention
+    from cp_modules.modules.hf_swap import allocate_kv_caches, free_kv_caches, swap_attention
     from cp_modules.policy import CPPolicy
 
     torch.set_num_threads(1)
-    groups = init_cp_groups(ParallelConfig(prefill_context_parallel_size=2))
     prompts = _hf_prompts()
     checked = []
-    for window in windows:
-        original = _mistral(window)
-        with torch.no_grad():
-            want = [original(input_ids=p[None]).logits[0] for p in prompts]
-        model = swap_attention(_mistral(window), groups)
-        for flag in (True, False):
-            rt = CPRuntime.from_groups(groups, policy=CPPolicy(window_exchange=flag))
+    for dcp in (1, 2):
+        groups = init_cp_groups(ParallelConfig(prefill_context_parallel_size=2,
+                                               decode_context_parallel_size=dcp))  # fmt: skip
+        for window in windows:
+            original = _mistral(window)
+            with torch.no_grad():
+                want = [original(input_ids=p[None]).logits[0] for p in prompts]
+            model = swap_attention(_mistral(window), groups)
+            for flag in (True, False):
+                rt = CPRuntime.from_groups(groups, policy=CPPolicy(window_exchange=flag))
 
-            def step(starts, ends, table=None, rt=rt, model=model):
-                new = [e - s for s, e in zip(starts, ends)]
-                meta = build_step_metadata(rt, new, starts, block_table=table, block_size=4)
-                flat = torch.cat([p[s:e] for p, s, e in zip(prompts, starts, ends)])
-                with torch.no_grad(), cp_step(meta):
-                    logits = model(input_ids=flat[meta.token_indices][None],
-                                   position_ids=meta.positions[None], use_cache=False).logits
-                    return restore_tokens(logits[0], meta)  # fmt: skip
+                def step(starts, ends, table=None, rt=rt, model=model):
+                    new = [e - s for s, e in zip(starts, ends)]
+                    meta = build_step_metadata(rt, new, starts, block_table=table, block_size=4)
+                    flat = torch.cat([p[s:e] for p, s, e in zip(prompts, starts, ends)])
+                    with torch.no_grad(), cp_step(meta):
+                        logits = model(
+                            input_ids=flat[meta.token_indices][None],
+                            position_ids=meta.positions[None],
+                            use_cache=False,
+                        ).logits
+                        exchanged = any(x is not None for x in meta.window_plans.values())
+                        return restore_tokens(logits[0], meta), exchanged  # fmt: skip
 
-            got = step([0] * 3, HF_LENS)
-            torch.testing.assert_close(got, torch.cat(want))
-            # Over a paged cache: the first part of each prompt, then the rest over its prefix.
-            allocate_kv_caches(model, 40, 4, dtype=torch.float32)
-            table = torch.arange(1, 37, dtype=torch.int32).view(3, 12)
-            split = [n // 2 for n in HF_LENS]
-            step([0] * 3, split, table)
-            got = step(split, HF_LENS, table)
-            torch.testing.assert_close(got, torch.cat([w[s:] for w, s in zip(want, split)]))
-            checked.append((window, flag))
+                got, exchanged = step([0] * 3, HF_LENS)
+                assert exchanged == flag
+                torch.testing.assert_close(got, torch.cat(want))
+                # Over a paged cache: the first part of each prompt, then the rest over its
+                # prefix (with dcp 1 every rank stores every token: the all-gather is kept).
+                allocate_kv_caches(model, 40, 4, dtype=torch.float32)
+                table = torch.arange(1, 37, dtype=torch.int32).view(3, 12)
+                split = [n // 2 for n in HF_LENS]
+                _, exchanged = step([0] * 3, split, table)
+                assert exchanged == (flag and dcp > 1)
+                got, _ = step(split, HF_LENS, table)
+                torch.testing.assert_close(got, torch.cat([w[s:] for w, s in zip(want, split)]))
+                free_kv_caches(model)
+                checked.append((dcp, window, flag))
     return checked
 
 
 @pytest.mark.distributed
 def test_mistral_with_a_window_at_pcp2_equals_the_original_model():
+    # pcp 2 with dcp 1 and 2, with and without the exchange.
     windows = (3, 11, 64)  # within a chunk, over several chunks, beyond every prompt
     results = run_distributed(_hf_rank, 2, windows, timeout_s=900)
     for per_rank in results:
-        assert per_rank == [(w, f) for w in windows for f in (True, False)]
+        assert per_rank == [(d, w, f) for d in (1, 2) for w in windows for f in (True, False)]
