@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from cp_modules.distributed.collectives import all_to_all
-from cp_modules.partition.plan import SEGMENT_FIELDS
+from cp_modules.partition.plan import SEGMENT_FIELDS, _to_device
 
 __all__ = [
     "WindowExchangePlan",
@@ -217,20 +217,26 @@ def plan_window_exchange(
         [req, *_local_segment_columns(n, dec, P, r), k_start, end[r] - lo[r]], 1
     ).astype(np.int64)
     assert segments.shape[1] == len(SEGMENT_FIELDS)
-    dev = torch.device("cpu" if device is None else device)
+    # One pinned copy per dtype to the device (as for the PCP plan).
+    on_device = _to_device(
+        dict(
+            send_rows=np.concatenate(send_rows).astype(np.int64),
+            recv_index=recv_index.astype(np.int64),
+            token_ids=tokens.astype(np.int64),
+        ),
+        device,
+    )
     return WindowExchangePlan(
         window=window,
         pcp_size=P,
         pcp_rank=r,
         num_keys=int(tokens.size),
         num_keys_from_peers=int(tokens.size - recv_counts[r]),
-        send_rows=torch.from_numpy(np.concatenate(send_rows).astype(np.int64)).to(dev),
         send_counts=tuple(int(x) for x in send_counts),
         recv_counts=tuple(int(x) for x in recv_counts),
-        recv_index=torch.from_numpy(recv_index.astype(np.int64)).to(dev),
-        token_ids=torch.from_numpy(tokens.astype(np.int64)).to(dev),
         token_ids_host=torch.from_numpy(tokens.astype(np.int64)),
         segments_host=torch.from_numpy(segments),
+        **on_device,
     )
 
 
