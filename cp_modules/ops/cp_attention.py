@@ -4,7 +4,10 @@ Each (and its ``*_with_cache`` twin, which writes the KV cache in place and is n
 differentiable) is the whole attention of one layer after its projections (and RoPE): PCP gather and
 restore of the new K/V (or MLA latent), the KV-cache write, DualChunkSwap head/tail attention
 over the new tokens plus the cached prefix (gathered from the DCP shards), and the paged decode
-path with the DCP combine for decode tokens. The step's metadata comes from
+path with the DCP combine for decode tokens. Layers with a sliding window receive only the new
+K/V their windows see instead of the whole gather (``CPPolicy.window_exchange``,
+:mod:`cp_modules.partition.window_exchange`; its backward sends dK/dV back the same routes).
+The step's metadata comes from
 :func:`cp_modules.step.current_step`, so traced code sees only q/k/v/caches: the op
 is the single split point of piecewise compilation and a new batch composition never
 recompiles.
