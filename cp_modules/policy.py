@@ -41,6 +41,9 @@ class CPPolicy:
         key_major_min_rows: auto MLA key-major backward from this mean chunk length.
         causal_pairs_min_rows: MLA rectangles of at least this many query rows run their
             backward as causal pairs.
+        window_exchange: layers with a sliding window receive only the K/V their queries see
+            from the other PCP ranks (one uneven all-to-all; at most ``2 * (c + W)`` tokens
+            per request) instead of all-gathering every new token; False keeps the all-gather.
         cudnn_build_s: seconds of cuDNN plan builds a new shape is worth renting varlen for.
         varlen_max_flop_per_segment: mean forward FLOPs per segment up to which a batch runs
             as one varlen call, per direction (``forward``, ``backward``; ``*_padded`` for
@@ -56,6 +59,7 @@ class CPPolicy:
     direct_grad_min_rows_per_run: int = 1024
     key_major_min_rows: int = 2048
     causal_pairs_min_rows: int = 8192
+    window_exchange: bool = True
     cudnn_build_s: float = 0.15
     varlen_max_flop_per_segment: dict[str, float] = field(
         default_factory=lambda: dict(_DEFAULT_VARLEN_LIMITS)
@@ -110,6 +114,7 @@ class CPPolicy:
                 self.direct_grad_min_rows_per_run,
                 self.key_major_min_rows,
                 self.causal_pairs_min_rows,
+                self.window_exchange,
                 self.cudnn_build_s,
                 tuple(sorted(self.varlen_max_flop_per_segment.items())),
             )

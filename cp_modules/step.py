@@ -34,6 +34,7 @@ from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping, local_seq_l
 from cp_modules.config import ParallelConfig
 from cp_modules.distributed.dcp_spec import DCPCommSpec
 from cp_modules.partition.plan import PCPPlan, plan_pcp
+from cp_modules.partition.window_exchange import WindowExchangePlan, plan_window_exchange
 from cp_modules.policy import CPPolicy
 
 __all__ = [
@@ -121,6 +122,9 @@ class CPStepMetadata:
             ``prefix_read_slots`` [Lp] local slots to read (padded), ``prefix_gather_index`` [C]
             rows of the all-gathered [D * Lp] buffer in request/position order,
             ``prefix_cu_seqlens`` [R + 1] (CPU) per-request prefix lengths (0 for decodes).
+        is_decode_host: per request, replicated over PCP (a decode) instead of split.
+        window_plans: the step's K/V exchanges of sliding-window layers, built on first use
+            (:meth:`window_exchange`).
     """
 
     runtime: CPRuntime
@@ -143,7 +147,33 @@ class CPStepMetadata:
     prefix_read_slots: torch.Tensor | None
     prefix_gather_index: torch.Tensor | None
     prefix_cu_seqlens: torch.Tensor | None
+    is_decode_host: tuple[bool, ...] = ()
+    window_plans: dict = field(default_factory=dict, repr=False)
     serial: int = field(default_factory=lambda: next(_SERIALS))
+
+    def window_exchange(self, window: int, with_cache: bool) -> WindowExchangePlan | None:
+        """The neighbour exchange of this step's new K/V for layers with a sliding window of
+        ``window`` keys (:mod:`cp_modules.partition.window_exchange`), built once per step and
+        shared by those layers. ``with_cache``: each rank also receives the new tokens its DCP
+        shard of the KV cache stores. None when every rank needs every token (the all-gather
+        is then the cheaper collective)."""
+        key = (window, with_cache)
+        if key not in self.window_plans:
+            rt = self.runtime
+            shard = None
+            if with_cache:
+                # DCP groups span the PCP ranks of dcp/pcp TP positions, ranked by global
+                # rank: PCP rank j of this TP position is DCP rank dcp_rank + (j - pcp_rank)*k.
+                k = rt.dcp_size // rt.pcp_size if rt.dcp_size > 1 else 0
+                assert rt.dcp_size == 1 or k * rt.pcp_size == rt.dcp_size, "dcp is pcp * k"
+                peers = tuple(rt.dcp_rank + (j - rt.pcp_rank) * k for j in range(rt.pcp_size))
+                shard = (rt.dcp_size, peers, rt.config.interleave)
+            self.window_plans[key] = plan_window_exchange(
+                self.num_new_tokens, self.num_computed_tokens, self.is_decode_host,
+                rt.pcp_size, rt.pcp_rank, window, cache_shard=shard,
+                device=self.token_indices.device,
+            )  # fmt: skip
+        return self.window_plans[key]
 
     def decode_kv_start(self, sliding_window: int | None) -> torch.Tensor | None:
         """[Bd] first local token each decode token sees with a window of ``sliding_window``
@@ -324,6 +354,7 @@ def build_step_metadata(
         prefix_read_slots=prefix_read,
         prefix_gather_index=prefix_index,
         prefix_cu_seqlens=prefix_cu,
+        is_decode_host=tuple(bool(x) for x in is_decode),
     )
 
 

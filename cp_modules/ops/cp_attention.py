@@ -4,7 +4,10 @@ Each (and its ``*_with_cache`` twin, which writes the KV cache in place and is n
 differentiable) is the whole attention of one layer after its projections (and RoPE): PCP gather and
 restore of the new K/V (or MLA latent), the KV-cache write, DualChunkSwap head/tail attention
 over the new tokens plus the cached prefix (gathered from the DCP shards), and the paged decode
-path with the DCP combine for decode tokens. The step's metadata comes from
+path with the DCP combine for decode tokens. Layers with a sliding window receive only the new
+K/V their windows see instead of the whole gather (``CPPolicy.window_exchange``,
+:mod:`cp_modules.partition.window_exchange`; its backward sends dK/dV back the same routes).
+The step's metadata comes from
 :func:`cp_modules.step.current_step`, so traced code sees only q/k/v/caches: the op
 is the single split point of piecewise compilation and a new batch composition never
 recompiles.
@@ -37,6 +40,8 @@ from cp_modules.ops.cp_common import (
     check_local,
     check_trainable,
     decode_combined,
+    exchange_kv,
+    exchange_kv_backward,
     gather_kv,
     handle_fake,
     lse_dtype_of,
@@ -67,15 +72,24 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
                 f"produces {list(k.shape[1:])} on this rank"
             )
     out_shape = (q.shape[0], q.shape[1], v.shape[2])
+    if has_cache and meta.slot_mapping is None:
+        raise RuntimeError("a KV cache was given but the step has no block table")
+    xplan = None if meta.all_decode else _window_plan(meta, window, has_cache)
+    slots = meta.slot_mapping
     if meta.all_decode:
         # Decode tokens are replicated on every PCP rank in batch order: nothing to gather.
         k_full, v_full = k, v
+    elif xplan is not None:
+        # Only the keys this rank's windows see (and the tokens of its cache shard).
+        k_full, v_full = exchange_kv(k, v, meta, xplan)
+        if has_cache:
+            assert slots is not None
+            slots = slots.index_select(0, xplan.token_ids)
     else:
         k_full, v_full = gather_kv(k, v, meta)
     if has_cache:
-        if meta.slot_mapping is None:
-            raise RuntimeError("a KV cache was given but the step has no block table")
-        write_kv_cache(k_full, v_full, k_cache, v_cache, meta.slot_mapping)
+        assert slots is not None
+        write_kv_cache(k_full, v_full, k_cache, v_cache, slots)
     if not meta.all_decode:
         prefix = {}
         if meta.has_prefix:
@@ -85,10 +99,19 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
                 prefix_cu_seqlens=meta.prefix_cu_seqlens,
             )
         # Fresh outputs of the prefill op: decode rows are written into them in place.
-        out, lse = pcp_prefill_attention(
-            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy,
-            sliding_window=window or None, softcap=softcap or None, **prefix,
-        )  # fmt: skip
+        if xplan is None:
+            out, lse = pcp_prefill_attention(
+                q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy,
+                sliding_window=window or None, softcap=softcap or None, **prefix,
+            )  # fmt: skip
+        else:
+            # The wrapper's checks hold for the plan's restored K/V; the exchanged rows come
+            # with their own segments.
+            out, lse = torch.ops.cp.pcp_prefill_attention(
+                q, k_full, v_full, xplan.segments_host, prefix.get("prefix_k"),
+                prefix.get("prefix_v"), prefix.get("prefix_cu_seqlens"), scale,
+                *pcp_policy_args(meta.runtime.policy, q.shape[2], v.shape[2]), window, softcap,
+            )  # fmt: skip
         lse = lse.to(lse_dtype_of(q))
     else:
         out = q.new_zeros(out_shape)
@@ -118,6 +141,15 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
     if sinks is not None:
         out, lse = _apply_sinks(out, lse, sinks)
     return out, lse
+
+
+def _window_plan(meta: CPStepMetadata, window: int, with_cache: bool):
+    """The step's K/V exchange for a windowed layer, or None (all-gather): no window, one PCP
+    rank, the policy's ``window_exchange`` off, or every rank needing every token."""
+    rt = meta.runtime
+    if not window or rt.pcp_size == 1 or not rt.policy.window_exchange:
+        return None
+    return meta.window_exchange(window, with_cache)
 
 
 def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -212,9 +244,23 @@ def _gqa_attention_backward(
     the probabilities recomputed from them are the sink-normalised ones, so the attention
     backward needs nothing else for sinks."""
     meta = step_of(handle)
-    k_full, v_full = gather_kv(k, v, meta)
     rt = meta.runtime
     t = meta.num_local_tokens
+    xplan = _window_plan(meta, window, False)
+    if xplan is not None:
+        k_x, v_x = exchange_kv(k, v, meta, xplan)
+        dq, dk_x, dv_x, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
+            dout.contiguous(), q, k_x, v_x, out, lse, xplan.segments_host, None, None, None,
+            scale, *pcp_policy_args(rt.policy, q.shape[2], v.shape[2]), window, softcap,
+        )  # fmt: skip
+        dkv = exchange_kv_backward(dk_x, dv_x, meta, xplan)
+        dsinks = (
+            q.new_empty(0)
+            if sinks is None
+            else _sinks_grad(dout, out, lse, sinks, meta.plan.local_valid)
+        )
+        return dq, dkv, dsinks
+    k_full, v_full = gather_kv(k, v, meta)
     # The reduce-scatter input: per rank, its dK rows then its dV rows, so the result splits
     # into contiguous dK and dV without a copy.
     buf = k.new_empty((rt.pcp_size, 2, t, *k.shape[1:]))

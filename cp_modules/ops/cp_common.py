@@ -11,6 +11,11 @@ import torch
 
 from cp_modules.distributed.collectives import all_gather, reduce_scatter
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
+from cp_modules.partition.window_exchange import (
+    WindowExchangePlan,
+    exchange_rows,
+    exchange_rows_backward,
+)
 from cp_modules.step import CPStepMetadata
 
 __all__ = [
@@ -19,6 +24,8 @@ __all__ = [
     "check_local",
     "check_trainable",
     "decode_combined",
+    "exchange_kv",
+    "exchange_kv_backward",
     "gather_kv",
     "gather_rows",
     "gathered_rows_of",
@@ -58,6 +65,25 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, meta: CPStepMetadata):
     gathered = all_gather(local, rt.pcp_group, rt.pcp_size)
     kv = gathered.transpose(0, 1).index_select(1, meta.plan.gather_index)
     return kv[0], kv[1]
+
+
+def exchange_kv(k: torch.Tensor, v: torch.Tensor, meta: CPStepMetadata, plan: WindowExchangePlan):
+    """The K/V rows [K, Hkv, D] a windowed layer's queries on this rank see (``plan``), from
+    the PCP ranks holding them, in one uneven all-to-all; each result is contiguous."""
+    kv = exchange_rows(torch.stack((k, v), dim=1), plan, meta.runtime.pcp_group)
+    kv = kv.transpose(0, 1).contiguous()
+    return kv[0], kv[1]
+
+
+def exchange_kv_backward(
+    dk: torch.Tensor, dv: torch.Tensor, meta: CPStepMetadata, plan: WindowExchangePlan
+) -> torch.Tensor:
+    """Backward of :func:`exchange_kv`: [2, T, Hkv, D], dK then dV of this rank's local rows,
+    summed over every rank that received them (padding rows 0)."""
+    d = exchange_rows_backward(
+        torch.stack((dk, dv), dim=1), plan, meta.runtime.pcp_group, meta.num_local_tokens
+    )
+    return d.transpose(0, 1).contiguous()
 
 
 def scatter_grad(meta: CPStepMetadata, dx_full: torch.Tensor) -> torch.Tensor:
