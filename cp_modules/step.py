@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping, local_seq_len
+from cp_modules.cache.window import window_write_start
 from cp_modules.config import ParallelConfig
 from cp_modules.distributed.dcp_spec import DCPCommSpec
 from cp_modules.partition.plan import PCPPlan, plan_pcp
@@ -284,11 +285,9 @@ def build_step_metadata(
     decode_kv_len = t(np.zeros(0, dtype=np.int64), torch.int32)
     views: dict[int, dict] = {}
     if block_table is not None:
-        cache = _cache_fields(runtime, block_table, block_size, num_new, num_comp, is_decode, dev)
-        views = {
-            w: _cache_fields(runtime, bt, block_size, num_new, num_comp, is_decode, dev, w)
-            for w, bt in sorted(tables.items())
-        }
+        args = (block_size, num_new, num_comp, decode_threshold, dev)
+        cache = _cache_fields(runtime, block_table, *args)
+        views = {w: _cache_fields(runtime, bt, *args, w) for w, bt in sorted(tables.items())}
         decode_kv_len = dcp_query_kv_len(
             t(dec_positions), runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
         )
@@ -335,12 +334,13 @@ def _check_block_table(name, block_table, runtime, block_size, num_new, num_comp
         )
 
 
-def _cache_fields(runtime, block_table, block_size, num_new, num_comp, is_decode, dev,
+def _cache_fields(runtime, block_table, block_size, num_new, num_comp, decode_threshold, dev,
                   window: int | None = None) -> dict:  # fmt: skip
     """The step's cache slots and cached-prefix read through ``block_table``; with a
-    ``window`` W, those of a W-window layer group: it keeps only the new tokens some query of
-    this step or a later one sees (positions ``>= max(c0, c1 - W + 1)`` of a request adding
-    ``[c0, c1)``) and reads as prefix of a prompt chunk only ``[max(0, c0 - W + 1), c0)``."""
+    ``window`` W, those of a W-window layer group: it keeps only the new tokens a later query
+    sees, or that a decode reads from the cache (:func:`window_write_start`: positions
+    ``>= max(c0, c1 - W + 1)`` of a prompt chunk ``[c0, c1)``, every decode token) and reads
+    as prefix of a prompt chunk only ``[max(0, c0 - W + 1), c0)``."""
     virtual = block_size * runtime.dcp_size
     used = (num_new + num_comp + virtual - 1) // virtual
     bt_host = block_table.cpu()
@@ -356,7 +356,7 @@ def _cache_fields(runtime, block_table, block_size, num_new, num_comp, is_decode
     )
     prefix_start = np.zeros_like(num_comp)
     if window is not None:
-        keep = np.maximum(num_comp, num_comp + num_new - window + 1)
+        keep = window_write_start(num_comp, num_new, window, decode_threshold)
         pos_of_new = np.where(pos_of_new >= keep[req_of_new], pos_of_new, -1)  # -1: not kept
         prefix_start = np.maximum(num_comp - window + 1, 0)
     slot_mapping = dcp_slot_mapping(
@@ -368,6 +368,7 @@ def _cache_fields(runtime, block_table, block_size, num_new, num_comp, is_decode
         runtime.dcp_rank,
         runtime.config.interleave,
     )
+    is_decode = (num_new <= decode_threshold) & (num_comp > 0)
     prefix_len = np.where(is_decode, 0, num_comp - prefix_start)
     has_prefix = bool(prefix_len.sum() > 0)
     prefix_read = prefix_index = None

@@ -5,12 +5,12 @@ BlockTable` of the scheduler serves; each distinct window W: a :class:`WindowBlo
 every group has its own block pool and block table per request, as hybrid KV-cache allocators
 do. A query at position ``i`` of a W-window layer attends positions ``i - W + 1 .. i``, so
 once a request has ``n`` tokens in its cache, no query to come sees a position before
-``window_first_visible(n, W) = n - W + 1``. The group therefore
+``n - W + 1`` (the rules are :mod:`cp_modules.cache.window`). The group therefore
 
-- writes only the new tokens some later query sees (``window_write_start``: the last W - 1 of
-  a prompt chunk, every decode token — the step's own attention takes the new keys from the
-  step itself, not from the cache),
-- reads as cached prefix of a prompt chunk only its window (``step.py`` builds that read),
+- writes only the new tokens a later query sees (the last W - 1 of a prompt chunk, whose own
+  attention takes its new keys from the step) and every decode token,
+- reads as cached prefix of a prompt chunk only its window (the step metadata's
+  :meth:`~cp_modules.step.CPStepMetadata.for_window` view builds those writes and reads),
 - returns a block to its pool once every position it covers lies before the first visible one.
 
 Blocks are per DCP shard: a block-table entry covers the ``block_size * dcp`` positions of a
@@ -20,8 +20,10 @@ is freed when all its positions (hence every rank's local tokens of it) are out 
 Freed and never-written entries read 0; no read or write of the step reaches them (writes are
 masked by the slot mapping, reads start at each query's window).
 
-A request then holds at most ``window_block_bound(W, block_size, dcp, 1)`` blocks in a decode
-step, which is ``<= ceil(W / (block_size * dcp)) + 1``, however long it grows.
+A request then holds at most ``ceil(W / (block_size * dcp)) + 1`` blocks at a decode step,
+however long it grows (``window_block_bound`` gives the bound of a step with prompt chunks).
+The allocation follows the step metadata's default decode rule (one new token and a
+non-empty cache is a decode).
 """
 
 from __future__ import annotations
@@ -32,52 +34,9 @@ import torch
 
 from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.cache.paged import BlockAllocator
+from cp_modules.cache.window import window_block_bound, window_first_visible, window_write_start
 
-__all__ = [
-    "WindowBlockGroup",
-    "blocks_spanned",
-    "kv_cache_windows",
-    "window_block_bound",
-    "window_capacity",
-    "window_first_visible",
-    "window_group_num_blocks",
-    "window_write_start",
-]
-
-
-def window_first_visible(num_tokens: int, window: int) -> int:
-    """First position any query of a request with ``num_tokens`` cached tokens can still see
-    (the next query is at position ``num_tokens``): ``max(0, num_tokens - window + 1)``."""
-    return max(0, num_tokens - window + 1)
-
-
-def window_write_start(num_computed: int, num_new: int, window: int) -> int:
-    """First new token of a step the cache must keep: later queries see it, or (a decode) the
-    step itself reads it from the cache. ``max(num_computed, num_computed + num_new - W + 1)``."""
-    return max(num_computed, num_computed + num_new - window + 1)
-
-
-def blocks_spanned(length: int, virtual_block: int) -> int:
-    """Most blocks of ``virtual_block`` positions a run of ``length`` consecutive positions
-    touches (at the worst alignment): 0 for an empty run, else ``ceil((length - 1) / B) + 1``."""
-    if length <= 0:
-        return 0
-    return (length + 2 * virtual_block - 2) // virtual_block
-
-
-def window_block_bound(window: int, block_size: int, dcp_size: int, max_chunk: int) -> int:
-    """Most blocks a request of a ``window`` group holds in one step, when its prompt chunks
-    have at most ``max_chunk`` new tokens (decodes: 1).
-
-    A step of a chunk ``[c0, c1)`` needs its cached window ``[c0 - W + 1, c0)`` and the tokens
-    it writes ``[max(c0, c1 - W + 1), c1)``: one run of ``W - 1 + n`` positions, or two runs of
-    ``W - 1`` when the chunk is longer than the window. A decode step needs the run of the W
-    keys its query sees.
-    """
-    vb = block_size * dcp_size
-    decode = blocks_spanned(window, vb)
-    chunk = min(blocks_spanned(window - 1 + max_chunk, vb), 2 * blocks_spanned(window - 1, vb))
-    return max(decode, chunk)
+__all__ = ["WindowBlockGroup", "kv_cache_windows", "window_capacity", "window_group_num_blocks"]
 
 
 def window_capacity(
@@ -168,7 +127,8 @@ class WindowBlockGroup:
         self._rows: list[dict[int, int]] = [{} for _ in range(max_num_seqs)]
         self._reserved: dict[int, int] = {}
         self.peak_blocks_used = 0
-        self.peak_blocks_per_request = 0
+        self.peak_blocks_per_request = 0  # one request, at any step
+        self.peak_decode_blocks_per_request = 0  # one request, at its decode steps
 
     @property
     def num_blocks(self) -> int:
@@ -199,16 +159,21 @@ class WindowBlockGroup:
     def prepare(self, row: int, num_computed: int, num_new: int) -> None:
         """Give ``row`` the blocks its next step writes into."""
         vb = self.block_size * self.dcp_size
-        first = window_write_start(num_computed, num_new, self.window)
+        first = int(window_write_start(num_computed, num_new, self.window))
         end = num_computed + num_new
         entries = self._rows[row]
-        missing = [e for e in range(first // vb, -(-end // vb)) if e not in entries]
+        span = range(first // vb, -(-end // vb)) if first < end else range(0)
+        missing = [e for e in span if e not in entries]
         assert len(entries) + len(missing) <= self._reserved[row], "window reservation exceeded"
         for e, block in zip(missing, self.allocator.allocate(len(missing))):
             entries[e] = block
             self.tensor[row, e] = block
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         self.peak_blocks_per_request = max(self.peak_blocks_per_request, len(entries))
+        if num_new == 1 and num_computed > 0:
+            self.peak_decode_blocks_per_request = max(
+                self.peak_decode_blocks_per_request, len(entries)
+            )
 
     def release(self, row: int, num_tokens: int) -> list[int]:
         """Return ``row``'s blocks that no query to come sees (it has ``num_tokens`` cached
