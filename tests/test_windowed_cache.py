@@ -194,7 +194,7 @@ def _model(family: str, window: int = WINDOW):
     common = dict(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
                   layer_types=["sliding_attention", "full_attention"], bos_token_id=None,
-                  eos_token_id=None, pad_token_id=None, max_position_embeddings=512)  # fmt: skip
+                  eos_token_id=None, pad_token_id=None)  # fmt: skip
     if family == "gemma3":
         return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common)).eval()
     model = tf.GptOssForCausalLM(
