@@ -102,7 +102,8 @@ class GenerationEngine:
         max_num_tokens: new tokens per step at most (the chunked-prefill budget).
         max_num_seqs: requests in flight at most.
         num_blocks: KV-cache blocks per rank and layer; default: enough for every request of a
-            ``generate`` call at full length.
+            ``generate`` call at full length. Sliding-window layers get what their window needs
+            (at most this): their blocks go back to the pool as the window moves on.
         compile: ``torch.compile`` the prefill and the decode forward (dynamic shapes; the
             attention op is opaque to the compiler, so new batch compositions reuse the graphs:
             one for prefill steps, one for decode steps and one for single-token decode steps,
