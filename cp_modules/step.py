@@ -22,15 +22,17 @@ handle keeps the plan alive exactly as long as some graph (or user code) holds i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping, local_seq_len
+from cp_modules.cache.window import window_write_start
 from cp_modules.config import ParallelConfig
 from cp_modules.distributed.dcp_spec import DCPCommSpec
 from cp_modules.partition.plan import PCPPlan, plan_pcp
@@ -125,6 +127,10 @@ class CPStepMetadata:
         is_decode_host: per request, replicated over PCP (a decode) instead of split.
         window_plans: the step's K/V exchanges of sliding-window layers, built on first use
             (:meth:`window_exchange`).
+        window_views: window W -> the metadata of the W-window layer group's KV cache (its own
+            block table; it writes only the new tokens a later query sees and reads as cached
+            prefix only the window), when the caller gave that group's block table; see
+            :meth:`for_window`.
     """
 
     runtime: CPRuntime
@@ -149,6 +155,7 @@ class CPStepMetadata:
     prefix_cu_seqlens: torch.Tensor | None
     is_decode_host: tuple[bool, ...] = ()
     window_plans: dict = field(default_factory=dict, repr=False)
+    window_views: Mapping[int, CPStepMetadata] = field(default_factory=dict)
     serial: int = field(default_factory=lambda: next(_SERIALS))
 
     def window_exchange(self, window: int, with_cache: bool) -> WindowExchangePlan | None:
@@ -174,6 +181,13 @@ class CPStepMetadata:
                 device=self.token_indices.device,
             )  # fmt: skip
         return self.window_plans[key]
+
+    def for_window(self, sliding_window: int | None) -> CPStepMetadata:
+        """The metadata a layer with ``sliding_window`` reads: its layer group's cache view if
+        the step has one, else this (one cache layout for every layer)."""
+        if not sliding_window or not self.window_views:
+            return self
+        return self.window_views.get(sliding_window, self)
 
     def decode_kv_start(self, sliding_window: int | None) -> torch.Tensor | None:
         """[Bd] first local token each decode token sees with a window of ``sliding_window``
@@ -219,6 +233,7 @@ def build_step_metadata(
     decode_threshold: int = 1,
     device: torch.device | str | None = None,
     check_consistency: bool = True,
+    window_block_tables: Mapping[int, torch.Tensor] | None = None,
 ) -> CPStepMetadata:
     """Plan one step for this rank: the PCP split, cache slots, decode and prefix metadata.
 
@@ -236,6 +251,9 @@ def build_step_metadata(
             parallel replica (one small all-gather of a fixed size per step) so that ranks fed
             different batches fail with a clear error instead of hanging or computing garbage
             in a later collective.
+        window_block_tables: window W -> [R, M] block table of the W-window layer group (a
+            cache of its own that holds only what its window still sees), like
+            ``block_table``; each gives the step a :meth:`CPStepMetadata.for_window` view.
 
     Raises:
         ValueError: for an inconsistent batch, a cached prefix without a block table, a
@@ -253,20 +271,17 @@ def build_step_metadata(
             "requests with num_computed_tokens > 0 attend their cached prefix: pass the "
             "block_table of the KV cache"
         )
-    if block_table is not None:
-        runtime.config.validate_block_size(block_size)
-        if block_table.dim() != 2 or block_table.shape[0] != num_new.size:
-            raise ValueError(
-                f"block_table must be [num_requests={num_new.size}, max_blocks], got "
-                f"{tuple(block_table.shape)}"
-            )
-        virtual = block_size * runtime.dcp_size
-        need = int(((num_new + num_comp + virtual - 1) // virtual).max())
-        if need > block_table.shape[1]:
-            raise ValueError(
-                f"block_table has {block_table.shape[1]} blocks per request but the longest "
-                f"request needs {need} (virtual blocks of block_size*dcp = {virtual} tokens)"
-            )
+    tables = dict(window_block_tables or {})
+    if tables and block_table is None:
+        raise ValueError("window_block_tables need the block_table of the full layers too")
+    bad = [w for w in tables if isinstance(w, bool) or not isinstance(w, int) or w < 1]
+    if bad:
+        raise ValueError(f"window_block_tables keys must be windows (integers >= 1), got {bad}")
+    named = {"block_table": block_table}
+    named.update({f"window_block_tables[{w}]": bt for w, bt in tables.items()})
+    for name, bt in named.items():
+        if bt is not None:
+            _check_block_table(name, bt, runtime, block_size, num_new, num_comp)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if check_consistency and runtime.batch_group:
         _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, block_size, dev)
@@ -294,46 +309,21 @@ def build_step_metadata(
     def t(x, dtype=torch.int64):
         return torch.as_tensor(np.asarray(x), dtype=dtype).to(dev)
 
-    slot_mapping = prefix_read = prefix_index = prefix_cu = None
-    has_prefix = False
+    cache: dict = dict(
+        block_table=None, max_block_id=-1, slot_mapping=None, has_prefix=False,
+        prefix_read_slots=None, prefix_gather_index=None, prefix_cu_seqlens=None,
+    )  # fmt: skip
     decode_kv_len = t(np.zeros(0, dtype=np.int64), torch.int32)
-    max_block_id = -1
+    views: dict[int, dict] = {}
     if block_table is not None:
-        virtual = block_size * runtime.dcp_size
-        used = (num_new + num_comp + virtual - 1) // virtual
-        bt_host = block_table.cpu()
-        max_block_id = max(int(bt_host[r, : used[r]].max()) for r in range(num_new.size))
-        if int(bt_host.min()) < 0 and any(
-            int(bt_host[r, : used[r]].min()) < 0 for r in range(num_new.size)
-        ):
-            raise ValueError("block_table holds negative block ids in entries the batch uses")
-        block_table = block_table.to(dev)
-        req_of_new = np.repeat(np.arange(num_new.size), num_new)
-        pos_of_new = num_comp[req_of_new] + (
-            np.arange(num_new.sum()) - np.repeat(np.cumsum(num_new) - num_new, num_new)
-        )
-        slot_mapping = dcp_slot_mapping(
-            t(pos_of_new),
-            t(req_of_new),
-            block_table,
-            block_size,
-            runtime.dcp_size,
-            runtime.dcp_rank,
-            runtime.config.interleave,
-        )
+        args = (block_size, num_new, num_comp, decode_threshold, dev)
+        cache = _cache_fields(runtime, block_table, *args)
+        views = {w: _cache_fields(runtime, bt, *args, w) for w, bt in sorted(tables.items())}
         decode_kv_len = dcp_query_kv_len(
             t(dec_positions), runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
         )
-        prefix_len = np.where(is_decode, 0, num_comp)
-        has_prefix = bool(prefix_len.sum() > 0)
-        prefix_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(prefix_len)]), dtype=torch.int64)
-        if has_prefix:
-            read_np, index_np = _prefix_gather_plan(
-                prefix_len, block_table.cpu().numpy(), block_size, runtime
-            )
-            prefix_read, prefix_index = t(read_np), t(index_np)
 
-    return CPStepMetadata(
+    meta = CPStepMetadata(
         runtime=runtime,
         plan=plan,
         token_indices=plan.token_indices,
@@ -346,15 +336,90 @@ def build_step_metadata(
         decode_seq_idx=t(dec_req_of_tok, torch.int32),
         decode_kv_len=decode_kv_len,
         decode_positions=t(dec_positions),
-        block_table=block_table,
         block_size=block_size,
+        is_decode_host=tuple(bool(x) for x in is_decode),
+        **cache,
+    )
+    if views:
+        meta = dataclasses.replace(
+            meta,
+            window_views={
+                w: dataclasses.replace(meta, serial=next(_SERIALS), **f) for w, f in views.items()
+            },
+        )
+    return meta
+
+
+def _check_block_table(name, block_table, runtime, block_size, num_new, num_comp) -> None:
+    runtime.config.validate_block_size(block_size)
+    if block_table.dim() != 2 or block_table.shape[0] != num_new.size:
+        raise ValueError(
+            f"{name} must be [num_requests={num_new.size}, max_blocks], got "
+            f"{tuple(block_table.shape)}"
+        )
+    virtual = block_size * runtime.dcp_size
+    need = int(((num_new + num_comp + virtual - 1) // virtual).max())
+    if need > block_table.shape[1]:
+        raise ValueError(
+            f"{name} has {block_table.shape[1]} blocks per request but the longest "
+            f"request needs {need} (virtual blocks of block_size*dcp = {virtual} tokens)"
+        )
+
+
+def _cache_fields(runtime, block_table, block_size, num_new, num_comp, decode_threshold, dev,
+                  window: int | None = None) -> dict:  # fmt: skip
+    """The step's cache slots and cached-prefix read through ``block_table``; with a
+    ``window`` W, those of a W-window layer group: it keeps only the new tokens a later query
+    sees, or that a decode reads from the cache (:func:`window_write_start`: positions
+    ``>= max(c0, c1 - W + 1)`` of a prompt chunk ``[c0, c1)``, every decode token) and reads
+    as prefix of a prompt chunk only ``[max(0, c0 - W + 1), c0)``."""
+    virtual = block_size * runtime.dcp_size
+    used = (num_new + num_comp + virtual - 1) // virtual
+    bt_host = block_table.cpu()
+    max_block_id = max(int(bt_host[r, : used[r]].max()) for r in range(num_new.size))
+    if int(bt_host.min()) < 0 and any(
+        int(bt_host[r, : used[r]].min()) < 0 for r in range(num_new.size)
+    ):
+        raise ValueError("block_table holds negative block ids in entries the batch uses")
+    block_table = block_table.to(dev)
+    req_of_new = np.repeat(np.arange(num_new.size), num_new)
+    pos_of_new = num_comp[req_of_new] + (
+        np.arange(num_new.sum()) - np.repeat(np.cumsum(num_new) - num_new, num_new)
+    )
+    prefix_start = np.zeros_like(num_comp)
+    if window is not None:
+        keep = window_write_start(num_comp, num_new, window, decode_threshold)
+        pos_of_new = np.where(pos_of_new >= keep[req_of_new], pos_of_new, -1)  # -1: not kept
+        prefix_start = np.maximum(num_comp - window + 1, 0)
+    slot_mapping = dcp_slot_mapping(
+        torch.as_tensor(pos_of_new).to(dev),
+        torch.as_tensor(req_of_new).to(dev),
+        block_table,
+        block_size,
+        runtime.dcp_size,
+        runtime.dcp_rank,
+        runtime.config.interleave,
+    )
+    is_decode = (num_new <= decode_threshold) & (num_comp > 0)
+    prefix_len = np.where(is_decode, 0, num_comp - prefix_start)
+    has_prefix = bool(prefix_len.sum() > 0)
+    prefix_read = prefix_index = None
+    if has_prefix:
+        read_np, index_np = _prefix_gather_plan(
+            prefix_len, bt_host.numpy(), block_size, runtime, prefix_start
+        )
+        prefix_read = torch.as_tensor(read_np, dtype=torch.int64).to(dev)
+        prefix_index = torch.as_tensor(index_np, dtype=torch.int64).to(dev)
+    return dict(
+        block_table=block_table,
         max_block_id=max_block_id,
         slot_mapping=slot_mapping,
         has_prefix=has_prefix,
         prefix_read_slots=prefix_read,
         prefix_gather_index=prefix_index,
-        prefix_cu_seqlens=prefix_cu,
-        is_decode_host=tuple(bool(x) for x in is_decode),
+        prefix_cu_seqlens=torch.as_tensor(
+            np.concatenate([[0], np.cumsum(prefix_len)]), dtype=torch.int64
+        ),
     )
 
 
@@ -386,34 +451,49 @@ def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, bloc
 
 
 def _prefix_gather_plan(
-    prefix_len: np.ndarray, block_table: np.ndarray, block_size: int, runtime: CPRuntime
+    prefix_len: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    runtime: CPRuntime,
+    prefix_start: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Slots this rank reads for the cached prefixes, and where each prefix token lands.
 
-    A rank's local tokens of a request fill its physical blocks in order (local token ``j`` is
-    in block-table entry ``j // block_size`` at offset ``j % block_size``), so reading is a
-    gather by slot. Every rank reads the same padded count ``Lp`` (the largest rank's share,
-    rank 0's), all-gathers, and ``gather_index`` picks prefix position ``p`` of each request
-    from rank ``(p // I) % D`` at row ``rank * Lp + offset_of_request_on_rank + local_index``.
+    Request ``r``'s prefix is its positions ``[prefix_start[r], prefix_start[r] +
+    prefix_len[r])`` (start 0 by default: the whole context; a sliding window reads only its
+    last keys). A rank's local tokens of a request fill its physical blocks in order (local
+    token ``j`` is in block-table entry ``j // block_size`` at offset ``j % block_size``), so
+    reading is a gather by slot. Every rank reads the same padded count ``Lp`` (the largest
+    rank's share), all-gathers, and ``gather_index`` picks prefix position ``p`` of each
+    request from rank ``(p // I) % D`` at row ``rank * Lp + offset_of_request_on_rank +
+    local_index - first_local_index``.
     """
     d, r, i = runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
-    lens = torch.from_numpy(prefix_len)
-    local_counts = np.stack([local_seq_len(lens, d, k, i).numpy() for k in range(d)])  # [D, R]
-    padded = int(local_counts[0].sum())  # rank 0 holds the most of every request
+    start = np.zeros_like(prefix_len) if prefix_start is None else prefix_start
+    first = torch.from_numpy(start)
+    stop = torch.from_numpy(start + prefix_len)
+    local_lo = np.stack([local_seq_len(first, d, k, i).numpy() for k in range(d)])  # [D, R]
+    local_counts = np.stack([local_seq_len(stop, d, k, i).numpy() for k in range(d)]) - local_lo
+    padded = int(local_counts.sum(1).max())
     req_offsets = np.concatenate(
         [np.zeros((d, 1), np.int64), np.cumsum(local_counts, 1)[:, :-1]], 1
     )
     # This rank's read slots, request by request.
     mine = local_counts[r]
     req = np.repeat(np.arange(prefix_len.size), mine)
-    j = np.arange(mine.sum()) - np.repeat(np.cumsum(mine) - mine, mine)
+    j = local_lo[r, req] + np.arange(mine.sum()) - np.repeat(np.cumsum(mine) - mine, mine)
     read = block_table[req, j // block_size].astype(np.int64) * block_size + j % block_size
     read = np.concatenate([read, np.zeros(padded - read.size, np.int64)])
     # Where each prefix position comes from.
     preq = np.repeat(np.arange(prefix_len.size), prefix_len)
-    p = np.arange(prefix_len.sum()) - np.repeat(np.cumsum(prefix_len) - prefix_len, prefix_len)
+    p = (
+        start[preq]
+        + np.arange(prefix_len.sum())
+        - np.repeat(np.cumsum(prefix_len) - prefix_len, prefix_len)
+    )
     owner = p // i % d
-    gather = owner * padded + req_offsets[owner, preq] + _local_index(p, d, i)
+    local = _local_index(p, d, i) - local_lo[owner, preq]
+    gather = owner * padded + req_offsets[owner, preq] + local
     return read, gather
 
 

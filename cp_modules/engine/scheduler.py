@@ -7,16 +7,22 @@ A step holds every running request that decodes (one token each) and then prompt
 arrival order, until ``max_num_tokens`` new tokens are scheduled. A request is admitted when its
 whole lifetime (prompt + max_new_tokens) fits in the free blocks, so no request is ever
 preempted; admitted requests keep their block-table row until they finish.
+
+Sliding-window layer groups (``window_num_blocks``) have block pools and tables of their own
+(:class:`~cp_modules.engine.block_groups.WindowBlockGroup`): a request reserves there only the
+blocks its window can span, takes them as it writes and returns them as the window moves on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.cache.paged import BlockAllocator, BlockTable
+from cp_modules.engine.block_groups import WindowBlockGroup
 
 __all__ = ["Request", "Scheduler", "StepBatch"]
 
@@ -60,6 +66,8 @@ class StepBatch:
         sample_rows: [S] rows of ``input_ids`` whose next token is sampled (last token of a
             request that has no unprocessed tokens left after this step).
         sample_requests: the S requests those rows belong to.
+        window_block_tables: window W -> [R, M] int32 rows of the W-window layer group
+            (entries out of every query's window read 0).
     """
 
     requests: list[Request]
@@ -69,6 +77,7 @@ class StepBatch:
     block_table: torch.Tensor
     sample_rows: torch.Tensor
     sample_requests: list[Request]
+    window_block_tables: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -85,10 +94,13 @@ class Scheduler:
         dcp_size: DCP group size (a block-table entry covers ``block_size * dcp_size`` tokens).
         max_num_tokens: new tokens per step at most (the chunked-prefill budget).
         max_num_seqs: requests per step at most (and block-table rows).
+        window_num_blocks: window W -> physical blocks per rank of the W-window layer group
+            (its own pool and block table); the groups not named here are full layers, served
+            by the ``num_blocks`` pool.
 
     Raises:
         ValueError: when the budget cannot hold one decode per running request, or a request
-            needs more blocks than the cache has.
+            needs more blocks than a cache has.
     """
 
     def __init__(
@@ -100,6 +112,7 @@ class Scheduler:
         dcp_size: int,
         max_num_tokens: int,
         max_num_seqs: int,
+        window_num_blocks: Mapping[int, int] | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_tokens < max_num_seqs:
             raise ValueError(
@@ -123,6 +136,26 @@ class Scheduler:
         self.table = BlockTable(
             max_num_seqs, max_model_len, block_size, self.allocator, dcp_size=dcp_size
         )
+        self.window_groups = {
+            w: WindowBlockGroup(
+                w,
+                num_blocks=n,
+                block_size=block_size,
+                dcp_size=dcp_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                max_num_tokens=max_num_tokens,
+            )
+            for w, n in sorted((window_num_blocks or {}).items())
+        }
+        for g in self.window_groups.values():
+            for r in requests:
+                need = g.capacity(len(r.prompt), r.max_len)
+                if need > g.num_blocks:
+                    raise ValueError(
+                        f"request {r.index} needs {need} blocks in the window={g.window} layer "
+                        f"group but its cache has {g.num_blocks}: raise that group's blocks"
+                    )
         self.waiting = list(requests)
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs))
@@ -136,10 +169,16 @@ class Scheduler:
         while self.waiting and self._free_rows:
             r = self.waiting[0]
             need = dcp_num_blocks(r.max_len, self.block_size, self.dcp_size)
-            if need > self.allocator.num_free:
+            row = self._free_rows[0]
+            groups = self.window_groups.values()
+            fits = all(g.capacity(len(r.prompt), r.max_len) <= g.num_unreserved for g in groups)
+            if need > self.allocator.num_free or not fits:
                 return
             r.row = self._free_rows.pop(0)
             self.table.ensure_capacity(r.row, r.max_len)
+            for g in groups:
+                admitted = g.admit(row, len(r.prompt), r.max_len)
+                assert admitted, "checked above"
             self.running.append(self.waiting.pop(0))
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
 
@@ -167,6 +206,9 @@ class Scheduler:
                 sample_rows.append(len(ids) - 1)
                 sample_reqs.append(r)
         rows = torch.tensor([r.row for r, _ in chosen], dtype=torch.long)
+        for g in self.window_groups.values():
+            for r, n in chosen:
+                g.prepare(r.row, r.num_computed, n)
         return StepBatch(
             requests=[r for r, _ in chosen],
             num_new=[n for _, n in chosen],
@@ -175,6 +217,9 @@ class Scheduler:
             block_table=self.table.tensor.index_select(0, rows),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             sample_requests=sample_reqs,
+            window_block_tables={
+                w: g.tensor.index_select(0, rows) for w, g in self.window_groups.items()
+            },
         )
 
     def update(
@@ -183,6 +228,8 @@ class Scheduler:
         """Record a step's sampled tokens; finish requests; return the number of new tokens."""
         for r, n in zip(batch.requests, batch.num_new):
             r.num_computed += n
+            for g in self.window_groups.values():
+                g.release(r.row, r.num_computed)
         for r, t in zip(batch.sample_requests, tokens):
             if r.first_token_time is None:
                 r.first_token_time = now
@@ -194,6 +241,8 @@ class Scheduler:
         for r in [r for r in self.running if r.finished]:
             self.running.remove(r)
             self.table.free_row(r.row)
+            for g in self.window_groups.values():
+                g.finish(r.row)
             self._free_rows.append(r.row)
             self._free_rows.sort()
         return len(tokens)

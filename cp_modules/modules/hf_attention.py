@@ -40,6 +40,7 @@ __all__ = [
     "RefusedMask",
     "cp_attention_forward",
     "cp_attention_mask",
+    "layer_window",
     "register_cp_attention",
 ]
 
@@ -79,6 +80,10 @@ class CPLayerBinding:
         heads_replicated: every TP rank holds all heads (the model's TP plan gathers q/k/v).
         sinks_slice: (TP rank, TP size) when the module's sinks hold every head and this rank
             attends with its heads' slice; else None.
+        sliding_window: the layer's window (None: full attention), which groups its KV cache:
+            a windowed layer group's cache may keep only the window (see
+            :mod:`cp_modules.engine.block_groups`), so a call with a KV cache and another window
+            is refused.
     """
 
     model_name: str
@@ -92,6 +97,7 @@ class CPLayerBinding:
     tp_group: tuple[str, int] = ("", 1)
     heads_replicated: bool = False
     sinks_slice: tuple[int, int] | None = None
+    sliding_window: int | None = None
 
     def where(self) -> str:
         return f"{self.model_name} layer {self.layer_name!r} (layer_idx={self.layer_idx})"
@@ -250,6 +256,14 @@ def cp_attention_forward(
     if scaling is None:
         scaling = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
     window = _window(binding, module, attention_mask, kwargs.get("sliding_window"))
+    cache = binding.caches.get(binding.layer_idx)
+    if cache is not None and window != binding.sliding_window:
+        raise refusal(
+            binding,
+            module,
+            f"a sliding window of {window} keys in a layer whose KV cache is laid out for "
+            f"window={binding.sliding_window} (set when swap_attention bound the layer)",
+        )
     softcap: Any = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
     if (
@@ -267,11 +281,19 @@ def cp_attention_forward(
             "(shard the sinks with the heads)",
         )
     out = gqa_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), binding.caches.get(binding.layer_idx),
+        q.contiguous(), k.contiguous(), v.contiguous(), cache,
         scale=float(scaling), sinks=sinks, sliding_window=window,
         softcap=float(softcap) if _active(softcap) else None,
     )  # fmt: skip
     return out.unsqueeze(0), None
+
+
+def layer_window(module, hf_config) -> int | None:
+    """The sliding window a HF attention module will be called with: its ``sliding_window``
+    (Gemma 2/3, gpt-oss, Qwen2, Cohere 2 set it per layer), else the config's (Mistral and the
+    models that pass ``config.sliding_window`` to every layer); None for full attention."""
+    w = getattr(module, "sliding_window", getattr(hf_config, "sliding_window", None))
+    return int(w) if _active(w) else None
 
 
 def _window(binding, module, attention_mask, window_kwarg) -> int | None:

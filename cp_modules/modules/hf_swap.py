@@ -43,6 +43,7 @@ from cp_modules.modules.hf_attention import (
     CPLayerBinding,
     RefusedMask,
     check_call,
+    layer_window,
     refusal,
     register_cp_attention,
 )
@@ -302,6 +303,7 @@ def swap_attention(
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             v_head_dim=head_dim,
+            sliding_window=layer_window(attn, hf_config),
         )
         # What shows on the module already (windows, sinks, is_causal) fails here, not at the
         # first forward.
@@ -512,12 +514,15 @@ def allocate_kv_caches(
     *,
     dtype: torch.dtype,
     device: torch.device | str | None = None,
+    window_num_blocks: dict[int, int] | None = None,
 ) -> int:
     """Give every cp layer of ``model`` a paged KV cache of ``num_blocks`` blocks on this rank;
     return the bytes one block takes over all layers.
 
     Interface-served layers get ``(k_cache, v_cache)`` ``[NB, BS, Hkv_local, D]`` in
     ``model.cp_kv_caches`` by ``layer_idx``; MLA layers a latent cache ``[NB, BS, Rk + Dr]``.
+    ``window_num_blocks`` (window W -> blocks) sizes the caches of the layers of window W
+    instead (a layer group whose cache keeps only its window).
 
     Raises:
         ValueError: for a model :func:`swap_attention` has not prepared.
@@ -532,8 +537,9 @@ def allocate_kv_caches(
     for layer in layers:
         b = getattr(layer, "cp_binding", None)
         if b is not None:
+            n = (window_num_blocks or {}).get(b.sliding_window, num_blocks)
             b.caches.caches[b.layer_idx] = allocate_kv_cache(
-                num_blocks, block_size, b.num_kv_heads, b.head_dim, dtype=dtype, device=device
+                n, block_size, b.num_kv_heads, b.head_dim, dtype=dtype, device=device
             )
             per_block += kv_cache_bytes_per_block(
                 block_size, dtype=dtype, num_kv_heads=b.num_kv_heads, head_dim=b.head_dim

@@ -61,7 +61,8 @@ __all__ = ["gqa_attention", "mla_attention"]
 
 
 def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap=0.0):
-    meta = current_step()
+    # A windowed layer's cache may be its layer group's own (it keeps only its window).
+    meta = current_step().for_window(window)
     check_local(meta, q, k, v)
     has_cache = k_cache.numel() > 0
     if has_cache:
