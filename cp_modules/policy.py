@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["MLA_BACKWARD_PATHS", "PCP_VARLEN_CHOICES", "CPPolicy"]
+__all__ = ["MLA_BACKWARD_PATHS", "MLA_DECODE_KERNELS", "PCP_VARLEN_CHOICES", "CPPolicy"]
 
 PCP_VARLEN_CHOICES = ("auto", "always", "never")
 MLA_BACKWARD_PATHS = ("auto", "key_major", "query_major")
+MLA_DECODE_KERNELS = ("auto", "triton", "gluon")
 
 _DEFAULT_VARLEN_LIMITS = {
     "forward": 5e10,
@@ -41,6 +42,9 @@ class CPPolicy:
         key_major_min_rows: auto MLA key-major backward from this mean chunk length.
         causal_pairs_min_rows: MLA rectangles of at least this many query rows run their
             backward as causal pairs.
+        mla_decode: the absorbed MLA decode kernel on CUDA: ``"auto"`` (the Gluon kernel where
+            it serves the shape: sm_90, bf16/fp16, heads a multiple of 64, latent 512 + rope
+            64; else Triton), ``"gluon"`` (refused where it does not serve) or ``"triton"``.
         window_exchange: layers with a sliding window receive only the K/V their queries see
             from the other PCP ranks (one uneven all-to-all; at most ``2 * (c + W)`` tokens
             per request) instead of all-gathering every new token; False keeps the all-gather.
@@ -59,6 +63,7 @@ class CPPolicy:
     direct_grad_min_rows_per_run: int = 1024
     key_major_min_rows: int = 2048
     causal_pairs_min_rows: int = 8192
+    mla_decode: str = "auto"
     window_exchange: bool = True
     cudnn_build_s: float = 0.15
     varlen_max_flop_per_segment: dict[str, float] = field(
@@ -73,6 +78,10 @@ class CPPolicy:
         if self.mla_backward not in MLA_BACKWARD_PATHS:
             raise ValueError(
                 f"mla_backward must be one of {list(MLA_BACKWARD_PATHS)}, got {self.mla_backward!r}"
+            )
+        if self.mla_decode not in MLA_DECODE_KERNELS:
+            raise ValueError(
+                f"mla_decode must be one of {list(MLA_DECODE_KERNELS)}, got {self.mla_decode!r}"
             )
         for name in (
             "direct_grad_min_rows_per_run",
@@ -114,6 +123,7 @@ class CPPolicy:
                 self.direct_grad_min_rows_per_run,
                 self.key_major_min_rows,
                 self.causal_pairs_min_rows,
+                self.mla_decode,
                 self.window_exchange,
                 self.cudnn_build_s,
                 tuple(sorted(self.varlen_max_flop_per_segment.items())),

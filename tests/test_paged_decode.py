@@ -739,3 +739,36 @@ def test_gpu_gluon_mla_cuda_graph_replay_and_refusals():
     with pytest.raises(ValueError, match="bf16/fp16"):
         paged_mla_attention_gluon(q.float(), cache.float(), shard.block_table, rows, kv_len,
                                   0.072, 512)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "gluon", "triton"])
+def test_gpu_mla_op_kernel_choice_matches_reference(kernel):
+    # The op's kernel choice (CPPolicy.mla_decode): each serves the DeepSeek shape exactly.
+    if kernel == "gluon":
+        _require_gluon()
+    d, rank = 2, 1
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shard = build_shard(GPU_LENGTHS, bs=64, d=d, rank=rank, interleave=1,
+                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, 1, extra_tokens=0)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    q = torch.randn(rows.numel(), 128, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len)
+    out, lse = paged_mla_attention(*args, scale=192**-0.5, kv_lora_rank=512, kernel=kernel)
+    ref_args = (*args, 192**-0.5, 512)
+    ref, same = paged_mla_attention_ref(*ref_args), paged_mla_attention_ref(*ref_args, upcast=False)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name=f"mla-op-{kernel}")
+
+
+def test_mla_kernel_choice_is_validated():
+    from cp_modules.policy import CPPolicy
+
+    with pytest.raises(ValueError, match="mla_decode must be one of"):
+        CPPolicy(mla_decode="fast")
+    q = torch.zeros(1, 2, 8)
+    cache = torch.zeros(2, 4, 8)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    idx = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        paged_mla_attention(q, cache, bt, idx, idx + 1, scale=1.0, kv_lora_rank=6, kernel="x")

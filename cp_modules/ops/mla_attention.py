@@ -103,6 +103,7 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
                 meta.decode_kv_len,
                 scale=scale,
                 kv_lora_rank=rk,
+                kernel=meta.runtime.policy.mla_decode,
             ),
         )
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)

@@ -24,7 +24,12 @@ import torch
 
 from cp_modules.kernels.paged_decode import paged_attention_kernel
 from cp_modules.kernels.paged_decode_mla import paged_mla_attention_kernel
+from cp_modules.kernels.paged_decode_mla_gluon import (
+    gluon_mla_supported,
+    paged_mla_attention_gluon,
+)
 from cp_modules.ops._lib import lib
+from cp_modules.policy import MLA_DECODE_KERNELS
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
 
 __all__ = ["paged_attention", "paged_mla_attention"]
@@ -36,8 +41,8 @@ lib.define(
 )
 lib.define(
     "paged_mla_attention(Tensor q, Tensor cache, Tensor block_table, Tensor query_seq_idx, "
-    "Tensor query_kv_len, float scale, int kv_lora_rank, int num_splits=0) "
-    "-> (Tensor out, Tensor lse)"
+    "Tensor query_kv_len, float scale, int kv_lora_rank, int num_splits=0, "
+    "str impl='auto') -> (Tensor out, Tensor lse)"
 )
 
 
@@ -58,16 +63,29 @@ def _paged_attention_cuda(q, k_cache, v_cache, block_table, query_seq_idx, query
 
 
 def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len, scale,
-                             kv_lora_rank, num_splits=0):  # fmt: skip
+                             kv_lora_rank, num_splits=0, impl="auto"):  # fmt: skip
     return paged_mla_attention_ref(
         q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank
     )
 
 
+def _paged_mla_attention_cuda(q, cache, block_table, query_seq_idx, query_kv_len, scale,
+                              kv_lora_rank, num_splits=0, impl="auto"):  # fmt: skip
+    # The Gluon kernel (two warp groups, TMA) where it serves the shape; else Triton.
+    args = (q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank)
+    if impl != "triton":
+        why = gluon_mla_supported(q, cache, kv_lora_rank)
+        if why is None:
+            return paged_mla_attention_gluon(*args, num_splits or None)
+        if impl == "gluon":
+            raise ValueError(f"CPPolicy(mla_decode='gluon'): {why}; use 'auto' or 'triton'")
+    return paged_mla_attention_kernel(*args, num_splits)
+
+
 lib.impl("paged_attention", _paged_attention_cpu, "CPU")
 lib.impl("paged_attention", _paged_attention_cuda, "CUDA")
 lib.impl("paged_mla_attention", _paged_mla_attention_cpu, "CPU")
-lib.impl("paged_mla_attention", paged_mla_attention_kernel, "CUDA")
+lib.impl("paged_mla_attention", _paged_mla_attention_cuda, "CUDA")
 
 
 @torch.library.register_fake("cp::paged_attention")
@@ -79,7 +97,7 @@ def _paged_attention_fake(q, k_cache, v_cache, block_table, query_seq_idx, query
 
 @torch.library.register_fake("cp::paged_mla_attention")
 def _paged_mla_attention_fake(q, cache, block_table, query_seq_idx, query_kv_len, scale,
-                              kv_lora_rank, num_splits=0):  # fmt: skip
+                              kv_lora_rank, num_splits=0, impl="auto"):  # fmt: skip
     t, h, _ = q.shape
     return q.new_empty(t, h, kv_lora_rank), q.new_empty(t, h, dtype=torch.float32)
 
@@ -204,6 +222,7 @@ def paged_mla_attention(
     scale: float,
     kv_lora_rank: int,
     num_splits: int | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode against the latent cache; returns ``(out [T, H, Rk], lse [T, H])``.
 
@@ -216,6 +235,8 @@ def paged_mla_attention(
         block_table, query_seq_idx, query_kv_len, scale, num_splits: as in
             :func:`paged_attention`.
         kv_lora_rank: Rk, the latent width (512 for DeepSeek-V2/V3).
+        kernel: the CUDA kernel, as :attr:`CPPolicy.mla_decode
+            <cp_modules.policy.CPPolicy>` (``"auto"``, ``"gluon"`` or ``"triton"``).
 
     Returns:
         out [T, H, Rk] in ``q``'s dtype; lse [T, H] fp32, natural log (-inf when empty).
@@ -234,6 +255,8 @@ def paged_mla_attention(
             f"kv_lora_rank + rope_dim = {cache.shape[2]}), got {kv_lora_rank!r}"
         )
     _check_common(q, (cache,), block_table, query_seq_idx, query_kv_len, num_splits)
+    if kernel not in MLA_DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {list(MLA_DECODE_KERNELS)}, got {kernel!r}")
     return torch.ops.cp.paged_mla_attention(
         q.contiguous() if q.stride(-1) != 1 else q,
         cache,
@@ -243,4 +266,5 @@ def paged_mla_attention(
         float(scale),
         kv_lora_rank,
         num_splits or 0,
+        kernel,
     )
