@@ -41,6 +41,7 @@ backward uses (sigma is 1 without sinks).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -59,9 +60,11 @@ from cp_modules.reference.pcp_attention import (
 
 __all__ = [
     "MASKED_KERNELS",
+    "SPARSE_BLOCK",
     "MaskedPack",
     "dense_twin_attention",
     "flex_attention_call",
+    "flex_block_tables",
     "masked_pack",
     "masked_prefill_backward",
     "masked_prefill_forward",
@@ -84,6 +87,9 @@ class MaskedPack:
         max_q, max_k: the longest sequence's query / key count.
         q_seq, q_pos, k_seq, k_pos: [Tq] / [Tk] int32, each packed row's sequence and its
             position in its request (the FlexAttention mask reads them).
+        key_ranges_host: [Tq, 2] int64 numpy, the packed keys ``[lo, hi)`` each packed query
+            sees (its sequence's keys inside its window, up to itself): the block sparsity of
+            the FlexAttention mask.
         window: W, or None (full causal).
         num_new: N, the new-key rows before the prefix rows in ``[k; prefix_k]``.
         flex_cache: the pack's FlexAttention mask function and block masks, built on first use.
@@ -101,6 +107,7 @@ class MaskedPack:
     q_pos: torch.Tensor
     k_seq: torch.Tensor
     k_pos: torch.Tensor
+    key_ranges_host: np.ndarray
     window: int | None
     num_new: int
     flex_cache: dict = field(default_factory=dict)
@@ -162,13 +169,23 @@ def masked_pack(
         num_new + pstart[k_seq] + k_pos,
         ks[k_seq] + k_pos - plen[k_seq],
     )
+    # Query at position t of a sequence whose kept keys start at position ``first`` (packed
+    # from cu_k): it sees positions [max(first, t - W + 1), t].
+    q_pos = _ragged(total - ql, ql)
+    q_seq = np.repeat(seq, ql)
+    cu_k = _cumsum0(nk)
+    lo_pos = q_pos - (window - 1) if window is not None else first[q_seq]
+    key_ranges = np.stack(
+        [cu_k[q_seq] + np.maximum(lo_pos, first[q_seq]) - first[q_seq],
+         cu_k[q_seq] + q_pos - first[q_seq] + 1], 1,
+    )  # fmt: skip
     parts = {
         "q_index": (_ragged(qs, ql), torch.int64),
         "k_index": (k_rows, torch.int64),
         "cu_q": (_cumsum0(ql), torch.int32),
-        "cu_k": (_cumsum0(nk), torch.int32),
-        "q_seq": (np.repeat(seq, ql), torch.int32),
-        "q_pos": (_ragged(total - ql, ql), torch.int32),
+        "cu_k": (cu_k, torch.int32),
+        "q_seq": (q_seq, torch.int32),
+        "q_pos": (q_pos, torch.int32),
         "k_seq": (k_seq, torch.int32),
         "k_pos": (k_pos, torch.int32),
     }
@@ -186,6 +203,7 @@ def masked_pack(
         cu_k_host=parts["cu_k"][0].tolist(),  # ok: host (numpy)
         max_q=int(ql.max()) if ql.size else 0,
         max_k=int(nk.max()) if nk.size else 0,
+        key_ranges_host=key_ranges.reshape(-1, 2),
         window=window,
         num_new=num_new,
         **views,
@@ -216,17 +234,58 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
+SPARSE_BLOCK = 128
+
+
+def flex_block_tables(pack: MaskedPack, block: int = SPARSE_BLOCK):
+    """The FlexAttention block sparsity of the pack, from its queries' key ranges (exact, on
+    the host): per query block, the kv blocks some of whose entries it sees (``mask_mod``
+    applied) and those all of whose entries it sees (complete blocks only). Returns
+    (kv_num_blocks [Bq], kv_indices [Bq, Bk], full_num_blocks [Bq], full_indices [Bq, Bk])
+    int32 numpy, indices ascending, padded with 0."""
+    a, b = pack.key_ranges_host[:, 0], pack.key_ranges_host[:, 1]
+    tq, tk = a.size, pack.cu_k_host[-1]
+    n_qb, n_kb = -(-tq // block), -(-tk // block)
+    starts = np.arange(0, tq, block)
+    # A query block's rows see a contiguous range of packed keys: every sequence's rows do,
+    # and a sequence's last query sees up to the first key of the next.
+    t_lo = np.minimum.reduceat(a, starts) // block
+    t_hi = -(-np.maximum.reduceat(b, starts) // block)
+    f_lo = -(-np.maximum.reduceat(a, starts) // block)
+    f_hi = np.minimum(np.minimum.reduceat(b, starts) // block, tk // block)
+    f_hi = np.where(starts + block <= tq, f_hi, f_lo)  # a partial query block: none full
+    n_full = np.maximum(f_hi - f_lo, 0)
+    has_full = n_full > 0
+    # Partial blocks: the touched range less the full one (before it and after it).
+    p1_hi = np.where(has_full, f_lo, t_hi)
+    p2_lo = np.where(has_full, f_hi, t_hi)
+    n1, n2 = p1_hi - t_lo, t_hi - p2_lo
+    j = np.arange(n_kb)[None, :]
+    n1c, n2c = n1[:, None], n2[:, None]
+    idx = np.where(j < n1c, t_lo[:, None] + j, np.where(j < n1c + n2c, p2_lo[:, None] + j - n1c, 0))
+    full = np.where(j < n_full[:, None], f_lo[:, None] + j, 0)
+    assert idx.shape == (n_qb, n_kb)
+    return (
+        (n1 + n2).astype(np.int32),
+        idx.astype(np.int32),
+        n_full.astype(np.int32),
+        full.astype(np.int32),
+    )
+
+
 def _block_mask(pack: MaskedPack, device: torch.device):
     key = str(device)
     mask = pack.flex_cache.get(key)
     if mask is None:
-        from torch.nn.attention.flex_attention import create_block_mask
+        from torch.nn.attention.flex_attention import BlockMask
 
-        tq, tk = pack.num_queries, pack.cu_k_host[-1]
-        # Compiled on CUDA: the eager version materialises the whole [Tq, Tk] mask.
-        mask = pack.flex_cache[key] = create_block_mask(
-            pack.mask_mod(), None, None, tq, tk, device=device, _compile=device.type == "cuda"
-        )
+        tables = [torch.from_numpy(x).to(device) for x in flex_block_tables(pack)]
+        num, idx, full_num, full_idx = (t[None, None] for t in tables)  # [1, 1, ...]
+        mask = pack.flex_cache[key] = BlockMask.from_kv_blocks(
+            kv_num_blocks=num, kv_indices=idx, full_kv_num_blocks=full_num,
+            full_kv_indices=full_idx, BLOCK_SIZE=SPARSE_BLOCK, mask_mod=pack.mask_mod(),
+            seq_lengths=(pack.num_queries, pack.cu_k_host[-1]),
+        )  # fmt: skip
     return mask
 
 
@@ -297,11 +356,34 @@ def dense_twin_attention(
     return out.to(q.dtype), lse.transpose(0, 1)
 
 
+# Dispatch keys that an op implementation running below autograd has excluded.
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKey.AutogradFunctionality,
+    torch._C.DispatchKey.AutogradOther,
+    torch._C.DispatchKey.AutogradNestedTensor,
+    torch._C.DispatchKey.ADInplaceOrView,
+)
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    # An op's implementation may run below autograd (a ``torch.library.custom_op`` calling
+    # this one excludes the autograd dispatch keys for its whole body), where even
+    # ``enable_grad`` records nothing; the recompute needs autograd, so the keys are
+    # re-included for it alone (the private guard torch's own compiled regions use).
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
 def _recomputed_grads(attend: Attend, dout, q, k, v, out, lse):
     # Gradients of the attention whose final output and LSE are ``out`` / ``lse``, by autograd
     # through a recompute (module docstring: dO = sigma * dout, dL = (1 - sigma) * delta).
     acc = lse_dtype(q.dtype)
-    with torch.enable_grad():
+    with _autograd_inside_op():
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         o, l_new = attend(*leaves)
         sigma = torch.exp(l_new.detach().to(acc) - lse.to(acc))
