@@ -427,3 +427,38 @@ def test_gpu_masked_refusals_and_fp64():
     valid = plan.local_valid
     torch.testing.assert_close(out.cpu()[valid], want_out[valid], atol=1e-12, rtol=1e-11)
     torch.testing.assert_close(lse.cpu()[valid], want_lse[valid], atol=1e-12, rtol=1e-11)
+
+
+def _run_cases(rank, world_size, cases):
+    from cp_modules.verify import verify_rank
+
+    return [(repr((a.mode, a.sliding_window, a.softcap, a.sinks, a.policy_changes)),
+              verify_rank(rank, world_size, a)["errors"]) for a in cases]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_masked_paths_on_gloo_ranks_equal_one_process():
+    # The packed paths (CPU twins) inside the whole layer on 2 ranks (pcp 2, dcp 2): prefill
+    # and decode steps and training (the backward runs inside cp::gqa_attention_backward),
+    # against one process; windows smaller than a chunk and spanning chunks, soft-cap, sinks.
+    from cp_modules.testing import run_distributed
+    from cp_modules.verify import TOLERANCE, VerifyArgs
+
+    features = [
+        ("flex", dict(sliding_window=7, softcap=1.5, sinks=True)),
+        ("flex", dict(softcap=2.0)),
+        ("flash", dict(sliding_window=2, sinks=True)),
+    ]
+    cases = [
+        VerifyArgs(world_size=2, tp=1, pcp=2, dcp=2, dcp_comm_backend="a2a", mode=mode,
+                   seq_lens=[19, 3, 8], decode_steps=2, block_size=4,
+                   policy_changes={"pcp_masked": path}, **f)
+        for mode in ("mixed", "train")
+        for path, f in features
+    ]  # fmt: skip
+    results = run_distributed(_run_cases, 2, cases, timeout_s=1200)
+    for per_rank in results:
+        assert len(per_rank) == len(cases)
+        for name, errors in per_rank:
+            assert errors, name
+            assert max(errors.values()) <= TOLERANCE["float32"], (name, errors)
