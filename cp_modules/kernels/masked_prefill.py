@@ -65,9 +65,11 @@ __all__ = [
     "dense_twin_attention",
     "flex_attention_call",
     "flex_block_tables",
+    "flex_lse_kwargs",
     "masked_pack",
     "masked_prefill_backward",
     "masked_prefill_forward",
+    "softcap_score_mod",
 ]
 
 MASKED_KERNELS = ("flash", "flex")
@@ -214,8 +216,9 @@ def masked_pack(
 
 
 @functools.lru_cache(maxsize=64)
-def _softcap_mod(softcap: float | None):
-    # One function object per value (compiled code is reused for it).
+def softcap_score_mod(softcap: float | None):
+    """FlexAttention ``score_mod`` of a soft-cap c (``c * tanh(score / c)``), None for none;
+    one function object per value (compiled code is reused for it)."""
     if not softcap:
         return None
 
@@ -289,8 +292,9 @@ def _block_mask(pack: MaskedPack, device: torch.device):
     return mask
 
 
-def _lse_kwargs() -> dict:
-    # torch >= 2.9 asks for the LSE through ``return_aux`` (``return_lse`` is deprecated).
+def flex_lse_kwargs() -> dict:
+    """FlexAttention's keyword arguments that return the LSE: ``return_aux`` where it exists
+    (``return_lse`` is deprecated there), else ``return_lse``."""
     from torch.nn.attention import flex_attention as fa
 
     if hasattr(fa, "AuxRequest"):
@@ -319,8 +323,8 @@ def flex_attention_call(
         # The eager (CPU) path warns that it is unfused: it is the CPU twin by design.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         res = fn(
-            q4, k4, v4, score_mod=_softcap_mod(softcap), block_mask=_block_mask(pack, q.device),
-            scale=scale, enable_gqa=q.shape[1] != k.shape[1], **_lse_kwargs(),
+            q4, k4, v4, score_mod=softcap_score_mod(softcap), block_mask=_block_mask(pack, q.device),
+            scale=scale, enable_gqa=q.shape[1] != k.shape[1], **flex_lse_kwargs(),
         )  # fmt: skip
     out, aux = res
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse
@@ -347,7 +351,7 @@ def dense_twin_attention(
     h = torch.arange(hq, device=q.device)[:, None, None]
     qi = torch.arange(q.shape[0], device=q.device)[None, :, None]
     ki = torch.arange(k.shape[0], device=q.device)[None, None, :]
-    score_mod = _softcap_mod(softcap)
+    score_mod = softcap_score_mod(softcap)
     if score_mod is not None:
         s = score_mod(s, 0, h, qi, ki)
     s = s.masked_fill(~pack.mask_mod()(0, h, qi, ki), float("-inf"))
