@@ -215,6 +215,18 @@ def test_sinks_with_masked_paths_equal_the_oracle(path, window, softcap):
     torch.testing.assert_close(grads[3], want_grads[3], atol=1e-12, rtol=1e-11, msg="sinks")
 
 
+@pytest.mark.parametrize("path", ["flex", "flash"])
+def test_a_rank_of_padding_only(path):
+    # One token over 2 ranks: rank 1 holds padding only (0 / -inf, zero gradients), with a
+    # cached prefix that its missing queries would have read.
+    seqs = _sequences([1], [3], H, HKV, D)
+    _, leaves, out, lse = _run_op(seqs, [1], [3], 2, 1, 0.3, 2, None,
+                                  CPPolicy(pcp_masked=path), "cpu", torch.float64)  # fmt: skip
+    assert out.shape[0] > 0 and not out.abs().any() and bool(torch.isneginf(lse).all())
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert len(grads) == 5 and not any(g.abs().any() for g in grads)
+
+
 @pytest.mark.parametrize("window", [None, 1, 40, 300], ids=["no-window", "W1", "W40", "W300"])
 def test_flex_block_tables_equal_the_mask(window):
     # The block sparsity built from the key ranges equals what FlexAttention derives from
