@@ -201,6 +201,14 @@ def masked_pack(
         views[name] = dev[at : at + x.size].to(dtype)
         at += x.size
     return MaskedPack(
+        q_index=views["q_index"],
+        k_index=views["k_index"],
+        cu_q=views["cu_q"],
+        cu_k=views["cu_k"],
+        q_seq=views["q_seq"],
+        q_pos=views["q_pos"],
+        k_seq=views["k_seq"],
+        k_pos=views["k_pos"],
         cu_q_host=parts["cu_q"][0].tolist(),  # ok: host (numpy)
         cu_k_host=parts["cu_k"][0].tolist(),  # ok: host (numpy)
         max_q=int(ql.max()) if ql.size else 0,
@@ -208,7 +216,6 @@ def masked_pack(
         key_ranges_host=key_ranges.reshape(-1, 2),
         window=window,
         num_new=num_new,
-        **views,
     )
 
 
@@ -400,13 +407,18 @@ def _recomputed_grads(attend: Attend, dout, q, k, v, out, lse):
 # --------------------------------------------------------------------------- FlashAttention-2
 
 
+def _window_left(pack: MaskedPack) -> int:
+    assert pack.window is not None, "the FlashAttention-2 kernel serves windows"
+    return pack.window - 1
+
+
 def flash_window_forward(q, k, v, pack: MaskedPack, scale: float):
     """FlashAttention-2's varlen forward with the pack's window: (out, lse [Tq, Hq] fp32)."""
     # max_q >= 2 keeps the general kernel (one query a sequence with grouped heads takes a
     # special path in FlashAttention-2; pcp_varlen.varlen_forward_flash says why).
     res = torch.ops.aten._flash_attention_forward(
         q, k, v, pack.cu_q, pack.cu_k, max(pack.max_q, 2), pack.max_k, 0.0, True, False,
-        scale=scale, window_size_left=pack.window - 1, window_size_right=0,
+        scale=scale, window_size_left=_window_left(pack), window_size_right=0,
     )  # fmt: skip
     lse = res[1]
     if lse.shape != (q.shape[1], q.shape[0]):
@@ -423,7 +435,7 @@ def flash_window_backward(dout, q, k, v, out, lse, pack: MaskedPack, scale: floa
     unused = torch.empty((), dtype=torch.uint64, device=q.device)
     return torch.ops.aten._flash_attention_backward(
         dout, q, k, v, out, lse.t().float().contiguous(), pack.cu_q, pack.cu_k, pack.max_q,
-        pack.max_k, 0.0, True, seed, unused, scale=scale, window_size_left=pack.window - 1,
+        pack.max_k, 0.0, True, seed, unused, scale=scale, window_size_left=_window_left(pack),
         window_size_right=0,
     )  # fmt: skip
 
@@ -459,10 +471,18 @@ def flash_window_backward_twin(dout, q, k, v, out, lse, pack: MaskedPack, scale:
 # --------------------------------------------------------------------------- PCP attention
 
 
+def _prefix(inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # The cached prefix's keys and values, or None (without them or their offsets).
+    if inputs.prefix_k is None or inputs.prefix_v is None or inputs.prefix_cu_seqlens is None:
+        return None
+    return inputs.prefix_k, inputs.prefix_v
+
+
 def _packed_inputs(inputs: PrefillInputs, pack: MaskedPack):
-    q, k, v, _, prefix_k, prefix_v, _, _ = inputs
-    if prefix_k is not None and prefix_v is not None:
-        k, v = torch.cat((k, prefix_k)), torch.cat((v, prefix_v))
+    q, k, v = inputs.q, inputs.k, inputs.v
+    prefix = _prefix(inputs)
+    if prefix is not None:
+        k, v = torch.cat((k, prefix[0])), torch.cat((v, prefix[1]))
     return (
         q.index_select(0, pack.q_index),
         k.index_select(0, pack.k_index),
@@ -522,10 +542,10 @@ def masked_prefill_backward(
     dprefix_v [C, Hkv, Dv] (None without a prefix), each in its input's dtype. A key row's
     contributions (a request's head and tail sequences) are summed at least in fp32."""
     _check_kernel(kernel, pack, softcap)
-    q, k, v, _, prefix_k, prefix_v, _, scale = inputs
-    has_prefix = prefix_k is not None and prefix_v is not None
+    q, k, v, scale = inputs.q, inputs.k, inputs.v, inputs.scale
+    prefix = _prefix(inputs)
     acc = lse_dtype(q.dtype)
-    num_src = k.shape[0] + (prefix_k.shape[0] if has_prefix else 0)
+    num_src = k.shape[0] + (0 if prefix is None else prefix[0].shape[0])
     dk_src = k.new_zeros((num_src, *k.shape[1:]), dtype=acc)
     dv_src = v.new_zeros((num_src, *v.shape[1:]), dtype=acc)
     dq = torch.zeros_like(q)
@@ -544,7 +564,6 @@ def masked_prefill_backward(
         dv_src.index_add_(0, pack.k_index, gv.to(acc))
     n = k.shape[0]
     dk, dv = dk_src[:n].to(k.dtype), dv_src[:n].to(v.dtype)
-    if not has_prefix:
+    if prefix is None:
         return dq, dk, dv, None, None
-    assert prefix_k is not None and prefix_v is not None
-    return dq, dk, dv, dk_src[n:].to(prefix_k.dtype), dv_src[n:].to(prefix_v.dtype)
+    return dq, dk, dv, dk_src[n:].to(prefix[0].dtype), dv_src[n:].to(prefix[1].dtype)
