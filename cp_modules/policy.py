@@ -12,11 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["MLA_BACKWARD_PATHS", "MLA_DECODE_KERNELS", "PCP_VARLEN_CHOICES", "CPPolicy"]
+__all__ = [
+    "MLA_BACKWARD_PATHS",
+    "MLA_DECODE_KERNELS",
+    "PCP_MASKED_PATHS",
+    "PCP_VARLEN_CHOICES",
+    "CPPolicy",
+]
 
 PCP_VARLEN_CHOICES = ("auto", "always", "never")
 MLA_BACKWARD_PATHS = ("auto", "key_major", "query_major")
 MLA_DECODE_KERNELS = ("auto", "triton", "gluon")
+PCP_MASKED_PATHS = ("auto", "flash", "flex", "reference")
 
 _DEFAULT_VARLEN_LIMITS = {
     "forward": 5e10,
@@ -34,6 +41,12 @@ class CPPolicy:
         pcp_varlen: ``"auto"`` (by :attr:`varlen_max_flop_per_segment` and the cuDNN rental),
             ``"always"`` (one varlen call per direction; on CPU the varlen packing runs on the
             reference kernels) or ``"never"`` (the block decomposition).
+        pcp_masked: the path of PCP prefill attention with a sliding window or a soft-cap:
+            ``"auto"`` (CUDA: FlashAttention-2's window arguments for windows without
+            soft-cap where it serves the dtype and head dims, else FlexAttention, and the
+            reference for fp64; CPU: the reference), ``"flash"``, ``"flex"`` or
+            ``"reference"``. Forcing ``"flash"`` or ``"flex"`` on CPU runs that path's packing
+            with the kernel's CPU twin (the reference varlen kernel; eager FlexAttention).
         mla_backward: ``"auto"``, ``"key_major"`` or ``"query_major"`` (MLA's training
             backward; auto takes key-major on CUDA for long chunks that cuDNN serves).
         overlap_gradient_sums: sum the block backward's gradient pieces on a second CUDA stream.
@@ -58,6 +71,7 @@ class CPPolicy:
     """
 
     pcp_varlen: str = "auto"
+    pcp_masked: str = "auto"
     mla_backward: str = "auto"
     overlap_gradient_sums: bool = True
     direct_grad_min_rows_per_run: int = 1024
@@ -74,6 +88,10 @@ class CPPolicy:
         if self.pcp_varlen not in PCP_VARLEN_CHOICES:
             raise ValueError(
                 f"pcp_varlen must be one of {list(PCP_VARLEN_CHOICES)}, got {self.pcp_varlen!r}"
+            )
+        if self.pcp_masked not in PCP_MASKED_PATHS:
+            raise ValueError(
+                f"pcp_masked must be one of {list(PCP_MASKED_PATHS)}, got {self.pcp_masked!r}"
             )
         if self.mla_backward not in MLA_BACKWARD_PATHS:
             raise ValueError(
@@ -118,6 +136,7 @@ class CPPolicy:
         return hash(
             (
                 self.pcp_varlen,
+                self.pcp_masked,
                 self.mla_backward,
                 self.overlap_gradient_sums,
                 self.direct_grad_min_rows_per_run,

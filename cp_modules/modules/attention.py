@@ -51,9 +51,10 @@ class CPFlashAttention(nn.Module):
         sinks: learn one sink logit per head (gpt-oss): softmax over the scores and the sink,
             whose probability adds no value (parameter ``sinks`` [num_heads], zeros at init).
         sliding_window: W: a query at position i attends keys ``i - W < j <= i`` (None: all
-            earlier keys). CPU only for now.
-        softcap: c: scores become ``c * tanh(scores / c)`` before masking (Gemma 2). CPU only
-            for now.
+            earlier keys).
+        softcap: c: scores become ``c * tanh(scores / c)`` before masking (Gemma 2). Windows
+            and soft-cap run on every device in prefill and training; decode tokens on CUDA
+            refuse them for now (CPU serves them).
 
     Shapes: forward(hidden_states [T, hidden], positions [T]) -> [T, hidden].
     """

@@ -372,19 +372,22 @@ def gqa_attention(
         sinks: [H] per-head sink logits of the local heads (gpt-oss), or None: softmax over
             the scores and the sink, which takes probability but adds no value; differentiable.
         sliding_window: W >= 1: a query at position i attends keys at positions
-            ``i - W < j <= i`` (transformers' convention), or None (full causal). CPU only.
+            ``i - W < j <= i`` (transformers' convention), or None (full causal).
         softcap: c > 0: scores become ``c * tanh(scores / c)`` after scaling, before masking
-            and softmax (Gemma 2), or None. CPU only.
+            and softmax (Gemma 2), or None. Prefill and training serve both on every device
+            (:mod:`cp_modules.ops.pcp_masked`); decode tokens on CUDA do not yet (the paged
+            decode op refuses them).
 
     Returns:
         [T, H, D] attention output of the local tokens (padding rows are 0).
 
     Raises:
         ValueError: for ``sinks`` that are not one logit per local head, a window < 1, a
-            soft-cap <= 0, or a window or soft-cap on CUDA tensors.
+            soft-cap <= 0, a masked path the step's policy forces and that does not serve
+            the call, or a window or soft-cap for decode tokens on CUDA.
     """
     _check_sinks(sinks, q)
-    check_masking(sliding_window, softcap, q)
+    check_masking(sliding_window, softcap)
     masking = (int(sliding_window or 0), float(softcap or 0.0))
     grads = (q, k, v) + (() if sinks is None else (sinks,))
     if kv_cache is None:

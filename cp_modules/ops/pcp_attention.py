@@ -11,9 +11,12 @@ op (``cp::pcp_prefill_attention_backward``) that recomputes block probabilities 
 merged output and LSE. CPU runs the pure-PyTorch reference (or, with a policy of
 ``pcp_varlen="always"``, the varlen packing on reference kernels); CUDA runs the block
 decomposition on PyTorch's fused attention kernels, or one varlen call for batches of small
-segments, as :mod:`cp_modules.ops.pcp_policy` chooses. The path policy travels in the schemas
-as scalars (:func:`~cp_modules.ops.pcp_policy.pcp_policy_args`): nothing is read from the
-environment.
+segments, as :mod:`cp_modules.ops.pcp_policy` chooses. With a sliding window or a logit
+soft-cap, :mod:`cp_modules.ops.pcp_masked` chooses instead: on CUDA FlashAttention-2's window
+arguments or FlexAttention (one packed call per step), on CPU the reference (or, with a policy
+of ``pcp_masked="flash"`` / ``"flex"``, those paths' packing on their CPU twins). The path
+policy travels in the schemas as scalars (:func:`~cp_modules.ops.pcp_policy.pcp_policy_args`):
+nothing is read from the environment.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from __future__ import annotations
 import torch
 
 from cp_modules.ops._lib import lib
+from cp_modules.ops.pcp_masked import (
+    choose_masked_path,
+    pcp_masked_attention,
+    pcp_masked_attention_backward,
+)
 from cp_modules.ops.pcp_policy import (
     pcp_policy_args,
     pcp_prefill_attention_backward_cuda,
@@ -43,7 +51,7 @@ _DEFAULT_POLICY = CPPolicy()
 # The policy's scalars (pcp_policy_args), the same in both schemas.
 _POLICY_ARGS = (
     "str varlen, float? varlen_max_flop_forward, float? varlen_max_flop_backward, "
-    "float cudnn_build_s, int causal_pairs_min_rows, bool overlap_gradient_sums"
+    "float cudnn_build_s, int causal_pairs_min_rows, bool overlap_gradient_sums, str masked"
 )
 lib.define(
     "pcp_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor segments, Tensor? prefix_k, "
@@ -58,18 +66,15 @@ lib.define(
 )
 
 
-# Sliding windows (``window`` W > 0) and logit soft-capping (``softcap`` c > 0) change the
-# masked scores; the CPU reference serves them, the CUDA paths refuse them.
-_MASKED_ON_CUDA = (
-    "sliding windows and logit soft-capping run on the CPU reference only: the CUDA prefill "
-    "paths (cuDNN blocks, FlashAttention-2 varlen) serve full causal attention"
-)
+_NUM_POLICY_ARGS = 7
 
 
 def _split_policy(policy_args: tuple) -> tuple[tuple, int, float]:
-    # The policy's six scalars, then window and softcap (schema defaults: 0, 0.0).
-    extra = policy_args[6:] + (0, 0.0)[len(policy_args) - 6 :]
-    return policy_args[:6], int(extra[0]), float(extra[1])
+    # The policy's scalars, then window and softcap (schema defaults: 0, 0.0). A window
+    # (W > 0) or a soft-cap (c > 0) sends the call to the masked paths.
+    n = _NUM_POLICY_ARGS
+    extra = policy_args[n:] + (0, 0.0)[len(policy_args) - n :]
+    return policy_args[:n], int(extra[0]), float(extra[1])
 
 
 @torch.library.impl("cp::pcp_prefill_attention", "CPU", lib=lib)
@@ -77,9 +82,10 @@ def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
     inputs = PrefillInputs(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
     policy_args, window, softcap = _split_policy(policy_args)
     if window or softcap:
-        return pcp_prefill_attention_reference(
-            inputs, window=window or None, softcap=softcap or None
-        )
+        return pcp_masked_attention(
+            inputs, window=window or None, softcap=softcap or None,
+            policy=policy_from_args(*policy_args),
+        )  # fmt: skip
     if policy_args[0] == "always":
         # The varlen packing on the reference kernels.
         return pcp_prefill_attention_cuda(inputs, policy=policy_from_args(*policy_args))
@@ -90,9 +96,12 @@ def _forward_cpu(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale
 def _forward_cuda(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args):
     inputs = PrefillInputs(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
     policy_args, window, softcap = _split_policy(policy_args)
+    policy = policy_from_args(*policy_args)
     if window or softcap:
-        raise ValueError(_MASKED_ON_CUDA)
-    return pcp_prefill_attention_cuda(inputs, policy=policy_from_args(*policy_args))
+        return pcp_masked_attention(
+            inputs, window=window or None, softcap=softcap or None, policy=policy
+        )
+    return pcp_prefill_attention_cuda(inputs, policy=policy)
 
 
 @torch.library.register_fake("cp::pcp_prefill_attention", lib=lib)
@@ -115,9 +124,10 @@ def _backward_cpu(
     args = (dout, out, lse, inputs)
     policy_args, window, softcap = _split_policy(policy_args)
     if window or softcap:
-        grads = pcp_prefill_attention_backward_reference(
-            *args, window=window or None, softcap=softcap or None
-        )
+        grads = pcp_masked_attention_backward(
+            *args, window=window or None, softcap=softcap or None,
+            policy=policy_from_args(*policy_args),
+        )  # fmt: skip
     elif policy_args[0] == "always":
         # The varlen packing on the reference kernels.
         grads = pcp_prefill_attention_backward_cuda(*args, policy=policy_from_args(*policy_args))
@@ -132,12 +142,17 @@ def _backward_cuda(
     dout, q, k, v, out, lse, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale, *policy_args
 ):
     policy_args, window, softcap = _split_policy(policy_args)
-    if window or softcap:
-        raise ValueError(_MASKED_ON_CUDA)
+    policy = policy_from_args(*policy_args)
     inputs = PrefillInputs(q, k, v, segments, prefix_k, prefix_v, prefix_cu_seqlens, scale)
-    dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_cuda(
-        dout, out, lse, inputs, policy=policy_from_args(*policy_args)
-    )
+    if window or softcap:
+        dq, dk, dv, dpk, dpv = pcp_masked_attention_backward(
+            dout, out, lse, inputs, window=window or None, softcap=softcap or None,
+            policy=policy,
+        )  # fmt: skip
+    else:
+        dq, dk, dv, dpk, dpv = pcp_prefill_attention_backward_cuda(
+            dout, out, lse, inputs, policy=policy
+        )
     return dq, dk, dv, _no_prefix_grad(k, dpk), _no_prefix_grad(v, dpv)
 
 
@@ -218,17 +233,20 @@ def pcp_prefill_attention(
             avoids a device sync.
         policy: the path choices and thresholds (:class:`~cp_modules.policy.CPPolicy`; default
             ``CPPolicy()``); usually the step's ``runtime.policy``. They change speed only.
-        sliding_window: W >= 1: each query attends only its W latest keys (itself included),
-            or None. CPU only.
-        softcap: c > 0: scores become ``c * tanh(scores / c)`` before masking, or None. CPU
-            only.
+        sliding_window: W >= 1: each query attends only its W latest keys (itself included,
+            the cached prefix counted), or None.
+        softcap: c > 0: scores become ``c * tanh(scores / c)`` before masking, or None.
+            Either one takes the masked paths (:mod:`cp_modules.ops.pcp_masked`, chosen by
+            ``policy.pcp_masked``).
 
     Returns:
         out [T, Hq, Dv] in q's dtype and lse [T, Hq] fp32 (fp64 for fp64 inputs; natural log);
         padding rows hold 0 and ``-inf``.
 
     Raises:
-        ValueError: for shapes, dtypes or prefix arguments that do not fit the plan.
+        ValueError: for shapes, dtypes or prefix arguments that do not fit the plan, a window
+            < 1, a soft-cap <= 0, or a masked path that ``policy`` forces and that does not
+            serve the call.
     """
     if q.dim() != 3 or k_full.dim() != 3 or v_full.dim() != 3:
         raise ValueError(
@@ -295,8 +313,11 @@ def pcp_prefill_attention(
                     f"prefix_cu_seqlens must rise from 0 to the {prefix_k.shape[0]} prefix "
                     f"tokens, got {cu.tolist()}"  # ok: host (error path, CPU tensor)
                 )
-    check_masking(sliding_window, softcap, q)
+    check_masking(sliding_window, softcap)
     policy = _DEFAULT_POLICY if policy is None else policy
+    if sliding_window or softcap:
+        # The path choice's errors before any kernel runs.
+        choose_masked_path(policy.pcp_masked, q, v_full, sliding_window, softcap)
     return torch.ops.cp.pcp_prefill_attention(
         q, k_full, v_full, plan.segments_host, prefix_k, prefix_v, prefix_cu_seqlens, scale,
         *pcp_policy_args(policy, q.shape[2], v_full.shape[2]),
@@ -304,11 +325,11 @@ def pcp_prefill_attention(
     )  # fmt: skip
 
 
-def check_masking(sliding_window: int | None, softcap: float | None, q: torch.Tensor) -> None:
+def check_masking(sliding_window: int | None, softcap: float | None) -> None:
     """Validate a sliding window and a soft-cap (host values, before any collective).
 
     Raises:
-        ValueError: for W < 1, c <= 0, or either on a CUDA tensor (CPU reference only).
+        ValueError: for W < 1 or c <= 0.
     """
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
@@ -320,5 +341,3 @@ def check_masking(sliding_window: int | None, softcap: float | None, q: torch.Te
         )
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
-    if (sliding_window or softcap) and q.is_cuda:
-        raise ValueError(_MASKED_ON_CUDA)

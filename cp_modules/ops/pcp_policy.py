@@ -42,6 +42,7 @@ from cp_modules.kernels.attention_blocks import (
     select_block_backend,
 )
 from cp_modules.kernels.grad_assembly import sum_pieces_into
+from cp_modules.kernels.masked_prefill import MaskedPack
 from cp_modules.kernels.pcp_blocks import host_segments, pcp_blocks_backward, pcp_blocks_forward
 from cp_modules.kernels.pcp_varlen import (
     VarlenPack,
@@ -96,10 +97,12 @@ def segment_flop(
 @dataclass
 class PlanState:
     """What the PCP paths keep for one plan: its varlen packings (by device, prefix lengths
-    and row count) and the rental's ``[calls, rented calls]`` per call kind."""
+    and row count), its masked packings (:mod:`cp_modules.ops.pcp_masked`) and the rental's
+    ``[calls, rented calls]`` per call kind."""
 
     version: int
     packs: dict[tuple, VarlenPack] = field(default_factory=dict)
+    masked_packs: dict[tuple, MaskedPack] = field(default_factory=dict)
     calls: dict[tuple, list[int]] = field(default_factory=dict)
 
     def varlen_pack(
@@ -234,7 +237,8 @@ def choose_varlen(
 def pcp_policy_args(policy: CPPolicy, d_qk: int, d_v: int) -> tuple:
     """The policy as the scalar arguments of the ``cp::pcp_prefill_attention*`` ops, for
     head dims ``d_qk`` / ``d_v``: (varlen, forward limit, backward limit, cudnn_build_s,
-    causal_pairs_min_rows, overlap_gradient_sums); :func:`policy_from_args` inverts it."""
+    causal_pairs_min_rows, overlap_gradient_sums, masked); :func:`policy_from_args` inverts
+    it."""
     return (
         policy.pcp_varlen,
         policy.varlen_limit("forward", d_qk, d_v),
@@ -242,6 +246,7 @@ def pcp_policy_args(policy: CPPolicy, d_qk: int, d_v: int) -> tuple:
         float(policy.cudnn_build_s),
         int(policy.causal_pairs_min_rows),
         bool(policy.overlap_gradient_sums),
+        policy.pcp_masked,
     )
 
 
@@ -253,6 +258,7 @@ def policy_from_args(
     cudnn_build_s: float,
     causal_pairs_min_rows: int,
     overlap_gradient_sums: bool,
+    masked: str = "auto",
 ) -> CPPolicy:
     """The :class:`CPPolicy` of an op call's :func:`pcp_policy_args` (its limits hold for the
     call's head dims, padded or not)."""
@@ -262,6 +268,7 @@ def policy_from_args(
             limits[direction] = limits[direction + "_padded"] = limit
     return CPPolicy(
         pcp_varlen=varlen,
+        pcp_masked=masked,
         overlap_gradient_sums=overlap_gradient_sums,
         causal_pairs_min_rows=causal_pairs_min_rows,
         cudnn_build_s=cudnn_build_s,

@@ -1,0 +1,569 @@
+"""PCP head/tail prefill attention with a sliding window or a logit soft-cap, in one packed call.
+
+Shape letters: T = this rank's local queries (padding included), N = restored new tokens,
+C = cached-prefix tokens, Tq = packed queries (the segments' real queries), Tk = packed keys,
+Hq / Hkv = query / KV heads, Dqk / Dv = head dims, S = segments
+(``cp_modules.partition.plan.SEGMENT_FIELDS``).
+
+Packing (:func:`masked_pack`): every segment (a request's head or tail chunk on this rank) is
+one sequence of the call: its real queries against its request's cached prefix followed by
+its new keys ``[k_start, k_start + k_len)``. Positions count from the request's first cached
+token: key ``p`` of the sequence sits at ``p``, query ``i`` of ``q_len`` at
+``prefix + k_len - q_len + i`` (bottom-right causal over prefix and new keys, as the
+reference). A query at position ``t`` sees keys ``t - W < p <= t``, so with a window W no
+query of the segment sees a key before ``prefix + k_len - q_len - W + 1``: the packing keeps
+only the last ``q_len + W - 1`` keys of each sequence (dropping keys from the front keeps the
+bottom-right alignment), and a rank's work grows with W, not with the sequence. Packed keys
+are rows of ``[k; prefix_k]`` (the prefix rows after the N new ones), so one call covers the
+cached prefix too and needs no LSE merge.
+
+Two kernels over the same packing:
+
+* ``flash``: FlashAttention-2's varlen entry with ``window_size_left = W - 1`` and
+  ``window_size_right = 0`` (bottom-right causal for varlen sequences): one call forward and
+  one backward, which takes the given output and LSE. fp16 / bf16, Dqk == Dv <= 256, windows
+  without soft-cap. On CPU its twin is the reference, sequence by sequence (for tests: only
+  the kernel call itself differs).
+* ``flex``: FlexAttention with a document mask (``mask_mod``: same sequence, causal, inside
+  the window, by the positions above) and the soft-cap as ``score_mod``; compiled on CUDA
+  (one compiled function, dynamic shapes), eager on CPU. Its backward recomputes the forward
+  under autograd (flex's own backward kernel on CUDA; on CPU, where FlexAttention has no
+  backward, a dense twin that evaluates the same ``mask_mod`` and ``score_mod`` on the whole
+  score grid).
+
+Backward contract (as every PCP path): the gradients of the attention whose *given* output
+and LSE are the final ones, e.g. with attention sinks applied after the merge
+(``out = sigma * O``, ``sigma = exp(L - lse)``, L the recomputed LSE). The recompute feeds
+autograd ``dO = sigma * dout`` and ``dL = (1 - sigma) * rowsum(dout * out)``, which gives
+exactly the probabilities ``exp(s - lse)`` and the ``rowsum(dout * out)`` term the flash
+backward uses (sigma is 1 without sinks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cp_modules.kernels.pcp_varlen import _cumsum0, _ragged
+from cp_modules.reference.pcp_attention import (
+    PrefillInputs,
+    attention_with_lse,
+    attention_with_lse_backward,
+    lse_dtype,
+)
+
+__all__ = [
+    "MASKED_KERNELS",
+    "SPARSE_BLOCK",
+    "MaskedPack",
+    "dense_twin_attention",
+    "flex_attention_call",
+    "flex_block_tables",
+    "flex_lse_kwargs",
+    "masked_pack",
+    "masked_prefill_backward",
+    "masked_prefill_forward",
+    "softcap_score_mod",
+]
+
+MASKED_KERNELS = ("flash", "flex")
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedPack:
+    """The packed sequences of one plan for one window.
+
+    Attributes:
+        q_index: [Tq] int64, local query rows, sequence by sequence.
+        k_index: [Tk] int64, rows of ``[k; prefix_k]`` (prefix rows from ``num_new`` on).
+        cu_q, cu_k: [S + 1] int32 cumulative query / key counts (FlashAttention-2's varlen).
+        cu_q_host, cu_k_host: the same as host lists.
+        max_q, max_k: the longest sequence's query / key count.
+        q_seq, q_pos, k_seq, k_pos: [Tq] / [Tk] int32, each packed row's sequence and its
+            position in its request (the FlexAttention mask reads them).
+        key_ranges_host: [Tq, 2] int64 numpy, the packed keys ``[lo, hi)`` each packed query
+            sees (its sequence's keys inside its window, up to itself): the block sparsity of
+            the FlexAttention mask.
+        window: W, or None (full causal).
+        num_new: N, the new-key rows before the prefix rows in ``[k; prefix_k]``.
+        flex_cache: the pack's FlexAttention mask function and block masks, built on first use.
+    """
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    cu_q_host: list[int]
+    cu_k_host: list[int]
+    max_q: int
+    max_k: int
+    q_seq: torch.Tensor
+    q_pos: torch.Tensor
+    k_seq: torch.Tensor
+    k_pos: torch.Tensor
+    key_ranges_host: np.ndarray
+    window: int | None
+    num_new: int
+    flex_cache: dict = field(default_factory=dict)
+
+    @property
+    def num_queries(self) -> int:
+        """Tq."""
+        return self.cu_q_host[-1]
+
+    def mask_mod(self):
+        """The FlexAttention ``mask_mod`` of the pack (same sequence, causal, inside the
+        window), one function object per pack (compiled code is reused for it)."""
+        fn = self.flex_cache.get("mask_mod")
+        if fn is None:
+            fn = self.flex_cache["mask_mod"] = _document_mask(
+                self.q_seq, self.q_pos, self.k_seq, self.k_pos, self.window
+            )
+        return fn
+
+
+def _document_mask(q_seq, q_pos, k_seq, k_pos, window):
+    # A closure over tensors, the form FlexAttention's compiled path traces without guarding
+    # on the values.
+    def mask_mod(b, h, q_idx, kv_idx):
+        qp, kp = q_pos[q_idx], k_pos[kv_idx]
+        keep = (q_seq[q_idx] == k_seq[kv_idx]) & (kp <= qp)
+        if window is not None:
+            keep = keep & (kp > qp - window)
+        return keep
+
+    return mask_mod
+
+
+def masked_pack(
+    segments: torch.Tensor,
+    num_new: int,
+    prefix_cu: list[int] | None,
+    window: int | None,
+    device: torch.device | str,
+) -> MaskedPack:
+    """The packing of a plan's segments ([S, 5] int64 host tensor) over ``num_new`` restored
+    new keys and the cached prefixes ragged by ``prefix_cu`` ([R + 1] host ints, or None),
+    keeping only the keys a window W (or None) lets the queries see."""
+    segs = (segments if segments.device.type == "cpu" else segments.cpu()).numpy()
+    segs = segs[segs[:, 2] > 0]
+    req, qs, ql, ks, kl = (segs[:, j].astype(np.int64) for j in range(5))
+    pcu = None if prefix_cu is None else np.asarray(prefix_cu, dtype=np.int64)
+    plen = np.zeros_like(kl) if pcu is None else pcu[req + 1] - pcu[req]
+    total = plen + kl
+    first = np.zeros_like(total) if window is None else np.maximum(total - ql - (window - 1), 0)
+    nk = total - first
+    pstart = np.zeros_like(req) if pcu is None else pcu[req]
+    seq = np.arange(segs.shape[0], dtype=np.int64)
+    k_pos = _ragged(first, nk)
+    k_seq = np.repeat(seq, nk)
+    # Key position p: a prefix row below the request's prefix length, else a new-key row.
+    k_rows = np.where(
+        k_pos < plen[k_seq],
+        num_new + pstart[k_seq] + k_pos,
+        ks[k_seq] + k_pos - plen[k_seq],
+    )
+    # Query at position t of a sequence whose kept keys start at position ``first`` (packed
+    # from cu_k): it sees positions [max(first, t - W + 1), t].
+    q_pos = _ragged(total - ql, ql)
+    q_seq = np.repeat(seq, ql)
+    cu_k = _cumsum0(nk)
+    lo_pos = q_pos - (window - 1) if window is not None else first[q_seq]
+    key_ranges = np.stack(
+        [cu_k[q_seq] + np.maximum(lo_pos, first[q_seq]) - first[q_seq],
+         cu_k[q_seq] + q_pos - first[q_seq] + 1], 1,
+    )  # fmt: skip
+    parts = {
+        "q_index": (_ragged(qs, ql), torch.int64),
+        "k_index": (k_rows, torch.int64),
+        "cu_q": (_cumsum0(ql), torch.int32),
+        "cu_k": (cu_k, torch.int32),
+        "q_seq": (q_seq, torch.int32),
+        "q_pos": (q_pos, torch.int32),
+        "k_seq": (k_seq, torch.int32),
+        "k_pos": (k_pos, torch.int32),
+    }
+    # One host-to-device copy for all of them.
+    host = torch.from_numpy(np.concatenate([x for x, _ in parts.values()]).astype(np.int64))
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    views, at = {}, 0
+    for name, (x, dtype) in parts.items():
+        views[name] = dev[at : at + x.size].to(dtype)
+        at += x.size
+    return MaskedPack(
+        q_index=views["q_index"],
+        k_index=views["k_index"],
+        cu_q=views["cu_q"],
+        cu_k=views["cu_k"],
+        q_seq=views["q_seq"],
+        q_pos=views["q_pos"],
+        k_seq=views["k_seq"],
+        k_pos=views["k_pos"],
+        cu_q_host=parts["cu_q"][0].tolist(),  # ok: host (numpy)
+        cu_k_host=parts["cu_k"][0].tolist(),  # ok: host (numpy)
+        max_q=int(ql.max()) if ql.size else 0,
+        max_k=int(nk.max()) if nk.size else 0,
+        key_ranges_host=key_ranges.reshape(-1, 2),
+        window=window,
+        num_new=num_new,
+    )
+
+
+# --------------------------------------------------------------------------- FlexAttention
+
+
+@functools.lru_cache(maxsize=64)
+def softcap_score_mod(softcap: float | None):
+    """FlexAttention ``score_mod`` of a soft-cap c (``c * tanh(score / c)``), None for none;
+    one function object per value (compiled code is reused for it)."""
+    if not softcap:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+@functools.cache
+def _compiled_flex():
+    # One compiled FlexAttention for every call: dynamic shapes, so that a new batch
+    # composition (new packed lengths) does not compile anew.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+SPARSE_BLOCK = 128
+
+
+def flex_block_tables(pack: MaskedPack, block: int = SPARSE_BLOCK):
+    """The FlexAttention block sparsity of the pack, from its queries' key ranges (exact, on
+    the host): per query block, the kv blocks some of whose entries it sees (``mask_mod``
+    applied) and those all of whose entries it sees (complete blocks only). Returns
+    (kv_num_blocks [Bq], kv_indices [Bq, Bk], full_num_blocks [Bq], full_indices [Bq, Bk])
+    int32 numpy, indices ascending, padded with 0."""
+    a, b = pack.key_ranges_host[:, 0], pack.key_ranges_host[:, 1]
+    tq, tk = a.size, pack.cu_k_host[-1]
+    n_qb, n_kb = -(-tq // block), -(-tk // block)
+    starts = np.arange(0, tq, block)
+    # A query block's rows see a contiguous range of packed keys: every sequence's rows do,
+    # and a sequence's last query sees up to the first key of the next.
+    t_lo = np.minimum.reduceat(a, starts) // block
+    t_hi = -(-np.maximum.reduceat(b, starts) // block)
+    f_lo = -(-np.maximum.reduceat(a, starts) // block)
+    f_hi = np.minimum(np.minimum.reduceat(b, starts) // block, tk // block)
+    f_hi = np.where(starts + block <= tq, f_hi, f_lo)  # a partial query block: none full
+    n_full = np.maximum(f_hi - f_lo, 0)
+    has_full = n_full > 0
+    # Partial blocks: the touched range less the full one (before it and after it).
+    p1_hi = np.where(has_full, f_lo, t_hi)
+    p2_lo = np.where(has_full, f_hi, t_hi)
+    n1, n2 = p1_hi - t_lo, t_hi - p2_lo
+    j = np.arange(n_kb)[None, :]
+    n1c, n2c = n1[:, None], n2[:, None]
+    idx = np.where(j < n1c, t_lo[:, None] + j, np.where(j < n1c + n2c, p2_lo[:, None] + j - n1c, 0))
+    full = np.where(j < n_full[:, None], f_lo[:, None] + j, 0)
+    assert idx.shape == (n_qb, n_kb)
+    return (
+        (n1 + n2).astype(np.int32),
+        idx.astype(np.int32),
+        n_full.astype(np.int32),
+        full.astype(np.int32),
+    )
+
+
+def _block_mask(pack: MaskedPack, device: torch.device):
+    key = str(device)
+    mask = pack.flex_cache.get(key)
+    if mask is None:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        tables = [torch.from_numpy(x).to(device) for x in flex_block_tables(pack)]
+        num, idx, full_num, full_idx = (t[None, None] for t in tables)  # [1, 1, ...]
+        mask = pack.flex_cache[key] = BlockMask.from_kv_blocks(
+            kv_num_blocks=num, kv_indices=idx, full_kv_num_blocks=full_num,
+            full_kv_indices=full_idx, BLOCK_SIZE=SPARSE_BLOCK, mask_mod=pack.mask_mod(),
+            seq_lengths=(pack.num_queries, pack.cu_k_host[-1]),
+        )  # fmt: skip
+    return mask
+
+
+def flex_lse_kwargs() -> dict:
+    """FlexAttention's keyword arguments that return the LSE: ``return_aux`` where it exists
+    (``return_lse`` is deprecated there), else ``return_lse``."""
+    from torch.nn.attention import flex_attention as fa
+
+    if hasattr(fa, "AuxRequest"):
+        return {"return_aux": fa.AuxRequest(lse=True)}
+    return {"return_lse": True}
+
+
+def flex_attention_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pack: MaskedPack,
+    *,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention of the packed rows: out [Tq, Hq, Dv] in q's dtype, lse [Tq, Hq]
+    (natural log: FlexAttention returns it so whatever base its kernel computes in).
+    ``q`` [Tq, Hq, Dqk], ``k`` [Tk, Hkv, Dqk], ``v`` [Tk, Hkv, Dv]. Compiled on CUDA, eager
+    on CPU (forward only there)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    with warnings.catch_warnings():
+        # The eager (CPU) path warns that it is unfused: it is the CPU twin by design.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        res = fn(
+            q4, k4, v4, score_mod=softcap_score_mod(softcap), block_mask=_block_mask(pack, q.device),
+            scale=scale, enable_gqa=q.shape[1] != k.shape[1], **flex_lse_kwargs(),
+        )  # fmt: skip
+    out, aux = res
+    lse = aux if isinstance(aux, torch.Tensor) else aux.lse
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def dense_twin_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pack: MaskedPack,
+    *,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`flex_attention_call` computes, densely and differentiably: the pack's
+    ``mask_mod`` and the soft-cap ``score_mod`` evaluated on the whole [Hq, Tq, Tk] grid (at
+    least fp32). FlexAttention's backward on CPU, and its test twin."""
+    acc = lse_dtype(q.dtype)
+    hq = q.shape[1]
+    kk = k.to(acc).repeat_interleave(hq // k.shape[1], dim=1)
+    vv = v.to(acc).repeat_interleave(hq // v.shape[1], dim=1)
+    s = torch.einsum("lhd,mhd->hlm", q.to(acc), kk) * scale
+    h = torch.arange(hq, device=q.device)[:, None, None]
+    qi = torch.arange(q.shape[0], device=q.device)[None, :, None]
+    ki = torch.arange(k.shape[0], device=q.device)[None, None, :]
+    score_mod = softcap_score_mod(softcap)
+    if score_mod is not None:
+        s = score_mod(s, 0, h, qi, ki)
+    s = s.masked_fill(~pack.mask_mod()(0, h, qi, ki), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hlm,mhd->lhd", torch.exp(s - lse[..., None]), vv)
+    return out.to(q.dtype), lse.transpose(0, 1)
+
+
+# Dispatch keys that an op implementation running below autograd has excluded.
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKey.AutogradFunctionality,
+    torch._C.DispatchKey.AutogradOther,
+    torch._C.DispatchKey.AutogradNestedTensor,
+    torch._C.DispatchKey.ADInplaceOrView,
+)
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    # An op's implementation may run below autograd (a ``torch.library.custom_op`` calling
+    # this one excludes the autograd dispatch keys for its whole body), where even
+    # ``enable_grad`` records nothing; the recompute needs autograd, so the keys are
+    # re-included for it alone (the private guard torch's own compiled regions use).
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def _recomputed_grads(attend: Attend, dout, q, k, v, out, lse):
+    # Gradients of the attention whose final output and LSE are ``out`` / ``lse``, by autograd
+    # through a recompute (module docstring: dO = sigma * dout, dL = (1 - sigma) * delta).
+    acc = lse_dtype(q.dtype)
+    with _autograd_inside_op():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o, l_new = attend(*leaves)
+        sigma = torch.exp(l_new.detach().to(acc) - lse.to(acc))
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        do = (dout.to(acc) * sigma[..., None]).to(o.dtype)
+        dl = ((1 - sigma) * delta).to(l_new.dtype)
+        return torch.autograd.grad((o, l_new), leaves, (do, dl))
+
+
+# --------------------------------------------------------------------------- FlashAttention-2
+
+
+def _window_left(pack: MaskedPack) -> int:
+    assert pack.window is not None, "the FlashAttention-2 kernel serves windows"
+    return pack.window - 1
+
+
+def flash_window_forward(q, k, v, pack: MaskedPack, scale: float):
+    """FlashAttention-2's varlen forward with the pack's window: (out, lse [Tq, Hq] fp32)."""
+    # max_q >= 2 keeps the general kernel (one query a sequence with grouped heads takes a
+    # special path in FlashAttention-2; pcp_varlen.varlen_forward_flash says why).
+    res = torch.ops.aten._flash_attention_forward(
+        q, k, v, pack.cu_q, pack.cu_k, max(pack.max_q, 2), pack.max_k, 0.0, True, False,
+        scale=scale, window_size_left=_window_left(pack), window_size_right=0,
+    )  # fmt: skip
+    lse = res[1]
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(
+            f"unexpected varlen LSE layout {tuple(lse.shape)} for {q.shape[0]} packed queries "
+            f"and {q.shape[1]} heads (expected [heads, queries])"
+        )
+    return res[0], lse.t()
+
+
+def flash_window_backward(dout, q, k, v, out, lse, pack: MaskedPack, scale: float):
+    """FlashAttention-2's varlen backward with the pack's window: (dq, dk, dv)."""
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse.t().float().contiguous(), pack.cu_q, pack.cu_k, pack.max_q,
+        pack.max_k, 0.0, True, seed, unused, scale=scale, window_size_left=_window_left(pack),
+        window_size_right=0,
+    )  # fmt: skip
+
+
+def _sequences(pack: MaskedPack):
+    for i in range(len(pack.cu_q_host) - 1):
+        rq = slice(pack.cu_q_host[i], pack.cu_q_host[i + 1])
+        yield rq, slice(pack.cu_k_host[i], pack.cu_k_host[i + 1])
+
+
+def flash_window_forward_twin(q, k, v, pack: MaskedPack, scale: float):
+    """:func:`flash_window_forward` by the reference, sequence by sequence (CPU, tests)."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = q.new_full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype))
+    for rq, rk in _sequences(pack):
+        out[rq], lse[rq] = attention_with_lse(
+            q[rq], k[rk], v[rk], scale=scale, causal=True, window=pack.window
+        )
+    return out, lse
+
+
+def flash_window_backward_twin(dout, q, k, v, out, lse, pack: MaskedPack, scale: float):
+    """:func:`flash_window_backward` by the reference (CPU, tests)."""
+    dq, dk, dv = (torch.zeros_like(x, dtype=lse_dtype(x.dtype)) for x in (q, k, v))
+    for rq, rk in _sequences(pack):
+        dq[rq], dk[rk], dv[rk] = attention_with_lse_backward(
+            dout[rq], q[rq], k[rk], v[rk], out[rq], lse[rq],
+            scale=scale, causal=True, window=pack.window,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- PCP attention
+
+
+def _prefix(inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # The cached prefix's keys and values, or None (without them or their offsets).
+    if inputs.prefix_k is None or inputs.prefix_v is None or inputs.prefix_cu_seqlens is None:
+        return None
+    return inputs.prefix_k, inputs.prefix_v
+
+
+def _packed_inputs(inputs: PrefillInputs, pack: MaskedPack):
+    q, k, v = inputs.q, inputs.k, inputs.v
+    prefix = _prefix(inputs)
+    if prefix is not None:
+        k, v = torch.cat((k, prefix[0])), torch.cat((v, prefix[1]))
+    return (
+        q.index_select(0, pack.q_index),
+        k.index_select(0, pack.k_index),
+        v.index_select(0, pack.k_index),
+    )
+
+
+def _check_kernel(kernel: str, pack: MaskedPack, softcap: float | None) -> None:
+    assert kernel in MASKED_KERNELS, kernel
+    assert kernel == "flex" or (pack.window is not None and not softcap), (
+        "the FlashAttention-2 kernel serves windows without soft-cap"
+    )
+
+
+def masked_prefill_forward(
+    inputs: PrefillInputs,
+    pack: MaskedPack,
+    *,
+    kernel: str,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head/tail attention of the local queries with the pack's window and ``softcap``, on
+    ``kernel`` (:data:`MASKED_KERNELS`; CPU runs its twin). Same contract as
+    :func:`~cp_modules.reference.pcp_attention.pcp_prefill_attention_reference`: out
+    [T, Hq, Dv] in q's dtype (0 on padding rows), lse [T, Hq] in ``lse_dtype(q.dtype)``
+    (-inf there)."""
+    _check_kernel(kernel, pack, softcap)
+    q, v, scale = inputs.q, inputs.v, inputs.scale
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = q.new_full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype))
+    if pack.num_queries == 0:  # padding rows only
+        return out, lse
+    qp, kp, vp = _packed_inputs(inputs, pack)
+    if kernel == "flash":
+        fwd = flash_window_forward if q.is_cuda else flash_window_forward_twin
+        op, lsep = fwd(qp, kp, vp, pack, scale)
+    else:
+        with torch.no_grad():
+            op, lsep = flex_attention_call(qp, kp, vp, pack, scale=scale, softcap=softcap)
+    out.index_copy_(0, pack.q_index, op.to(out.dtype))
+    lse.index_copy_(0, pack.q_index, lsep.to(lse.dtype))
+    return out, lse
+
+
+def masked_prefill_backward(
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    inputs: PrefillInputs,
+    pack: MaskedPack,
+    *,
+    kernel: str,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of :func:`masked_prefill_forward` from the final ``out`` / ``lse`` (module
+    docstring): dq [T, Hq, Dqk], dk [N, Hkv, Dqk], dv [N, Hkv, Dv], dprefix_k [C, Hkv, Dqk],
+    dprefix_v [C, Hkv, Dv] (None without a prefix), each in its input's dtype. A key row's
+    contributions (a request's head and tail sequences) are summed at least in fp32."""
+    _check_kernel(kernel, pack, softcap)
+    q, k, v, scale = inputs.q, inputs.k, inputs.v, inputs.scale
+    prefix = _prefix(inputs)
+    acc = lse_dtype(q.dtype)
+    num_src = k.shape[0] + (0 if prefix is None else prefix[0].shape[0])
+    dk_src = k.new_zeros((num_src, *k.shape[1:]), dtype=acc)
+    dv_src = v.new_zeros((num_src, *v.shape[1:]), dtype=acc)
+    dq = torch.zeros_like(q)
+    if pack.num_queries:
+        qp, kp, vp = _packed_inputs(inputs, pack)
+        dop, op, lsep = (x.index_select(0, pack.q_index) for x in (dout, out, lse))
+        if kernel == "flash":
+            bwd = flash_window_backward if q.is_cuda else flash_window_backward_twin
+            gq, gk, gv = bwd(dop.contiguous(), qp, kp, vp, op, lsep, pack, scale)
+        else:
+            call = flex_attention_call if q.is_cuda else dense_twin_attention
+            attend = functools.partial(call, pack=pack, scale=scale, softcap=softcap)
+            gq, gk, gv = _recomputed_grads(attend, dop, qp, kp, vp, op, lsep)
+        dq.index_copy_(0, pack.q_index, gq.to(q.dtype))
+        dk_src.index_add_(0, pack.k_index, gk.to(acc))
+        dv_src.index_add_(0, pack.k_index, gv.to(acc))
+    n = k.shape[0]
+    dk, dv = dk_src[:n].to(k.dtype), dv_src[:n].to(v.dtype)
+    if prefix is None:
+        return dq, dk, dv, None, None
+    return dq, dk, dv, dk_src[n:].to(prefix[0].dtype), dv_src[n:].to(prefix[1].dtype)
