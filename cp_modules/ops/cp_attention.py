@@ -375,8 +375,8 @@ def gqa_attention(
             ``i - W < j <= i`` (transformers' convention), or None (full causal).
         softcap: c > 0: scores become ``c * tanh(scores / c)`` after scaling, before masking
             and softmax (Gemma 2), or None. Prefill and training serve both on every device
-            (:mod:`cp_modules.ops.pcp_masked`); decode tokens on CUDA do not yet (the paged
-            decode op refuses them).
+            (:mod:`cp_modules.ops.pcp_masked`); decode tokens through the paged decode
+            kernel's per-query first key and soft-cap.
 
     Returns:
         [T, H, D] attention output of the local tokens (padding rows are 0).
