@@ -27,6 +27,7 @@ from torch import nn
 from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.distributed.collectives import all_gather
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
+from cp_modules.engine.graphs import DecodeGraph, bucket_of, graph_width
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.modules.hf_swap import allocate_kv_caches, cp_attention_layers, kv_cache_tensors
@@ -112,6 +113,11 @@ class GenerationEngine:
             without code generation).
         progress: show a progress bar (rank 0 only).
         packed_a2a: one packed all-to-all for the ``a2a`` DCP combine (else two).
+        decode_graphs: run decode steps on static buffers (:mod:`cp_modules.engine.graphs`),
+            replayed as CUDA graphs (one per batch-size bucket), with the next step launched
+            before the host reads the last one's tokens. None: on for CUDA models, off on CPU
+            (True on CPU runs the same static-buffer steps eagerly). Models with
+            sliding-window layer groups decode eagerly (their block tables move every step).
 
     Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
     model's ``generation_config.eos_token_id`` (one id or a list), unless
@@ -136,6 +142,7 @@ class GenerationEngine:
         compile_backend: str = "inductor",
         progress: bool = True,
         packed_a2a: bool = True,
+        decode_graphs: bool | None = None,
     ) -> None:
         self.model = model
         self.layers = cp_attention_layers(model)
@@ -189,6 +196,12 @@ class GenerationEngine:
         self._window_blocks: dict[int, int] = {}
         self._windows = kv_cache_windows(self.layers)
         self._compiled = compile
+        if decode_graphs is None:
+            decode_graphs = self.device.type == "cuda"
+        self.decode_graphs = bool(decode_graphs)
+        self._graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self._graph_pool = None
+        self.num_graph_captures = 0
         self._prefill_fn = self._prefill_forward
         self._decode_fn = self._decode_forward
         if compile:
@@ -226,6 +239,7 @@ class GenerationEngine:
             self.model, num_blocks, self.block_size, dtype=self.dtype, device=self.device,
             window_num_blocks=self._window_blocks,
         )  # fmt: skip
+        self._graphs.clear()  # captured graphs hold the old caches' addresses
         if self._compiled:
             # Block size and head sizes never change: static. The block count grows with the
             # batch: unbacked, so a larger cache reuses the graphs and duck sizing never ties it
@@ -313,10 +327,24 @@ class GenerationEngine:
         prefill_s = decode_s = 0.0
         decode_tokens = steps = 0
         t0 = time.perf_counter()
+
+        def record(batch: StepBatch, tokens: list[int]) -> None:
+            bar.update(sched.update(batch, tokens, stop_ids, time.perf_counter() - t0))
+            if any(t in stop_ids for t in tokens):
+                # A request stopped early: its unused tokens leave the bar's total.
+                bar.total = sum(len(r.output) if r.finished else r.max_new_tokens for r in requests)
+                bar.refresh()
+
         with torch.no_grad():
             while not sched.done:
                 batch = sched.schedule()
                 t_step = time.perf_counter()
+                if steps and self._graph_serves(batch, sched):
+                    n_steps, n_tokens = self._decode_run(sched, batch, params, generator, record)
+                    decode_s += time.perf_counter() - t_step
+                    decode_tokens += n_tokens
+                    steps += n_steps
+                    continue
                 tokens = self._step(batch, params, generator, first=steps == 0)
                 now = time.perf_counter()
                 if batch.num_prefill_tokens:
@@ -324,14 +352,8 @@ class GenerationEngine:
                 else:
                     decode_s += now - t_step
                     decode_tokens += len(tokens)
-                bar.update(sched.update(batch, tokens, stop_ids, now - t0))
+                record(batch, tokens)
                 steps += 1
-                if any(t in stop_ids for t in tokens):
-                    # A request stopped early: its unused tokens leave the bar's total.
-                    bar.total = sum(
-                        len(r.output) if r.finished else r.max_new_tokens for r in requests
-                    )
-                    bar.refresh()
         bar.close()
         stats = GenerationStats(
             num_requests=len(requests),
@@ -359,6 +381,88 @@ class GenerationEngine:
             finish_reasons=[r.finish_reason for r in requests],
             stats=stats,
         )
+
+    @property
+    def cache_blocks(self) -> int:
+        """Blocks per full-attention layer cache (0 before the first ``generate``)."""
+        return self._cache_blocks
+
+    def _graph_serves(self, batch: StepBatch, sched: Scheduler) -> bool:
+        # Decode-only steps of models without sliding-window groups, in a bucket.
+        return (
+            self.decode_graphs
+            and not sched.window_groups
+            and all(n == 1 for n in batch.num_new)
+            and batch.num_prefill_tokens == 0
+            and len(batch.sample_requests) == len(batch.requests)
+            and bucket_of(len(batch.requests)) is not None
+        )
+
+    def _decode_graph(self, num_requests: int, blocks: int) -> DecodeGraph:
+        bucket, width = bucket_of(num_requests), graph_width(blocks)
+        assert bucket is not None
+        graph = self._graphs.get((bucket, width))
+        if graph is None:
+            capture = self.device.type == "cuda"
+            if capture and self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = DecodeGraph(self, bucket, width, capture=capture, pool=self._graph_pool)
+            self._graphs[(bucket, width)] = graph
+            self.num_graph_captures += int(capture)
+        return graph
+
+    def _decode_run(self, sched, batch, params, generator, record) -> tuple[int, int]:
+        """Decode steps of ``batch``'s requests on a graph until one of them finishes.
+
+        Step t + 1 is launched before the host reads step t's tokens (its inputs are updated on
+        the device), so the host's bookkeeping of step t overlaps the GPU's work on t + 1. When
+        a request stops early (a stop token), the step already launched computed one token too
+        many for it: that token is dropped. Returns (steps, tokens recorded).
+        """
+        graph = self._decode_graph(len(batch.requests), batch.block_table.shape[1])
+        b = graph.load(batch)
+        # Steps until the first request reaches max_new_tokens (stop tokens may end it sooner).
+        num = min(r.max_new_tokens - len(r.output) for r in batch.requests)
+        inflight: list[tuple[StepBatch, torch.Tensor, torch.cuda.Event | None]] = []
+        steps = recorded = 0
+
+        def consume() -> bool:
+            nonlocal recorded
+            step, host, event = inflight.pop(0)
+            if event is not None:
+                event.synchronize()
+            tokens = host.tolist()
+            keep = [i for i, r in enumerate(step.requests) if not r.finished]
+            if len(keep) < len(step.requests):
+                step = _decode_batch([step.requests[i] for i in keep])
+                tokens = [tokens[i] for i in keep]
+            if step.requests:
+                record(step, tokens)
+                recorded += len(tokens)
+            return any(r.finished for r in step.requests)
+
+        for t in range(num):
+            logits = graph.replay()
+            tokens = sample_tokens(logits[:b], params, generator)
+            if self.world_size > 1:
+                dist.broadcast(tokens, src=0)
+            if self.device.type == "cuda":
+                host = torch.empty(b, dtype=torch.long, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host, event = tokens, None
+            inflight.append((batch, host, event))
+            steps += 1
+            if t + 1 < num:
+                graph.advance(tokens)  # the next step's inputs, on the device
+                batch = _decode_batch(batch.requests, [c + 1 for c in batch.num_computed])
+            if len(inflight) > 1 and consume():
+                break
+        while inflight:
+            consume()
+        return steps, recorded
 
     def _step(
         self, batch: StepBatch, params: SamplingParams, generator: torch.Generator, first: bool
@@ -394,6 +498,22 @@ class GenerationEngine:
             # choice identical even if a reduction order ever made logits differ in a last bit.
             dist.broadcast(tokens, src=0)
         return tokens.tolist()
+
+
+def _decode_batch(requests: list[Request], num_computed: list[int] | None = None) -> StepBatch:
+    """The bookkeeping of a decode step of ``requests`` (one token each) whose inputs live on
+    the device: what :meth:`Scheduler.update` reads."""
+    num_computed = [r.num_computed for r in requests] if num_computed is None else num_computed
+    n = len(requests)
+    return StepBatch(
+        requests=list(requests),
+        num_new=[1] * n,
+        num_computed=list(num_computed),
+        input_ids=torch.zeros(0, dtype=torch.long),
+        block_table=torch.zeros(n, 0, dtype=torch.int32),
+        sample_rows=torch.arange(n),
+        sample_requests=list(requests),
+    )
 
 
 def _gather_rows(hidden: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor:

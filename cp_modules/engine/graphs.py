@@ -1,0 +1,177 @@
+"""Decode steps on static buffers, replayed as CUDA graphs (one graph per batch-size bucket).
+
+Shape letters: B = decode requests of the step, Bp = the bucket (the smallest of
+:data:`BUCKETS` >= B), M = block-table width of the graph, V = vocabulary.
+
+A decode step reads three inputs that live in static device buffers: the token ids [Bp], their
+positions [Bp] and the requests' block-table rows [Bp, M]. Everything else the attention layers
+need (each token's cache slot on this DCP rank, the local KV length it attends) is derived from
+them on the device inside the graph, so a step of the same bucket replays the same graph with
+no host work but the launch. Padding rows (B < Bp) have position -1: they write no cache slot
+and attend no key (their rows are ignored). The graph ends with fp32 logits [Bp, V] in a static
+buffer; sampling runs after it on the first B rows.
+
+Between steps of a decode run (the same requests, one token each) the next step's inputs are
+updated on the device: the sampled ids become the next ids and every position moves on by one,
+so the host never waits for a step before launching the next one (see
+``GenerationEngine._decode_run``). The block-table rows never change during a run: a request's
+whole lifetime is allocated when it is admitted.
+
+On CPU (or with CUDA graphs off) the same buffers and derivations run eagerly: the code path
+the CUDA graph captures, checked by the CPU tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping
+from cp_modules.step import build_step_metadata, cp_step
+
+if TYPE_CHECKING:
+    from cp_modules.engine.engine import GenerationEngine
+    from cp_modules.engine.scheduler import StepBatch
+
+__all__ = ["BUCKETS", "DecodeGraph", "bucket_of", "graph_width"]
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
+
+
+def bucket_of(num_requests: int) -> int | None:
+    """The smallest bucket holding ``num_requests`` decode rows (None past the largest)."""
+    return next((b for b in BUCKETS if b >= num_requests), None)
+
+
+def graph_width(blocks: int) -> int:
+    """Block-table width of a graph serving rows of ``blocks`` entries: the next power of two
+    (so calls with slightly different request lengths share graphs)."""
+    return 1 << max(blocks - 1, 0).bit_length()
+
+
+class DecodeGraph:
+    """One bucket's decode step on static buffers; captured as a CUDA graph when ``capture``.
+
+    Args:
+        engine: the :class:`~cp_modules.engine.engine.GenerationEngine` (model, runtime, cache
+            and the decode forward it runs).
+        bucket: Bp, decode rows of the graph.
+        width: M, block-table entries per row.
+        capture: capture a CUDA graph (CUDA only); else :meth:`replay` runs the step eagerly.
+        pool: the CUDA graph memory pool shared by the engine's graphs.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        bucket: int,
+        width: int,
+        *,
+        capture: bool,
+        pool=None,
+    ) -> None:
+        rt, dev = engine.runtime, engine.device
+        self.engine, self.bucket, self.width = engine, bucket, width
+        self.ids = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.positions = torch.full((bucket,), -1, dtype=torch.long, device=dev)
+        self.block_table = torch.zeros(bucket, width, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(bucket, device=dev)
+        # The step's structure (every row a one-token decode) from the planner itself; the
+        # position-dependent fields are replaced by buffers the graph fills.
+        meta = build_step_metadata(
+            rt,
+            [1] * bucket,
+            [1] * bucket,
+            block_table=torch.zeros(bucket, width, dtype=torch.int32),
+            block_size=engine.block_size,
+            device=dev,
+            check_consistency=False,
+        )
+        assert meta.all_decode and meta.slot_mapping is not None
+        self.kv_len = torch.zeros_like(meta.decode_kv_len)
+        self.slots = torch.zeros_like(meta.slot_mapping)
+        self.meta = dataclasses.replace(
+            meta,
+            plan=dataclasses.replace(meta.plan, positions=self.positions),
+            positions=self.positions,
+            decode_positions=self.positions,
+            decode_kv_len=self.kv_len,
+            slot_mapping=self.slots,
+            block_table=self.block_table,
+            # Block ids come from the scheduler's tables: below every cache's block count.
+            max_block_id=engine.cache_blocks - 1,
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if capture:
+            self._capture(pool)
+
+    def _derive(self) -> None:
+        # Per-token cache metadata from the positions and block-table rows (what
+        # build_step_metadata computes on the host for a decode step).
+        rt = self.engine.runtime
+        d, r, i = rt.dcp_size, rt.dcp_rank, rt.config.interleave
+        self.kv_len.copy_(dcp_query_kv_len(self.positions, d, r, i))
+        slots = dcp_slot_mapping(
+            self.positions, self.rows, self.block_table, self.engine.block_size, d, r, i
+        )
+        self.slots.copy_(slots)
+
+    def _step(self) -> torch.Tensor:
+        from cp_modules.engine.engine import _gather_rows
+
+        self._derive()
+        eng = self.engine
+        with cp_step(self.meta):
+            hidden = eng._decode_fn(self.ids[None], self.positions[None])[0]
+        return eng.compute_logits(_gather_rows(hidden, self.meta, self.rows)).float()
+
+    def _capture(self, pool) -> None:
+        # Warm up on a side stream (compilation, autotuning, kernel plans), then capture. The
+        # positions are all -1 here: nothing is written to the cache.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = self._step()
+
+    def load(self, batch: StepBatch) -> int:
+        """Copy an all-decode batch's ids, positions and block-table rows into the buffers;
+        returns B. Rows past B become padding."""
+        b = len(batch.requests)
+        assert b <= self.bucket and batch.block_table.shape[1] <= self.width
+        dev = self.ids.device
+        pinned = dev.type == "cuda"
+
+        def up(x: torch.Tensor) -> torch.Tensor:
+            return (x.pin_memory() if pinned else x).to(dev, non_blocking=pinned)
+
+        self.ids[:b].copy_(up(batch.input_ids.to(torch.long)), non_blocking=pinned)
+        self.ids[b:].zero_()
+        pos = torch.tensor(batch.num_computed, dtype=torch.long)
+        self.positions[:b].copy_(up(pos), non_blocking=pinned)
+        self.positions[b:].fill_(-1)
+        self.block_table.zero_()
+        m = batch.block_table.shape[1]
+        self.block_table[:b, :m].copy_(up(batch.block_table.to(torch.int32)), non_blocking=pinned)
+        return b
+
+    def replay(self) -> torch.Tensor:
+        """Run the step on the buffers; the fp32 logits [Bp, V] (a static buffer on CUDA)."""
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """The next step of the run: the sampled ids [B] become the inputs, positions move on."""
+        b = tokens.shape[0]
+        self.ids[:b].copy_(tokens)
+        self.positions[:b].add_(1)
