@@ -153,7 +153,7 @@ def _agree(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
-def prefill_rows(name: str, quick: bool, metrics: dict) -> None:
+def prefill_rows(name: str, quick: bool, metrics: dict, profile: str | None = None) -> None:
     hf, cp = build(name)
     g = torch.Generator(device=DEV).manual_seed(1)
     vocab = hf.config.vocab_size
@@ -186,6 +186,11 @@ def prefill_rows(name: str, quick: bool, metrics: dict) -> None:
         metrics[f"one-GPU parity new-length prefill {name} (CP / HF sdpa)"] = t_cp / t_hf
         metrics[f"parity {name} new-length ms CP"] = t_cp * 1e3
         metrics[f"parity {name} new-length ms HF"] = t_hf * 1e3
+        if profile:
+            _profile(
+                f"{profile}/prefill-{name}",
+                {"cp": lambda: _cp_prefill(cp, ids), "hf": lambda: _hf_prefill(hf, ids)},
+            )
 
 
 def training_rows(name: str, quick: bool, metrics: dict, profile: str | None) -> None:
@@ -287,14 +292,17 @@ def _engine_case(label, dtype, lens, new, *, quick, metrics, profile) -> None:
                 )  # fmt: skip
                 outs = [r[len(p) :].tolist() for r, p in zip(y, prompts)]
             else:
-                # Ragged prompts: HF generate one prompt at a time (no padding to argue about).
-                for p in prompts:
-                    x = torch.tensor([p], device=DEV)
-                    y = hf.generate(
-                        x, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                        pad_token_id=0,
-                    )  # fmt: skip
-                    outs.append(y[0, len(p) :].tolist())
+                # Ragged prompts: one left-padded batch with its attention mask.
+                width = max(lens)
+                x = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEV)
+                mask = torch.tensor(
+                    [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEV
+                )
+                y = hf.generate(
+                    x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False, pad_token_id=0,
+                )  # fmt: skip
+                outs = [r[width:].tolist() for r in y]
         return outs
 
     res, ref = run_engine(), run_hf()  # warm-up on the same shapes
@@ -313,7 +321,7 @@ def _engine_case(label, dtype, lens, new, *, quick, metrics, profile) -> None:
     steps = max(res.stats.num_steps, 1)
     metrics[f"engine {label} s per decode step"] = res.stats.decode_s / max(steps - 1, 1)
     if profile:
-        _profile(f"{profile}/engine-{label.split()[0]}", {"engine": run_engine})
+        _profile(f"{profile}/engine-{label.split()[0].replace('+', '_')}", {"engine": run_engine})
 
 
 def main() -> int:
@@ -336,8 +344,7 @@ def main() -> int:
             if part not in parts:
                 continue
             try:
-                args = (name, a.quick, metrics) + ((a.profile,) if part == "training" else ())
-                fn(*args)
+                fn(name, a.quick, metrics, a.profile)
             except Exception:
                 traceback.print_exc()
                 failed.append(f"{part} {name}")
