@@ -24,6 +24,11 @@ an odd tile count ends with a phantom tile B (read from the last real block, eve
 masked). Rows past the range are zeroed in shared memory before they meet P @ V (unwritten
 cache slots may hold NaN). Splits and their merge as in :mod:`cp_modules.kernels.paged_decode`.
 
+Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
+each block id looked up next to its copy; warp group 0 with a tile's ids looked up first; or a
+producer warp in a third partition), and whether the last pair of a split is peeled off so
+that the others run without masks.
+
 Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 only.
 """
 
@@ -116,7 +121,9 @@ GLUON_MLA_VARIANTS = {
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
 }
 # The default variant for blocks smaller than a 64-token tile (several copies per piece) and
-# for the rest.
+# for the rest. Rule: from ``bench_mla_decode --gluon-only --variants ...``, per block size
+# the variant whose checked rates have the highest geometric mean over the 128-head rows
+# (none may be more than 3 % below the current default's on any row).
 _DEFAULT_SMALL_PAGE = "base"
 _DEFAULT_LARGE_PAGE = "base"
 
