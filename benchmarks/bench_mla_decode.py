@@ -6,7 +6,7 @@ Run from the repository root on a CUDA machine (no Hydra needed):
 
     python -m benchmarks.bench_mla_decode            # full sweep, under 5 minutes on an H200
     python -m benchmarks.bench_mla_decode --quick    # three shapes, block size 64
-    python -m benchmarks.bench_mla_decode --gluon-only --variants base,hoist,loader,loader-r232
+    python -m benchmarks.bench_mla_decode --gluon-only --variants hoist,loader,loader-r232 --budget-s 220
         # the Gluon schedule variants only: the 128-head shapes and 64 heads at B=64 ctx 32k
 
 What it does:
@@ -171,30 +171,37 @@ def gluon_variant_fn(name: str):
 
 
 def gluon_variants(names: list[str]) -> dict:
-    """{"gluon": default schedule, "gluon-<name>": each named schedule}."""
-    variants = {"gluon": gluon_fn}
-    variants.update({f"gluon-{n}": gluon_variant_fn(n) for n in names})
-    return variants
+    """{"gluon": the default schedule (name ``default``), "gluon-<name>": a named schedule}."""
+    return {
+        "gluon" if n == "default" else f"gluon-{n}": gluon_fn
+        if n == "default"
+        else gluon_variant_fn(n)
+        for n in names
+    }
 
 
 def plan(quick: bool, gluon_only: bool = False) -> list[tuple[int, int, int, int]]:
     """(heads, block size, B, ctx) rows in run order (``gluon_only``: the 128-head shapes and
     64 heads at B = 64, ctx 32k)."""
     rows = []
+    if gluon_only:
+        # Both block sizes of a shape side by side (a short budget cuts whole shapes).
+        rows = [(128, bs, b, c) for b, c in SHAPES_128 for bs in (16, 64)
+                if cache_bytes(b, c) <= MAX_CACHE_BYTES]  # fmt: skip
+        return rows + [(64, 64, 64, 32768)]
     for bs in (64,) if quick else (16, 64):
         for b, c in QUICK_128 if quick else SHAPES_128:
             if cache_bytes(b, c) <= MAX_CACHE_BYTES:
                 rows.append((128, bs, b, c))
-    if gluon_only:
-        rows.append((64, 64, 64, 32768))
-    elif not quick:
+    if not quick:
         rows += [(h, 64, b, c) for h in (16, 32, 64) for b, c in HEADS_SHAPES]
     return rows
 
 
 def sweep(variants: dict, rows, budget_s: float, log) -> list[dict]:
-    """Run ``variants`` ({name: fn}) over ``rows``; one pool per block size."""
-    results, pool, pool_bs, t0 = [], None, None, time.monotonic()
+    """Run ``variants`` ({name: fn}) over ``rows``; one pool per block size (kept while the
+    rows alternate between block sizes)."""
+    results, pools, t0 = [], {}, time.monotonic()
     for heads, bs, b, c in rows:
         row = {"heads": heads, "block_size": bs, "batch": b, "ctx": c, "variants": {}}
         results.append(row)
@@ -202,10 +209,15 @@ def sweep(variants: dict, rows, budget_s: float, log) -> list[dict]:
             row["skipped"] = "time budget"
             continue
         try:
-            if pool_bs != bs:
+            if bs not in pools:
+                # Keep only the pools that rows still ahead use.
+                ahead = {s for _, s, _, _ in rows[len(results) - 1 :]}
                 pool = None
+                for k in [k for k in pools if k not in ahead]:
+                    del pools[k]
                 need = max(bb * cc for h, s, bb, cc in rows if s == bs)
-                pool, pool_bs = make_pool(bs, need), bs
+                pools[bs] = make_pool(bs, need)
+            pool = pools[bs]
             inputs = make_inputs(pool, heads, b, c)
             ref = reference(pool, *inputs)
         except Exception as e:  # noqa: BLE001
@@ -277,7 +289,7 @@ def main() -> int:
     if args.child_gluon is not None:
         rows = [tuple(r) for r in json.loads(args.child_gluon)]
         log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-        got = sweep(gluon_variants(names), rows, args.budget_s, log)
+        got = sweep(gluon_variants(names or ["default"]), rows, args.budget_s, log)
         print("GLUON_ROWS " + json.dumps(got, default=str))
         return 0
     from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
@@ -289,24 +301,31 @@ def main() -> int:
     rows = plan(args.quick, args.gluon_only)
     start = time.monotonic()
     gluon_rows: list[dict] | str = "skipped (--no-gluon)"
+    gluon_status: dict[str, str] = {}
     if not args.no_gluon:
-        print("Gluon kernel (child process)...", flush=True)
-        share = 1.0 if args.gluon_only else 0.7
-        gluon_rows = run_gluon_child(rows, share * args.budget_s,
-                                     timeout_s=share * args.budget_s + 90, names=names)  # fmt: skip
-        if isinstance(gluon_rows, str):
-            print(f"  gluon: {gluon_rows}", flush=True)
-        else:
-            for r in gluon_rows:
+        # One child process per schedule: a hang or a fault costs that schedule's rows only.
+        share = (1.0 if args.gluon_only else 0.7) * args.budget_s / (1 + len(names))
+        gluon_rows = [{"variants": {}} for _ in rows]
+        for name in ["default", *names]:
+            print(f"Gluon kernel, schedule {name} (child process)...", flush=True)
+            got = run_gluon_child(rows, share, timeout_s=share + 60, names=[name])
+            gluon_status[name] = got if isinstance(got, str) else "ran"
+            if isinstance(got, str):
+                print(f"  gluon {name}: {got}", flush=True)
+                continue
+            for merged, r in zip(gluon_rows, got):
+                merged["variants"].update(r["variants"])
+                status = r.get("skipped") or r.get("error")
+                if status:
+                    merged.setdefault("status", {})[name] = status
                 if r["heads"] % 64:
                     continue
-                status = r.get("skipped") or r.get("error")
-                for name, e in r["variants"].items() if not status else [("gluon", {})]:
+                for vname, e in r["variants"].items() if not status else [(name, {})]:
                     rate = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else "-"
                     st = status or e.get("error")
                     st = st or ("ok" if e.get("check", {}).get("ok") else "CHECK FAILED")
                     print(f"  h={r['heads']:3d} bs={r['block_size']:2d} B={r['batch']:3d} "
-                          f"ctx={r['ctx']:6d} {name:20s} {rate:>14s}  {st}", flush=True)  # fmt: skip
+                          f"ctx={r['ctx']:6d} {vname:20s} {rate:>14s}  {st}", flush=True)  # fmt: skip
     names = () if args.gluon_only else QUICK_TRITON if args.quick else tuple(TRITON_VARIANTS)
     variants = {n: triton_fn(TRITON_VARIANTS[n]) for n in names}
     if variants:
@@ -317,16 +336,14 @@ def main() -> int:
     if not isinstance(gluon_rows, str):
         for r, g in zip(results, gluon_rows):
             r["variants"].update(g["variants"])
-            if "skipped" in g or "error" in g:
-                r["gluon_" + ("skipped" if "skipped" in g else "error")] = g.get(
-                    "skipped"
-                ) or g.get("error")
+            if "status" in g:
+                r["gluon_status"] = g["status"]
     summary = summarize(results)
     print()
     for name, s in summary.items():
         print(f"{name}: {s['value']:.0f} ({s['variant']}, block sizes {s['block_sizes']})")
     metrics = {"rows": results, "summary": summary,
-               "gluon": gluon_rows if isinstance(gluon_rows, str) else "ran",
+               "gluon": gluon_rows if isinstance(gluon_rows, str) else gluon_status,
                "wall_s": time.monotonic() - start}  # fmt: skip
     metrics["gluon_variants"] = {
         n: repr(GLUON_MLA_VARIANTS[n]) for n in args.variants.split(",") if n
