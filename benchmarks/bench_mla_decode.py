@@ -6,6 +6,8 @@ Run from the repository root on a CUDA machine (no Hydra needed):
 
     python -m benchmarks.bench_mla_decode            # full sweep, under 5 minutes on an H200
     python -m benchmarks.bench_mla_decode --quick    # three shapes, block size 64
+    python -m benchmarks.bench_mla_decode --gluon-only --variants hoist,loader,loader-r232 --budget-s 220
+        # the Gluon schedule variants only: the 128-head shapes and 64 heads at B=64 ctx 32k
 
 What it does:
   1. 128 heads (DeepSeek-V3's absorbed decode: 576-wide latent keys, 512-wide values), bf16,
@@ -16,7 +18,9 @@ What it does:
   Variants: ``triton`` (the shipped kernel with its default tiles), ``triton-N<n>-S<s>-W8[-split]``
   (plain-Triton 64-head tiles on 8 warps, other token tiles and pipeline depths; the two head
   halves of a query are neighbours in the grid and read the same split through L2) and
-  ``gluon`` (:mod:`cp_modules.kernels.paged_decode_mla_gluon`; 128 and 64 heads only).
+  ``gluon`` (:mod:`cp_modules.kernels.paged_decode_mla_gluon` with its default schedule; 128
+  and 64 heads only) and ``gluon-<name>`` for each schedule named in ``--variants`` (keys of
+  ``GLUON_MLA_VARIANTS``: who issues the tile copies, peeled last pair, register split).
   Every variant is first checked against the fp32 reference on three queries of the batch (the
   2x rule against a same-dtype reference); a failed check gets no speed. Each variant runs in a
   try block: an error is recorded and the sweep goes on. The Gluon variant runs in a child
@@ -151,9 +155,40 @@ def gluon_fn(pool, q, bt, seq, lens):
     return paged_mla_attention_gluon(q, pool, bt, seq, lens, SCALE, RK)
 
 
-def plan(quick: bool) -> list[tuple[int, int, int, int]]:
-    """(heads, block size, B, ctx) rows in run order."""
+def gluon_variant_fn(name: str):
+    """The Gluon kernel with the schedule ``GLUON_MLA_VARIANTS[name]``."""
+
+    def fn(pool, q, bt, seq, lens):
+        from cp_modules.kernels.paged_decode_mla_gluon import (
+            GLUON_MLA_VARIANTS,
+            paged_mla_attention_gluon,
+        )
+
+        config = GLUON_MLA_VARIANTS[name]
+        return paged_mla_attention_gluon(q, pool, bt, seq, lens, SCALE, RK, config=config)
+
+    return fn
+
+
+def gluon_variants(names: list[str]) -> dict:
+    """{"gluon": the default schedule (name ``default``), "gluon-<name>": a named schedule}."""
+    return {
+        "gluon" if n == "default" else f"gluon-{n}": gluon_fn
+        if n == "default"
+        else gluon_variant_fn(n)
+        for n in names
+    }
+
+
+def plan(quick: bool, gluon_only: bool = False) -> list[tuple[int, int, int, int]]:
+    """(heads, block size, B, ctx) rows in run order (``gluon_only``: the 128-head shapes and
+    64 heads at B = 64, ctx 32k)."""
     rows = []
+    if gluon_only:
+        # Both block sizes of a shape side by side (a short budget cuts whole shapes).
+        rows = [(128, bs, b, c) for b, c in SHAPES_128 for bs in (16, 64)
+                if cache_bytes(b, c) <= MAX_CACHE_BYTES]  # fmt: skip
+        return rows + [(64, 64, 64, 32768)]
     for bs in (64,) if quick else (16, 64):
         for b, c in QUICK_128 if quick else SHAPES_128:
             if cache_bytes(b, c) <= MAX_CACHE_BYTES:
@@ -164,8 +199,9 @@ def plan(quick: bool) -> list[tuple[int, int, int, int]]:
 
 
 def sweep(variants: dict, rows, budget_s: float, log) -> list[dict]:
-    """Run ``variants`` ({name: fn}) over ``rows``; one pool per block size."""
-    results, pool, pool_bs, t0 = [], None, None, time.monotonic()
+    """Run ``variants`` ({name: fn}) over ``rows``; one pool per block size (kept while the
+    rows alternate between block sizes)."""
+    results, pools, t0 = [], {}, time.monotonic()
     for heads, bs, b, c in rows:
         row = {"heads": heads, "block_size": bs, "batch": b, "ctx": c, "variants": {}}
         results.append(row)
@@ -173,17 +209,22 @@ def sweep(variants: dict, rows, budget_s: float, log) -> list[dict]:
             row["skipped"] = "time budget"
             continue
         try:
-            if pool_bs != bs:
+            if bs not in pools:
+                # Keep only the pools that rows still ahead use.
+                ahead = {s for _, s, _, _ in rows[len(results) - 1 :]}
                 pool = None
+                for k in [k for k in pools if k not in ahead]:
+                    del pools[k]
                 need = max(bb * cc for h, s, bb, cc in rows if s == bs)
-                pool, pool_bs = make_pool(bs, need), bs
+                pools[bs] = make_pool(bs, need)
+            pool = pools[bs]
             inputs = make_inputs(pool, heads, b, c)
             ref = reference(pool, *inputs)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
             continue
         for name, fn in variants.items():
-            if name == "gluon" and heads % 64:
+            if name.startswith("gluon") and heads % 64:
                 continue
             entry = run_variant(fn, pool, inputs, ref, heads, b, c)
             row["variants"][name] = entry
@@ -193,10 +234,10 @@ def sweep(variants: dict, rows, budget_s: float, log) -> list[dict]:
     return results
 
 
-def run_gluon_child(rows, budget_s: float, timeout_s: float) -> list[dict] | str:
-    """The Gluon variant's rows from a child process, or why there are none."""
+def run_gluon_child(rows, budget_s: float, timeout_s: float, names=()) -> list[dict] | str:
+    """The Gluon variants' rows from a child process, or why there are none."""
     cmd = [sys.executable, "-m", "benchmarks.bench_mla_decode", "--child-gluon",
-           json.dumps(rows), "--budget-s", str(budget_s)]  # fmt: skip
+           json.dumps(rows), "--budget-s", str(budget_s), "--variants", ",".join(names)]  # fmt: skip
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -235,55 +276,87 @@ def main() -> int:
     parser.add_argument("--no-gluon", action="store_true", help="skip the Gluon kernel")
     parser.add_argument("--budget-s", type=float, default=140.0,
                         help="wall-clock budget per sweep (Triton, Gluon); later rows skipped")  # fmt: skip
+    parser.add_argument("--variants", default="",
+                        help="comma-separated Gluon schedules (GLUON_MLA_VARIANTS keys) timed "
+                             "next to the default one as gluon-<name>")  # fmt: skip
+    parser.add_argument("--gluon-only", action="store_true",
+                        help="no Triton variants; the 128-head shapes and one 64-head shape")  # fmt: skip
     parser.add_argument("--child-gluon", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
 
+    names = [n for n in args.variants.split(",") if n]
     if args.child_gluon is not None:
         rows = [tuple(r) for r in json.loads(args.child_gluon)]
-        got = sweep({"gluon": gluon_fn}, rows, args.budget_s, lambda s: print(s, file=sys.stderr))
+        log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+        got = sweep(gluon_variants(names or ["default"]), rows, args.budget_s, log)
         print("GLUON_ROWS " + json.dumps(got, default=str))
         return 0
+    from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
 
-    rows = plan(args.quick)
+    unknown = [n for n in names if n not in GLUON_MLA_VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; known: {sorted(GLUON_MLA_VARIANTS)}")
+
+    rows = plan(args.quick, args.gluon_only)
     start = time.monotonic()
     gluon_rows: list[dict] | str = "skipped (--no-gluon)"
+    gluon_status: dict[str, str] = {}
     if not args.no_gluon:
-        print("Gluon kernel (child process)...", flush=True)
-        gluon_rows = run_gluon_child(rows, 0.7 * args.budget_s, timeout_s=0.7 * args.budget_s + 60)
-        if isinstance(gluon_rows, str):
-            print(f"  gluon: {gluon_rows}", flush=True)
-        else:
-            for r in gluon_rows:
-                e = r["variants"].get("gluon", {})
-                rate = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else "-"
-                status = r.get("skipped") or r.get("error") or e.get("error")
-                status = status or ("ok" if e.get("check", {}).get("ok") else "CHECK FAILED")
-                if r["heads"] % 64 == 0:
+        # One child process per schedule: a hang or a fault costs that schedule's rows only.
+        share = (1.0 if args.gluon_only else 0.7) * args.budget_s / (1 + len(names))
+        gluon_rows = [{"variants": {}} for _ in rows]
+        for name in ["default", *names]:
+            print(f"Gluon kernel, schedule {name} (child process)...", flush=True)
+            got = run_gluon_child(rows, share, timeout_s=share + 60, names=[name])
+            gluon_status[name] = got if isinstance(got, str) else "ran"
+            if isinstance(got, str):
+                print(f"  gluon {name}: {got}", flush=True)
+                continue
+            for merged, r in zip(gluon_rows, got):
+                merged["variants"].update(r["variants"])
+                status = r.get("skipped") or r.get("error")
+                if status:
+                    merged.setdefault("status", {})[name] = status
+                if r["heads"] % 64:
+                    continue
+                for vname, e in r["variants"].items() if not status else [(name, {})]:
+                    rate = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else "-"
+                    st = status or e.get("error")
+                    st = st or ("ok" if e.get("check", {}).get("ok") else "CHECK FAILED")
                     print(f"  h={r['heads']:3d} bs={r['block_size']:2d} B={r['batch']:3d} "
-                          f"ctx={r['ctx']:6d} gluon {rate:>14s}  {status}", flush=True)  # fmt: skip
-    names = QUICK_TRITON if args.quick else tuple(TRITON_VARIANTS)
+                          f"ctx={r['ctx']:6d} {vname:20s} {rate:>14s}  {st}", flush=True)  # fmt: skip
+    names = () if args.gluon_only else QUICK_TRITON if args.quick else tuple(TRITON_VARIANTS)
     variants = {n: triton_fn(TRITON_VARIANTS[n]) for n in names}
-    results = sweep(variants, rows, args.budget_s, lambda s: print(s, flush=True))
+    if variants:
+        results = sweep(variants, rows, args.budget_s, lambda s: print(s, flush=True))
+    else:
+        results = [{"heads": h, "block_size": bs, "batch": b, "ctx": c, "variants": {}}
+                   for h, bs, b, c in rows]  # fmt: skip
     if not isinstance(gluon_rows, str):
         for r, g in zip(results, gluon_rows):
             r["variants"].update(g["variants"])
-            if "skipped" in g or "error" in g:
-                r["gluon_" + ("skipped" if "skipped" in g else "error")] = g.get(
-                    "skipped"
-                ) or g.get("error")
+            if "status" in g:
+                r["gluon_status"] = g["status"]
     summary = summarize(results)
     print()
     for name, s in summary.items():
         print(f"{name}: {s['value']:.0f} ({s['variant']}, block sizes {s['block_sizes']})")
     metrics = {"rows": results, "summary": summary,
-               "gluon": gluon_rows if isinstance(gluon_rows, str) else "ran",
+               "gluon": gluon_rows if isinstance(gluon_rows, str) else gluon_status,
                "wall_s": time.monotonic() - start}  # fmt: skip
-    path = write_results("mla-decode" + ("-quick" if args.quick else ""), metrics, Path(args.out))
+    metrics["gluon_variants"] = {
+        n: repr(GLUON_MLA_VARIANTS[n]) for n in args.variants.split(",") if n
+    }
+    kind = "-quick" if args.quick else "-gluon" if args.gluon_only else ""
+    path = write_results("mla-decode" + kind, metrics, Path(args.out))
     print(f"wrote {path} ({metrics['wall_s']:.0f} s)")
-    shipped_failed = [r for r in results
-                      if r["variants"].get("triton", {}).get("check", {}).get("ok") is False]  # fmt: skip
-    return 1 if shipped_failed else 0
+    failed = [f"{r['heads']}/{r['block_size']}/{r['batch']}/{r['ctx']} {n}"
+              for r in results for n, e in r["variants"].items()
+              if e.get("check", {}).get("ok") is False]  # fmt: skip
+    if failed:
+        print("CHECK FAILED: " + ", ".join(failed))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -704,10 +704,54 @@ def test_gpu_gluon_mla_matches_reference(bs, heads, splits, interleave):
     check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{heads}")
 
 
+def _gluon_variant_names():
+    from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
+
+    return list(GLUON_MLA_VARIANTS)
+
+
 @pytest.mark.gpu
-def test_gpu_gluon_mla_cuda_graph_replay_and_refusals():
+@pytest.mark.parametrize("variant", _gluon_variant_names())
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("splits", [None, 1, 130], ids=["Sauto", "S1", "S130"])
+def test_gpu_gluon_mla_variants_match_reference(variant, bs, splits):
+    # Every schedule of the Gluon kernel on the ragged DCP shard of the test above (interleave
+    # 16: an empty shard, ragged ends, odd tile counts; 3 tokens per request; NaN in every
+    # unwritten slot; 130 splits leave most splits empty): the 2x rule.
     _require_gluon()
     from cp_modules.kernels.paged_decode_mla_gluon import (
+        GLUON_MLA_VARIANTS,
+        paged_mla_attention_gluon,
+    )
+
+    d, rank, il = 2, 1, 16
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=il,
+                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, il, extra_tokens=2)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    q = torch.randn(rows.numel(), 128, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    out, lse = paged_mla_attention_gluon(*args, splits, config=GLUON_MLA_VARIANTS[variant])
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{variant}")
+
+
+def test_gluon_mla_config_is_validated():
+    from cp_modules.kernels.paged_decode_mla_gluon import GluonMLAConfig, default_gluon_mla_config
+
+    with pytest.raises(ValueError, match="issue must be one of"):
+        GluonMLAConfig(issue="tma")
+    for bs in (8, 16, 64, 128):
+        assert isinstance(default_gluon_mla_config(bs), GluonMLAConfig)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _gluon_variant_names())
+def test_gpu_gluon_mla_cuda_graph_replay_and_refusals(variant):
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import (
+        GLUON_MLA_VARIANTS,
         gluon_mla_supported,
         paged_mla_attention_gluon,
     )
@@ -721,7 +765,8 @@ def test_gpu_gluon_mla_cuda_graph_replay_and_refusals():
     kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
 
     def run():
-        return paged_mla_attention_gluon(q, cache, shard.block_table, rows, kv_len, 0.072, 512)
+        return paged_mla_attention_gluon(q, cache, shard.block_table, rows, kv_len, 0.072, 512,
+                                         config=GLUON_MLA_VARIANTS[variant])  # fmt: skip
 
     run()
     torch.cuda.synchronize()

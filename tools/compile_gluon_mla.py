@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Compile the Gluon MLA decode kernel for sm_90 without a GPU and report ptxas's register and
-spill counts: ``python tools/compile_gluon_mla.py [block_size] [partial 0/1]``.
+spill counts: ``python tools/compile_gluon_mla.py [block_size] [partial 0/1] [variant]``
+(variant: a name in ``GLUON_MLA_VARIANTS``, default ``base``; ``all`` compiles each in turn).
 
 Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
 version) and the ``ptxas`` on PATH (or $PTXAS). Writes the PTX, TTGIR and cubin to $OUT_DIR
@@ -30,27 +31,30 @@ sig = {
     "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "qk_scale": "fp32",
     **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
                           "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
-    **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "WG1_REGS")},
+    **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
+                                "PEEL", "WG1_REGS", "LOADER_REGS")},
 }  # fmt: skip
-constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box, "PARTIAL": partial,
-              "WG1_REGS": int(os.environ.get("WG1_REGS", 256))}  # fmt: skip
-src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs)
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+names = sys.argv[3] if len(sys.argv) > 3 else "base"
+names = list(m.GLUON_MLA_VARIANTS) if names == "all" else names.split(",")
 out = Path(os.environ.get("OUT_DIR", "/tmp/gluon-mla"))
 out.mkdir(parents=True, exist_ok=True)
-stem = out / f"mla_bs{page}_partial{int(partial)}"
-stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
-stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
-print(f"triton {triton.__version__}: shared {kernel.metadata.shared} B, "
-      f"{kernel.metadata.num_warps} warps")  # fmt: skip
-ptxas = os.environ.get("PTXAS", "ptxas")
-cmd = [
-    ptxas,
-    "-arch=sm_90a",
-    "-v",
-    str(stem.with_suffix(".ptx")),
-    "-o",
-    str(stem.with_suffix(".cubin")),
-]
-done = subprocess.run(cmd, capture_output=True, text=True)
-print(done.stdout + done.stderr)
+for name in names:
+    cfg = m.GLUON_MLA_VARIANTS[name]
+    constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
+                  "PARTIAL": partial, **cfg.constexprs(),
+                  "WG1_REGS": int(os.environ.get("WG1_REGS", cfg.wg1_regs))}  # fmt: skip
+    src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    stem = out / f"mla_{name}_bs{page}_partial{int(partial)}"
+    stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
+    stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
+    ptxas = os.environ.get("PTXAS", "ptxas")
+    cmd = [ptxas, "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")), "-o",
+           str(stem.with_suffix(".cubin"))]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    info = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
+            if "registers" in ln or "spill" in ln or "injected" in ln or "error" in ln]  # fmt: skip
+    print(
+        f"[{name} bs={page} partial={int(partial)}] triton {triton.__version__}: shared "
+        f"{kernel.metadata.shared} B, {kernel.metadata.num_warps} warps; " + " | ".join(info)
+    )

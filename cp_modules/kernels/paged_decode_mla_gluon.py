@@ -24,10 +24,17 @@ an odd tile count ends with a phantom tile B (read from the last real block, eve
 masked). Rows past the range are zeroed in shared memory before they meet P @ V (unwritten
 cache slots may hold NaN). Splits and their merge as in :mod:`cp_modules.kernels.paged_decode`.
 
+Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
+each block id looked up next to its copy; warp group 0 with a tile's ids looked up first; or a
+producer warp in a third partition), and whether the last pair of a split is peeled off so
+that the others run without masks.
+
 Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 only.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -50,11 +57,80 @@ try:
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "gluon_mla_supported", "paged_mla_attention_gluon"]
+__all__ = [
+    "GLUON_MLA_VARIANTS",
+    "GluonMLAConfig",
+    "HAS_GLUON",
+    "default_gluon_mla_config",
+    "gluon_mla_supported",
+    "paged_mla_attention_gluon",
+]
 
 _HEADS = 64  # heads per program: the wgmma tile height
 _TILE = 64  # tokens per latent tile
 _PIECE = 64  # columns per TMA piece (128 bytes of bf16: the swizzle width)
+_ISSUE_MODES = ("inline", "hoist", "loader")
+
+
+@dataclass(frozen=True)
+class GluonMLAConfig:
+    """How the Gluon MLA kernel schedules its work (every variant computes the same thing).
+
+    Attributes:
+        issue: who issues the latent tile copies: ``"inline"`` (warp group 0, each block id
+            looked up next to its copy: 36 dependent lookups per tile at block size 16),
+            ``"hoist"`` (warp group 0, a tile's block ids looked up together before its
+            copies) or ``"loader"`` (a third partition, one producer warp, issues Q and every
+            tile as soon as both warp groups are done with its buffer; the compute warp groups
+            issue nothing).
+        peel: every pair of tiles but a split's last runs without the range mask and the
+            row zeroing (and the branches around them, which make ptxas wait for in-flight
+            products); the last pair runs the masked body.
+        wg1_regs: registers per thread of warp group 1 (``setmaxnreg``).
+        loader_regs: registers per thread of the producer warp (``issue="loader"``).
+    """
+
+    issue: str = "inline"
+    peel: bool = False
+    wg1_regs: int = 256
+    loader_regs: int = 24
+
+    def __post_init__(self):
+        if self.issue not in _ISSUE_MODES:
+            raise ValueError(
+                f"GluonMLAConfig.issue must be one of {_ISSUE_MODES}, got {self.issue!r}"
+            )
+
+    def constexprs(self) -> dict:
+        """The kernel's compile-time arguments for this configuration."""
+        return {"ISSUE": _ISSUE_MODES.index(self.issue), "PEEL": self.peel,
+                "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs}  # fmt: skip
+
+
+# Named variants (the benchmark times each; the defaults below are picked from its sweep).
+# With the producer warp the three partitions share 64K registers: warp group 0 gets what
+# warp group 1 and the producer leave (wg1_regs 256 -> 224, 232 -> 248). The peeled variants
+# spill ~1.6 KB under Triton 3.6 (the two loop bodies) and are not in the benchmark's default
+# set.
+GLUON_MLA_VARIANTS = {
+    "base": GluonMLAConfig(),
+    "hoist": GluonMLAConfig(issue="hoist"),
+    "loader": GluonMLAConfig(issue="loader"),
+    "loader-r232": GluonMLAConfig(issue="loader", wg1_regs=232),
+    "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
+    "loader-peel": GluonMLAConfig(issue="loader", peel=True),
+}
+# The default variant for blocks smaller than a 64-token tile (several copies per piece) and
+# for the rest. Rule: from ``bench_mla_decode --gluon-only --variants ...``, per block size
+# the variant whose checked rates have the highest geometric mean over the 128-head rows
+# (none may be more than 3 % below the current default's on any row).
+_DEFAULT_SMALL_PAGE = "base"
+_DEFAULT_LARGE_PAGE = "base"
+
+
+def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:
+    """The configuration the kernel runs with when the caller names none."""
+    return GLUON_MLA_VARIANTS[_DEFAULT_SMALL_PAGE if block_size < _TILE else _DEFAULT_LARGE_PAGE]
 
 
 def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
@@ -86,6 +162,11 @@ if HAS_GLUON:
     # Triton 3.6 names the partition-wide barrier thread_barrier, later releases barrier.
     _sync_warp_group = getattr(gl, "thread_barrier", None) or gl.barrier
     _LAT = gl.constexpr(8)  # latent pieces: R = 512; the rope piece (P = 64) is the ninth
+    # Who issues the tile copies (the kernel's ISSUE): warp group 0 looking each block id up
+    # next to its copy, warp group 0 looking a tile's ids up first, or a producer warp.
+    _ISSUE_INLINE = gl.constexpr(0)
+    _ISSUE_HOIST = gl.constexpr(1)
+    _ISSUE_LOADER = gl.constexpr(2)
 
     @gluon.jit
     def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
@@ -139,82 +220,115 @@ if HAS_GLUON:
         return o0, o1, o2, o3
 
     @gluon.jit
+    def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
+                  k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
+                  last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, ISSUE: gl.constexpr,
+                  MASK: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+        # Warp group 0's share of pair k (tiles A = 2k in buffer 0, B = 2k + 1 in buffer 1).
+        # MASK: the pair may reach past the range (the last pair); else no masks, no zeroing.
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dt: gl.constexpr = q_lat.dtype
+        phase = k & 1
+        n0 = start + 2 * k * _BN
+        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma)
+        if ISSUE != _ISSUE_LOADER:
+            if k > 0:
+                # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
+                mbarrier.wait(k_free.index(1), phase ^ 1)
+                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, n0 + _BN,
+                               last_page, PAGE, BOX_ROWS)  # fmt: skip
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if MASK:
+            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
+            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        rs = gl.sum(p, 1)
+        l_i = l_i * alpha + rs
+        m_i = m_new
+        pv = p.to(dt)
+        # Publish P_A and its row statistics for warp group 1.
+        p_smem.store(pv)
+        vec_smem.slice(0 * _BH, _BH).store(alpha)
+        vec_smem.slice(1 * _BH, _BH).store(m_new)
+        vec_smem.slice(2 * _BH, _BH).store(rs)
+        fence_async_shared()
+        _sync_warp_group()
+        mbarrier.arrive(pa_bar)
+        if MASK:
+            if n0 + _BN > end:
+                _zero_rows_past(k_lat, 0, 4, end - n0)
+        o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, 0,
+                              o0 * alpha[:, None], o1 * alpha[:, None],
+                              o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        if ISSUE == _ISSUE_LOADER:
+            mbarrier.arrive(k_free.index(0))
+        # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
+        # published means warp group 1 is done with buffer 0: the next tile A goes there.
+        mbarrier.wait(pb_bar, phase)
+        if ISSUE != _ISSUE_LOADER:
+            if k + 1 < n_pairs:
+                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, n0 + 2 * _BN,
+                               last_page, PAGE, BOX_ROWS)  # fmt: skip
+        alpha_b = vec_smem.slice(3 * _BH, _BH).load(row_l)
+        m_i = vec_smem.slice(4 * _BH, _BH).load(row_l)
+        l_i = l_i * alpha_b + vec_smem.slice(5 * _BH, _BH).load(row_l)
+        if MASK:
+            if n0 + 2 * _BN > end:
+                _zero_rows_past(k_lat, _LAT, 4, end - n0 - _BN)
+        o0, o1, o2, o3 = _pv4(p_smem, k_lat, _LAT,
+                              o0 * alpha_b[:, None], o1 * alpha_b[:, None],
+                              o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        if ISSUE == _ISSUE_LOADER:
+            mbarrier.arrive(k_free.index(1))
+        return m_i, l_i, o0, o1, o2, o3
+
+    @gluon.jit
     def _mla_wg0(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row,
                  stride_lh, q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
-                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr):  # fmt: skip
+                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr, ISSUE: gl.constexpr,
+                 PEEL: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        dt: gl.constexpr = q_lat.dtype
         m_i = gl.full([_BH], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([_BH], gl.float32, row_l)
         o0 = gl.zeros([_BH, _BC], gl.float32, mma)
         o1 = gl.zeros([_BH, _BC], gl.float32, mma)
         o2 = gl.zeros([_BH, _BC], gl.float32, mma)
         o3 = gl.zeros([_BH, _BC], gl.float32, mma)
-        # Warp group 0 also issues the copies: Q, then the first two tiles.
-        mbarrier.expect(q_bar, (_LAT + 1) * q_desc.block_type.nbytes)
-        for c in gl.static_range(_LAT):
-            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_bar, q_lat.index(c))
-        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
         last_page = gl.maximum(end - 1, 0) // PAGE
-        if n_pairs > 0:
-            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, start, last_page, PAGE,
-                        BOX_ROWS)  # fmt: skip
-            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, start + _BN, last_page,
-                        PAGE, BOX_ROWS)  # fmt: skip
+        if ISSUE != _ISSUE_LOADER:
+            # Warp group 0 also issues the copies: Q, then the first two tiles.
+            _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
+            if n_pairs > 0:
+                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, start,
+                               last_page, PAGE, BOX_ROWS)  # fmt: skip
+                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, start + _BN,
+                               last_page, PAGE, BOX_ROWS)  # fmt: skip
         mbarrier.wait(q_bar, 0)
-        for k in range(n_pairs):
-            phase = k & 1
-            n0 = start + 2 * k * _BN
-            s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma)
-            if k > 0:
-                # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
-                mbarrier.wait(k_free.index(1), phase ^ 1)
-                _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, n0 + _BN, last_page,
-                            PAGE, BOX_ROWS)  # fmt: skip
-            s = warpgroup_mma_wait(0, deps=(s,))
-            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
-            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            rs = gl.sum(p, 1)
-            l_i = l_i * alpha + rs
-            m_i = m_new
-            pv = p.to(dt)
-            # Publish P_A and its row statistics for warp group 1.
-            p_smem.store(pv)
-            vec_smem.slice(0 * _BH, _BH).store(alpha)
-            vec_smem.slice(1 * _BH, _BH).store(m_new)
-            vec_smem.slice(2 * _BH, _BH).store(rs)
-            fence_async_shared()
-            _sync_warp_group()
-            mbarrier.arrive(pa_bar)
-            if n0 + _BN > end:
-                _zero_rows_past(k_lat, 0, 4, end - n0)
-            o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, 0,
-                                  o0 * alpha[:, None], o1 * alpha[:, None],
-                                  o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
-            # published means warp group 1 is done with buffer 0: the next tile A goes there.
-            mbarrier.wait(pb_bar, phase)
-            if k + 1 < n_pairs:
-                _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, n0 + 2 * _BN, last_page,
-                            PAGE, BOX_ROWS)  # fmt: skip
-            alpha_b = vec_smem.slice(3 * _BH, _BH).load(row_l)
-            m_i = vec_smem.slice(4 * _BH, _BH).load(row_l)
-            l_i = l_i * alpha_b + vec_smem.slice(5 * _BH, _BH).load(row_l)
-            if n0 + 2 * _BN > end:
-                _zero_rows_past(k_lat, _LAT, 4, end - n0 - _BN)
-            o0, o1, o2, o3 = _pv4(p_smem, k_lat, _LAT,
-                                  o0 * alpha_b[:, None], o1 * alpha_b[:, None],
-                                  o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        n_full = 0
+        if PEEL:
+            # Every pair but the last lies wholly inside the range: no masks, no zeroing.
+            n_full = gl.maximum(n_pairs - 1, 0)
+            for k in range(n_full):
+                m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
+                    k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
+                    k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
+                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma)  # fmt: skip
+        for k in range(n_full, n_pairs):
+            m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
+                k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
+                k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
+                last_page, PAGE, BOX_ROWS, ISSUE, True, mma)  # fmt: skip
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
         nonempty = l_i > 0.0
         lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -224,66 +338,124 @@ if HAS_GLUON:
         gl.store(LSE + lse_row + heads.to(gl.int64) * stride_lh, lse2)
 
     @gluon.jit
+    def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
+                  vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE: gl.constexpr,
+                  MASK: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+        # Warp group 1's share of pair k; MASK as in _wg0_pair.
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dt: gl.constexpr = q_lat.dtype
+        phase = k & 1
+        n0 = start + (2 * k + 1) * _BN
+        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma)
+        # Tile A with warp group 0's probabilities while S_B is in flight.
+        mbarrier.wait(pa_bar, phase)
+        alpha_a = vec_smem.slice(0 * _BH, _BH).load(row_l)
+        m_a = vec_smem.slice(1 * _BH, _BH).load(row_l)
+        l_i = l_i * alpha_a + vec_smem.slice(2 * _BH, _BH).load(row_l)
+        if MASK:
+            if n0 > end:
+                _zero_rows_past(k_lat, 4, 4, end - n0 + _BN)
+        o0, o1, o2, o3 = _pv4(p_smem, k_lat, 4,
+                              o0 * alpha_a[:, None], o1 * alpha_a[:, None],
+                              o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
+        s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
+        if ISSUE == _ISSUE_LOADER:
+            mbarrier.arrive(k_free.index(0))
+        if MASK:
+            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
+            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = gl.maximum(m_a, gl.max(s, 1))
+        alpha = gl.exp2(m_a - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        rs = gl.sum(p, 1)
+        l_i = l_i * alpha + rs
+        pv = p.to(dt)
+        # P_A has been read (the wait above): P_B may take its place.
+        p_smem.store(pv)
+        vec_smem.slice(3 * _BH, _BH).store(alpha)
+        vec_smem.slice(4 * _BH, _BH).store(m_new)
+        vec_smem.slice(5 * _BH, _BH).store(rs)
+        fence_async_shared()
+        _sync_warp_group()
+        mbarrier.arrive(pb_bar)
+        if MASK:
+            if n0 + _BN > end:
+                _zero_rows_past(k_lat, _LAT + 4, 4, end - n0)
+        o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, _LAT + 4,
+                              o0 * alpha[:, None], o1 * alpha[:, None],
+                              o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        mbarrier.arrive(k_free.index(1))
+        return l_i, o0, o1, o2, o3
+
+    @gluon.jit
     def _mla_wg1(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
-                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh,
-                 HALF_COL: gl.constexpr):  # fmt: skip
+                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, HALF_COL: gl.constexpr,
+                 ISSUE: gl.constexpr, PEEL: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        dt: gl.constexpr = q_lat.dtype
         l_i = gl.zeros([_BH], gl.float32, row_l)
         o0 = gl.zeros([_BH, _BC], gl.float32, mma)
         o1 = gl.zeros([_BH, _BC], gl.float32, mma)
         o2 = gl.zeros([_BH, _BC], gl.float32, mma)
         o3 = gl.zeros([_BH, _BC], gl.float32, mma)
         mbarrier.wait(q_bar, 0)
-        for k in range(n_pairs):
-            phase = k & 1
-            n0 = start + (2 * k + 1) * _BN
-            s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma)
-            # Tile A with warp group 0's probabilities while S_B is in flight.
-            mbarrier.wait(pa_bar, phase)
-            alpha_a = vec_smem.slice(0 * _BH, _BH).load(row_l)
-            m_a = vec_smem.slice(1 * _BH, _BH).load(row_l)
-            l_i = l_i * alpha_a + vec_smem.slice(2 * _BH, _BH).load(row_l)
-            if n0 > end:
-                _zero_rows_past(k_lat, 4, 4, end - n0 + _BN)
-            o0, o1, o2, o3 = _pv4(p_smem, k_lat, 4,
-                                  o0 * alpha_a[:, None], o1 * alpha_a[:, None],
-                                  o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
-            s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
-            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_a, gl.max(s, 1))
-            alpha = gl.exp2(m_a - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            rs = gl.sum(p, 1)
-            l_i = l_i * alpha + rs
-            pv = p.to(dt)
-            # P_A has been read (the wait above): P_B may take its place.
-            p_smem.store(pv)
-            vec_smem.slice(3 * _BH, _BH).store(alpha)
-            vec_smem.slice(4 * _BH, _BH).store(m_new)
-            vec_smem.slice(5 * _BH, _BH).store(rs)
-            fence_async_shared()
-            _sync_warp_group()
-            mbarrier.arrive(pb_bar)
-            if n0 + _BN > end:
-                _zero_rows_past(k_lat, _LAT + 4, 4, end - n0)
-            o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, _LAT + 4,
-                                  o0 * alpha[:, None], o1 * alpha[:, None],
-                                  o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(1))
+        n_full = 0
+        if PEEL:
+            n_full = gl.maximum(n_pairs - 1, 0)
+            for k in range(n_full):
+                l_i, o0, o1, o2, o3 = _wg1_pair(
+                    k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
+                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma)  # fmt: skip
+        for k in range(n_full, n_pairs):
+            l_i, o0, o1, o2, o3 = _wg1_pair(
+                k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
+                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma)  # fmt: skip
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
+
+    @gluon.jit
+    def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
+                    c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                    BOX_ROWS: gl.constexpr):  # fmt: skip
+        # The producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
+        # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
+        # are looked up before waiting for its buffer.
+        _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
+        last_page = gl.maximum(end - 1, 0) // PAGE
+        if n_pairs > 0:
+            rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows, BOX_ROWS)
+            rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows, BOX_ROWS)
+        for k in range(1, n_pairs):
+            n0 = start + 2 * k * _BN
+            phase = (k - 1) & 1
+            rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
+            rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
+            mbarrier.wait(k_free.index(0), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS)
+            mbarrier.wait(k_free.index(1), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS)
+
+    @gluon.jit
+    def _issue_q(q_desc, q_lat, q_pe, q_bar, q_row):
+        # Q of the program's 64 heads: 9 pieces of 64 columns on one barrier.
+        mbarrier.expect(q_bar, (_LAT + 1) * q_desc.block_type.nbytes)
+        for c in gl.static_range(_LAT):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_bar, q_lat.index(c))
+        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
 
     @gluon.jit
     def _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf: gl.constexpr, n0, last_page,
                     PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
         # One 64-token latent tile into buffer ``buf``: 9 pieces of 64 columns, one barrier
         # each; pages past the range are never looked up (their copies read the last real one).
+        # The block id is looked up next to each copy (ISSUE = inline).
         for c in gl.static_range(_LAT + 1):
             bar = k_ready.index(buf * 16 + c)
             mbarrier.expect(bar, _BN * _BC * 2)
@@ -300,13 +472,73 @@ if HAS_GLUON:
                     dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
                 tma.async_copy_global_to_shared(c_desc, [row, c * _BC], bar, dst)
 
+    @gluon.jit
+    def _box_row(BT, bt_row, tok, last_page, PAGE: gl.constexpr):
+        page = gl.minimum(tok // PAGE, last_page)
+        blk = gl.load(BT + bt_row + page).to(gl.int32)
+        return blk * PAGE + tok % PAGE
+
+    @gluon.jit
+    def _tile_rows(BT, bt_row, n0, last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):
+        # The first cache row of each of a tile's boxes (64 // BOX_ROWS <= 8 of them; unused
+        # entries repeat the first), all looked up before any copy is issued.
+        ng: gl.constexpr = _BN // BOX_ROWS
+        r0 = _box_row(BT, bt_row, n0, last_page, PAGE)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+        r4 = r0
+        r5 = r0
+        r6 = r0
+        r7 = r0
+        if ng > 1:
+            r1 = _box_row(BT, bt_row, n0 + BOX_ROWS, last_page, PAGE)
+        if ng > 2:
+            r2 = _box_row(BT, bt_row, n0 + 2 * BOX_ROWS, last_page, PAGE)
+            r3 = _box_row(BT, bt_row, n0 + 3 * BOX_ROWS, last_page, PAGE)
+        if ng > 4:
+            r4 = _box_row(BT, bt_row, n0 + 4 * BOX_ROWS, last_page, PAGE)
+            r5 = _box_row(BT, bt_row, n0 + 5 * BOX_ROWS, last_page, PAGE)
+            r6 = _box_row(BT, bt_row, n0 + 6 * BOX_ROWS, last_page, PAGE)
+            r7 = _box_row(BT, bt_row, n0 + 7 * BOX_ROWS, last_page, PAGE)
+        return (r0, r1, r2, r3, r4, r5, r6, r7)
+
+    @gluon.jit
+    def _issue_rows(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows,
+                    BOX_ROWS: gl.constexpr):  # fmt: skip
+        # The copies of one tile whose box rows are already known (_tile_rows).
+        for c in gl.static_range(_LAT + 1):
+            bar = k_ready.index(buf * 16 + c)
+            mbarrier.expect(bar, _BN * _BC * 2)
+            for g in gl.static_range(_BN // BOX_ROWS):
+                if c < _LAT:
+                    dst = k_lat.index(buf * _LAT + c)
+                else:
+                    dst = k_pe.index(buf)
+                if BOX_ROWS < _BN:
+                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                tma.async_copy_global_to_shared(c_desc, [rows[g], c * _BC], bar, dst)
+
+    @gluon.jit
+    def _issue_tile_by(ISSUE: gl.constexpr, c_desc, k_lat, k_pe, k_ready, BT, bt_row,
+                       buf: gl.constexpr, n0, last_page, PAGE: gl.constexpr,
+                       BOX_ROWS: gl.constexpr):  # fmt: skip
+        if ISSUE == _ISSUE_INLINE:
+            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf, n0, last_page, PAGE,
+                        BOX_ROWS)  # fmt: skip
+        else:
+            rows = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS)
+
     @gluon.jit(do_not_specialize=["num_splits"])
     def _paged_mla_gluon_kernel(q_desc, c_desc, BT, SEQ_IDX, KV_LEN, OUT, LSE, qk_scale,
                                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
                                 stride_btr, max_kv_len, num_splits,
                                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
                                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
-                                WG1_REGS: gl.constexpr = 256):  # fmt: skip
+                                ISSUE: gl.constexpr = 0, PEEL: gl.constexpr = False,
+                                WG1_REGS: gl.constexpr = 256,
+                                LOADER_REGS: gl.constexpr = 24):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -344,22 +576,40 @@ if HAS_GLUON:
         for b in gl.static_range(2):
             for c in gl.static_range(_LAT + 1):
                 mbarrier.init(k_ready.index(b * 16 + c), count=1)
-            mbarrier.init(k_free.index(b), count=1)
+            # With the producer warp a buffer is free once both warp groups are done with it.
+            mbarrier.init(k_free.index(b), count=2 if ISSUE == _ISSUE_LOADER else 1)
 
         bt_row = row * stride_btr
-        gl.warp_specialize(
-            [
-                (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free,
-                            pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT, out_row,
-                            stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT, bt_row,
-                            q_row, PAGE, BOX_ROWS, PARTIAL)),
-                (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free,
-                            pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT, out_row,
-                            stride_oh, _LAT * _BC // 2)),
-            ],
-            [4],
-            [WG1_REGS],
-        )  # fmt: skip
+        if ISSUE == _ISSUE_LOADER:
+            gl.warp_specialize(
+                [
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
+                                bt_row, q_row, PAGE, BOX_ROWS, PARTIAL, ISSUE, PEEL)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, _LAT * _BC // 2, ISSUE, PEEL)),
+                    (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
+                                   n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS)),
+                ],
+                [4, 1],
+                [WG1_REGS, LOADER_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
+                                bt_row, q_row, PAGE, BOX_ROWS, PARTIAL, ISSUE, PEEL)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, _LAT * _BC // 2, ISSUE, PEEL)),
+                ],
+                [4],
+                [WG1_REGS],
+            )  # fmt: skip
 
 
 def _smem_layout():
@@ -375,9 +625,14 @@ def paged_mla_attention_gluon(
     scale: float,
     kv_lora_rank: int,
     num_splits: int | None = None,
+    *,
+    config: GluonMLAConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode through the Gluon kernel; the contract of
     :func:`~cp_modules.kernels.paged_decode_mla.paged_mla_attention_kernel`.
+
+    ``config`` picks a schedule (:class:`GluonMLAConfig`; default
+    :func:`default_gluon_mla_config` of the block size); all compute the same attention.
 
     Raises:
         ValueError: when the kernel cannot serve these inputs (:func:`gluon_mla_supported`).
@@ -394,6 +649,8 @@ def paged_mla_attention_gluon(
     lse = q.new_empty(t, h, dtype=torch.float32)
     if t == 0:
         return out, lse
+    if config is None:
+        config = default_gluon_mla_config(page)
     head_tiles = h // _HEADS
     max_kv_len = block_table.shape[1] * page
     if not num_splits:
@@ -412,7 +669,7 @@ def paged_mla_attention_gluon(
         scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0), max_kv_len,
         num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,
-        PARTIAL=num_splits > 1,
+        PARTIAL=num_splits > 1, **config.constexprs(),
         num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
