@@ -255,7 +255,7 @@ def _profile(prefix: str, fns: dict) -> None:
             f.write(table)
 
 
-def engine_rows(quick: bool, metrics: dict, profile: str | None) -> None:
+def engine_rows(quick: bool, metrics: dict, profile: str | None, compiled: bool = False) -> None:
     cases = (
         ("16x2048+128 bf16", torch.bfloat16, [2048] * 16, 128),
         ("4 prompts fp32", torch.float32, [50, 300, 700, 1200], 24),
@@ -263,9 +263,12 @@ def engine_rows(quick: bool, metrics: dict, profile: str | None) -> None:
     for case in cases:
         _engine_case(*case, quick=quick, metrics=metrics, profile=profile)
         torch.cuda.empty_cache()
+    if compiled:
+        # The engine with compile=True (its decode graphs capture the compiled forward).
+        _engine_case(*cases[0], quick=quick, metrics=metrics, profile=None, compile=True)
 
 
-def _engine_case(label, dtype, lens, new, *, quick, metrics, profile) -> None:
+def _engine_case(label, dtype, lens, new, *, quick, metrics, profile, compile=False) -> None:
     from cp_modules.engine import GenerationEngine, SamplingParams
 
     if quick:
@@ -274,8 +277,11 @@ def _engine_case(label, dtype, lens, new, *, quick, metrics, profile) -> None:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in lens]
     engine = GenerationEngine(
-        cp, block_size=64, max_num_tokens=sum(lens), max_num_seqs=len(lens), progress=False
-    )
+        cp, block_size=64, max_num_tokens=sum(lens), max_num_seqs=len(lens), progress=False,
+        compile=compile,
+    )  # fmt: skip
+    if compile:
+        label = f"{label} (engine compiled)"
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
 
     def run_engine():
@@ -330,6 +336,7 @@ def main() -> int:
     ap.add_argument("--only", default="prefill,training,engine")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--profile", default=None, help="folder for profiler tables")
+    ap.add_argument("--engine-compile", action="store_true", help="also the compiled engine")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (no timing value)")
     a = ap.parse_args()
@@ -352,7 +359,7 @@ def main() -> int:
             print(f"done {part} {name}", flush=True)
     if "engine" in parts:
         try:
-            engine_rows(a.quick, metrics, a.profile)
+            engine_rows(a.quick, metrics, a.profile, compiled=a.engine_compile)
         except Exception:
             traceback.print_exc()
             failed.append("engine")

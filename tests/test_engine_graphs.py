@@ -32,6 +32,13 @@ def _prompts(lens, seed=5):
 def _model(family="llama", device="cpu", dtype=torch.float32):
     kv = 8 if family == "deepseek_v3" else 2
     conf = ModelConf(family=Family(family), num_kv_heads=kv)
+    if device != "cpu":
+        # The CUDA decode kernels take head dims >= 16 (tensor-core tiles).
+        heads = 16 if family == "deepseek_v3" else 4
+        conf = ModelConf(
+            family=Family(family), num_heads=heads, num_kv_heads=heads if kv == 8 else 2,
+            qk_rope_head_dim=16,
+        )  # fmt: skip
     return build_model(conf).to(device, dtype)
 
 

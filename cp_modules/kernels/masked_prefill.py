@@ -326,7 +326,11 @@ def flex_attention_call(
 
     fn = _compiled_flex() if q.is_cuda else flex_attention
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    with warnings.catch_warnings():
+    # The soft-cap is a constant of the score_mod: with dynamic shapes the compiler would
+    # otherwise trace the float as a symbolic scalar, which the FlexAttention lowering
+    # cannot take (an unbacked .item() in the graph).
+    constant_floats = torch._dynamo.config.patch(specialize_float=True)
+    with warnings.catch_warnings(), constant_floats:
         # The eager (CPU) path warns that it is unfused: it is the CPU twin by design.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         res = fn(

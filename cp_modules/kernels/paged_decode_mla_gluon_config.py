@@ -82,9 +82,11 @@ GLUON_MLA_VARIANTS = {
 # The default variant for blocks smaller than a 64-token tile (several copies per piece) and
 # for the rest. Rule: from ``bench_mla_decode --gluon-only --variants ...``, per block size
 # the variant whose checked rates have the highest geometric mean over the 128-head rows
-# (none may be more than 3 % below the current default's on any row).
-_DEFAULT_SMALL_PAGE = "base"
-_DEFAULT_LARGE_PAGE = "base"
+# (none may be more than 3 % below the current default's on any row). The H200 sweep of
+# 2026-12-01 (benchmarks/results/mla-decode-gluon-2026-12-01.json): loader-r232 for both
+# (geometric mean 398 against 274 TFLOP/s at block size 16, 439 against 392 at 64).
+_DEFAULT_SMALL_PAGE = "loader-r232"
+_DEFAULT_LARGE_PAGE = "loader-r232"
 
 
 def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:

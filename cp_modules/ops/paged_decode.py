@@ -106,6 +106,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_MIN_CUDA_DIM = 16  # the K extent of a tensor-core dot (the scores' head dim)
+
+
 def _check_common(
     q: torch.Tensor,
     caches: tuple[torch.Tensor, ...],
@@ -186,6 +189,11 @@ def paged_attention(
     if hq % hkv:
         raise ValueError(f"query heads Hq={hq} must be a multiple of the cache's KV heads {hkv}")
     _check_common(q, (k_cache, v_cache), block_table, query_seq_idx, query_kv_len, num_splits)
+    if q.is_cuda and q.shape[-1] < _MIN_CUDA_DIM:
+        raise ValueError(
+            f"the CUDA paged decode kernel takes head dims of at least {_MIN_CUDA_DIM} "
+            f"(tensor-core tiles); got {q.shape[-1]}"
+        )
     if query_kv_start is not None and (
         query_kv_start.shape != query_kv_len.shape
         or query_kv_start.dtype not in _INDEX_DTYPES
@@ -255,6 +263,12 @@ def paged_mla_attention(
             f"kv_lora_rank + rope_dim = {cache.shape[2]}), got {kv_lora_rank!r}"
         )
     _check_common(q, (cache,), block_table, query_seq_idx, query_kv_len, num_splits)
+    rope = cache.shape[2] - kv_lora_rank
+    if q.is_cuda and min(kv_lora_rank, rope) < _MIN_CUDA_DIM:
+        raise ValueError(
+            f"the CUDA MLA decode kernels take a latent and a rope width of at least "
+            f"{_MIN_CUDA_DIM} (tensor-core tiles); got {kv_lora_rank} and {rope}"
+        )
     if kernel not in MLA_DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {list(MLA_DECODE_KERNELS)}, got {kernel!r}")
     return torch.ops.cp.paged_mla_attention(
