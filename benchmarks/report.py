@@ -38,6 +38,8 @@ KINDS = (
     "pcp-key-major",
     "mla-train-paths",
     "pcp-timeline",
+    "mla-decode-gluon",
+    "parity",
 )
 # (query heads, Dqk, Dv) of bench_modules' layers, for their FLOPs per segment.
 LAYER_DIMS = {
@@ -141,6 +143,30 @@ def goals(r: dict) -> list[dict]:
                 3.4,
                 note=note if kind == "mla" else "",
             )
+    mla = r.get("mla-decode-gluon", {}).get("metrics", {}).get("summary", {})
+    for name, row in mla.items():
+        if name.startswith("paged decode mla TFLOP/s (128 heads)"):
+            target = 300 if "B=1 " in name else 450
+            sizes = ", ".join(
+                f"bs {bs}: {v['tflops']:.0f}" for bs, v in row.get("per_block_size", {}).items()
+            )
+            value = row.get("value")
+            short = (
+                ""
+                if value is None or value >= target
+                else f"; {(target / value - 1) * 100:.1f}% short"
+            )
+            add(
+                name, value, target, note=f"worst block size; {sizes} ({row.get('variant')}){short}"
+            )
+    par = r.get("parity", {}).get("metrics", {})
+    for name in ("llama3-8b", "qwen2.5-7b", "deepseek-v3"):
+        for what in ("prefill", "new-length prefill", "training"):
+            key = f"one-GPU parity {what} {name} (CP / HF sdpa)"
+            add(key, par.get(key), 1.02, False)
+    for label, target in (("16x2048+128 bf16", 2.5), ("4 prompts fp32", 1.5)):
+        key = f"engine vs HF generate tokens/s {label}"
+        add(key, par.get(key), target)
     return out
 
 
