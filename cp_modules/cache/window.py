@@ -13,6 +13,7 @@ Every function takes Python ints; :func:`window_write_start` also numpy arrays (
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = [
     "blocks_spanned",
@@ -28,7 +29,9 @@ def window_first_visible(num_tokens: int, window: int) -> int:
     return max(0, num_tokens - window + 1)
 
 
-def window_write_start(num_computed, num_new, window: int, decode_threshold: int = 1):
+def window_write_start(
+    num_computed: ArrayLike, num_new: ArrayLike, window: int, decode_threshold: int = 1
+) -> np.ndarray:
     """First new token of a step that the cache of a ``window`` layer keeps.
 
     A prompt chunk ``[c0, c1)`` attends its own new keys from the step itself, so it keeps

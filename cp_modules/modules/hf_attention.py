@@ -292,7 +292,7 @@ def layer_window(module, hf_config) -> int | None:
     """The sliding window a HF attention module will be called with: its ``sliding_window``
     (Gemma 2/3, gpt-oss, Qwen2, Cohere 2 set it per layer), else the config's (Mistral and the
     models that pass ``config.sliding_window`` to every layer); None for full attention."""
-    w = getattr(module, "sliding_window", getattr(hf_config, "sliding_window", None))
+    w: Any = getattr(module, "sliding_window", getattr(hf_config, "sliding_window", None))
     return int(w) if _active(w) else None
 
 
