@@ -38,6 +38,7 @@ KINDS = (
     "pcp-key-major",
     "mla-train-paths",
     "pcp-timeline",
+    "mla-decode",
     "mla-decode-gluon",
     "parity",
 )
@@ -126,7 +127,8 @@ def goals(r: dict) -> list[dict]:
                 note = (
                     "128 heads share each 576-wide latent row: ~242 FLOP per KV byte, above the "
                     "H200 ridge (~206), so this shape is compute-bound and its TB/s ceiling is "
-                    "~ matmul rate / 242"
+                    "~ matmul rate / 242; measured with the Triton kernel, before the Gluon "
+                    "kernel became MLA's default (its TFLOP/s rows below)"
                 )
             add(
                 f"paged decode {kind} KV TB/s (CUDA graph), worst with B*ctx >= 1M "
