@@ -44,6 +44,7 @@ class Case:
     bias: bool = False  # Llama: biases on q/k/v and o_proj
     tied: bool = False  # embedding and LM head share their weight
     train: bool = False  # gradients instead of generation
+    graphs: bool = False  # decode on the engine's static buffers (the CUDA-graph code path)
 
     @property
     def name(self) -> str:
@@ -51,6 +52,7 @@ class Case:
             ("-bias" if self.bias else "")
             + ("-tied" if self.tied else "")
             + ("-train" if self.train else "")
+            + ("-graphs" if self.graphs else "")
         )
         return (
             f"{self.family}-kv{self.num_kv_heads}{extra}-tp{self.tp}-pcp{self.pcp}-"
@@ -155,8 +157,9 @@ def _rank_body(rank: int, world_size: int, cases: list[Case], prompts):
             out.append((c.name, _train_grads(model, groups, CPRuntime.from_groups(groups)), None))
             continue
         engine = GenerationEngine(
-            model, groups, block_size=BLOCK_SIZE, max_num_tokens=BUDGET, progress=False
-        )
+            model, groups, block_size=BLOCK_SIZE, max_num_tokens=BUDGET, progress=False,
+            decode_graphs=c.graphs,
+        )  # fmt: skip
         res = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
         out.append((c.name, res.outputs, res.stats.peak_blocks))
     return out
@@ -229,6 +232,9 @@ WORLD4 = [
         Case(f, 1, 4, 4, "a2a", interleave=2)
         for f in ("llama", "qwen3", "phi3", "glm4", "deepseek_v3")
     ),
+    # The decode graphs' static buffers under PCP x DCP sharding (run eagerly on CPU).
+    Case("llama", 2, 2, 2, graphs=True),
+    Case("deepseek_v3", 1, 4, 4, "a2a", interleave=2, graphs=True),
     Case("llama", 4, 1, 2, bias=True),  # 2 KV heads over 4 TP positions: replicated KV heads
     Case("qwen3", 4, 1, 2, "a2a", tied=True),  # replicated KV heads after q/k norms
     Case("deepseek_v3", 4, 1, 4, "a2a"),

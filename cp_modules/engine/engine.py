@@ -115,8 +115,9 @@ class GenerationEngine:
         packed_a2a: one packed all-to-all for the ``a2a`` DCP combine (else two).
         decode_graphs: run decode steps on static buffers (:mod:`cp_modules.engine.graphs`),
             replayed as CUDA graphs (one per batch-size bucket), with the next step launched
-            before the host reads the last one's tokens. None: on for CUDA models, off on CPU
-            (True on CPU runs the same static-buffer steps eagerly). Models with
+            before the host reads the last one's tokens. None: on for a CUDA model in one
+            process, off on CPU and with several processes (True there captures the layout's
+            collectives too; True on CPU runs the same static-buffer steps eagerly). Models with
             sliding-window layer groups decode eagerly (their block tables move every step).
 
     Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
@@ -197,7 +198,9 @@ class GenerationEngine:
         self._windows = kv_cache_windows(self.layers)
         self._compiled = compile
         if decode_graphs is None:
-            decode_graphs = self.device.type == "cuda"
+            # On by default for one CUDA process; several processes opt in (collectives
+            # inside the graphs are not yet tested on NCCL).
+            decode_graphs = self.device.type == "cuda" and self.world_size == 1
         self.decode_graphs = bool(decode_graphs)
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}
         self._graph_pool = None
