@@ -221,14 +221,15 @@ def _hf_generate(family: str, max_new: int) -> list[list[int]]:
         ]  # fmt: skip
 
 
-def _generate(groups, family: str, max_num_tokens: int, max_new: int):
+def _generate(groups, family: str, max_num_tokens: int, max_new: int, graphs: bool = False):
     from cp_modules.engine import GenerationEngine, SamplingParams
     from cp_modules.modules.hf_swap import swap_attention
 
     model = swap_attention(_model(family), groups)
     engine = GenerationEngine(
-        model, groups, block_size=BLOCK, max_num_tokens=max_num_tokens, progress=False
-    )
+        model, groups, block_size=BLOCK, max_num_tokens=max_num_tokens, progress=False,
+        decode_graphs=graphs,
+    )  # fmt: skip
     res = engine.generate(_prompts(), SamplingParams(max_new_tokens=max_new))
     s = res.stats
     per_request = (s.peak_window_blocks_per_request, s.peak_window_blocks_per_decode)
@@ -238,7 +239,13 @@ def _generate(groups, family: str, max_num_tokens: int, max_new: int):
 def _cases():
     # (family, step budget, new tokens): a long generation, then chunked prompts (chunks shorter
     # than the window and longer than it) against the one-shot prompt.
-    return [("gemma3", 64, LONG_NEW)] + [("gpt_oss", budget, CHUNK_NEW) for budget in (64, 5, 11)]
+    # The last two decode on the engine's static buffers (the CUDA-graph code path, eager here):
+    # the window tables move every step.
+    return (
+        [("gemma3", 64, LONG_NEW, False)]
+        + [("gpt_oss", budget, CHUNK_NEW, False) for budget in (64, 5, 11)]
+        + [("gemma3", 64, LONG_NEW, True), ("gpt_oss", 5, CHUNK_NEW, True)]
+    )
 
 
 def _rank_body(rank: int, world_size: int):
@@ -252,8 +259,10 @@ def _rank_body(rank: int, world_size: int):
 
 
 def _check(results, dcp: int, want: dict):
-    for (family, budget, new), (outputs, full, pool, (any_step, decode)) in zip(_cases(), results):
-        where = (family, budget, dcp, any_step, decode)
+    for (family, budget, new, graphs), (outputs, full, pool, (any_step, decode)) in zip(
+        _cases(), results
+    ):
+        where = (family, budget, dcp, graphs, any_step, decode)
         assert outputs == want[family, new], where
         # A request's windowed blocks stay bounded at every decode step; prompt chunks may hold
         # the window before the chunk and the tokens it keeps.

@@ -27,7 +27,7 @@ from torch import nn
 from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.distributed.collectives import all_gather
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
-from cp_modules.engine.graphs import DecodeGraph, bucket_of, graph_width
+from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph_width
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.modules.hf_swap import allocate_kv_caches, cp_attention_layers, kv_cache_tensors
@@ -202,7 +202,7 @@ class GenerationEngine:
             # inside the graphs are not yet tested on NCCL).
             decode_graphs = self.device.type == "cuda" and self.world_size == 1
         self.decode_graphs = bool(decode_graphs)
-        self._graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self._graphs: dict[tuple, DecodeGraph] = {}
         self._graph_pool = None
         self.num_graph_captures = 0
         self._prefill_fn = self._prefill_forward
@@ -391,26 +391,34 @@ class GenerationEngine:
         return self._cache_blocks
 
     def _graph_serves(self, batch: StepBatch, sched: Scheduler) -> bool:
-        # Decode-only steps of models without sliding-window groups, in a bucket.
+        # Decode-only steps in a bucket.
         return (
             self.decode_graphs
-            and not sched.window_groups
             and all(n == 1 for n in batch.num_new)
             and batch.num_prefill_tokens == 0
             and len(batch.sample_requests) == len(batch.requests)
             and bucket_of(len(batch.requests)) is not None
         )
 
-    def _decode_graph(self, num_requests: int, blocks: int) -> DecodeGraph:
-        bucket, width = bucket_of(num_requests), graph_width(blocks)
+    @property
+    def window_cache_blocks(self) -> dict[int, int]:
+        """Blocks per cache of each sliding-window layer group (window -> blocks)."""
+        return dict(self._window_blocks)
+
+    def _decode_graph(self, batch: StepBatch) -> DecodeGraph:
+        bucket, width = bucket_of(len(batch.requests)), graph_width(batch.block_table.shape[1])
         assert bucket is not None
-        graph = self._graphs.get((bucket, width))
+        windows = {w: graph_width(t.shape[1]) for w, t in batch.window_block_tables.items()}
+        key = (bucket, width, tuple(sorted(windows.items())))
+        graph = self._graphs.get(key)
         if graph is None:
             capture = self.device.type == "cuda"
             if capture and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = DecodeGraph(self, bucket, width, capture=capture, pool=self._graph_pool)
-            self._graphs[(bucket, width)] = graph
+            graph = DecodeGraph(
+                self, bucket, width, capture=capture, pool=self._graph_pool, window_widths=windows
+            )
+            self._graphs[key] = graph
             self.num_graph_captures += int(capture)
         return graph
 
@@ -422,8 +430,9 @@ class GenerationEngine:
         a request stops early (a stop token), the step already launched computed one token too
         many for it: that token is dropped. Returns (steps, tokens recorded).
         """
-        graph = self._decode_graph(len(batch.requests), batch.block_table.shape[1])
+        graph = self._decode_graph(batch)
         b = graph.load(batch)
+        rows = torch.tensor([r.row for r in batch.requests], dtype=torch.long)
         # Steps until the first request reaches max_new_tokens (stop tokens may end it sooner).
         num = min(r.max_new_tokens - len(r.output) for r in batch.requests)
         inflight: list[tuple[StepBatch, torch.Tensor, torch.cuda.Event | None]] = []
@@ -437,7 +446,7 @@ class GenerationEngine:
             tokens = host.tolist()
             keep = [i for i, r in enumerate(step.requests) if not r.finished]
             if len(keep) < len(step.requests):
-                step = _decode_batch([step.requests[i] for i in keep])
+                step = decode_batch([step.requests[i] for i in keep])
                 tokens = [tokens[i] for i in keep]
             if step.requests:
                 record(step, tokens)
@@ -460,7 +469,17 @@ class GenerationEngine:
             steps += 1
             if t + 1 < num:
                 graph.advance(tokens)  # the next step's inputs, on the device
-                batch = _decode_batch(batch.requests, [c + 1 for c in batch.num_computed])
+                batch = decode_batch(batch.requests, [c + 1 for c in batch.num_computed])
+                if sched.window_groups:
+                    # The windows move on: blocks no later query sees go back (what the
+                    # update of step t does, idempotently) and the next write gets its block.
+                    for g in sched.window_groups.values():
+                        for r, c in zip(batch.requests, batch.num_computed):
+                            g.release(r.row, c)
+                            g.prepare(r.row, c, 1)
+                    graph.load_window_tables(
+                        {w: g.tensor.index_select(0, rows) for w, g in sched.window_groups.items()}
+                    )
             if len(inflight) > 1 and consume():
                 break
         while inflight:
@@ -501,22 +520,6 @@ class GenerationEngine:
             # choice identical even if a reduction order ever made logits differ in a last bit.
             dist.broadcast(tokens, src=0)
         return tokens.tolist()
-
-
-def _decode_batch(requests: list[Request], num_computed: list[int] | None = None) -> StepBatch:
-    """The bookkeeping of a decode step of ``requests`` (one token each) whose inputs live on
-    the device: what :meth:`Scheduler.update` reads."""
-    num_computed = [r.num_computed for r in requests] if num_computed is None else num_computed
-    n = len(requests)
-    return StepBatch(
-        requests=list(requests),
-        num_new=[1] * n,
-        num_computed=list(num_computed),
-        input_ids=torch.zeros(0, dtype=torch.long),
-        block_table=torch.zeros(n, 0, dtype=torch.int32),
-        sample_rows=torch.arange(n),
-        sample_requests=list(requests),
-    )
 
 
 def _gather_rows(hidden: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor:

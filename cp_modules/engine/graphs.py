@@ -7,7 +7,8 @@ A decode step reads three inputs that live in static device buffers: the token i
 positions [Bp] and the requests' block-table rows [Bp, M]. Everything else the attention layers
 need (each token's cache slot on this DCP rank, the local KV length it attends) is derived from
 them on the device inside the graph, so a step of the same bucket replays the same graph with
-no host work but the launch. Padding rows (B < Bp) have position -1: they write no cache slot
+no host work but the launch (sliding-window layer groups add their block-table rows, which
+move with the window: one copy per group and step). Padding rows (B < Bp) have position -1: they write no cache slot
 and attend no key (their rows are ignored). The graph ends with fp32 logits [Bp, V] in a static
 buffer; sampling runs after it on the first B rows.
 
@@ -29,13 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping
+from cp_modules.engine.scheduler import Request, StepBatch
 from cp_modules.step import build_step_metadata, cp_step
 
 if TYPE_CHECKING:
     from cp_modules.engine.engine import GenerationEngine
-    from cp_modules.engine.scheduler import StepBatch
 
-__all__ = ["BUCKETS", "DecodeGraph", "bucket_of", "graph_width"]
+__all__ = ["BUCKETS", "DecodeGraph", "bucket_of", "decode_batch", "graph_width"]
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
 
@@ -71,6 +72,7 @@ class DecodeGraph:
         *,
         capture: bool,
         pool=None,
+        window_widths: dict[int, int] | None = None,
     ) -> None:
         rt, dev = engine.runtime, engine.device
         self.engine, self.bucket, self.width = engine, bucket, width
@@ -80,11 +82,15 @@ class DecodeGraph:
         self.rows = torch.arange(bucket, device=dev)
         # The step's structure (every row a one-token decode) from the planner itself; the
         # position-dependent fields are replaced by buffers the graph fills.
+        widths = dict(window_widths or {})
         meta = build_step_metadata(
             rt,
             [1] * bucket,
             [1] * bucket,
             block_table=torch.zeros(bucket, width, dtype=torch.int32),
+            window_block_tables={
+                w: torch.zeros(bucket, m, dtype=torch.int32) for w, m in widths.items()
+            },
             block_size=engine.block_size,
             device=dev,
             check_consistency=False,
@@ -92,16 +98,38 @@ class DecodeGraph:
         assert meta.all_decode and meta.slot_mapping is not None
         self.kv_len = torch.zeros_like(meta.decode_kv_len)
         self.slots = torch.zeros_like(meta.slot_mapping)
-        self.meta = dataclasses.replace(
-            meta,
-            plan=dataclasses.replace(meta.plan, positions=self.positions),
+        # Sliding-window layer groups: their own block tables (rewritten every step, as the
+        # window moves) and cache slots.
+        self.window_tables = {
+            w: torch.zeros(bucket, m, dtype=torch.int32, device=dev) for w, m in widths.items()
+        }
+        self.window_slots = {w: torch.zeros_like(self.slots) for w in widths}
+        shared = dict(
             positions=self.positions,
             decode_positions=self.positions,
             decode_kv_len=self.kv_len,
+        )
+        plan = dataclasses.replace(meta.plan, positions=self.positions)
+        views = {
+            w: dataclasses.replace(
+                meta.window_views[w],
+                plan=plan,
+                **shared,
+                slot_mapping=self.window_slots[w],
+                block_table=self.window_tables[w],
+                max_block_id=engine.window_cache_blocks[w] - 1,
+            )  # fmt: skip
+            for w in widths
+        }
+        self.meta = dataclasses.replace(
+            meta,
+            plan=plan,
+            **shared,
             slot_mapping=self.slots,
             block_table=self.block_table,
             # Block ids come from the scheduler's tables: below every cache's block count.
             max_block_id=engine.cache_blocks - 1,
+            window_views=views,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -114,10 +142,12 @@ class DecodeGraph:
         rt = self.engine.runtime
         d, r, i = rt.dcp_size, rt.dcp_rank, rt.config.interleave
         self.kv_len.copy_(dcp_query_kv_len(self.positions, d, r, i))
-        slots = dcp_slot_mapping(
-            self.positions, self.rows, self.block_table, self.engine.block_size, d, r, i
-        )
-        self.slots.copy_(slots)
+        bs = self.engine.block_size
+        self.slots.copy_(dcp_slot_mapping(self.positions, self.rows, self.block_table, bs, d, r, i))
+        for w, table in self.window_tables.items():
+            # A decode keeps its own token in a windowed layer's cache too.
+            slots = dcp_slot_mapping(self.positions, self.rows, table, bs, d, r, i)
+            self.window_slots[w].copy_(slots)
 
     def _step(self) -> torch.Tensor:
         from cp_modules.engine.engine import _gather_rows
@@ -160,7 +190,18 @@ class DecodeGraph:
         self.block_table.zero_()
         m = batch.block_table.shape[1]
         self.block_table[:b, :m].copy_(up(batch.block_table.to(torch.int32)), non_blocking=pinned)
+        self.load_window_tables(batch.window_block_tables)
         return b
+
+    def load_window_tables(self, tables: dict[int, torch.Tensor]) -> None:
+        """Copy the window groups' block-table rows ([B, M_W] host int32, batch order) into the
+        buffers (stream-ordered: a step already launched still reads the previous ones)."""
+        pinned = self.ids.device.type == "cuda"
+        for w, buf in self.window_tables.items():
+            rows = tables[w].to(torch.int32)
+            src = (rows.pin_memory() if pinned else rows).to(buf.device, non_blocking=pinned)
+            buf.zero_()
+            buf[: rows.shape[0], : rows.shape[1]].copy_(src, non_blocking=pinned)
 
     def replay(self) -> torch.Tensor:
         """Run the step on the buffers; the fp32 logits [Bp, V] (a static buffer on CUDA)."""
@@ -175,3 +216,19 @@ class DecodeGraph:
         b = tokens.shape[0]
         self.ids[:b].copy_(tokens)
         self.positions[:b].add_(1)
+
+
+def decode_batch(requests: list[Request], num_computed: list[int] | None = None) -> StepBatch:
+    """The bookkeeping of a decode step of ``requests`` (one token each) whose inputs live on
+    the device: what :meth:`Scheduler.update` reads."""
+    num_computed = [r.num_computed for r in requests] if num_computed is None else num_computed
+    n = len(requests)
+    return StepBatch(
+        requests=list(requests),
+        num_new=[1] * n,
+        num_computed=list(num_computed),
+        input_ids=torch.zeros(0, dtype=torch.long),
+        block_table=torch.zeros(n, 0, dtype=torch.int32),
+        sample_rows=torch.arange(n),
+        sample_requests=list(requests),
+    )
