@@ -738,7 +738,10 @@ def test_gpu_gluon_mla_variants_match_reference(variant, bs, splits):
 
 
 def test_gluon_mla_config_is_validated():
-    from cp_modules.kernels.paged_decode_mla_gluon import GluonMLAConfig, default_gluon_mla_config
+    from cp_modules.kernels.paged_decode_mla_gluon_config import (
+        GluonMLAConfig,
+        default_gluon_mla_config,
+    )
 
     with pytest.raises(ValueError, match="issue must be one of"):
         GluonMLAConfig(issue="tma")

@@ -14,6 +14,7 @@ sampled this step, V = vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import time
@@ -432,11 +433,15 @@ class GenerationEngine:
         """
         graph = self._decode_graph(batch)
         b = graph.load(batch)
-        rows = torch.tensor([r.row for r in batch.requests], dtype=torch.long)
         # Steps until the first request reaches max_new_tokens (stop tokens may end it sooner).
         num = min(r.max_new_tokens - len(r.output) for r in batch.requests)
         inflight: list[tuple[StepBatch, torch.Tensor, torch.cuda.Event | None]] = []
         steps = recorded = 0
+        bookkeeping = decode_batch(batch.requests)  # what every later step's update reads
+        on_cuda = self.device.type == "cuda"
+        # At most two steps are in flight: two pinned token buffers and events take turns.
+        hosts = [torch.empty(b, dtype=torch.long, pin_memory=True) for _ in range(2 * on_cuda)]
+        events = [torch.cuda.Event() for _ in range(2 * on_cuda)]
 
         def consume() -> bool:
             nonlocal recorded
@@ -458,10 +463,9 @@ class GenerationEngine:
             tokens = sample_tokens(logits[:b], params, generator)
             if self.world_size > 1:
                 dist.broadcast(tokens, src=0)
-            if self.device.type == "cuda":
-                host = torch.empty(b, dtype=torch.long, pin_memory=True)
+            if on_cuda:
+                host, event = hosts[t % 2], events[t % 2]
                 host.copy_(tokens, non_blocking=True)
-                event = torch.cuda.Event()
                 event.record()
             else:
                 host, event = tokens, None
@@ -469,17 +473,11 @@ class GenerationEngine:
             steps += 1
             if t + 1 < num:
                 graph.advance(tokens)  # the next step's inputs, on the device
-                batch = decode_batch(batch.requests, [c + 1 for c in batch.num_computed])
+                computed = [c + 1 for c in batch.num_computed]
+                batch = dataclasses.replace(bookkeeping, num_computed=computed)
                 if sched.window_groups:
-                    # The windows move on: blocks no later query sees go back (what the
-                    # update of step t does, idempotently) and the next write gets its block.
-                    for g in sched.window_groups.values():
-                        for r, c in zip(batch.requests, batch.num_computed):
-                            g.release(r.row, c)
-                            g.prepare(r.row, c, 1)
-                    graph.load_window_tables(
-                        {w: g.tensor.index_select(0, rows) for w, g in sched.window_groups.items()}
-                    )
+                    tables = sched.advance_windows(batch.requests, batch.num_computed)
+                    graph.load_window_tables(tables)
             if len(inflight) > 1 and consume():
                 break
         while inflight:

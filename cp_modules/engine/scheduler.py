@@ -222,6 +222,20 @@ class Scheduler:
             },
         )
 
+    def advance_windows(
+        self, requests: list[Request], num_computed: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """The window groups' bookkeeping of a decode step scheduled before the previous step's
+        :meth:`update` (the engine's decode runs launch ahead): blocks no later query sees go
+        back (what that update does too; releasing twice is a no-op) and each request's next
+        write gets its block. Returns each group's block-table rows of ``requests``."""
+        rows = torch.tensor([r.row for r in requests], dtype=torch.long)
+        for g in self.window_groups.values():
+            for r, c in zip(requests, num_computed):
+                g.release(r.row, c)
+                g.prepare(r.row, c, 1)
+        return {w: g.tensor.index_select(0, rows) for w, g in self.window_groups.items()}
+
     def update(
         self, batch: StepBatch, tokens: list[int], stop_ids: frozenset[int], now: float
     ) -> int:

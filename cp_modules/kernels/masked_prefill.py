@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cp_modules.kernels.pcp_varlen import _cumsum0, _ragged
+from cp_modules.kernels.pcp_varlen import _cumsum0, _ragged, _to_device
 from cp_modules.reference.pcp_attention import (
     PrefillInputs,
     attention_with_lse,
@@ -191,15 +191,7 @@ def masked_pack(
         "k_seq": (k_seq, torch.int32),
         "k_pos": (k_pos, torch.int32),
     }
-    # One host-to-device copy for all of them.
-    host = torch.from_numpy(np.concatenate([x for x, _ in parts.values()]).astype(np.int64))
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    views, at = {}, 0
-    for name, (x, dtype) in parts.items():
-        views[name] = dev[at : at + x.size].to(dtype)
-        at += x.size
+    views = _to_device(parts, device)  # one host-to-device copy for all of them
     return MaskedPack(
         q_index=views["q_index"],
         k_index=views["k_index"],
@@ -328,7 +320,7 @@ def flex_attention_call(
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     # The soft-cap is a constant of the score_mod: with dynamic shapes the compiler would
     # otherwise trace the float as a symbolic scalar, which the FlexAttention lowering
-    # cannot take (an unbacked .item() in the graph).
+    # cannot take (an unbacked scalar read inside the graph).
     constant_floats = torch._dynamo.config.patch(specialize_float=True)
     with warnings.catch_warnings(), constant_floats:
         # The eager (CPU) path warns that it is unfused: it is the CPU twin by design.

@@ -152,6 +152,22 @@ def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts, lengths) + np.arange(total) - offsets
 
 
+def _to_device(
+    parts: dict[str, tuple[np.ndarray, torch.dtype]], device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """Host index arrays as device tensors of their dtypes: one (pinned, asynchronous)
+    host-to-device copy for all of them, then typed views."""
+    host = torch.from_numpy(np.concatenate([x for x, _ in parts.values()]).astype(np.int64))
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    views, at = {}, 0
+    for name, (x, dtype) in parts.items():
+        views[name] = dev[at : at + x.size].to(dtype)
+        at += x.size
+    return views
+
+
 def _cumsum0(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
 
@@ -250,14 +266,7 @@ def varlen_pack(
             parts["pre_run_kl"] = (p_len, torch.int32)
             empty = has & (p_len == 0)
             parts["pre_run_empty"] = (_ragged(p_first[empty], p_lens[empty]), torch.int64)
-    host = torch.from_numpy(np.concatenate([x for x, _ in parts.values()]).astype(np.int64))
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    views, at0 = {}, 0
-    for name, (x, dtype) in parts.items():
-        views[name] = dev[at0 : at0 + x.size].to(dtype)
-        at0 += x.size
+    views = _to_device(parts, device)
 
     def call(cu_q: str, cu_k: str, causal: bool, k_used: str | None = None) -> VarlenCall:
         hq, hk = parts[cu_q][0], parts[cu_k][0]
