@@ -6,6 +6,9 @@ GPU tier replays real CUDA graphs and checks that steady state does not capture 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from recipe_configs import Family, ModelConf
@@ -29,7 +32,7 @@ def _prompts(lens, seed=5):
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
 
 
-def _model(family="llama", device="cpu", dtype=torch.float32):
+def _model(family="llama", device="cpu", dtype=torch.float32, moe=True):
     kv = 8 if family == "deepseek_v3" else 2
     conf = ModelConf(family=Family(family), num_kv_heads=kv)
     if device != "cpu":
@@ -39,6 +42,8 @@ def _model(family="llama", device="cpu", dtype=torch.float32):
             family=Family(family), num_heads=heads, num_kv_heads=heads if kv == 8 else 2,
             qk_rope_head_dim=16,
         )  # fmt: skip
+    if not moe:  # every layer dense (no expert routing)
+        conf = dataclasses.replace(conf, first_k_dense_replace=conf.num_layers)
     return build_model(conf).to(device, dtype)
 
 
@@ -115,9 +120,11 @@ def test_gpu_graph_replayed_decode_equals_eager_and_does_not_recapture(family):
     dev = torch.device("cuda")
     prompts = _prompts([29, 1, 9, 4, 17, 6, 11, 40, 2])
     kw = dict(block_size=16, max_num_tokens=64, max_num_seqs=4, progress=False)
-    want = _hf_generate(_model(family, dev), prompts, 12, device=dev)
-    eager = GenerationEngine(swap_attention(_model(family, dev)), decode_graphs=False, **kw)
-    graphs = GenerationEngine(swap_attention(_model(family, dev)), decode_graphs=True, **kw)
+    # Dense layers: HF's grouped-expert routing is not capturable (the next test).
+    model = functools.partial(_model, family, dev, moe=False)
+    want = _hf_generate(model(), prompts, 12, device=dev)
+    eager = GenerationEngine(swap_attention(model()), decode_graphs=False, **kw)
+    graphs = GenerationEngine(swap_attention(model()), decode_graphs=True, **kw)
     params = SamplingParams(max_new_tokens=12)
     a = eager.generate(prompts, params)
     b = graphs.generate(prompts, params)
@@ -128,3 +135,27 @@ def test_gpu_graph_replayed_decode_equals_eager_and_does_not_recapture(family):
     # Steady state: the same shapes again capture nothing new.
     assert graphs.generate(prompts, params).outputs == a.outputs
     assert graphs.num_graph_captures == captures
+
+
+@pytest.mark.gpu
+def test_gpu_uncapturable_model_decodes_eagerly_or_raises_when_graphs_requested():
+    # HF's grouped-expert MoE copies host data during the forward: no CUDA graph. By default
+    # the engine warns and decodes eagerly (same tokens); decode_graphs=True raises.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    prompts = _prompts([9, 4, 17])
+    kw = dict(block_size=16, max_num_tokens=64, max_num_seqs=4, progress=False)
+    params = SamplingParams(max_new_tokens=6)
+    want = (
+        GenerationEngine(swap_attention(_model("deepseek_v3", dev)), decode_graphs=False, **kw)
+        .generate(prompts, params)
+        .outputs
+    )
+    auto = GenerationEngine(swap_attention(_model("deepseek_v3", dev)), **kw)
+    with pytest.warns(UserWarning, match="cannot be captured"):
+        assert auto.generate(prompts, params).outputs == want
+    assert auto.num_graph_captures == 0 and not auto.decode_graphs
+    forced = GenerationEngine(swap_attention(_model("deepseek_v3", dev)), decode_graphs=True, **kw)
+    with pytest.raises(RuntimeError, match="decode_graphs=True"):
+        forced.generate(prompts, params)

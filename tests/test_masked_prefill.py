@@ -374,7 +374,9 @@ def test_gpu_masked_paths_follow_the_two_x_rule(path, window, softcap):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path, window, softcap", [("flex", 100, 20.0), ("flash", 100, None)])
+@pytest.mark.parametrize(
+    "path, window, softcap", [("flex", 100, 20.0), ("flash", 100, None), ("auto", 100, None)]
+)
 def test_gpu_sinks_on_masked_paths_follow_the_two_x_rule(path, window, softcap):
     # Sinks after the attention on CUDA: the flash backward takes the sink-normalised output
     # and LSE; FlexAttention's recompute turns them into dO and dLSE.
@@ -425,7 +427,10 @@ def test_gpu_masked_refusals_and_fp64():
     with pytest.raises(ValueError, match="pcp_masked='flash'.*float16 / bfloat16"):
         choose_masked_path("flash", q, q, 4, None)
     half = q.to(torch.bfloat16)
-    assert choose_masked_path("auto", half, half, 4, None) == "flash"
+    # Windows: FlexAttention forward, FlashAttention-2 backward (no forward recompute).
+    assert choose_masked_path("auto", half, half, 4, None) == "flex"
+    assert choose_masked_path("auto", half, half, 4, None, "backward") == "flash"
+    assert choose_masked_path("auto", half, half, 4, 2.0, "backward") == "flex"
     assert choose_masked_path("auto", half, half, 4, 2.0) == "flex"
     assert choose_masked_path("auto", half, half[..., :4], 4, None) == "flex"  # Dv != Dqk
     assert choose_masked_path("auto", q, q, 4, 2.0) == "reference"
@@ -474,3 +479,54 @@ def test_masked_paths_on_gloo_ranks_equal_one_process():
         for name, errors in per_rank:
             assert errors, name
             assert max(errors.values()) <= TOLERANCE["float32"], (name, errors)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flex"])
+def test_pack_slices_and_single_contribution_sums_equal_the_gathers(kernel):
+    # Where packed rows are a run of the inputs (slices, no copy) and each key row is packed
+    # once (gradients copied in the inputs' dtype, or returned as the kernel gives them), the
+    # results equal the general gathers with fp32-or-wider sums (fp64: exactly).
+    import dataclasses
+    import itertools
+
+    from cp_modules.kernels.masked_prefill import masked_prefill_backward, masked_prefill_forward
+    from cp_modules.reference.pcp_attention import PrefillInputs
+
+    gen = torch.Generator().manual_seed(0)
+    softcap = 2.0 if kernel == "flex" else None
+    shortcuts = set()
+    for pcp, lens, window, prefix in itertools.product(
+        [1, 2], [[37], [20, 13]], [3, 100], [False, True]
+    ):
+        for rank in range(pcp):
+            plan = plan_pcp(lens, [0] * len(lens), pcp, rank)
+            t, n = plan.token_indices.shape[0], sum(lens)
+            q, k, v = (torch.randn(m, h, 8, generator=gen, dtype=torch.float64)
+                       for m, h in ((t, 4), (n, 2), (n, 2)))  # fmt: skip
+            pk = pv = cu = None
+            if prefix:
+                cu = torch.tensor([0, *itertools.accumulate([3] * len(lens))])
+                pk, pv = (torch.randn(int(cu[-1]), 2, 8, generator=gen, dtype=torch.float64)
+                          for _ in range(2))  # fmt: skip
+            inputs = PrefillInputs(q, k, v, plan.segments_host, pk, pv, cu, 0.3)
+            pack = masked_pack(plan.segments_host, n, None if cu is None else cu.tolist(),
+                               window, "cpu")  # fmt: skip
+            general = dataclasses.replace(
+                pack, q_range=None, k_range=None, k_unique=False, flex_cache={}
+            )
+            shortcuts |= {name for name in ("q_range", "k_range", "k_unique")
+                          if getattr(pack, name)}  # fmt: skip
+            kw = dict(kernel=kernel, softcap=softcap)
+            fast, slow = (masked_prefill_forward(inputs, p, **kw) for p in (pack, general))
+            for a, b in zip(fast, slow):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+            dout = torch.randn(fast[0].shape, generator=gen, dtype=torch.float64)
+            for a, b in zip(
+                masked_prefill_backward(dout, *fast, inputs, pack, **kw),
+                masked_prefill_backward(dout, *slow, inputs, general, **kw),
+            ):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert a.dtype == b.dtype
+                    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert shortcuts == {"q_range", "k_range", "k_unique"}  # every shortcut was taken

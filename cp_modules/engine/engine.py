@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -118,8 +119,11 @@ class GenerationEngine:
             replayed as CUDA graphs (one per batch-size bucket), with the next step launched
             before the host reads the last one's tokens. None: on for a CUDA model in one
             process, off on CPU and with several processes (True there captures the layout's
-            collectives too; True on CPU runs the same static-buffer steps eagerly). Models with
-            sliding-window layer groups decode eagerly (their block tables move every step).
+            collectives too; True on CPU runs the same static-buffer steps eagerly). Sliding-
+            window layer groups copy their moving block-table rows into the graph's buffers
+            each step. A model whose forward cannot be captured (e.g. a host synchronisation in
+            its MoE routing): with None the engine warns once and decodes eagerly; with True the
+            capture's error is raised.
 
     Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
     model's ``generation_config.eos_token_id`` (one id or a list), unless
@@ -201,7 +205,10 @@ class GenerationEngine:
         if decode_graphs is None:
             # On by default for one CUDA process; several processes opt in (collectives
             # inside the graphs are not yet tested on NCCL).
+            self._graphs_requested = False  # a capture failure falls back to eager
             decode_graphs = self.device.type == "cuda" and self.world_size == 1
+        else:
+            self._graphs_requested = bool(decode_graphs)  # a capture failure is an error
         self.decode_graphs = bool(decode_graphs)
         self._graphs: dict[tuple, DecodeGraph] = {}
         self._graph_pool = None
@@ -392,14 +399,32 @@ class GenerationEngine:
         return self._cache_blocks
 
     def _graph_serves(self, batch: StepBatch, sched: Scheduler) -> bool:
-        # Decode-only steps in a bucket.
-        return (
+        # Decode-only steps in a bucket, whose graph is (or can be) captured.
+        if not (
             self.decode_graphs
             and all(n == 1 for n in batch.num_new)
             and batch.num_prefill_tokens == 0
             and len(batch.sample_requests) == len(batch.requests)
             and bucket_of(len(batch.requests)) is not None
-        )
+        ):
+            return False
+        try:
+            self._decode_graph(batch)
+        except RuntimeError as err:
+            if self._graphs_requested:
+                raise RuntimeError(
+                    f"decode_graphs=True but the model's decode step cannot be captured as a "
+                    f"CUDA graph: {err}; pass decode_graphs=False (or None: eager fallback)"
+                ) from err
+            warnings.warn(
+                f"decode steps run eagerly: the model's decode step cannot be captured as a "
+                f"CUDA graph ({str(err).splitlines()[0]})",
+                stacklevel=3,
+            )
+            self.decode_graphs = False
+            self._graphs.clear()
+            return False
+        return True
 
     @property
     def window_cache_blocks(self) -> dict[int, int]:

@@ -95,6 +95,11 @@ class MaskedPack:
         window: W, or None (full causal).
         num_new: N, the new-key rows before the prefix rows in ``[k; prefix_k]``.
         flex_cache: the pack's FlexAttention mask function and block masks, built on first use.
+        q_range: ``(a, b)`` when ``q_index`` is the run ``a .. b - 1`` (the packed queries are
+            a slice of the local rows, e.g. every row of an unpadded one-rank plan), else None.
+        k_range: the same for ``k_index``.
+        k_unique: whether no row of ``[k; prefix_k]`` is packed twice (each key's gradient
+            has one contribution: no wider accumulation is needed).
     """
 
     q_index: torch.Tensor
@@ -113,6 +118,9 @@ class MaskedPack:
     window: int | None
     num_new: int
     flex_cache: dict = field(default_factory=dict)
+    q_range: tuple[int, int] | None = None
+    k_range: tuple[int, int] | None = None
+    k_unique: bool = False
 
     @property
     def num_queries(self) -> int:
@@ -192,6 +200,7 @@ def masked_pack(
         "k_pos": (k_pos, torch.int32),
     }
     views = _to_device(parts, device)  # one host-to-device copy for all of them
+    q_rows = parts["q_index"][0]
     return MaskedPack(
         q_index=views["q_index"],
         k_index=views["k_index"],
@@ -208,7 +217,17 @@ def masked_pack(
         key_ranges_host=key_ranges.reshape(-1, 2),
         window=window,
         num_new=num_new,
+        q_range=_run_of(q_rows),
+        k_range=_run_of(k_rows),
+        k_unique=bool(np.unique(k_rows).size == k_rows.size),
     )
+
+
+def _run_of(rows: np.ndarray) -> tuple[int, int] | None:
+    # (a, b) when ``rows`` is a .. b - 1 (non-empty), else None.
+    if rows.size == 0 or not bool((np.diff(rows) == 1).all()):
+        return None
+    return int(rows[0]), int(rows[-1]) + 1
 
 
 # --------------------------------------------------------------------------- FlexAttention
@@ -475,15 +494,21 @@ def _prefix(inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _packed_inputs(inputs: PrefillInputs, pack: MaskedPack):
+    # Slices where the packed rows are a run of the inputs (no copy), else gathers.
     q, k, v = inputs.q, inputs.k, inputs.v
+    qp = q[slice(*pack.q_range)] if pack.q_range else q.index_select(0, pack.q_index)
+    if pack.k_range and pack.k_range[1] <= k.shape[0]:  # new keys only: no prefix rows
+        rows = slice(*pack.k_range)
+        return qp, k[rows], v[rows]
     prefix = _prefix(inputs)
     if prefix is not None:
         k, v = torch.cat((k, prefix[0])), torch.cat((v, prefix[1]))
-    return (
-        q.index_select(0, pack.q_index),
-        k.index_select(0, pack.k_index),
-        v.index_select(0, pack.k_index),
-    )
+    return qp, k.index_select(0, pack.k_index), v.index_select(0, pack.k_index)
+
+
+def _covers(run: tuple[int, int] | None, n: int) -> bool:
+    # Whether the packed rows are exactly rows 0 .. n - 1.
+    return run == (0, n)
 
 
 def _check_kernel(kernel: str, pack: MaskedPack, softcap: float | None) -> None:
@@ -507,17 +532,20 @@ def masked_prefill_forward(
     (-inf there)."""
     _check_kernel(kernel, pack, softcap)
     q, v, scale = inputs.q, inputs.v, inputs.scale
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype))
     if pack.num_queries == 0:  # padding rows only
-        return out, lse
-    qp, kp, vp = _packed_inputs(inputs, pack)
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        return out, q.new_full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype))
+    qp, kp, vp = (x.detach() for x in _packed_inputs(inputs, pack))  # slices may be views
     if kernel == "flash":
         fwd = flash_window_forward if q.is_cuda else flash_window_forward_twin
         op, lsep = fwd(qp, kp, vp, pack, scale)
     else:
         with torch.no_grad():
             op, lsep = flex_attention_call(qp, kp, vp, pack, scale=scale, softcap=softcap)
+    if _covers(pack.q_range, q.shape[0]):  # every local row packed, in order
+        return op.to(q.dtype).contiguous(), lsep.to(lse_dtype(q.dtype)).contiguous()
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = q.new_full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype))
     out.index_copy_(0, pack.q_index, op.to(out.dtype))
     lse.index_copy_(0, pack.q_index, lsep.to(lse.dtype))
     return out, lse
@@ -540,14 +568,16 @@ def masked_prefill_backward(
     _check_kernel(kernel, pack, softcap)
     q, k, v, scale = inputs.q, inputs.k, inputs.v, inputs.scale
     prefix = _prefix(inputs)
-    acc = lse_dtype(q.dtype)
-    num_src = k.shape[0] + (0 if prefix is None else prefix[0].shape[0])
-    dk_src = k.new_zeros((num_src, *k.shape[1:]), dtype=acc)
-    dv_src = v.new_zeros((num_src, *v.shape[1:]), dtype=acc)
-    dq = torch.zeros_like(q)
-    if pack.num_queries:
+    n = k.shape[0]
+    num_src = n + (0 if prefix is None else prefix[0].shape[0])
+    if not pack.num_queries:
+        gq = gk = gv = None
+    else:
         qp, kp, vp = _packed_inputs(inputs, pack)
-        dop, op, lsep = (x.index_select(0, pack.q_index) for x in (dout, out, lse))
+        if pack.q_range:
+            dop, op, lsep = (x[slice(*pack.q_range)] for x in (dout, out, lse))
+        else:
+            dop, op, lsep = (x.index_select(0, pack.q_index) for x in (dout, out, lse))
         if kernel == "flash":
             bwd = flash_window_backward if q.is_cuda else flash_window_backward_twin
             gq, gk, gv = bwd(dop.contiguous(), qp, kp, vp, op, lsep, pack, scale)
@@ -555,10 +585,23 @@ def masked_prefill_backward(
             call = flex_attention_call if q.is_cuda else dense_twin_attention
             attend = functools.partial(call, pack=pack, scale=scale, softcap=softcap)
             gq, gk, gv = _recomputed_grads(attend, dop, qp, kp, vp, op, lsep)
-        dq.index_copy_(0, pack.q_index, gq.to(q.dtype))
-        dk_src.index_add_(0, pack.k_index, gk.to(acc))
-        dv_src.index_add_(0, pack.k_index, gv.to(acc))
-    n = k.shape[0]
+    if gq is not None and _covers(pack.q_range, q.shape[0]):
+        dq = gq.to(q.dtype).contiguous()
+    else:
+        dq = torch.zeros_like(q)
+        if gq is not None:
+            dq.index_copy_(0, pack.q_index, gq.to(q.dtype))
+    if gk is not None and prefix is None and _covers(pack.k_range, n):
+        # Every new key packed once, in order: its gradient as the kernel gives it.
+        return dq, gk.to(k.dtype).contiguous(), gv.to(v.dtype).contiguous(), None, None
+    # One contribution per key row: sums in the inputs' dtype; else at least fp32.
+    acc = k.dtype if pack.k_unique else lse_dtype(q.dtype)
+    dk_src = k.new_zeros((num_src, *k.shape[1:]), dtype=acc)
+    dv_src = v.new_zeros((num_src, *v.shape[1:]), dtype=acc)
+    if gk is not None:
+        put = torch.Tensor.index_copy_ if pack.k_unique else torch.Tensor.index_add_
+        put(dk_src, 0, pack.k_index, gk.to(acc))
+        put(dv_src, 0, pack.k_index, gv.to(acc))
     dk, dv = dk_src[:n].to(k.dtype), dv_src[:n].to(v.dtype)
     if prefix is None:
         return dq, dk, dv, None, None

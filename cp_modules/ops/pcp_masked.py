@@ -7,11 +7,14 @@ The kernels (one packed call for all segments of a step) live in
 :mod:`cp_modules.kernels.masked_prefill`; this module holds the choice, made per call from
 :attr:`CPPolicy.pcp_masked <cp_modules.policy.CPPolicy>`:
 
-* ``"auto"``: on CUDA, FlashAttention-2 with its window arguments for windows without a
-  soft-cap where it serves the queries (fp16 / bf16, equal query-key and value head dims up
-  to 256), FlexAttention otherwise (fp16 / bf16 / fp32: its kernels accumulate in fp32), and
-  the pure-PyTorch reference for fp64 (exact; the block path treats dtypes its kernels do not
-  take the same way). On CPU: the reference.
+* ``"auto"``: on CUDA, FlexAttention (fp16 / bf16 / fp32: its kernels accumulate in fp32)
+  forward; backward FlashAttention-2 with its window arguments for windows without a soft-cap
+  where it serves the queries (fp16 / bf16, equal query-key and value head dims up to 256:
+  it takes the given output and LSE, where FlexAttention's backward recomputes its forward),
+  FlexAttention otherwise; the pure-PyTorch reference for fp64 (exact; the block path treats
+  dtypes its kernels do not take the same way). On CPU: the reference. Measured on the H200
+  (``benchmarks/bench_masked.py``, bf16, 32k, window 4096): FlexAttention's forward 5.3 ms
+  against FlashAttention-2's 7.2; backward 14.6 with its recompute against 16.7.
 * ``"flash"`` / ``"flex"``: that kernel, or a ``ValueError`` where it does not serve the call
   exactly. On CPU they run the kernel's packing with its CPU twin (the reference per packed
   sequence; eager FlexAttention forward and its dense twin backward): how the packing is
@@ -64,11 +67,12 @@ def choose_masked_path(
     v: torch.Tensor,
     window: int | None,
     softcap: float | None,
+    direction: str = "forward",
 ) -> str:
-    """The path (``"flash"``, ``"flex"`` or ``"reference"``) of a call with a window W
-    and / or a soft-cap c (at least one of them given) under ``choice``
-    (:attr:`CPPolicy.pcp_masked <cp_modules.policy.CPPolicy>`); ``q`` [T, Hq, Dqk] and ``v``
-    [N, Hkv, Dv] as the op receives them.
+    """The path (``"flash"``, ``"flex"`` or ``"reference"``) of a call (``direction``
+    ``"forward"`` / ``"backward"``) with a window W and / or a soft-cap c (at least one of
+    them given) under ``choice`` (:attr:`CPPolicy.pcp_masked <cp_modules.policy.CPPolicy>`);
+    ``q`` [T, Hq, Dqk] and ``v`` [N, Hkv, Dv] as the op receives them.
 
     Raises:
         ValueError: where the forced kernel does not serve the call exactly, or (auto, CUDA)
@@ -103,7 +107,13 @@ def choose_masked_path(
     assert choice == "auto", choice
     if not q.is_cuda or q.dtype == torch.float64:
         return "reference"
-    if window is not None and not softcap and _flash_serves_window(q, v):
+    assert direction in ("forward", "backward"), direction
+    if (
+        direction == "backward"
+        and window is not None
+        and not softcap
+        and _flash_serves_window(q, v)
+    ):
         return "flash"
     if q.dtype in FLEX_CUDA_DTYPES:
         return "flex"
@@ -164,7 +174,7 @@ def pcp_masked_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`pcp_masked_attention` from the final ``out`` / ``lse``: dq, dk,
     dv, dprefix_k, dprefix_v (None without a prefix), in the inputs' dtypes."""
-    path = choose_masked_path(policy.pcp_masked, inputs.q, inputs.v, window, softcap)
+    path = choose_masked_path(policy.pcp_masked, inputs.q, inputs.v, window, softcap, "backward")
     if path == "reference":
         return pcp_prefill_attention_backward_reference(
             dout, out, lse, inputs, window=window, softcap=softcap
