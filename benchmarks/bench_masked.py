@@ -42,6 +42,7 @@ from benchmarks.common import RESULTS, write_results
 from cp_modules.kernels.masked_prefill import (
     flash_window_backward,
     flash_window_forward,
+    flex_compile_config,
     flex_lse_kwargs,
     masked_pack,
     softcap_score_mod,
@@ -198,13 +199,14 @@ def flex_baseline(q, k, v, dout, scale, window, softcap):
     flex = _compiled_flex()
 
     def forward():
-        with torch.no_grad():
+        with torch.no_grad(), flex_compile_config():
             return flex(q4, k4, v4, **kwargs)
 
     leaves = [x.detach().requires_grad_() for x in (q4, k4, v4)]
 
     def both():
-        out, _ = flex(*leaves, **kwargs)
+        with flex_compile_config():
+            out, _ = flex(*leaves, **kwargs)
         return torch.autograd.grad(out, leaves, do4)
 
     def results():

@@ -530,3 +530,40 @@ def test_pack_slices_and_single_contribution_sums_equal_the_gathers(kernel):
                     assert a.dtype == b.dtype
                     torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert shortcuts == {"q_range", "k_range", "k_unique"}  # every shortcut was taken
+
+
+def test_compiled_flex_keeps_many_variants_compiled_and_refuses_an_eager_fallback(monkeypatch):
+    # Every soft-cap value (and grad mode, window, shape specialisation) is a compiled variant
+    # of the FlexAttention entry. Past dynamo's default limit of 8 the frame would silently run
+    # eagerly (the whole score grid: tens of GiB at long sequences); the entry's limit is
+    # FLEX_RECOMPILE_LIMIT, and past it compiling raises.
+    import torch._dynamo
+
+    import cp_modules.kernels.masked_prefill as mp
+
+    pack = masked_pack(torch.tensor([[0, 0, 24, 0, 24]]), 24, None, 8, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(24, 2, 16, generator=gen) for _ in range(3))
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+
+    def call(fn, c):
+        with mp.flex_compile_config():
+            out, aux = fn(q4, k4, v4, mp.softcap_score_mod(c), mp._block_mask(pack, q.device),
+                          0.25, False, mp.flex_lse_kwargs())  # fmt: skip
+        return out[0].transpose(0, 1)
+
+    torch._dynamo.reset()
+    fn = torch.compile(mp._flex_entry, dynamic=True, backend="eager")
+    # 12 variants: with dynamo's default limit of 8 the ninth would raise (the config makes
+    # hitting the limit an error).
+    for c in [1.0 + i for i in range(12)]:
+        want, _ = mp.dense_twin_attention(q, k, v, pack, scale=0.25, softcap=c)
+        torch.testing.assert_close(call(fn, c), want, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    monkeypatch.setattr(mp, "FLEX_RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    fn = torch.compile(mp._flex_entry, dynamic=True, backend="eager")
+    call(fn, 1.0), call(fn, 2.0)
+    with pytest.raises(Exception, match="(?i)recompile"):
+        call(fn, 3.0)
+    torch._dynamo.reset()

@@ -64,7 +64,9 @@ __all__ = [
     "MaskedPack",
     "dense_twin_attention",
     "flex_attention_call",
+    "FLEX_RECOMPILE_LIMIT",
     "flex_block_tables",
+    "flex_compile_config",
     "flex_lse_kwargs",
     "masked_pack",
     "masked_prefill_backward",
@@ -95,6 +97,8 @@ class MaskedPack:
         window: W, or None (full causal).
         num_new: N, the new-key rows before the prefix rows in ``[k; prefix_k]``.
         flex_cache: the pack's FlexAttention mask function and block masks, built on first use.
+        q_lo, q_hi: [Tq] int32, the run of packed keys ``[lo, hi)`` each packed query sees
+            (``key_ranges_host`` on the device: the FlexAttention mask reads them).
         q_range: ``(a, b)`` when ``q_index`` is the run ``a .. b - 1`` (the packed queries are
             a slice of the local rows, e.g. every row of an unpadded one-rank plan), else None.
         k_range: the same for ``k_index``.
@@ -118,6 +122,8 @@ class MaskedPack:
     window: int | None
     num_new: int
     flex_cache: dict = field(default_factory=dict)
+    q_lo: torch.Tensor | None = None
+    q_hi: torch.Tensor | None = None
     q_range: tuple[int, int] | None = None
     k_range: tuple[int, int] | None = None
     k_unique: bool = False
@@ -129,24 +135,23 @@ class MaskedPack:
 
     def mask_mod(self):
         """The FlexAttention ``mask_mod`` of the pack (same sequence, causal, inside the
-        window), one function object per pack (compiled code is reused for it)."""
+        window), one function object per pack (compiled code is reused for it).
+
+        Each packed query sees one run of packed keys (``key_ranges_host``: its sequence's
+        keys from its window's first to itself), so the mask is ``lo[q] <= kv < hi[q]``:
+        two loads per query row and none per key, where comparing sequences and positions
+        would load per key as well."""
         fn = self.flex_cache.get("mask_mod")
         if fn is None:
-            fn = self.flex_cache["mask_mod"] = _document_mask(
-                self.q_seq, self.q_pos, self.k_seq, self.k_pos, self.window
-            )
+            fn = self.flex_cache["mask_mod"] = _key_run_mask(self.q_lo, self.q_hi)
         return fn
 
 
-def _document_mask(q_seq, q_pos, k_seq, k_pos, window):
+def _key_run_mask(q_lo, q_hi):
     # A closure over tensors, the form FlexAttention's compiled path traces without guarding
     # on the values.
     def mask_mod(b, h, q_idx, kv_idx):
-        qp, kp = q_pos[q_idx], k_pos[kv_idx]
-        keep = (q_seq[q_idx] == k_seq[kv_idx]) & (kp <= qp)
-        if window is not None:
-            keep = keep & (kp > qp - window)
-        return keep
+        return (kv_idx >= q_lo[q_idx]) & (kv_idx < q_hi[q_idx])
 
     return mask_mod
 
@@ -198,6 +203,8 @@ def masked_pack(
         "q_pos": (q_pos, torch.int32),
         "k_seq": (k_seq, torch.int32),
         "k_pos": (k_pos, torch.int32),
+        "q_lo": (key_ranges[:, 0], torch.int32),
+        "q_hi": (key_ranges[:, 1], torch.int32),
     }
     views = _to_device(parts, device)  # one host-to-device copy for all of them
     q_rows = parts["q_index"][0]
@@ -217,6 +224,8 @@ def masked_pack(
         key_ranges_host=key_ranges.reshape(-1, 2),
         window=window,
         num_new=num_new,
+        q_lo=views["q_lo"],
+        q_hi=views["q_hi"],
         q_range=_run_of(q_rows),
         k_range=_run_of(k_rows),
         k_unique=bool(np.unique(k_rows).size == k_rows.size),
@@ -246,13 +255,45 @@ def softcap_score_mod(softcap: float | None):
     return score_mod
 
 
-@functools.cache
-def _compiled_flex():
-    # One compiled FlexAttention for every call: dynamic shapes, so that a new batch
-    # composition (new packed lengths) does not compile anew.
+def _flex_entry(q, k, v, score_mod, block_mask, scale, enable_gqa, kwargs):
+    # The compiled frame (its own code object: its compiled variants are counted apart from
+    # other compilations of FlexAttention, e.g. a user's own).
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+        **kwargs,
+    )  # fmt: skip
+
+
+@functools.cache
+def _compiled_flex(backend: str = "inductor"):
+    # One compiled FlexAttention for every call: dynamic shapes, so that a new batch
+    # composition (new packed lengths) does not compile anew.
+    return torch.compile(_flex_entry, dynamic=True, backend=backend)
+
+
+# Compiled variants of the entry: grad mode x soft-cap value x window or not x shape
+# specialisations. Past dynamo's recompile limit a frame would run eagerly, and eager
+# FlexAttention evaluates the whole score grid (tens of GiB at long sequences): the limit is
+# raised for this frame and hitting it is an error, never a silent eager run.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def flex_compile_config():
+    """The dynamo settings of the compiled FlexAttention calls (a ``config.patch`` context):
+    the soft-cap a constant (with dynamic shapes a float would be traced as a symbolic
+    scalar, which the FlexAttention lowering cannot take), :data:`FLEX_RECOMPILE_LIMIT`
+    compiled variants, and an error rather than an eager fallback past it."""
+    cfg = torch._dynamo.config
+    settings: dict = {"specialize_float": True}
+    if hasattr(cfg, "recompile_limit"):
+        settings["recompile_limit"] = max(cfg.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    else:  # older name
+        settings["cache_size_limit"] = max(cfg.cache_size_limit, FLEX_RECOMPILE_LIMIT)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        settings["fail_on_recompile_limit_hit"] = True
+    return cfg.patch(**settings)
 
 
 SPARSE_BLOCK = 128
@@ -333,20 +374,14 @@ def flex_attention_call(
     (natural log: FlexAttention returns it so whatever base its kernel computes in).
     ``q`` [Tq, Hq, Dqk], ``k`` [Tk, Hkv, Dqk], ``v`` [Tk, Hkv, Dv]. Compiled on CUDA, eager
     on CPU (forward only there)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn = _compiled_flex() if q.is_cuda else flex_attention
+    fn = _compiled_flex() if q.is_cuda else _flex_entry
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    # The soft-cap is a constant of the score_mod: with dynamic shapes the compiler would
-    # otherwise trace the float as a symbolic scalar, which the FlexAttention lowering
-    # cannot take (an unbacked scalar read inside the graph).
-    constant_floats = torch._dynamo.config.patch(specialize_float=True)
-    with warnings.catch_warnings(), constant_floats:
+    with warnings.catch_warnings(), flex_compile_config():
         # The eager (CPU) path warns that it is unfused: it is the CPU twin by design.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         res = fn(
-            q4, k4, v4, score_mod=softcap_score_mod(softcap), block_mask=_block_mask(pack, q.device),
-            scale=scale, enable_gqa=q.shape[1] != k.shape[1], **flex_lse_kwargs(),
+            q4, k4, v4, softcap_score_mod(softcap), _block_mask(pack, q.device), scale,
+            q.shape[1] != k.shape[1], flex_lse_kwargs(),
         )  # fmt: skip
     out, aux = res
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse
