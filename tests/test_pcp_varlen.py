@@ -376,7 +376,7 @@ def test_new_block_shapes_rent_the_varlen_path_first():
     # calls as its estimated extra time needs to add up to one round of plan builds, then the
     # blocks; a later plan with the same segments, and the backward, take the blocks at once.
     extra = dict.fromkeys(pcp_policy.VARLEN_EXTRA_S_PER_FLOP, 1.0)  # 1 s a FLOP
-    rental = CudnnRental(extra_s_per_flop=extra)
+    rental = CudnnRental(extra_s_per_flop=extra, min_rent_calls=2)
     policy = CPPolicy(cudnn_build_s=2.5e6)  # a build: 2.5 calls of 1e6 FLOP
     q, k, v = _tensors([300, 200], 4, 2, 8, torch.float32, "cpu")
     backend = "cudnn"
@@ -407,6 +407,9 @@ def test_new_block_shapes_rent_the_varlen_path_first():
     assert not any(ready(p) for p in plans)
     assert not ready(plan_pcp([100, 50], [0, 0], 2, 0))  # dropped: three plans since
     assert ready(plan_pcp([102, 50], [0, 0], 2, 0))
+    # A build worth fewer varlen calls than min_rent_calls is made at once.
+    rental.min_rent_calls = 3
+    assert ready(plan_pcp([555, 5], [0, 0], 2, 0))
     # Blocks that would not run on cuDNN have nothing to build.
     backend = "flash"
     assert ready(plan_pcp([777, 5], [0, 0], 2, 0))

@@ -55,6 +55,7 @@ from cp_modules.reference.pcp_attention import PrefillInputs
 
 __all__ = [
     "CUDNN_SHAPES_KEPT",
+    "RENT_MIN_CALLS",
     "VARLEN_EXTRA_S_PER_FLOP",
     "CudnnRental",
     "PlanState",
@@ -72,6 +73,10 @@ DEFAULT_POLICY = CPPolicy()
 # Extra seconds a varlen forward takes per forward FLOP of the plan over warm cuDNN blocks
 # (docs/switch-points.md); the backward has none (it never rents).
 VARLEN_EXTRA_S_PER_FLOP = {"forward": 1.2e-15, "forward_padded": 2.1e-15}
+# A plan whose estimated build time is worth fewer varlen calls than this builds at once:
+# models have more attention layers than that, so renting would only add its extra time to
+# the build it ends with (MLA at 16k tokens a rank: ~6 calls; GQA: ~57).
+RENT_MIN_CALLS = 8
 # How many plans' shapes the rental remembers.
 CUDNN_SHAPES_KEPT = 4096
 
@@ -139,12 +144,15 @@ class CudnnRental:
             ``direction`` (``_padded`` for values narrower than the queries); a direction
             without one never rents.
         shapes_kept: how many plans' shapes are remembered (the oldest are forgotten).
+        min_rent_calls: a plan rents only when its build time is worth at least this many
+            varlen calls (:data:`RENT_MIN_CALLS`), else it builds at once.
     """
 
     extra_s_per_flop: dict[str, float] = field(
         default_factory=lambda: dict(VARLEN_EXTRA_S_PER_FLOP)
     )
     shapes_kept: int = CUDNN_SHAPES_KEPT
+    min_rent_calls: int = RENT_MIN_CALLS
     seen: dict[int, None] = field(default_factory=dict)
 
     def blocks_ready(
@@ -177,7 +185,8 @@ class CudnnRental:
                     direction + ("_padded" if v.shape[2] != q.shape[2] else "")
                 )
                 if key not in self.seen and extra and flop > 0:
-                    rent = math.ceil(cudnn_build_s / (flop * extra))
+                    worth = cudnn_build_s / (flop * extra)  # varlen calls a build is worth
+                    rent = math.ceil(worth) if worth >= self.min_rent_calls else 0
                 self.seen.pop(key, None)
                 self.seen[key] = None  # most recent last
                 while len(self.seen) > self.shapes_kept:
