@@ -289,39 +289,41 @@ def build_step_metadata(
         num_new, num_comp, runtime.pcp_size, runtime.pcp_rank, decode_threshold, device=dev
     )
     is_decode = (num_new <= decode_threshold) & (num_comp > 0)
-
-    # Local rows of decode tokens (replicated on every PCP rank), from host values: a decode
-    # request keeps its n tokens (as does every request at P = 1), a prefill request holds
-    # 2c = 2 * ceil(n / 2P) local slots.
-    chunk = -(-num_new // (2 * runtime.pcp_size))
-    local_counts = np.where(is_decode | (runtime.pcp_size == 1), num_new, 2 * chunk)
-    local_offsets = np.concatenate([[0], np.cumsum(local_counts)[:-1]])
-    assert int(local_counts.sum()) == plan.num_local_tokens_padded
-    dec_reqs = np.nonzero(is_decode)[0]
-    dec_counts = num_new[dec_reqs]
-    dec_req_of_tok = np.repeat(dec_reqs, dec_counts)
-    dec_tok_in_req = np.arange(dec_counts.sum()) - np.repeat(
-        np.cumsum(dec_counts) - dec_counts, dec_counts
-    )
-    local_decode_idx = local_offsets[dec_req_of_tok] + dec_tok_in_req
-    dec_positions = num_comp[dec_req_of_tok] + dec_tok_in_req
+    has_decode = bool(is_decode.any())
 
     def t(x, dtype=torch.int64):
         return torch.as_tensor(np.asarray(x), dtype=dtype).to(dev)
 
+    if has_decode:
+        local_decode_idx, dec_req_of_tok, dec_positions = _decode_rows(
+            runtime.pcp_size, num_new, num_comp, is_decode, plan.num_local_tokens_padded
+        )
+        decode_rows = dict(
+            local_decode_idx=t(local_decode_idx),
+            decode_seq_idx=t(dec_req_of_tok, torch.int32),
+            decode_positions=t(dec_positions),
+        )
+    else:
+        # No decode rows (every step without a cache takes this): empty tensors.
+        decode_rows = dict(
+            local_decode_idx=torch.empty(0, dtype=torch.int64, device=dev),
+            decode_seq_idx=torch.empty(0, dtype=torch.int32, device=dev),
+            decode_positions=torch.empty(0, dtype=torch.int64, device=dev),
+        )
     cache: dict = dict(
         block_table=None, max_block_id=-1, slot_mapping=None, has_prefix=False,
         prefix_read_slots=None, prefix_gather_index=None, prefix_cu_seqlens=None,
     )  # fmt: skip
-    decode_kv_len = t(np.zeros(0, dtype=np.int64), torch.int32)
+    decode_kv_len = torch.empty(0, dtype=torch.int32, device=dev)
     views: dict[int, dict] = {}
     if block_table is not None:
         args = (block_size, num_new, num_comp, decode_threshold, dev)
         cache = _cache_fields(runtime, block_table, *args)
         views = {w: _cache_fields(runtime, bt, *args, w) for w, bt in sorted(tables.items())}
         decode_kv_len = dcp_query_kv_len(
-            t(dec_positions), runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
-        )
+            decode_rows["decode_positions"], runtime.dcp_size, runtime.dcp_rank,
+            runtime.config.interleave,
+        )  # fmt: skip
 
     meta = CPStepMetadata(
         runtime=runtime,
@@ -331,11 +333,9 @@ def build_step_metadata(
         num_new_tokens=tuple(int(x) for x in num_new),
         num_computed_tokens=tuple(int(x) for x in num_comp),
         all_decode=bool(is_decode.all()),
-        has_decode=bool(is_decode.any()),
-        local_decode_idx=t(local_decode_idx),
-        decode_seq_idx=t(dec_req_of_tok, torch.int32),
+        has_decode=has_decode,
         decode_kv_len=decode_kv_len,
-        decode_positions=t(dec_positions),
+        **decode_rows,
         block_size=block_size,
         is_decode_host=tuple(bool(x) for x in is_decode),
         **cache,
@@ -348,6 +348,32 @@ def build_step_metadata(
             },
         )
     return meta
+
+
+def _decode_rows(
+    pcp_size: int,
+    num_new: np.ndarray,
+    num_comp: np.ndarray,
+    is_decode: np.ndarray,
+    num_local: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(local row, request, position) of every decode token, from host values.
+
+    Decode tokens are replicated on every PCP rank: a decode request keeps its n tokens (as
+    does every request at P = 1), a prefill request holds 2c = 2 * ceil(n / 2P) local slots.
+    """
+    chunk = -(-num_new // (2 * pcp_size))
+    local_counts = np.where(is_decode | (pcp_size == 1), num_new, 2 * chunk)
+    local_offsets = np.concatenate([[0], np.cumsum(local_counts)[:-1]])
+    assert int(local_counts.sum()) == num_local, "the plan's local rows"
+    dec_reqs = np.nonzero(is_decode)[0]
+    dec_counts = num_new[dec_reqs]
+    dec_req_of_tok = np.repeat(dec_reqs, dec_counts)
+    dec_tok_in_req = np.arange(dec_counts.sum()) - np.repeat(
+        np.cumsum(dec_counts) - dec_counts, dec_counts
+    )
+    local_decode_idx = local_offsets[dec_req_of_tok] + dec_tok_in_req
+    return local_decode_idx, dec_req_of_tok, num_comp[dec_req_of_tok] + dec_tok_in_req
 
 
 def _check_block_table(name, block_table, runtime, block_size, num_new, num_comp) -> None:

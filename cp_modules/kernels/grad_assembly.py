@@ -16,7 +16,7 @@ import triton.language as tl
 
 from cp_modules.reference.pcp_attention import lse_dtype
 
-__all__ = ["Piece", "sum_pieces_into", "sum_rows_triton"]
+__all__ = ["Piece", "sole_piece", "sum_pieces_into", "sum_rows_triton"]
 
 Piece = tuple[int, torch.Tensor] | tuple[int, torch.Tensor, bool]
 
@@ -64,6 +64,18 @@ def sum_rows_triton(rows: torch.Tensor, parts: list[tuple[torch.Tensor, int, int
     _sum_rows_kernel[(triton.cdiv(n * row_len, block),)](
         rows, *ps, *firsts, *steps, n, row_len, NUM=num, BLOCK=block
     )
+
+
+def sole_piece(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gradient ``like``'s rows receive when one piece ``x`` covers each row exactly once:
+    ``x`` itself (as a tensor that is no view) when it has ``like``'s shape and dtype and is
+    contiguous, else a copy into a fresh tensor like ``like`` (what :func:`sum_pieces_into`
+    writes for a single piece: the same values, rounded once)."""
+    if x.shape == like.shape and x.dtype == like.dtype and x.is_contiguous():
+        if x._base is None:
+            return x
+        return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+    return torch.empty_like(like).copy_(x)
 
 
 def _part_rows(part: tuple[torch.Tensor, int, int], n: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from cp_modules.kernels.attention_blocks import (
     attention_block_forward,
     select_block_backend,
 )
-from cp_modules.kernels.grad_assembly import Piece, sum_pieces_into
+from cp_modules.kernels.grad_assembly import Piece, sole_piece, sum_pieces_into
 from cp_modules.kernels.lse_merge import merge_partials_into
 from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import PrefillInputs, lse_dtype
@@ -342,6 +342,18 @@ def _still_needed(
     return kept
 
 
+def _one_square(
+    segs: list[list[int]], q: torch.Tensor, k: torch.Tensor, prefix_cu: list[int] | None
+) -> bool:
+    """Whether the only segment is one causal square over every query and key row, with no
+    cached prefix."""
+    if len(segs) != 1:
+        return False
+    req, q0, ql, k0, kl = segs[0]
+    no_prefix = prefix_cu is None or prefix_cu[req + 1] == prefix_cu[req]
+    return q0 == 0 and k0 == 0 and ql == kl == q.shape[0] == k.shape[0] and no_prefix
+
+
 def pcp_blocks_backward(
     dout: torch.Tensor,
     out: torch.Tensor,
@@ -384,6 +396,11 @@ def pcp_blocks_backward(
         assert prefix_v is not None, "prefix_k and prefix_v come together"
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
         prefix_cu = prefix_cu_seqlens.tolist()  # ok: host (CPU tensor)
+    if dk_into is None and _one_square(segs, q, k, prefix_cu):
+        # One causal square covers every query and key row (one request at P = 1, no cached
+        # prefix): its gradients are the results as they are, with no assembly.
+        gq, gk, gv = block_backward(dout, q, k, v, out, lse, scale=scale, causal=True)
+        return sole_piece(gq, q), sole_piece(gk, k), sole_piece(gv, v), None, None
     dq_p: list[Piece] = []
     dk_p: dict[str, list[Piece]] = {"new": [], "prefix": []}
     dv_p: dict[str, list[Piece]] = {"new": [], "prefix": []}

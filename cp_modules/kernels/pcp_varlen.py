@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cp_modules.kernels.grad_assembly import sole_piece
 from cp_modules.kernels.lse_merge import merge_partials_into
 from cp_modules.reference.pcp_attention import (
     PrefillInputs,
@@ -134,6 +135,9 @@ class VarlenPack:
             the cached prefix rows as they lie, one sequence per request; None without a
             prefix.
         in_place: the calls over the local rows as they lie (given the row count T), or None.
+        keys_in_order: ``k_index`` is ``0 .. Tk - 1``: the segments' keys are the restored
+            rows in order, each once (one segment per request at P = 1), so the packed K/V
+            are the K/V themselves and each key row gets one gradient contribution.
     """
 
     q_index: torch.Tensor
@@ -141,6 +145,7 @@ class VarlenPack:
     new: VarlenCall
     prefix: VarlenCall | None
     in_place: InPlaceCalls | None = None
+    keys_in_order: bool = False
 
 
 def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -215,10 +220,11 @@ def varlen_pack(
     else:
         segs = segs[np.argsort(segs[:, 1], kind="stable")]
     req, qs, ql, ks, kl = (segs[:, j] for j in range(5))
+    k_index = _ragged(ks, kl)
     # Host arrays, copied to the device in one transfer: name -> (array, dtype there).
     parts = {
         "q_index": (_ragged(qs, ql), torch.int64),
-        "k_index": (_ragged(ks, kl), torch.int64),
+        "k_index": (k_index, torch.int64),
         "cu_q": (_cumsum0(ql), torch.int32),
         "cu_k": (_cumsum0(kl), torch.int32),
     }
@@ -307,6 +313,7 @@ def varlen_pack(
         new=call("cu_q", "cu_k", causal=True),
         prefix=prefix,
         in_place=in_place,
+        keys_in_order=bool(np.array_equal(k_index, np.arange(k_index.size))),
     )
 
 
@@ -492,14 +499,21 @@ def pcp_prefill_attention_varlen_backward(
     if not has_prefix and calls is not None and calls.num_rows == q.shape[0]:
         # Queries, outputs and their gradients where they lie; keys packed (their gradient
         # ranges must not overlap), added back per restored row.
-        gq, gk, gv = backward(
-            dout, q, k.index_select(0, ki), v.index_select(0, ki), out, lse, calls.backward, scale
-        )
+        if pack.keys_in_order and ki.shape[0] == k.shape[0]:
+            # The packed keys are the keys: no packing, and the kernel's key gradients are
+            # the results (one contribution a row).
+            gq, gk, gv = backward(dout, q, k, v, out, lse, calls.backward, scale)
+            dk, dv = sole_piece(gk, k), sole_piece(gv, v)
+        else:
+            gq, gk, gv = backward(
+                dout, q, k.index_select(0, ki), v.index_select(0, ki), out, lse,
+                calls.backward, scale,
+            )  # fmt: skip
+            dk = torch.zeros_like(k).index_add_(0, ki, gk.to(k.dtype))
+            dv = torch.zeros_like(v).index_add_(0, ki, gv.to(v.dtype))
         dq = gq.to(q.dtype)
         if calls.pad_rows.numel():
             dq.index_fill_(0, calls.pad_rows, 0.0)
-        dk = torch.zeros_like(k).index_add_(0, ki, gk.to(k.dtype))
-        dv = torch.zeros_like(v).index_add_(0, ki, gv.to(v.dtype))
         return dq, dk, dv
     dop, qp, op, lsep = (x.index_select(0, qi) for x in (dout, q, out, lse))
     gq, gk, gv = backward(

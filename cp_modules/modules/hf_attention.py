@@ -245,9 +245,11 @@ def cp_attention_forward(
             "cache (past_key_values) is not used by cp; call the model with use_cache=False "
             "(the paged cache lives in the cp layers)"
         )
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    # Views whose backward is a view too (indexing [0] would make the gradient a zero-filled
+    # [1, H, T, D] tensor and a copy into it).
+    q = query.squeeze(0).transpose(0, 1)  # [T, H, D]
+    k = key.squeeze(0).transpose(0, 1)
+    v = value.squeeze(0).transpose(0, 1)
     if binding.kv_replica_index is not None:
         # KV heads replicated over TP: every position's query heads add to the KV gradient.
         i = binding.kv_replica_index

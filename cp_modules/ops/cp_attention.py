@@ -40,11 +40,13 @@ from cp_modules.ops.cp_common import (
     check_local,
     check_trainable,
     decode_combined,
+    eager_step_of,
     exchange_kv,
     exchange_kv_backward,
     gather_kv,
     handle_fake,
     lse_dtype_of,
+    one_rank,
     read_prefix,
 )
 from cp_modules.ops.kv_cache import write_kv_cache
@@ -247,6 +249,12 @@ def _gqa_attention_backward(
     meta = step_of(handle)
     rt = meta.runtime
     t = meta.num_local_tokens
+    if one_rank(meta):
+        dq, dk, dv, dsinks = _gqa_backward_one_rank(
+            dout, q, k, v, out, lse, meta, sinks, scale, window, softcap
+        )
+        # The op's one output for dK and dV (eager autograd skips this op: _gqa_backward).
+        return dq, torch.stack((dk, dv)), dsinks
     xplan = _window_plan(meta, window, False)
     if xplan is not None:
         k_x, v_x = exchange_kv(k, v, meta, xplan)
@@ -294,6 +302,23 @@ def _gqa_attention_backward(
     return dq, dkv.view(2, t, *k.shape[1:]), dsinks
 
 
+def _gqa_backward_one_rank(dout, q, k, v, out, lse, meta, sinks, scale, window, softcap):
+    """(dq, dk, dv, dsinks) at pcp = 1: the local K/V are the step's restored K/V and their
+    gradients are complete on this rank, so the attention backward's results are returned as
+    they are (no gather, no gradient buffer, no reduce-scatter)."""
+    dq, dk, dv, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
+        dout.contiguous(), q, k.contiguous(), v.contiguous(), out, lse,
+        meta.plan.segments_host, None, None, None, scale,
+        *pcp_policy_args(meta.runtime.policy, q.shape[2], v.shape[2]), window, softcap,
+    )  # fmt: skip
+    dsinks = (
+        q.new_empty(0)
+        if sinks is None
+        else _sinks_grad(dout, out, lse, sinks, meta.plan.local_valid)
+    )
+    return dq, dk, dv, dsinks
+
+
 def _gathered_rows(index: torch.Tensor, t: int) -> torch.Tensor:
     # All-gathered rows (rank p, local row l) -> their dK rows p * 2T + l in a flat
     # [P, 2, T] buffer (their dV rows follow T later).
@@ -335,16 +360,29 @@ def _gqa_setup(ctx, inputs, output):
     ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
     ctx.has_sinks = sinks is not None
     ctx.mark_non_differentiable(lse, handle)
+    # No zero gradients are made for the LSE and the handle (they have none).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, handle, sinks)
 
 
 def _gqa_backward(ctx, dout, _dlse, _dhandle):
+    if dout is None:  # the output took no part in the loss
+        return (None,) * 7
     q, k, v, out, lse, handle, sinks = ctx.saved_tensors
-    dq, dkv, dsinks = torch.ops.cp.gqa_attention_backward(
-        dout, q, k, v, out, lse, handle, sinks if ctx.has_sinks else None, ctx.scale,
-        ctx.window, ctx.softcap,
-    )  # fmt: skip
-    return dq, dkv[0], dkv[1], dsinks if ctx.has_sinks else None, None, None, None
+    sinks = sinks if ctx.has_sinks else None
+    meta = eager_step_of(handle)
+    if meta is not None and one_rank(meta):
+        # Eager at pcp = 1: dK and dV come separately from the attention backward, without
+        # the copy into the op's one [2, T] output.
+        dq, dk, dv, dsinks = _gqa_backward_one_rank(
+            dout, q, k, v, out, lse, meta, sinks, ctx.scale, ctx.window, ctx.softcap
+        )
+    else:
+        dq, dkv, dsinks = torch.ops.cp.gqa_attention_backward(
+            dout, q, k, v, out, lse, handle, sinks, ctx.scale, ctx.window, ctx.softcap
+        )
+        dk, dv = dkv[0], dkv[1]
+    return dq, dk, dv, dsinks if ctx.has_sinks else None, None, None, None
 
 
 _gqa_attention.register_autograd(_gqa_backward, setup_context=_gqa_setup)

@@ -16,7 +16,7 @@ from cp_modules.partition.window_exchange import (
     exchange_rows,
     exchange_rows_backward,
 )
-from cp_modules.step import CPStepMetadata
+from cp_modules.step import CPStepMetadata, step_of
 
 __all__ = [
     "CACHE_NEEDS_NO_GRAD",
@@ -24,6 +24,7 @@ __all__ = [
     "check_local",
     "check_trainable",
     "decode_combined",
+    "eager_step_of",
     "exchange_kv",
     "exchange_kv_backward",
     "gather_kv",
@@ -31,6 +32,7 @@ __all__ = [
     "gathered_rows_of",
     "handle_fake",
     "lse_dtype_of",
+    "one_rank",
     "read_prefix",
     "scatter_grad",
 ]
@@ -47,9 +49,36 @@ def lse_dtype_of(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+def one_rank(meta: CPStepMetadata) -> bool:
+    """Whether the step's PCP group is this rank alone: then the local tokens are the batch's
+    new tokens in order without padding (the plan's restore is the identity), so nothing is
+    gathered, reordered or reduce-scattered."""
+    return meta.plan.pcp_size == 1
+
+
+def eager_step_of(handle: torch.Tensor) -> CPStepMetadata | None:
+    """The plan a saved handle names (:func:`~cp_modules.step.step_of`) when the backward runs
+    eagerly on real tensors; None while it is traced (torch.compile, make_fx), where the
+    backward keeps to the ops' fixed schemas."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        return None
+    if isinstance(handle, FakeTensor) or handle.device.type != "cpu":
+        return None
+    return step_of(handle)
+
+
 def gather_rows(x: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
-    """All-gather local rows over PCP and restore the batch order ([T, ...] -> [N, ...])."""
+    """All-gather local rows over PCP and restore the batch order ([T, ...] -> [N, ...]).
+
+    At pcp = 1 the local rows are the batch's rows in order (:func:`one_rank`): ``x`` itself
+    (contiguous), no copy.
+    """
     rt = meta.runtime
+    if one_rank(meta):
+        return x.contiguous()
     gathered = all_gather(x, rt.pcp_group, rt.pcp_size)
     return gathered.index_select(0, meta.plan.gather_index)
 
@@ -59,8 +88,12 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, meta: CPStepMetadata):
 
     The local rows travel as one [T, 2, Hkv, D] block; the restore indexes the gathered rows
     of K and of V at once into a fresh [2, N, Hkv, D] tensor, so no further copy is needed.
+    At pcp = 1 (:func:`one_rank`) K and V are returned as they are (contiguous): no stack, no
+    gather, no restore.
     """
     rt = meta.runtime
+    if one_rank(meta):
+        return k.contiguous(), v.contiguous()
     local = torch.stack((k, v), dim=1)
     gathered = all_gather(local, rt.pcp_group, rt.pcp_size)
     kv = gathered.transpose(0, 1).index_select(1, meta.plan.gather_index)
@@ -92,8 +125,11 @@ def scatter_grad(meta: CPStepMetadata, dx_full: torch.Tensor) -> torch.Tensor:
 
     Each restored row lands on its own gathered row (the restore is injective), so the rows are
     copied, not accumulated, and only the padding rows (none when N = P * T) are zeroed.
+    At pcp = 1 (:func:`one_rank`) the rows are already this rank's: ``dx_full`` itself.
     """
     rt = meta.runtime
+    if one_rank(meta):
+        return dx_full
     buf = dx_full.new_empty((rt.pcp_size * meta.num_local_tokens, *dx_full.shape[1:]))
     buf.index_copy_(0, meta.plan.gather_index, dx_full)
     pad = meta.plan.gather_pad_index

@@ -286,10 +286,14 @@ def _mla_setup(ctx, inputs, output):
     out, lse, handle = output
     ctx.scale, ctx.rk = scale, rk
     ctx.mark_non_differentiable(lse, handle)
+    # No zero gradients are made for the LSE and the handle (they have none).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, latent, w_uk, w_uv, out, lse, handle)
 
 
 def _mla_backward(ctx, dout, _dlse, _dhandle):
+    if dout is None:  # the output took no part in the loss
+        return (None,) * 6
     q, latent, w_uk, w_uv, out, lse, handle = ctx.saved_tensors
     dq, dlat, dwk, dwv = torch.ops.cp.mla_attention_backward(
         dout, q, latent, w_uk, w_uv, out, lse, handle, ctx.scale, ctx.rk

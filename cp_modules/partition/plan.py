@@ -235,6 +235,21 @@ def plan_pcp(
     P, r = pcp_size, pcp_rank
     num_reqs = int(n.size)
     is_decode = (n <= decode_threshold) & (computed > 0)
+    if P == 1 and num_reqs:
+        return _plan_one_rank(n, computed, is_decode, device)
+    return _plan_split(n, computed, P, r, is_decode, device)
+
+
+def _plan_split(
+    n: np.ndarray,
+    computed: np.ndarray,
+    P: int,
+    r: int,
+    is_decode: np.ndarray,
+    device: torch.device | str | None,
+) -> PCPPlan:
+    """The general DualChunkSwap plan of rank ``r`` of ``P`` (validated inputs)."""
+    num_reqs = int(n.size)
     # Unsplit requests keep their tokens in order as one chunk: decodes (replicated), and at
     # P = 1 every request (one rank holds both halves, so one causal segment does the work of
     # head and tail without padding, a second kernel call or a gradient sum).
@@ -317,4 +332,77 @@ def plan_pcp(
         segments_host=torch.from_numpy(segments),
         prefix_cu_seqlens_host=torch.from_numpy(prefix_cu),
         **_to_device(arrays, device),
+    )
+
+
+def _plan_one_rank(
+    n: np.ndarray, computed: np.ndarray, is_decode: np.ndarray, device: torch.device | str | None
+) -> PCPPlan:
+    """:func:`plan_pcp` at P = 1, built directly: every request is one unsplit segment in batch
+    order, so the local tokens are the batch's new tokens (no padding) and every restore
+    index is the identity.
+
+    The fields equal the general path's. Fields with equal contents share one tensor (the
+    [N] identity serves ``token_indices``, ``restore_index`` and ``gather_index``; the [N]
+    all-true mask ``local_valid`` and ``unpad_mask``; the [R] counts ``num_local_tokens``,
+    ``num_scheduled_tokens``, ``chunk_size``, ``head_q_len`` and ``head_k_len``): plan tensors
+    are read-only. The [N] tensors are made on the device itself; the per-request ones travel
+    in one packed copy.
+    """
+    num_reqs, num_tokens = int(n.size), int(n.sum())
+    offsets = _exclusive_cumsum(n)
+    zeros = np.zeros(num_reqs, dtype=np.int64)
+    reqs = np.arange(num_reqs, dtype=np.int64)
+    # Per request: (request, offset, n, offset, n) for its segment, then its empty tail.
+    segments = np.stack(
+        [reqs, offsets, n, offsets, n, reqs, offsets + n, zeros, offsets, zeros], 1
+    ).reshape(2 * num_reqs, len(SEGMENT_FIELDS))
+    prefix_cu = np.concatenate([[0], np.cumsum(computed)]).astype(np.int64)
+    host = dict(
+        n=n, computed=computed, is_decode=is_decode, zeros=zeros, offsets=offsets,
+        segments=segments, prefix_cu=prefix_cu,
+    )  # fmt: skip
+    shifted = num_reqs > 1
+    if shifted:
+        # Position of token j of request i: computed[i] + j - offsets[i].
+        host["shift"] = np.repeat(computed - offsets, n)
+    small = _to_device(host, device)
+    dev = torch.device("cpu" if device is None else device)
+    identity = torch.arange(num_tokens, dtype=torch.int64, device=dev)
+    if shifted:
+        positions = identity + small["shift"]
+    else:
+        first = int(computed[0])
+        positions = torch.arange(first, first + num_tokens, dtype=torch.int64, device=dev)
+    valid = torch.ones(num_tokens, dtype=torch.bool, device=dev)
+    run = np.array([[0, 0, num_tokens]], dtype=np.int64)
+    return PCPPlan(
+        pcp_size=1,
+        pcp_rank=0,
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        num_local_tokens_padded=num_tokens,
+        token_indices=identity,
+        positions=positions,
+        local_valid=valid,
+        num_local_tokens=small["n"],
+        restore_index=identity,
+        unpad_mask=valid,
+        gather_index=identity,
+        gather_pad_index=identity.new_empty(0),
+        num_scheduled_tokens=small["n"],
+        num_computed_tokens=small["computed"],
+        is_decode=small["is_decode"],
+        chunk_size=small["n"],
+        head_q_len=small["n"],
+        tail_q_len=small["zeros"],
+        head_k_len=small["n"],
+        tail_k_len=small["zeros"],
+        local_offsets=small["offsets"],
+        key_offsets=small["offsets"],
+        segments=small["segments"],
+        segments_host=torch.from_numpy(segments),
+        gather_runs_host=torch.from_numpy(run),
+        prefix_cu_seqlens=small["prefix_cu"],
+        prefix_cu_seqlens_host=torch.from_numpy(prefix_cu),
     )
