@@ -28,11 +28,12 @@ sig = {
     "q_desc": f"tensordesc<bf16[64, 64],{layout!r}>",
     "c_desc": f"tensordesc<bf16[{box}, 64],{layout!r}>",
     "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
-    "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "qk_scale": "fp32",
+    "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32",
+    "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "qk_scale": "fp32",
     **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
                           "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
     **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
-                                "PEEL", "WG1_REGS", "LOADER_REGS")},
+                                "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED")},
 }  # fmt: skip
 names = sys.argv[3] if len(sys.argv) > 3 else "base"
 names = list(m.GLUON_MLA_VARIANTS) if names == "all" else names.split(",")
@@ -41,7 +42,7 @@ out.mkdir(parents=True, exist_ok=True)
 for name in names:
     cfg = m.GLUON_MLA_VARIANTS[name]
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
-                  "PARTIAL": partial, **cfg.constexprs(),
+                  "PARTIAL": partial, **cfg.constexprs(2 if partial else 1),
                   "WG1_REGS": int(os.environ.get("WG1_REGS", cfg.wg1_regs))}  # fmt: skip
     src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
