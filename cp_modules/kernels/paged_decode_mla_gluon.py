@@ -137,13 +137,27 @@ if HAS_GLUON:
         gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
 
     @gluon.jit
+    def _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr, stride_ls, base, stride_os):
+        # Adds split s (its fp32 partial and base-2 LSE, read from L2: other SMs wrote them).
+        w = gl.exp2(gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg") - m)
+        src = base + s * stride_os
+        o0 += w[:, None] * gl.load(src, cache_modifier=".cg")
+        o1 += w[:, None] * gl.load(src + _BC, cache_modifier=".cg")
+        o2 += w[:, None] * gl.load(src + 2 * _BC, cache_modifier=".cg")
+        o3 += w[:, None] * gl.load(src + 3 * _BC, cache_modifier=".cg")
+        return o0, o1, o2, o3, total + w
+
+    @gluon.jit
     def _merge_half(o0, o1, o2, o3, l_i, PO, po_row, stride_oh, stride_os, PL, pl_row, stride_lh,
                     stride_ls, split, num_splits, FOUT, fout_row, col0: gl.constexpr, FLSE,
-                    flse_row, WRITE_LSE: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+                    flse_row, WRITE_LSE: gl.constexpr, OWN_REGS: gl.constexpr,
+                    mma: gl.constexpr):  # fmt: skip
         # The last program of a (query, head tile) merges every split into the result, for one
-        # column half: its own split from its registers (o = unnormalised sums, l_i = row
-        # sums), the others' fp32 partials and base-2 LSEs (po_row / pl_row: split 0's row)
-        # read from L2 (.cg: other SMs wrote them). The weights as in merge_splits_triton.
+        # column half (po_row / pl_row: split 0's row of the partials), with the weights of
+        # merge_splits_triton. OWN_REGS: its own split from its registers (o = unnormalised
+        # sums, l_i = row sums) added first; the sum's order then depends on which split came
+        # last. Else every split's partial is read back in split order: the same bits whichever
+        # program merges.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         heads = gl.arange(0, _BH, layout=row_l)
         lse_ptr = PL + pl_row + heads.to(gl.int64) * stride_lh
@@ -151,24 +165,28 @@ if HAS_GLUON:
         for s in range(num_splits):
             m = gl.maximum(m, gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg"))
         m = gl.where(m == float("-inf"), 0.0, m)
-        w = gl.exp2(gl.load(lse_ptr + split * stride_ls, cache_modifier=".cg") - m)
-        total = w
-        own = w / gl.where(l_i > 0.0, l_i, 1.0)
-        o0 = o0 * own[:, None]
-        o1 = o1 * own[:, None]
-        o2 = o2 * own[:, None]
-        o3 = o3 * own[:, None]
         cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
         base = PO + po_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
-        for s in range(num_splits):
-            if s != split:
-                w = gl.exp2(gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg") - m)
-                total += w
-                src = base + s * stride_os
-                o0 += w[:, None] * gl.load(src, cache_modifier=".cg")
-                o1 += w[:, None] * gl.load(src + _BC, cache_modifier=".cg")
-                o2 += w[:, None] * gl.load(src + 2 * _BC, cache_modifier=".cg")
-                o3 += w[:, None] * gl.load(src + 3 * _BC, cache_modifier=".cg")
+        if OWN_REGS:
+            total = gl.exp2(gl.load(lse_ptr + split * stride_ls, cache_modifier=".cg") - m)
+            own = total / gl.where(l_i > 0.0, l_i, 1.0)
+            o0 = o0 * own[:, None]
+            o1 = o1 * own[:, None]
+            o2 = o2 * own[:, None]
+            o3 = o3 * own[:, None]
+            for s in range(num_splits):
+                if s != split:
+                    o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
+                                                         stride_ls, base, stride_os)  # fmt: skip
+        else:
+            total = gl.zeros([_BH], gl.float32, row_l)
+            o0 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o1 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o2 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o3 = gl.zeros([_BH, _BC], gl.float32, mma)
+            for s in range(num_splits):
+                o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
+                                                     stride_ls, base, stride_os)  # fmt: skip
         nonempty = total > 0.0
         inv = 1.0 / gl.where(nonempty, total, 1.0)
         dst = FOUT + fout_row + heads.to(gl.int64)[:, None] * (_LAT * _BC) + col0 + cols[None, :]
@@ -265,7 +283,8 @@ if HAS_GLUON:
                  stride_lh, q_desc, c_desc, BT, bt_row, q_row, FOUT, FLSE, COUNTER, stride_os,
                  stride_ls, num_splits, H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
                  PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
-                 ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
+                 ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
+                 OWN_REGS: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -328,7 +347,7 @@ if HAS_GLUON:
                 _merge_half(o0, o1, o2, o3, l_i, OUT, out_row - split * stride_os, stride_oh,
                             stride_os, LSE, lse_row - split * stride_ls, stride_lh, stride_ls,
                             split, num_splits, FOUT, (t64 * H + head0) * (_LAT * _BC), 0, FLSE,
-                            t64 * H + head0, True, mma)  # fmt: skip
+                            t64 * H + head0, True, OWN_REGS, mma)  # fmt: skip
 
     @gluon.jit
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
@@ -389,7 +408,7 @@ if HAS_GLUON:
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row, stride_lh,
                  FOUT, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
                  H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
-                 PEEL: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
+                 PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -427,7 +446,7 @@ if HAS_GLUON:
                 _merge_half(o0, o1, o2, o3, l_i, OUT, out_row - split * stride_os, stride_oh,
                             stride_os, LSE, lse_row - split * stride_ls, stride_lh, stride_ls,
                             split, num_splits, FOUT, (t64 * H + head0) * (_LAT * _BC), HALF_COL,
-                            LSE, 0, False, mma)  # fmt: skip
+                            LSE, 0, False, OWN_REGS, mma)  # fmt: skip
 
     @gluon.jit
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
@@ -549,7 +568,8 @@ if HAS_GLUON:
                                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                                 ISSUE: gl.constexpr = 0, PEEL: gl.constexpr = False,
                                 WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
-                                FUSED: gl.constexpr = False):  # fmt: skip
+                                FUSED: gl.constexpr = False,
+                                OWN_REGS: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -602,12 +622,12 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED)),
+                                PEEL, FUSED, OWN_REGS)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
                                 stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED)),
+                                PEEL, FUSED, OWN_REGS)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS)),
                 ],
@@ -622,12 +642,12 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED)),
+                                PEEL, FUSED, OWN_REGS)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
                                 stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED)),
+                                PEEL, FUSED, OWN_REGS)),
                 ],
                 [4],
                 [WG1_REGS],
