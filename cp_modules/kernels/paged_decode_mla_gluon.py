@@ -24,6 +24,16 @@ an odd tile count ends with a phantom tile B (read from the last real block, eve
 masked). Rows past the range are zeroed in shared memory before they meet P @ V (unwritten
 cache slots may hold NaN). Splits and their merge as in :mod:`cp_modules.kernels.paged_decode`.
 
+Fused split merge (``GluonMLAConfig.fused_merge``): after a program has stored its fp32 partial
+and base-2 LSE, warp group 0 (once warp group 1 has stored its half) increments an int32
+arrival counter of its (query, head tile) with acq_rel semantics at GPU scope. The program
+that draws the last ticket has every split's partial visible: both warp groups merge their
+column halves into the result (q's dtype) and its natural-log LSE, and it resets the counter
+to 0, so the counters (:func:`merge_counters`, per device and stream) serve the next launch
+and every CUDA-graph replay without a memset. No merge launch; the merging program reads every
+split's partial alone, so its tail grows with the split count (``fused_max_splits`` hands
+larger counts to the separate merge).
+
 Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
 each block id looked up next to its copy; warp group 0 with a tile's ids looked up first; or a
 producer warp in a third partition), and whether the last pair of a split is peeled off so
@@ -668,8 +678,11 @@ _retired_counters: list[torch.Tensor] = []
 
 
 def _stream_key(device: torch.device) -> tuple[torch.device, int]:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return device, stream
+    if device.type != "cuda":
+        return device, 0
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.cuda.current_stream(device).cuda_stream
 
 
 def merge_counters(device: torch.device, num_rows: int) -> torch.Tensor:
@@ -692,7 +705,7 @@ def merge_counters(device: torch.device, num_rows: int) -> torch.Tensor:
         size = max(_MIN_COUNTERS, 1 << max(0, num_rows - 1).bit_length())
         if buf is not None:
             _retired_counters.append(buf)
-        buf = torch.zeros(size, dtype=torch.int32, device=device)
+        buf = torch.zeros(size, dtype=torch.int32, device=key[0])
         _counters[key] = buf
     return buf
 
