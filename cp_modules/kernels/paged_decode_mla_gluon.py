@@ -696,8 +696,8 @@ def merge_counters(device: torch.device, num_rows: int) -> torch.Tensor:
     while the stream captures a graph, unless this stream has no buffer that large yet: then
     the buffer is allocated once into that graph's memory pool (zeroed by a memset captured
     before the kernel), kept, and reused by later launches and captures on the stream. Run
-    one eager call of the largest size on the capture stream, or call :func:`reserve_merge_
-    counters` there, before capturing to avoid even that.
+    one eager call of the largest size on the capture stream, or call
+    :func:`reserve_merge_counters` there, before capturing to avoid even that.
     """
     key = _stream_key(device)
     buf = _counters.get(key)
