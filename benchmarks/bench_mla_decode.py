@@ -20,9 +20,11 @@ What it does:
   halves of a query are neighbours in the grid and read the same split through L2) and
   ``gluon`` (:mod:`cp_modules.kernels.paged_decode_mla_gluon` with its default schedule; 128
   and 64 heads only) and ``gluon-<name>`` for each schedule named in ``--variants`` (keys of
-  ``GLUON_MLA_VARIANTS``: who issues the tile copies, peeled last pair, register split).
+  ``GLUON_MLA_VARIANTS``: who issues the tile copies, peeled last pair, register split, the
+  split merge fused into the kernel, e.g. ``--variants loader-r232-fused,loader-r232-fused16``).
   Every variant is first checked against the fp32 reference on three queries of the batch (the
-  2x rule against a same-dtype reference); a failed check gets no speed. Each variant runs in a
+  2x rule against a same-dtype reference), and its CUDA graph's outputs again after the timed
+  replays; a failed check gets no speed. Each variant runs in a
   try block: an error is recorded and the sweep goes on. The Gluon variant runs in a child
   process with a time limit, so a hang or a faulting kernel cannot take the sweep with it.
   Times are CUDA-graph replays (device time). TFLOP/s = 2 * h * ctx * (576 + 512) * B / time.
@@ -117,26 +119,34 @@ def check(out, lse, ref) -> dict:
             "same_dtype_err_out": base_out, "same_dtype_err_lse": base_lse}  # fmt: skip
 
 
-def graph_ms(fn) -> float:
+def graph_ms(fn, check_replayed) -> tuple[float, dict]:
+    """Median replay time of ``fn`` captured in a CUDA graph, and ``check_replayed`` of the
+    graph's outputs after the timed replays (state a kernel carries between launches, such as
+    the fused merge's arrival counters, must leave every replay exact)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        got = fn()
     ms = float(do_bench(graph.replay, warmup=5, rep=30, return_mode="median"))
+    torch.cuda.synchronize()
+    replayed = check_replayed(*got)
     del graph
-    return ms
+    return ms, replayed
 
 
 def run_variant(fn, pool, inputs, ref, heads, batch, ctx) -> dict:
-    """Check ``fn`` against the reference, then time it; errors are recorded, not raised."""
+    """Check ``fn`` against the reference, time it, check the replayed outputs again; a rate
+    only when both checks pass. Errors are recorded, not raised."""
     try:
         out, lse = fn(pool, *inputs)
         torch.cuda.synchronize()
         entry = {"check": check(out, lse, ref)}
         if entry["check"]["ok"]:
-            ms = graph_ms(lambda: fn(pool, *inputs))
-            entry.update(graph_ms=ms, tflops=tflops(heads, batch, ctx, ms))
+            ms, replayed = graph_ms(lambda: fn(pool, *inputs), lambda o, s: check(o, s, ref))
+            entry["check_replayed"] = replayed
+            if replayed["ok"]:
+                entry.update(graph_ms=ms, tflops=tflops(heads, batch, ctx, ms))
         return entry
     except Exception as e:  # noqa: BLE001 - the sweep records every failure and goes on
         return {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
@@ -229,9 +239,15 @@ def sweep(variants: dict, rows, budget_s: float, log) -> list[dict]:
             entry = run_variant(fn, pool, inputs, ref, heads, b, c)
             row["variants"][name] = entry
             rate = f"{entry['tflops']:.0f} TFLOP/s" if "tflops" in entry else "-"
-            status = entry.get("error") or ("ok" if entry["check"]["ok"] else "CHECK FAILED")
+            status = entry.get("error") or _check_status(entry)
             log(f"h={heads:3d} bs={bs:2d} B={b:3d} ctx={c:6d} {name:24s} {rate:>14s}  {status}")
     return results
+
+
+def _check_status(entry: dict) -> str:
+    if not entry.get("check", {}).get("ok"):
+        return "CHECK FAILED"
+    return "ok" if entry.get("check_replayed", {}).get("ok") else "CHECK FAILED after replay"
 
 
 def run_gluon_child(rows, budget_s: float, timeout_s: float, names=()) -> list[dict] | str:
@@ -323,7 +339,7 @@ def main() -> int:
                 for vname, e in r["variants"].items() if not status else [(name, {})]:
                     rate = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else "-"
                     st = status or e.get("error")
-                    st = st or ("ok" if e.get("check", {}).get("ok") else "CHECK FAILED")
+                    st = st or _check_status(e)
                     print(f"  h={r['heads']:3d} bs={r['block_size']:2d} B={r['batch']:3d} "
                           f"ctx={r['ctx']:6d} {vname:20s} {rate:>14s}  {st}", flush=True)  # fmt: skip
     names = () if args.gluon_only else QUICK_TRITON if args.quick else tuple(TRITON_VARIANTS)
@@ -353,7 +369,8 @@ def main() -> int:
     print(f"wrote {path} ({metrics['wall_s']:.0f} s)")
     failed = [f"{r['heads']}/{r['block_size']}/{r['batch']}/{r['ctx']} {n}"
               for r in results for n, e in r["variants"].items()
-              if e.get("check", {}).get("ok") is False]  # fmt: skip
+              if False in (e.get("check", {}).get("ok"),
+                           e.get("check_replayed", {}).get("ok"))]  # fmt: skip
     if failed:
         print("CHECK FAILED: " + ", ".join(failed))
     return 1 if failed else 0

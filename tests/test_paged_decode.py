@@ -789,6 +789,176 @@ def test_gpu_gluon_mla_cuda_graph_replay_and_refusals(variant):
                                   0.072, 512)  # fmt: skip
 
 
+def test_gluon_mla_fused_merge_config_and_split_counts():
+    from cp_modules.kernels.paged_decode_mla_gluon import (
+        GLUON_MLA_VARIANTS,
+        choose_gluon_mla_num_splits,
+    )
+    from cp_modules.kernels.paged_decode_mla_gluon_config import GluonMLAConfig
+
+    for bad in ({"fused_max_splits": 1}, {"fused_max_splits": 257}, {"split_cost_tiles": -1},
+                {"merge_tiles_per_split": -0.5}):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            GluonMLAConfig(**bad)
+    fused = [n for n, c in GLUON_MLA_VARIANTS.items() if c.fused_merge]
+    assert fused, "no fused-merge variant registered"
+    for cfg in GLUON_MLA_VARIANTS.values():
+        # One split never merges; the split-merging variants merge up to their limit.
+        assert not cfg.constexprs(1)["FUSED"] and not cfg.constexprs(1)["OWN_REGS"]
+        for n in (2, 7, 16, 17, 256):
+            assert cfg.constexprs(n)["FUSED"] == (cfg.fused_merge and n <= cfg.fused_max_splits)
+            assert cfg.constexprs(n)["OWN_REGS"] == (
+                cfg.constexprs(n)["FUSED"] and cfg.merge_own_from_registers
+            )
+    # The variants without the fused merge keep the Triton kernel's split counts exactly.
+    plain = GluonMLAConfig(issue="loader", wg1_regs=232)
+    for rows, ctx in [(2, 1 << 17), (16, 1 << 17), (16, 4096), (96, 1 << 17), (2, 4096)]:
+        assert choose_gluon_mla_num_splits(plain, rows, ctx, 132) == choose_mla_num_splits(
+            rows, ctx, 132
+        )
+    # A merge tail per split makes one row's last program pay for many splits: fewer splits.
+    assert choose_mla_num_splits(2, 1 << 17, 132, 64, 1, 5, 0.0) == 64
+    assert choose_mla_num_splits(2, 1 << 17, 132, 64, 1, 5, 2.0) < 64
+    # A lower fixed cost per split never asks for fewer splits.
+    for rows, ctx in [(2, 1 << 17), (16, 1 << 15), (64, 1 << 14)]:
+        assert choose_mla_num_splits(rows, ctx, 132, 64, 1, 3) >= choose_mla_num_splits(
+            rows, ctx, 132, 64, 1, 5
+        )
+    # Past the fused merge's limit the count is the separate merge's.
+    capped = GluonMLAConfig(issue="loader", fused_merge=True, fused_max_splits=16,
+                            split_cost_tiles=3, merge_tiles_per_split=0.25)  # fmt: skip
+    assert choose_gluon_mla_num_splits(capped, 2, 1 << 17, 132) == choose_mla_num_splits(
+        2, 1 << 17, 132
+    )
+    assert choose_gluon_mla_num_splits(capped, 16, 1 << 15, 132) == choose_mla_num_splits(
+        16, 1 << 15, 132, 64, 1, 3, 0.25
+    )
+
+
+def test_merge_counters_are_zeroed_grown_and_kept():
+    from cp_modules.kernels import paged_decode_mla_gluon as g
+
+    cpu = torch.device("cpu")
+    old = g._counters.pop((cpu, 0), None)
+    if old is not None:
+        g._retired_counters.append(old)
+    first = g.merge_counters(cpu, 10)
+    assert first.dtype == torch.int32 and first.numel() == 1024 and not first.any()
+    assert g.merge_counters(cpu, 1024).data_ptr() == first.data_ptr()  # reused, not regrown
+    grown = g.merge_counters(cpu, 1025)
+    assert grown.numel() == 2048 and not grown.any()
+    # The outgrown buffer stays alive: a graph captured with it keeps its address.
+    assert any(b is first for b in g._retired_counters)
+    assert g.merge_counters(cpu, 7).data_ptr() == grown.data_ptr()
+
+
+def _fused_variant_names():
+    from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
+
+    return [n for n, c in GLUON_MLA_VARIANTS.items() if c.fused_merge]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _fused_variant_names())
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("interleave", [1, 16], ids=["I1", "I16"])
+@pytest.mark.parametrize("splits", [2, 3, 7, 64, 130], ids=lambda n: f"S{n}")
+@pytest.mark.parametrize("heads", [128, 64], ids=["H128", "H64"])
+def test_gpu_gluon_mla_fused_merge_matches_reference(variant, bs, interleave, splits, heads):
+    # The split merge inside the kernel on a DCP shard (rank 1 of 2: interleaved runs, the
+    # 1-token request leaves it empty), 3 tokens per request, NaN in every unwritten slot; 64
+    # and 130 splits leave most of the short requests' splits empty (they still arrive). Past
+    # a variant's fused_max_splits the separate merge runs. The counters are back at 0 after
+    # the launch, and a second launch on them gives the same result (the same bits unless the
+    # own split comes from registers).
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import (
+        GLUON_MLA_VARIANTS,
+        merge_counters,
+        paged_mla_attention_gluon,
+    )
+
+    config = GLUON_MLA_VARIANTS[variant]
+    d, rank = 2, 1
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave,
+                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=2)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    assert (kv_len == 0).any()
+    q = torch.randn(rows.numel(), heads, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    assert config.fuses_merge(splits) == (splits <= config.fused_max_splits)
+    out, lse = paged_mla_attention_gluon(*args, splits, config=config)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{variant}")
+    torch.cuda.synchronize()
+    assert not merge_counters(q.device, rows.numel() * heads // 64).any()
+    out2, lse2 = paged_mla_attention_gluon(*args, splits, config=config)
+    if config.merge_own_from_registers and config.fuses_merge(splits):
+        check_against_reference(out2, lse2, ref, same, atol=1e-4, name=f"gluon-mla-{variant}")
+    else:
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _fused_variant_names())
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "first-on-stream"])
+def test_gpu_gluon_mla_fused_merge_cuda_graph_replays(variant, reserved):
+    # Capture the fused merge once (7 splits: two head tiles x 3 queries x 7 programs), then
+    # replay it with new lengths, each set twice in a row: every replay is exact (its counters
+    # were left at 0 by the one before). The capture stream either has its counters reserved
+    # beforehand (nothing allocated during the capture) or has none yet (allocated once into
+    # the graph's pool and kept). Another stream gets counters of its own.
+    _require_gluon()
+    from cp_modules.kernels import paged_decode_mla_gluon as g
+
+    config = g.GLUON_MLA_VARIANTS[variant]
+    lengths = [100, 3000, 5]
+    shard = build_shard(lengths, bs=16, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
+                        device="cuda", mla=(512, 64))  # fmt: skip
+    cache = shard.caches[0].nan_to_num_(0.0)
+    q = torch.randn(3, 128, 576, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(3, device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+
+    def run():
+        return g.paged_mla_attention_gluon(q, cache, shard.block_table, rows, kv_len, 0.072, 512,
+                                           7, config=config)  # fmt: skip
+
+    dev = q.device
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        old = g._counters.pop(g._stream_key(dev), None)
+        if old is not None:
+            g._retired_counters.append(old)
+        if reserved:
+            g.reserve_merge_counters(dev, 6)
+            before = g.merge_counters(dev, 6).data_ptr()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out, lse = run()
+    with torch.cuda.stream(stream):
+        counters = g.merge_counters(dev, 6)
+    if reserved:
+        assert counters.data_ptr() == before
+    assert g.merge_counters(dev, 6).data_ptr() != counters.data_ptr()
+    for new in ([1, 2999, 0], [1, 2999, 0], [100, 3000, 5], [64, 1, 4], [64, 1, 4]):
+        kv_len.copy_(torch.tensor(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not counters.any()
+        ref = paged_mla_attention_ref(q, cache, shard.block_table, rows, kv_len, 0.072, 512)
+        same = paged_mla_attention_ref(q, cache, shard.block_table, rows, kv_len, 0.072, 512,
+                                       upcast=False)  # fmt: skip
+        check_against_reference(out, lse, ref, same, atol=1e-4, name=f"graph-{variant}")
+        if not config.merge_own_from_registers:
+            want_out, want_lse = run()
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["auto", "gluon", "triton"])
 def test_gpu_mla_op_kernel_choice_matches_reference(kernel):

@@ -2,6 +2,12 @@
 """Compile the Gluon MLA decode kernel for sm_90 without a GPU and report ptxas's register and
 spill counts: ``python tools/compile_gluon_mla.py [block_size] [partial 0/1] [variant]``
 (variant: a name in ``GLUON_MLA_VARIANTS``, default ``base``; ``all`` compiles each in turn).
+``partial`` 1 compiles the split path (2 splits: a fused-merge variant with its merge).
+
+With ``SPLITS=<S>`` in the environment the integer and pointer arguments are specialised as a
+launch with S splits (128 heads, ctx 32k) specialises them (16-byte alignment, multiples of
+16, the value 1 as a constant), so the loads and stores vectorise as they do at run time;
+without it every integer is a plain i32 (the numbers in the docs were taken that way).
 
 Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
 version) and the ``ptxas`` on PATH (or $PTXAS). Writes the PTX, TTGIR and cubin to $OUT_DIR
@@ -24,16 +30,41 @@ page = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 partial = sys.argv[2] == "1" if len(sys.argv) > 2 else True
 layout = m._smem_layout()
 box = min(page, 64)
+splits_env = os.environ.get("SPLITS")
 sig = {
     "q_desc": f"tensordesc<bf16[64, 64],{layout!r}>",
     "c_desc": f"tensordesc<bf16[{box}, 64],{layout!r}>",
     "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
-    "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "qk_scale": "fp32",
+    "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32",
+    "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "qk_scale": "fp32",
     **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
                           "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
     **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
-                                "PEEL", "WG1_REGS", "LOADER_REGS")},
+                                "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
+                                "OWN_REGS")},
 }  # fmt: skip
+attrs, spec_consts = {}, {}
+if splits_env:
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    n = int(splits_env)
+    if partial != (n > 1):
+        sys.exit("SPLITS > 1 goes with partial 1, SPLITS=1 with partial 0")
+    r, h, width = 512, 128, 32768 // page
+    ints = {"stride_ot": h * n * r, "stride_oh": n * r, "stride_os": r if n > 1 else 0,
+            "stride_lt": h * n, "stride_lh": n, "stride_ls": 1 if n > 1 else 0,
+            "stride_btr": width, "max_kv_len": width * page}  # fmt: skip
+    names_ = list(m._paged_mla_gluon_kernel.arg_names)
+    for k, v in ints.items():
+        kind, attr = native_specialize_impl(BaseBackend, v, False, True, True)
+        if kind == "constexpr":
+            sig[k] = "constexpr"
+            spec_consts[k] = v
+        elif attr:
+            attrs[(names_.index(k),)] = [["tt.divisibility", 16]]
+    for k in ("BT", "SEQ_IDX", "KV_LEN", "OUT", "LSE", "FOUT", "FLSE", "COUNTER"):
+        attrs[(names_.index(k),)] = [["tt.divisibility", 16]]
 names = sys.argv[3] if len(sys.argv) > 3 else "base"
 names = list(m.GLUON_MLA_VARIANTS) if names == "all" else names.split(",")
 out = Path(os.environ.get("OUT_DIR", "/tmp/gluon-mla"))
@@ -41,11 +72,13 @@ out.mkdir(parents=True, exist_ok=True)
 for name in names:
     cfg = m.GLUON_MLA_VARIANTS[name]
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
-                  "PARTIAL": partial, **cfg.constexprs(),
+                  "PARTIAL": partial, **spec_consts,
+                  **cfg.constexprs(int(splits_env) if splits_env else 2 if partial else 1),
                   "WG1_REGS": int(os.environ.get("WG1_REGS", cfg.wg1_regs))}  # fmt: skip
-    src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs)
+    src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    stem = out / f"mla_{name}_bs{page}_partial{int(partial)}"
+    tag = f"_S{splits_env}" if splits_env else ""
+    stem = out / f"mla_{name}_bs{page}_partial{int(partial)}{tag}"
     stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
     ptxas = os.environ.get("PTXAS", "ptxas")
@@ -55,6 +88,6 @@ for name in names:
     info = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
             if "registers" in ln or "spill" in ln or "injected" in ln or "error" in ln]  # fmt: skip
     print(
-        f"[{name} bs={page} partial={int(partial)}] triton {triton.__version__}: shared "
+        f"[{name} bs={page} partial={int(partial)}{' S=' + splits_env if splits_env else ''}] triton {triton.__version__}: shared "
         f"{kernel.metadata.shared} B, {kernel.metadata.num_warps} warps; " + " | ".join(info)
     )

@@ -181,13 +181,19 @@ def choose_mla_num_splits(
     num_sms: int,
     block_n: int = 64,
     programs_per_sm: int = 1,
+    split_cost_tiles: float = _SPLIT_COST_TILES,
+    merge_tiles_per_split: float = 0.0,
 ) -> int:
     """KV splits for MLA's ``num_programs`` (query, head-tile) programs, static shapes only.
 
     ``programs_per_sm`` MLA programs run per SM at a time (:func:`mla_programs_per_sm`). The
     count is the fewest splits whose estimated makespan (waves x (tiles per split + a fixed
-    cost per program)) is within 2 % of the best, splits no shorter than ``_MIN_SPLIT_TOKENS``
-    and at most ``_MLA_MAX_SPLITS``. Memoised: it runs on every eager decode call.
+    cost per program) + a merge tail) is within 2 % of the best, splits no shorter than
+    ``_MIN_SPLIT_TOKENS`` and at most ``_MLA_MAX_SPLITS``. The fixed cost per split program is
+    ``split_cost_tiles`` tiles (loading Q, writing its partial, the separate merge); a kernel
+    whose last program of a row merges the others' partials itself pays
+    ``merge_tiles_per_split`` tiles per extra split once per row (0 for the separate merge,
+    which spreads over the whole GPU). Memoised: it runs on every eager decode call.
     """
     if num_programs <= 0:
         return 1
@@ -197,8 +203,8 @@ def choose_mla_num_splits(
     costs = []
     for s in range(1, cap + 1):
         waves = triton.cdiv(num_programs * s, slots)
-        fixed = _SPLIT_COST_TILES if s > 1 else 1
-        costs.append(waves * (triton.cdiv(tiles, s) + fixed))
+        fixed = split_cost_tiles if s > 1 else 1
+        costs.append(waves * (triton.cdiv(tiles, s) + fixed) + merge_tiles_per_split * (s - 1))
     best = min(costs)
     return next(s for s, c in enumerate(costs, 1) if c <= best * 1.02)
 

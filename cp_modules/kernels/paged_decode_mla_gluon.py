@@ -24,6 +24,16 @@ an odd tile count ends with a phantom tile B (read from the last real block, eve
 masked). Rows past the range are zeroed in shared memory before they meet P @ V (unwritten
 cache slots may hold NaN). Splits and their merge as in :mod:`cp_modules.kernels.paged_decode`.
 
+Fused split merge (``GluonMLAConfig.fused_merge``): after a program has stored its fp32 partial
+and base-2 LSE, warp group 0 (once warp group 1 has stored its half) increments an int32
+arrival counter of its (query, head tile) with acq_rel semantics at GPU scope. The program
+that draws the last ticket has every split's partial visible: both warp groups merge their
+column halves into the result (q's dtype) and its natural-log LSE, and it resets the counter
+to 0, so the counters (:func:`merge_counters`, per device and stream) serve the next launch
+and every CUDA-graph replay without a memset. No merge launch; the merging program reads every
+split's partial alone, so its tail grows with the split count (``fused_max_splits`` hands
+larger counts to the separate merge).
+
 Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
 each block id looked up next to its copy; warp group 0 with a tile's ids looked up first; or a
 producer warp in a third partition), and whether the last pair of a split is peeled off so
@@ -68,9 +78,12 @@ __all__ = [
     "GLUON_MLA_VARIANTS",
     "GluonMLAConfig",
     "HAS_GLUON",
+    "choose_gluon_mla_num_splits",
     "default_gluon_mla_config",
     "gluon_mla_supported",
+    "merge_counters",
     "paged_mla_attention_gluon",
+    "reserve_merge_counters",
 ]
 
 if HAS_GLUON:
@@ -85,6 +98,10 @@ if HAS_GLUON:
     _ISSUE_INLINE = gl.constexpr(0)
     _ISSUE_HOIST = gl.constexpr(1)
     _ISSUE_LOADER = gl.constexpr(2)
+    # The fused merge's two hand-offs between the warp groups, in barrier slots the tile
+    # copies leave unused (a buffer's pieces take slots buf * 16 + [0, 9)).
+    _HALF_STORED = gl.constexpr(_LAT + 1)  # warp group 1 -> 0: its partial half is stored
+    _TICKET = gl.constexpr(_LAT + 2)  # warp group 0 -> 1: vec_smem[6 * 64] holds "last"
 
     @gluon.jit
     def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
@@ -128,6 +145,69 @@ if HAS_GLUON:
         gl.store(base + _BC, (o1 * inv[:, None]).to(dt))
         gl.store(base + 2 * _BC, (o2 * inv[:, None]).to(dt))
         gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
+
+    @gluon.jit
+    def _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr, stride_ls, base, stride_os):
+        # Adds split s (its fp32 partial and base-2 LSE, read from L2: other SMs wrote them).
+        w = gl.exp2(gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg") - m)
+        src = base + s * stride_os
+        o0 += w[:, None] * gl.load(src, cache_modifier=".cg")
+        o1 += w[:, None] * gl.load(src + _BC, cache_modifier=".cg")
+        o2 += w[:, None] * gl.load(src + 2 * _BC, cache_modifier=".cg")
+        o3 += w[:, None] * gl.load(src + 3 * _BC, cache_modifier=".cg")
+        return o0, o1, o2, o3, total + w
+
+    @gluon.jit
+    def _merge_half(o0, o1, o2, o3, l_i, PO, po_row, stride_oh, stride_os, PL, pl_row, stride_lh,
+                    stride_ls, split, num_splits, FOUT, fout_row, col0: gl.constexpr, FLSE,
+                    flse_row, WRITE_LSE: gl.constexpr, OWN_REGS: gl.constexpr,
+                    mma: gl.constexpr):  # fmt: skip
+        # The last program of a (query, head tile) merges every split into the result, for one
+        # column half (po_row / pl_row: split 0's row of the partials), with the weights of
+        # merge_splits_triton. OWN_REGS: its own split from its registers (o = unnormalised
+        # sums, l_i = row sums) added first; the sum's order then depends on which split came
+        # last. Else every split's partial is read back in split order: the same bits whichever
+        # program merges.
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        heads = gl.arange(0, _BH, layout=row_l)
+        lse_ptr = PL + pl_row + heads.to(gl.int64) * stride_lh
+        m = gl.full([_BH], float("-inf"), gl.float32, row_l)
+        for s in range(num_splits):
+            m = gl.maximum(m, gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg"))
+        m = gl.where(m == float("-inf"), 0.0, m)
+        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
+        base = PO + po_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
+        if OWN_REGS:
+            total = gl.exp2(gl.load(lse_ptr + split * stride_ls, cache_modifier=".cg") - m)
+            own = total / gl.where(l_i > 0.0, l_i, 1.0)
+            o0 = o0 * own[:, None]
+            o1 = o1 * own[:, None]
+            o2 = o2 * own[:, None]
+            o3 = o3 * own[:, None]
+            for s in range(num_splits):
+                if s != split:
+                    o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
+                                                         stride_ls, base, stride_os)  # fmt: skip
+        else:
+            total = gl.zeros([_BH], gl.float32, row_l)
+            o0 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o1 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o2 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o3 = gl.zeros([_BH, _BC], gl.float32, mma)
+            for s in range(num_splits):
+                o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
+                                                     stride_ls, base, stride_os)  # fmt: skip
+        nonempty = total > 0.0
+        inv = 1.0 / gl.where(nonempty, total, 1.0)
+        dst = FOUT + fout_row + heads.to(gl.int64)[:, None] * (_LAT * _BC) + col0 + cols[None, :]
+        dt = FOUT.dtype.element_ty
+        gl.store(dst, (o0 * inv[:, None]).to(dt))
+        gl.store(dst + _BC, (o1 * inv[:, None]).to(dt))
+        gl.store(dst + 2 * _BC, (o2 * inv[:, None]).to(dt))
+        gl.store(dst + 3 * _BC, (o3 * inv[:, None]).to(dt))
+        if WRITE_LSE:
+            lse2 = gl.where(nonempty, m + gl.log2(gl.where(nonempty, total, 1.0)), float("-inf"))
+            gl.store(FLSE + flse_row + heads, lse2 * 0.6931471805599453)
 
     @gluon.jit
     def _pv4(p, k_smem, first: gl.constexpr, o0, o1, o2, o3):
@@ -210,9 +290,11 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_wg0(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row,
-                 stride_lh, q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
-                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr, ISSUE: gl.constexpr,
-                 PEEL: gl.constexpr):  # fmt: skip
+                 stride_lh, q_desc, c_desc, BT, bt_row, q_row, FOUT, FLSE, COUNTER, stride_os,
+                 stride_ls, num_splits, H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
+                 PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
+                 ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
+                 OWN_REGS: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -254,6 +336,28 @@ if HAS_GLUON:
             lse2 = lse2 * 0.6931471805599453
         heads = gl.arange(0, _BH, layout=row_l)
         gl.store(LSE + lse_row + heads.to(gl.int64) * stride_lh, lse2)
+        if FUSED:
+            # Arrive once warp group 1's half is stored too; the last of the row's splits
+            # merges (acq_rel: the others' partials are visible to it).
+            _sync_warp_group()
+            mbarrier.wait(k_ready.index(_HALF_STORED), 0)
+            pid = gl.program_id(0)
+            split = gl.program_id(1)
+            ticket = gl.atomic_add(COUNTER + pid, 1, sem="acq_rel", scope="gpu")
+            last = ticket == num_splits - 1
+            vec_smem.slice(6 * _BH, _BH).store(gl.full([_BH], last.to(gl.float32), gl.float32,
+                                                        row_l))  # fmt: skip
+            _sync_warp_group()
+            mbarrier.arrive(k_ready.index(_TICKET))
+            if last:
+                # Every split has arrived: reset the counter for the next launch.
+                gl.atomic_xchg(COUNTER + pid, 0, sem="relaxed", scope="gpu")
+                t64 = (pid // NUM_HEAD_TILES).to(gl.int64)
+                head0 = ((pid % NUM_HEAD_TILES) * _BH).to(gl.int64)
+                _merge_half(o0, o1, o2, o3, l_i, OUT, out_row - split * stride_os, stride_oh,
+                            stride_os, LSE, lse_row - split * stride_ls, stride_lh, stride_ls,
+                            split, num_splits, FOUT, (t64 * H + head0) * (_LAT * _BC), 0, FLSE,
+                            t64 * H + head0, True, OWN_REGS, mma)  # fmt: skip
 
     @gluon.jit
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
@@ -311,8 +415,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _mla_wg1(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
-                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, HALF_COL: gl.constexpr,
-                 ISSUE: gl.constexpr, PEEL: gl.constexpr):  # fmt: skip
+                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row, stride_lh,
+                 FOUT, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
+                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
+                 PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -335,6 +441,22 @@ if HAS_GLUON:
                 k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
                 vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma)  # fmt: skip
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
+        if FUSED:
+            # Tell warp group 0 this half is stored, then learn whether this program is the
+            # last of its row (warp group 0 takes the ticket) and if so merge this half.
+            _sync_warp_group()
+            mbarrier.arrive(k_ready.index(_HALF_STORED))
+            mbarrier.wait(k_ready.index(_TICKET), 0)
+            last = gl.max(vec_smem.slice(6 * _BH, _BH).load(row_l), 0)
+            if last > 0.0:
+                pid = gl.program_id(0)
+                split = gl.program_id(1)
+                t64 = (pid // NUM_HEAD_TILES).to(gl.int64)
+                head0 = ((pid % NUM_HEAD_TILES) * _BH).to(gl.int64)
+                _merge_half(o0, o1, o2, o3, l_i, OUT, out_row - split * stride_os, stride_oh,
+                            stride_os, LSE, lse_row - split * stride_ls, stride_lh, stride_ls,
+                            split, num_splits, FOUT, (t64 * H + head0) * (_LAT * _BC), HALF_COL,
+                            LSE, 0, False, OWN_REGS, mma)  # fmt: skip
 
     @gluon.jit
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
@@ -449,14 +571,15 @@ if HAS_GLUON:
             _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS)
 
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _paged_mla_gluon_kernel(q_desc, c_desc, BT, SEQ_IDX, KV_LEN, OUT, LSE, qk_scale,
-                                stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
-                                stride_btr, max_kv_len, num_splits,
+    def _paged_mla_gluon_kernel(q_desc, c_desc, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER,
+                                qk_scale, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                                stride_ls, stride_btr, max_kv_len, num_splits,
                                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
                                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                                 ISSUE: gl.constexpr = 0, PEEL: gl.constexpr = False,
-                                WG1_REGS: gl.constexpr = 256,
-                                LOADER_REGS: gl.constexpr = 24):  # fmt: skip
+                                WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
+                                FUSED: gl.constexpr = False,
+                                OWN_REGS: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -496,6 +619,9 @@ if HAS_GLUON:
                 mbarrier.init(k_ready.index(b * 16 + c), count=1)
             # With the producer warp a buffer is free once both warp groups are done with it.
             mbarrier.init(k_free.index(b), count=2 if ISSUE == _ISSUE_LOADER else 1)
+        if FUSED:
+            mbarrier.init(k_ready.index(_HALF_STORED), count=1)
+            mbarrier.init(k_ready.index(_TICKET), count=1)
 
         bt_row = row * stride_btr
         if ISSUE == _ISSUE_LOADER:
@@ -504,10 +630,14 @@ if HAS_GLUON:
                     (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
-                                bt_row, q_row, PAGE, BOX_ROWS, PARTIAL, ISSUE, PEEL)),
+                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
+                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
+                                PEEL, FUSED, OWN_REGS)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, _LAT * _BC // 2, ISSUE, PEEL)),
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
+                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS)),
                 ],
@@ -520,10 +650,14 @@ if HAS_GLUON:
                     (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
-                                bt_row, q_row, PAGE, BOX_ROWS, PARTIAL, ISSUE, PEEL)),
+                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
+                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
+                                PEEL, FUSED, OWN_REGS)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, _LAT * _BC // 2, ISSUE, PEEL)),
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
+                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS)),
                 ],
                 [4],
                 [WG1_REGS],
@@ -532,6 +666,73 @@ if HAS_GLUON:
 
 def _smem_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+# The fused merge's arrival counters, one int32 per (query, head tile), per device and stream.
+# Every launch leaves them at 0 (the last program of a row resets its counter), so one buffer
+# serves every later launch on its stream, eager or replayed from a CUDA graph. Buffers are
+# never freed or shrunk: a captured graph keeps the address it was captured with.
+_MIN_COUNTERS = 1024
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
+
+
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+    if device.type != "cuda":
+        return device, 0
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.cuda.current_stream(device).cuda_stream
+
+
+def merge_counters(device: torch.device, num_rows: int) -> torch.Tensor:
+    """The fused merge's zeroed arrival counters (int32, at least ``num_rows``) for launches on
+    the current stream of ``device``.
+
+    Kept per device and stream: launches that run at the same time on different streams
+    never share counters (launches on one stream run one after another). Grown to the next
+    power of two (at least 1024 rows) when a launch needs more; an outgrown buffer is kept
+    alive, since a CUDA graph captured with it still uses its address. Nothing is allocated
+    while the stream captures a graph, unless this stream has no buffer that large yet: then
+    the buffer is allocated once into that graph's memory pool (zeroed by a memset captured
+    before the kernel), kept, and reused by later launches and captures on the stream. Run
+    one eager call of the largest size on the capture stream, or call
+    :func:`reserve_merge_counters` there, before capturing to avoid even that.
+    """
+    key = _stream_key(device)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < num_rows:
+        size = max(_MIN_COUNTERS, 1 << max(0, num_rows - 1).bit_length())
+        if buf is not None:
+            _retired_counters.append(buf)
+        buf = torch.zeros(size, dtype=torch.int32, device=key[0])
+        _counters[key] = buf
+    return buf
+
+
+def reserve_merge_counters(device: torch.device | str, num_rows: int) -> None:
+    """Allocate the fused merge's counters for ``num_rows`` (query, head tile) rows on the
+    current stream of ``device`` ahead of a CUDA-graph capture on that stream."""
+    merge_counters(torch.device(device), num_rows)
+
+
+def choose_gluon_mla_num_splits(
+    config: GluonMLAConfig, num_programs: int, max_kv_len: int, num_sms: int
+) -> int:
+    """KV splits for ``num_programs`` (query, head tile) programs under ``config``'s costs.
+
+    :func:`~cp_modules.kernels.paged_decode_mla.choose_mla_num_splits` with the config's fixed
+    cost per split and merge tail; when that asks for more splits than the fused merge serves
+    (``fused_max_splits``), the count of the separate merge's costs (the Triton kernel's).
+    """
+    from cp_modules.kernels.paged_decode_mla import _SPLIT_COST_TILES, choose_mla_num_splits
+
+    fixed = _SPLIT_COST_TILES if config.split_cost_tiles is None else config.split_cost_tiles
+    splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1, fixed,
+                                   config.merge_tiles_per_split)  # fmt: skip
+    if config.fused_merge and splits > config.fused_max_splits:
+        splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1)
+    return splits
 
 
 def paged_mla_attention_gluon(
@@ -550,13 +751,14 @@ def paged_mla_attention_gluon(
     :func:`~cp_modules.kernels.paged_decode_mla.paged_mla_attention_kernel`.
 
     ``config`` picks a schedule (:class:`GluonMLAConfig`; default
-    :func:`default_gluon_mla_config` of the block size); all compute the same attention.
+    :func:`default_gluon_mla_config` of the block size); all compute the same attention. A
+    schedule with ``fused_merge`` merges the KV splits inside the kernel (arrival counters
+    from :func:`merge_counters`); the others launch :func:`merge_splits_triton` after it.
 
     Raises:
         ValueError: when the kernel cannot serve these inputs (:func:`gluon_mla_supported`).
     """
     from cp_modules.kernels.paged_decode import _num_sms
-    from cp_modules.kernels.paged_decode_mla import choose_mla_num_splits
 
     why = gluon_mla_supported(q, cache, kv_lora_rank)
     if why is not None:
@@ -572,8 +774,12 @@ def paged_mla_attention_gluon(
     head_tiles = h // _HEADS
     max_kv_len = block_table.shape[1] * page
     if not num_splits:
-        num_splits = choose_mla_num_splits(t * head_tiles, max_kv_len, _num_sms(q.device), _TILE, 1)
+        num_splits = choose_gluon_mla_num_splits(config, t * head_tiles, max_kv_len,
+                                                 _num_sms(q.device))  # fmt: skip
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    fused = config.fuses_merge(num_splits)
+    # Without the fused merge the kernel never touches the counters (any int32 tensor will do).
+    counters = merge_counters(q.device, t * head_tiles) if fused else block_table
     layout = _smem_layout()
     q2 = q.reshape(t * h, width)
     if q2.stride(0) != width:
@@ -583,13 +789,13 @@ def paged_mla_attention_gluon(
     c2 = cache.view(nb * page, width)
     c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], layout)
     _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
-        q_desc, c_desc, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
-        scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0), max_kv_len,
-        num_splits,
+        q_desc, c_desc, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
+        counters, scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0),
+        max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,
-        PARTIAL=num_splits > 1, **config.constexprs(),
+        PARTIAL=num_splits > 1, **config.constexprs(num_splits),
         num_warps=4,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse

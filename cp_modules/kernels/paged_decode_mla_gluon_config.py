@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cp_modules.kernels.paged_decode_mla import _MLA_MAX_SPLITS as _MAX_SPLITS
+
 try:
     import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
 
@@ -47,23 +49,71 @@ class GluonMLAConfig:
             products); the last pair runs the masked body.
         wg1_regs: registers per thread of warp group 1 (``setmaxnreg``).
         loader_regs: registers per thread of the producer warp (``issue="loader"``).
+        fused_merge: with several KV splits, the program that finishes last for a (query,
+            head tile) merges the splits' fp32 partials into the result itself (an arrival
+            counter per (query, head tile) in a per-device workspace), instead of a separate
+            merge launch.
+        merge_own_from_registers: with ``fused_merge``, the last program takes its own split
+            from its registers instead of reading back the partial it just wrote (1/S less of
+            the merge's reads) and adds it first; the result's last bits then depend on which
+            split finished last. Off: every split is read back in split order, and every run
+            gives the same bits.
+        fused_max_splits: the fused merge serves at most this many splits (the last program
+            reads every other split's partial alone, so its tail grows with the count); more
+            splits take the separate merge launch. Only with ``fused_merge``.
+        split_cost_tiles: the split chooser's fixed cost of one split program, in 64-token
+            tiles (``None``: the Triton kernel's, ``paged_decode_mla._SPLIT_COST_TILES``).
+        merge_tiles_per_split: the split chooser's cost of the last program's merge per extra
+            split, in tiles, added once per (query, head tile) (0: not modelled).
     """
 
     issue: str = "inline"
     peel: bool = False
     wg1_regs: int = 256
     loader_regs: int = 24
+    fused_merge: bool = False
+    fused_max_splits: int = _MAX_SPLITS
+    merge_own_from_registers: bool = False
+    split_cost_tiles: float | None = None
+    merge_tiles_per_split: float = 0.0
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
             raise ValueError(
                 f"GluonMLAConfig.issue must be one of {_ISSUE_MODES}, got {self.issue!r}"
             )
+        if not 2 <= self.fused_max_splits <= _MAX_SPLITS:
+            raise ValueError(
+                f"GluonMLAConfig.fused_max_splits must be in [2, {_MAX_SPLITS}], "
+                f"got {self.fused_max_splits}"
+            )
+        if self.split_cost_tiles is not None and not self.split_cost_tiles >= 0:
+            raise ValueError(
+                f"GluonMLAConfig.split_cost_tiles must be None or >= 0, got {self.split_cost_tiles}"
+            )
+        if not self.merge_tiles_per_split >= 0:
+            raise ValueError(
+                "GluonMLAConfig.merge_tiles_per_split must be >= 0, got "
+                f"{self.merge_tiles_per_split}"
+            )
 
-    def constexprs(self) -> dict:
-        """The kernel's compile-time arguments for this configuration."""
+    def fuses_merge(self, num_splits: int) -> bool:
+        """Whether a launch with ``num_splits`` splits merges them in the kernel."""
+        return self.fused_merge and 1 < num_splits <= self.fused_max_splits
+
+    def constexprs(self, num_splits: int = 1) -> dict:
+        """The kernel's compile-time arguments for this configuration and split count."""
         return {"ISSUE": _ISSUE_MODES.index(self.issue), "PEEL": self.peel,
-                "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs}  # fmt: skip
+                "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs,
+                "FUSED": self.fuses_merge(num_splits),
+                "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers}  # fmt: skip
+
+
+def _fused(**kw) -> GluonMLAConfig:
+    """``loader-r232`` with the split merge in the kernel (the fused variants' common base)."""
+    base = {"issue": "loader", "wg1_regs": 232, "fused_merge": True, "split_cost_tiles": 3,
+            "merge_tiles_per_split": 0.25}  # fmt: skip
+    return GluonMLAConfig(**{**base, **kw})
 
 
 # Named variants (the benchmark times each; the defaults below are picked from its sweep).
@@ -78,6 +128,17 @@ GLUON_MLA_VARIANTS = {
     "loader-r232": GluonMLAConfig(issue="loader", wg1_regs=232),
     "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
+    # The split merge fused into the kernel (the last program of a row merges; no merge
+    # launch), with the split chooser's fixed cost per split lowered from 5 to 3 tiles and a
+    # merge tail of about a quarter tile per extra split (128 KB of fp32 partial per split,
+    # read by one SM). Every split read back in order: the same bits on every run.
+    "loader-r232-fused": _fused(),
+    # Its own split from the last program's registers (reads 1/S less; the last bits depend
+    # on which split finished last).
+    "loader-r232-fused-regs": _fused(merge_own_from_registers=True),
+    # Fused up to 16 splits (short contexts, where the merge launch is a large share); more
+    # splits (B = 1 at long contexts) keep the separate merge, spread over the whole GPU.
+    "loader-r232-fused16": _fused(fused_max_splits=16),
 }
 # The default variant for blocks smaller than a 64-token tile (several copies per piece) and
 # for the rest. Rule: from ``bench_mla_decode --gluon-only --variants ...``, per block size
