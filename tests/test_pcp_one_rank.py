@@ -157,6 +157,10 @@ def test_gpu_one_rank_paths_equal_the_reference(batch, dtype, path):
         got = pcp_prefill_attention_varlen_backward(dout, out, lse, inputs, pack=pack)
     want = pcp_prefill_attention_backward_reference(dout.float(), out.float(), lse, ref_inputs)
     eps = torch.finfo(dtype).eps
+    # Rounding scales with the products the gradients are made of, not with a gradient that
+    # is zero by cancellation (one token: dq = dk = 0 exactly, both sides leave rounding
+    # noise): the bound is relative to the largest reference gradient.
+    scale = max(b.abs().max().item() for b in want[:3])
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert a.dtype == dtype and a.is_contiguous(), name
-        assert max_abs_err(a.float(), b) <= 16 * eps * b.abs().max().item(), name
+        assert max_abs_err(a.float(), b) <= 16 * eps * scale, name

@@ -626,14 +626,14 @@ def masked_prefill_backward(
         dq = torch.zeros_like(q)
         if gq is not None:
             dq.index_copy_(0, pack.q_index, gq.to(q.dtype))
-    if gk is not None and prefix is None and _covers(pack.k_range, n):
+    if gk is not None and gv is not None and prefix is None and _covers(pack.k_range, n):
         # Every new key packed once, in order: its gradient as the kernel gives it.
         return dq, gk.to(k.dtype).contiguous(), gv.to(v.dtype).contiguous(), None, None
     # One contribution per key row: sums in the inputs' dtype; else at least fp32.
     acc = k.dtype if pack.k_unique else lse_dtype(q.dtype)
     dk_src = k.new_zeros((num_src, *k.shape[1:]), dtype=acc)
     dv_src = v.new_zeros((num_src, *v.shape[1:]), dtype=acc)
-    if gk is not None:
+    if gk is not None and gv is not None:
         put = torch.Tensor.index_copy_ if pack.k_unique else torch.Tensor.index_add_
         put(dk_src, 0, pack.k_index, gk.to(acc))
         put(dv_src, 0, pack.k_index, gv.to(acc))
