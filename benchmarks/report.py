@@ -41,6 +41,7 @@ KINDS = (
     "mla-decode",
     "mla-decode-gluon",
     "parity",
+    "masked",
 )
 # (query heads, Dqk, Dv) of bench_modules' layers, for their FLOPs per segment.
 LAYER_DIMS = {
@@ -161,6 +162,20 @@ def goals(r: dict) -> list[dict]:
             add(
                 name, value, target, note=f"worst block size; {sizes} ({row.get('variant')}){short}"
             )
+    masked = r.get("masked", {}).get("metrics", {})
+    for shape, row in masked.items():
+        # Windows: FlexAttention forward, FlashAttention-2 backward; soft-cap: FlexAttention
+        # both ways (its backward recomputes the forward).
+        path = "flex fwd + flash bwd" if row.get("window") and not row.get("softcap") else "flex"
+        for p, entry in sorted(row.get("pcp", {}).items(), key=lambda kv: int(kv[0])):
+            for kind, label in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
+                ratio = entry.get(f"{kind}_ratio")
+                base = entry.get(f"{kind}_baseline_ms", {})
+                best = min(base, key=base.get) if base else "?"
+                add(
+                    f"masked PCP rank time / (single-GPU {best} / P) {shape} P={p} {label}",
+                    ratio, 1.10, False, note=f"path: {path}",
+                )  # fmt: skip
     par = r.get("parity", {}).get("metrics", {})
     for name in ("llama3-8b", "qwen2.5-7b", "deepseek-v3"):
         for what in ("prefill", "new-length prefill", "training"):

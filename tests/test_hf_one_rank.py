@@ -114,3 +114,36 @@ def test_one_rank_attention_moves_no_tokens(policy):
     assert "cp::gqa_attention" in names
     assert any("cp_gqa_attention" in n and "Backward" in n for n in names)
     assert _moves_around_the_kernel(prof) == {}
+
+
+def test_packed_sequence_detection_skipped_for_cp_models_only():
+    # HF's packed-sequence test reads a device value on the host (one synchronisation per
+    # mask); cp models skip it (their requests come from the step metadata), other models keep
+    # it: a plain HF model fed packed position ids still masks across its packed sequences.
+    import types
+
+    import transformers.masking_utils as mu
+
+    from cp_modules.modules.hf_attention import register_cp_attention
+
+    register_cp_attention()
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    want = mu.find_packed_sequence_indices.__wrapped__(pos)
+
+    def called_with(impl):
+        config = types.SimpleNamespace(_attn_implementation=impl)  # noqa: F841 (read by frame)
+        return mu.find_packed_sequence_indices(pos)
+
+    assert called_with("cp") is None
+    assert torch.equal(called_with("sdpa"), want) and want[0, -1] == 2
+    # A plain model: packed rows attend within their own sequence (as two separate calls).
+    from cp_modules.modules.hf_families import build_tiny
+
+    model = build_tiny("llama")
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        parts = [model(input_ids=ids[:, a:b]).logits[0] for a, b in ((0, 3), (3, 5), (5, 9))]
+    torch.testing.assert_close(packed, torch.cat(parts), atol=1e-5, rtol=1e-5)
