@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping, local_seq_len
+from cp_modules.cache.prefix_gather import prefix_gather_plan
 from cp_modules.cache.window import window_write_start
 from cp_modules.config import ParallelConfig
 from cp_modules.distributed.dcp_spec import DCPCommSpec
@@ -431,9 +432,10 @@ def _cache_fields(runtime, block_table, block_size, num_new, num_comp, decode_th
     has_prefix = bool(prefix_len.sum() > 0)
     prefix_read = prefix_index = None
     if has_prefix:
-        read_np, index_np = _prefix_gather_plan(
-            prefix_len, bt_host.numpy(), block_size, runtime, prefix_start
-        )
+        read_np, index_np = prefix_gather_plan(
+            prefix_len, bt_host.numpy(), block_size, runtime.dcp_size, runtime.dcp_rank,
+            runtime.config.interleave, prefix_start,
+        )  # fmt: skip
         prefix_read = torch.as_tensor(read_np, dtype=torch.int64).to(dev)
         prefix_index = torch.as_tensor(index_np, dtype=torch.int64).to(dev)
     return dict(
@@ -474,59 +476,6 @@ def _check_same_batch_on_all_ranks(runtime, num_new, num_comp, block_table, bloc
             f"request, block-table width or block size): rank {dist.get_rank()} differs from "
             f"ranks {bad}. Every rank of a context-parallel group must be given the same batch."
         )
-
-
-def _prefix_gather_plan(
-    prefix_len: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    runtime: CPRuntime,
-    prefix_start: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Slots this rank reads for the cached prefixes, and where each prefix token lands.
-
-    Request ``r``'s prefix is its positions ``[prefix_start[r], prefix_start[r] +
-    prefix_len[r])`` (start 0 by default: the whole context; a sliding window reads only its
-    last keys). A rank's local tokens of a request fill its physical blocks in order (local
-    token ``j`` is in block-table entry ``j // block_size`` at offset ``j % block_size``), so
-    reading is a gather by slot. Every rank reads the same padded count ``Lp`` (the largest
-    rank's share), all-gathers, and ``gather_index`` picks prefix position ``p`` of each
-    request from rank ``(p // I) % D`` at row ``rank * Lp + offset_of_request_on_rank +
-    local_index - first_local_index``.
-    """
-    d, r, i = runtime.dcp_size, runtime.dcp_rank, runtime.config.interleave
-    start = np.zeros_like(prefix_len) if prefix_start is None else prefix_start
-    first = torch.from_numpy(start)
-    stop = torch.from_numpy(start + prefix_len)
-    local_lo = np.stack([local_seq_len(first, d, k, i).numpy() for k in range(d)])  # [D, R]
-    local_counts = np.stack([local_seq_len(stop, d, k, i).numpy() for k in range(d)]) - local_lo
-    padded = int(local_counts.sum(1).max())
-    req_offsets = np.concatenate(
-        [np.zeros((d, 1), np.int64), np.cumsum(local_counts, 1)[:, :-1]], 1
-    )
-    # This rank's read slots, request by request.
-    mine = local_counts[r]
-    req = np.repeat(np.arange(prefix_len.size), mine)
-    j = local_lo[r, req] + np.arange(mine.sum()) - np.repeat(np.cumsum(mine) - mine, mine)
-    read = block_table[req, j // block_size].astype(np.int64) * block_size + j % block_size
-    read = np.concatenate([read, np.zeros(padded - read.size, np.int64)])
-    # Where each prefix position comes from.
-    preq = np.repeat(np.arange(prefix_len.size), prefix_len)
-    p = (
-        start[preq]
-        + np.arange(prefix_len.sum())
-        - np.repeat(np.cumsum(prefix_len) - prefix_len, prefix_len)
-    )
-    owner = p // i % d
-    local = _local_index(p, d, i) - local_lo[owner, preq]
-    gather = owner * padded + req_offsets[owner, preq] + local
-    return read, gather
-
-
-def _local_index(p: np.ndarray, d: int, i: int) -> np.ndarray:
-    """Index of position ``p`` among its owner's tokens (the owner's tokens before ``p``)."""
-    round_len = d * i
-    return p // round_len * i + p % i
 
 
 _SERIALS: Iterator[int] = itertools.count(1)

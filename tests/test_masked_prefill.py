@@ -561,9 +561,11 @@ def test_compiled_flex_keeps_many_variants_compiled_and_refuses_an_eager_fallbac
         torch.testing.assert_close(call(fn, c), want, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
     monkeypatch.setattr(mp, "FLEX_RECOMPILE_LIMIT", 2)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    fn = torch.compile(mp._flex_entry, dynamic=True, backend="eager")
-    call(fn, 1.0), call(fn, 2.0)
-    with pytest.raises(Exception, match="(?i)recompile"):
-        call(fn, 3.0)
+    # (config.patch, not monkeypatch: the config module's entries are not plain attributes,
+    # and monkeypatch's undo would delete the entry.)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        fn = torch.compile(mp._flex_entry, dynamic=True, backend="eager")
+        call(fn, 1.0), call(fn, 2.0)
+        with pytest.raises(Exception, match="(?i)recompile"):
+            call(fn, 3.0)
     torch._dynamo.reset()

@@ -54,8 +54,11 @@ from cp_modules.kernels.paged_decode_mla_gluon_config import (
     _TILE,
     GLUON_MLA_VARIANTS,
     GluonMLAConfig,
+    choose_gluon_mla_num_splits,
     default_gluon_mla_config,
     gluon_mla_supported,
+    merge_counters,
+    reserve_merge_counters,
 )
 
 try:
@@ -64,7 +67,6 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -87,17 +89,19 @@ __all__ = [
 ]
 
 if HAS_GLUON:
-    _BH = gl.constexpr(64)
-    _BN = gl.constexpr(64)
-    _BC = gl.constexpr(64)
-    # Triton 3.6 names the partition-wide barrier thread_barrier, later releases barrier.
-    _sync_warp_group = getattr(gl, "thread_barrier", None) or gl.barrier
-    _LAT = gl.constexpr(8)  # latent pieces: R = 512; the rope piece (P = 64) is the ninth
-    # Who issues the tile copies (the kernel's ISSUE): warp group 0 looking each block id up
-    # next to its copy, warp group 0 looking a tile's ids up first, or a producer warp.
-    _ISSUE_INLINE = gl.constexpr(0)
-    _ISSUE_HOIST = gl.constexpr(1)
-    _ISSUE_LOADER = gl.constexpr(2)
+    from cp_modules.kernels.paged_decode_mla_gluon_parts import (
+        _BC,
+        _BH,
+        _BN,
+        _ISSUE_LOADER,
+        _LAT,
+        _issue_q,
+        _issue_tile_by,
+        _merge_half,
+        _mla_loader,
+        _sync_warp_group,
+    )
+
     # The fused merge's two hand-offs between the warp groups, in barrier slots the tile
     # copies leave unused (a buffer's pieces take slots buf * 16 + [0, 9)).
     _HALF_STORED = gl.constexpr(_LAT + 1)  # warp group 1 -> 0: its partial half is stored
@@ -145,69 +149,6 @@ if HAS_GLUON:
         gl.store(base + _BC, (o1 * inv[:, None]).to(dt))
         gl.store(base + 2 * _BC, (o2 * inv[:, None]).to(dt))
         gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
-
-    @gluon.jit
-    def _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr, stride_ls, base, stride_os):
-        # Adds split s (its fp32 partial and base-2 LSE, read from L2: other SMs wrote them).
-        w = gl.exp2(gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg") - m)
-        src = base + s * stride_os
-        o0 += w[:, None] * gl.load(src, cache_modifier=".cg")
-        o1 += w[:, None] * gl.load(src + _BC, cache_modifier=".cg")
-        o2 += w[:, None] * gl.load(src + 2 * _BC, cache_modifier=".cg")
-        o3 += w[:, None] * gl.load(src + 3 * _BC, cache_modifier=".cg")
-        return o0, o1, o2, o3, total + w
-
-    @gluon.jit
-    def _merge_half(o0, o1, o2, o3, l_i, PO, po_row, stride_oh, stride_os, PL, pl_row, stride_lh,
-                    stride_ls, split, num_splits, FOUT, fout_row, col0: gl.constexpr, FLSE,
-                    flse_row, WRITE_LSE: gl.constexpr, OWN_REGS: gl.constexpr,
-                    mma: gl.constexpr):  # fmt: skip
-        # The last program of a (query, head tile) merges every split into the result, for one
-        # column half (po_row / pl_row: split 0's row of the partials), with the weights of
-        # merge_splits_triton. OWN_REGS: its own split from its registers (o = unnormalised
-        # sums, l_i = row sums) added first; the sum's order then depends on which split came
-        # last. Else every split's partial is read back in split order: the same bits whichever
-        # program merges.
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        heads = gl.arange(0, _BH, layout=row_l)
-        lse_ptr = PL + pl_row + heads.to(gl.int64) * stride_lh
-        m = gl.full([_BH], float("-inf"), gl.float32, row_l)
-        for s in range(num_splits):
-            m = gl.maximum(m, gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg"))
-        m = gl.where(m == float("-inf"), 0.0, m)
-        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
-        base = PO + po_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
-        if OWN_REGS:
-            total = gl.exp2(gl.load(lse_ptr + split * stride_ls, cache_modifier=".cg") - m)
-            own = total / gl.where(l_i > 0.0, l_i, 1.0)
-            o0 = o0 * own[:, None]
-            o1 = o1 * own[:, None]
-            o2 = o2 * own[:, None]
-            o3 = o3 * own[:, None]
-            for s in range(num_splits):
-                if s != split:
-                    o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
-                                                         stride_ls, base, stride_os)  # fmt: skip
-        else:
-            total = gl.zeros([_BH], gl.float32, row_l)
-            o0 = gl.zeros([_BH, _BC], gl.float32, mma)
-            o1 = gl.zeros([_BH, _BC], gl.float32, mma)
-            o2 = gl.zeros([_BH, _BC], gl.float32, mma)
-            o3 = gl.zeros([_BH, _BC], gl.float32, mma)
-            for s in range(num_splits):
-                o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
-                                                     stride_ls, base, stride_os)  # fmt: skip
-        nonempty = total > 0.0
-        inv = 1.0 / gl.where(nonempty, total, 1.0)
-        dst = FOUT + fout_row + heads.to(gl.int64)[:, None] * (_LAT * _BC) + col0 + cols[None, :]
-        dt = FOUT.dtype.element_ty
-        gl.store(dst, (o0 * inv[:, None]).to(dt))
-        gl.store(dst + _BC, (o1 * inv[:, None]).to(dt))
-        gl.store(dst + 2 * _BC, (o2 * inv[:, None]).to(dt))
-        gl.store(dst + 3 * _BC, (o3 * inv[:, None]).to(dt))
-        if WRITE_LSE:
-            lse2 = gl.where(nonempty, m + gl.log2(gl.where(nonempty, total, 1.0)), float("-inf"))
-            gl.store(FLSE + flse_row + heads, lse2 * 0.6931471805599453)
 
     @gluon.jit
     def _pv4(p, k_smem, first: gl.constexpr, o0, o1, o2, o3):
@@ -458,118 +399,6 @@ if HAS_GLUON:
                             split, num_splits, FOUT, (t64 * H + head0) * (_LAT * _BC), HALF_COL,
                             LSE, 0, False, OWN_REGS, mma)  # fmt: skip
 
-    @gluon.jit
-    def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
-                    c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
-                    BOX_ROWS: gl.constexpr):  # fmt: skip
-        # The producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
-        # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
-        # are looked up before waiting for its buffer.
-        _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
-        last_page = gl.maximum(end - 1, 0) // PAGE
-        if n_pairs > 0:
-            rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows, BOX_ROWS)
-            rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows, BOX_ROWS)
-        for k in range(1, n_pairs):
-            n0 = start + 2 * k * _BN
-            phase = (k - 1) & 1
-            rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
-            rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
-            mbarrier.wait(k_free.index(0), phase)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS)
-            mbarrier.wait(k_free.index(1), phase)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS)
-
-    @gluon.jit
-    def _issue_q(q_desc, q_lat, q_pe, q_bar, q_row):
-        # Q of the program's 64 heads: 9 pieces of 64 columns on one barrier.
-        mbarrier.expect(q_bar, (_LAT + 1) * q_desc.block_type.nbytes)
-        for c in gl.static_range(_LAT):
-            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_bar, q_lat.index(c))
-        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
-
-    @gluon.jit
-    def _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf: gl.constexpr, n0, last_page,
-                    PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
-        # One 64-token latent tile into buffer ``buf``: 9 pieces of 64 columns, one barrier
-        # each; pages past the range are never looked up (their copies read the last real one).
-        # The block id is looked up next to each copy (ISSUE = inline).
-        for c in gl.static_range(_LAT + 1):
-            bar = k_ready.index(buf * 16 + c)
-            mbarrier.expect(bar, _BN * _BC * 2)
-            for g in gl.static_range(_BN // BOX_ROWS):
-                tok = n0 + g * BOX_ROWS
-                page = gl.minimum(tok // PAGE, last_page)
-                blk = gl.load(BT + bt_row + page).to(gl.int32)
-                row = blk * PAGE + tok % PAGE
-                if c < _LAT:
-                    dst = k_lat.index(buf * _LAT + c)
-                else:
-                    dst = k_pe.index(buf)
-                if BOX_ROWS < _BN:
-                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
-                tma.async_copy_global_to_shared(c_desc, [row, c * _BC], bar, dst)
-
-    @gluon.jit
-    def _box_row(BT, bt_row, tok, last_page, PAGE: gl.constexpr):
-        page = gl.minimum(tok // PAGE, last_page)
-        blk = gl.load(BT + bt_row + page).to(gl.int32)
-        return blk * PAGE + tok % PAGE
-
-    @gluon.jit
-    def _tile_rows(BT, bt_row, n0, last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):
-        # The first cache row of each of a tile's boxes (64 // BOX_ROWS <= 8 of them; unused
-        # entries repeat the first), all looked up before any copy is issued.
-        ng: gl.constexpr = _BN // BOX_ROWS
-        r0 = _box_row(BT, bt_row, n0, last_page, PAGE)
-        r1 = r0
-        r2 = r0
-        r3 = r0
-        r4 = r0
-        r5 = r0
-        r6 = r0
-        r7 = r0
-        if ng > 1:
-            r1 = _box_row(BT, bt_row, n0 + BOX_ROWS, last_page, PAGE)
-        if ng > 2:
-            r2 = _box_row(BT, bt_row, n0 + 2 * BOX_ROWS, last_page, PAGE)
-            r3 = _box_row(BT, bt_row, n0 + 3 * BOX_ROWS, last_page, PAGE)
-        if ng > 4:
-            r4 = _box_row(BT, bt_row, n0 + 4 * BOX_ROWS, last_page, PAGE)
-            r5 = _box_row(BT, bt_row, n0 + 5 * BOX_ROWS, last_page, PAGE)
-            r6 = _box_row(BT, bt_row, n0 + 6 * BOX_ROWS, last_page, PAGE)
-            r7 = _box_row(BT, bt_row, n0 + 7 * BOX_ROWS, last_page, PAGE)
-        return (r0, r1, r2, r3, r4, r5, r6, r7)
-
-    @gluon.jit
-    def _issue_rows(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows,
-                    BOX_ROWS: gl.constexpr):  # fmt: skip
-        # The copies of one tile whose box rows are already known (_tile_rows).
-        for c in gl.static_range(_LAT + 1):
-            bar = k_ready.index(buf * 16 + c)
-            mbarrier.expect(bar, _BN * _BC * 2)
-            for g in gl.static_range(_BN // BOX_ROWS):
-                if c < _LAT:
-                    dst = k_lat.index(buf * _LAT + c)
-                else:
-                    dst = k_pe.index(buf)
-                if BOX_ROWS < _BN:
-                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
-                tma.async_copy_global_to_shared(c_desc, [rows[g], c * _BC], bar, dst)
-
-    @gluon.jit
-    def _issue_tile_by(ISSUE: gl.constexpr, c_desc, k_lat, k_pe, k_ready, BT, bt_row,
-                       buf: gl.constexpr, n0, last_page, PAGE: gl.constexpr,
-                       BOX_ROWS: gl.constexpr):  # fmt: skip
-        if ISSUE == _ISSUE_INLINE:
-            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf, n0, last_page, PAGE,
-                        BOX_ROWS)  # fmt: skip
-        else:
-            rows = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS)
-
     @gluon.jit(do_not_specialize=["num_splits"])
     def _paged_mla_gluon_kernel(q_desc, c_desc, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER,
                                 qk_scale, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -666,73 +495,6 @@ if HAS_GLUON:
 
 def _smem_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-
-# The fused merge's arrival counters, one int32 per (query, head tile), per device and stream.
-# Every launch leaves them at 0 (the last program of a row resets its counter), so one buffer
-# serves every later launch on its stream, eager or replayed from a CUDA graph. Buffers are
-# never freed or shrunk: a captured graph keeps the address it was captured with.
-_MIN_COUNTERS = 1024
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-_retired_counters: list[torch.Tensor] = []
-
-
-def _stream_key(device: torch.device) -> tuple[torch.device, int]:
-    if device.type != "cuda":
-        return device, 0
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device, torch.cuda.current_stream(device).cuda_stream
-
-
-def merge_counters(device: torch.device, num_rows: int) -> torch.Tensor:
-    """The fused merge's zeroed arrival counters (int32, at least ``num_rows``) for launches on
-    the current stream of ``device``.
-
-    Kept per device and stream: launches that run at the same time on different streams
-    never share counters (launches on one stream run one after another). Grown to the next
-    power of two (at least 1024 rows) when a launch needs more; an outgrown buffer is kept
-    alive, since a CUDA graph captured with it still uses its address. Nothing is allocated
-    while the stream captures a graph, unless this stream has no buffer that large yet: then
-    the buffer is allocated once into that graph's memory pool (zeroed by a memset captured
-    before the kernel), kept, and reused by later launches and captures on the stream. Run
-    one eager call of the largest size on the capture stream, or call
-    :func:`reserve_merge_counters` there, before capturing to avoid even that.
-    """
-    key = _stream_key(device)
-    buf = _counters.get(key)
-    if buf is None or buf.numel() < num_rows:
-        size = max(_MIN_COUNTERS, 1 << max(0, num_rows - 1).bit_length())
-        if buf is not None:
-            _retired_counters.append(buf)
-        buf = torch.zeros(size, dtype=torch.int32, device=key[0])
-        _counters[key] = buf
-    return buf
-
-
-def reserve_merge_counters(device: torch.device | str, num_rows: int) -> None:
-    """Allocate the fused merge's counters for ``num_rows`` (query, head tile) rows on the
-    current stream of ``device`` ahead of a CUDA-graph capture on that stream."""
-    merge_counters(torch.device(device), num_rows)
-
-
-def choose_gluon_mla_num_splits(
-    config: GluonMLAConfig, num_programs: int, max_kv_len: int, num_sms: int
-) -> int:
-    """KV splits for ``num_programs`` (query, head tile) programs under ``config``'s costs.
-
-    :func:`~cp_modules.kernels.paged_decode_mla.choose_mla_num_splits` with the config's fixed
-    cost per split and merge tail; when that asks for more splits than the fused merge serves
-    (``fused_max_splits``), the count of the separate merge's costs (the Triton kernel's).
-    """
-    from cp_modules.kernels.paged_decode_mla import _SPLIT_COST_TILES, choose_mla_num_splits
-
-    fixed = _SPLIT_COST_TILES if config.split_cost_tiles is None else config.split_cost_tiles
-    splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1, fixed,
-                                   config.merge_tiles_per_split)  # fmt: skip
-    if config.fused_merge and splits > config.fused_max_splits:
-        splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1)
-    return splits
 
 
 def paged_mla_attention_gluon(

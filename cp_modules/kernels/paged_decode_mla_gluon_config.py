@@ -23,8 +23,11 @@ __all__ = [
     "GLUON_MLA_VARIANTS",
     "HAS_GLUON",
     "GluonMLAConfig",
+    "choose_gluon_mla_num_splits",
     "default_gluon_mla_config",
     "gluon_mla_supported",
+    "merge_counters",
+    "reserve_merge_counters",
 ]
 
 _HEADS = 64  # heads per program: the wgmma tile height
@@ -175,3 +178,70 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
     if cache.stride(1) != width or cache.stride(0) != page * width:
         return "the Gluon MLA kernel needs a contiguous cache"
     return None
+
+
+# The fused merge's arrival counters, one int32 per (query, head tile), per device and stream.
+# Every launch leaves them at 0 (the last program of a row resets its counter), so one buffer
+# serves every later launch on its stream, eager or replayed from a CUDA graph. Buffers are
+# never freed or shrunk: a captured graph keeps the address it was captured with.
+_MIN_COUNTERS = 1024
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
+
+
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+    if device.type != "cuda":
+        return device, 0
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.cuda.current_stream(device).cuda_stream
+
+
+def merge_counters(device: torch.device, num_rows: int) -> torch.Tensor:
+    """The fused merge's zeroed arrival counters (int32, at least ``num_rows``) for launches on
+    the current stream of ``device``.
+
+    Kept per device and stream: launches that run at the same time on different streams
+    never share counters (launches on one stream run one after another). Grown to the next
+    power of two (at least 1024 rows) when a launch needs more; an outgrown buffer is kept
+    alive, since a CUDA graph captured with it still uses its address. Nothing is allocated
+    while the stream captures a graph, unless this stream has no buffer that large yet: then
+    the buffer is allocated once into that graph's memory pool (zeroed by a memset captured
+    before the kernel), kept, and reused by later launches and captures on the stream. Run
+    one eager call of the largest size on the capture stream, or call
+    :func:`reserve_merge_counters` there, before capturing to avoid even that.
+    """
+    key = _stream_key(device)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < num_rows:
+        size = max(_MIN_COUNTERS, 1 << max(0, num_rows - 1).bit_length())
+        if buf is not None:
+            _retired_counters.append(buf)
+        buf = torch.zeros(size, dtype=torch.int32, device=key[0])
+        _counters[key] = buf
+    return buf
+
+
+def reserve_merge_counters(device: torch.device | str, num_rows: int) -> None:
+    """Allocate the fused merge's counters for ``num_rows`` (query, head tile) rows on the
+    current stream of ``device`` ahead of a CUDA-graph capture on that stream."""
+    merge_counters(torch.device(device), num_rows)
+
+
+def choose_gluon_mla_num_splits(
+    config: GluonMLAConfig, num_programs: int, max_kv_len: int, num_sms: int
+) -> int:
+    """KV splits for ``num_programs`` (query, head tile) programs under ``config``'s costs.
+
+    :func:`~cp_modules.kernels.paged_decode_mla.choose_mla_num_splits` with the config's fixed
+    cost per split and merge tail; when that asks for more splits than the fused merge serves
+    (``fused_max_splits``), the count of the separate merge's costs (the Triton kernel's).
+    """
+    from cp_modules.kernels.paged_decode_mla import _SPLIT_COST_TILES, choose_mla_num_splits
+
+    fixed = _SPLIT_COST_TILES if config.split_cost_tiles is None else config.split_cost_tiles
+    splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1, fixed,
+                                   config.merge_tiles_per_split)  # fmt: skip
+    if config.fused_merge and splits > config.fused_max_splits:
+        splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1)
+    return splits

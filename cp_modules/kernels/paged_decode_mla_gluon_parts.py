@@ -1,0 +1,207 @@
+"""Parts of the Gluon MLA decode kernel (:mod:`cp_modules.kernels.paged_decode_mla_gluon`):
+the kernel's tile constants; how Q and each 64-token latent tile reach shared memory (TMA
+copies of 64 columns, one per page and piece; the block ids looked up next to each copy, a
+tile's ids looked up first, or a producer warp that issues every copy: the kernel's ISSUE);
+and the fused split merge of the last program of a (query, head tile) row.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    HAS_GLUON = False
+
+__all__: list[str] = []
+
+if HAS_GLUON:
+    _BH = gl.constexpr(64)
+    _BN = gl.constexpr(64)
+    _BC = gl.constexpr(64)
+    # Triton 3.6 names the partition-wide barrier thread_barrier, later releases barrier.
+    _sync_warp_group = getattr(gl, "thread_barrier", None) or gl.barrier
+    _LAT = gl.constexpr(8)  # latent pieces: R = 512; the rope piece (P = 64) is the ninth
+    # Who issues the tile copies (the kernel's ISSUE): warp group 0 looking each block id up
+    # next to its copy, warp group 0 looking a tile's ids up first, or a producer warp.
+    _ISSUE_INLINE = gl.constexpr(0)
+    _ISSUE_HOIST = gl.constexpr(1)
+    _ISSUE_LOADER = gl.constexpr(2)
+
+    @gluon.jit
+    def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
+                    c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                    BOX_ROWS: gl.constexpr):  # fmt: skip
+        # The producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
+        # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
+        # are looked up before waiting for its buffer.
+        _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
+        last_page = gl.maximum(end - 1, 0) // PAGE
+        if n_pairs > 0:
+            rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows, BOX_ROWS)
+            rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows, BOX_ROWS)
+        for k in range(1, n_pairs):
+            n0 = start + 2 * k * _BN
+            phase = (k - 1) & 1
+            rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
+            rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
+            mbarrier.wait(k_free.index(0), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS)
+            mbarrier.wait(k_free.index(1), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS)
+
+    @gluon.jit
+    def _issue_q(q_desc, q_lat, q_pe, q_bar, q_row):
+        # Q of the program's 64 heads: 9 pieces of 64 columns on one barrier.
+        mbarrier.expect(q_bar, (_LAT + 1) * q_desc.block_type.nbytes)
+        for c in gl.static_range(_LAT):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_bar, q_lat.index(c))
+        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
+
+    @gluon.jit
+    def _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf: gl.constexpr, n0, last_page,
+                    PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
+        # One 64-token latent tile into buffer ``buf``: 9 pieces of 64 columns, one barrier
+        # each; pages past the range are never looked up (their copies read the last real one).
+        # The block id is looked up next to each copy (ISSUE = inline).
+        for c in gl.static_range(_LAT + 1):
+            bar = k_ready.index(buf * 16 + c)
+            mbarrier.expect(bar, _BN * _BC * 2)
+            for g in gl.static_range(_BN // BOX_ROWS):
+                tok = n0 + g * BOX_ROWS
+                page = gl.minimum(tok // PAGE, last_page)
+                blk = gl.load(BT + bt_row + page).to(gl.int32)
+                row = blk * PAGE + tok % PAGE
+                if c < _LAT:
+                    dst = k_lat.index(buf * _LAT + c)
+                else:
+                    dst = k_pe.index(buf)
+                if BOX_ROWS < _BN:
+                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                tma.async_copy_global_to_shared(c_desc, [row, c * _BC], bar, dst)
+
+    @gluon.jit
+    def _box_row(BT, bt_row, tok, last_page, PAGE: gl.constexpr):
+        page = gl.minimum(tok // PAGE, last_page)
+        blk = gl.load(BT + bt_row + page).to(gl.int32)
+        return blk * PAGE + tok % PAGE
+
+    @gluon.jit
+    def _tile_rows(BT, bt_row, n0, last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):
+        # The first cache row of each of a tile's boxes (64 // BOX_ROWS <= 8 of them; unused
+        # entries repeat the first), all looked up before any copy is issued.
+        ng: gl.constexpr = _BN // BOX_ROWS
+        r0 = _box_row(BT, bt_row, n0, last_page, PAGE)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+        r4 = r0
+        r5 = r0
+        r6 = r0
+        r7 = r0
+        if ng > 1:
+            r1 = _box_row(BT, bt_row, n0 + BOX_ROWS, last_page, PAGE)
+        if ng > 2:
+            r2 = _box_row(BT, bt_row, n0 + 2 * BOX_ROWS, last_page, PAGE)
+            r3 = _box_row(BT, bt_row, n0 + 3 * BOX_ROWS, last_page, PAGE)
+        if ng > 4:
+            r4 = _box_row(BT, bt_row, n0 + 4 * BOX_ROWS, last_page, PAGE)
+            r5 = _box_row(BT, bt_row, n0 + 5 * BOX_ROWS, last_page, PAGE)
+            r6 = _box_row(BT, bt_row, n0 + 6 * BOX_ROWS, last_page, PAGE)
+            r7 = _box_row(BT, bt_row, n0 + 7 * BOX_ROWS, last_page, PAGE)
+        return (r0, r1, r2, r3, r4, r5, r6, r7)
+
+    @gluon.jit
+    def _issue_rows(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows,
+                    BOX_ROWS: gl.constexpr):  # fmt: skip
+        # The copies of one tile whose box rows are already known (_tile_rows).
+        for c in gl.static_range(_LAT + 1):
+            bar = k_ready.index(buf * 16 + c)
+            mbarrier.expect(bar, _BN * _BC * 2)
+            for g in gl.static_range(_BN // BOX_ROWS):
+                if c < _LAT:
+                    dst = k_lat.index(buf * _LAT + c)
+                else:
+                    dst = k_pe.index(buf)
+                if BOX_ROWS < _BN:
+                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                tma.async_copy_global_to_shared(c_desc, [rows[g], c * _BC], bar, dst)
+
+    @gluon.jit
+    def _issue_tile_by(ISSUE: gl.constexpr, c_desc, k_lat, k_pe, k_ready, BT, bt_row,
+                       buf: gl.constexpr, n0, last_page, PAGE: gl.constexpr,
+                       BOX_ROWS: gl.constexpr):  # fmt: skip
+        if ISSUE == _ISSUE_INLINE:
+            _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf, n0, last_page, PAGE,
+                        BOX_ROWS)  # fmt: skip
+        else:
+            rows = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS)
+
+    @gluon.jit
+    def _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr, stride_ls, base, stride_os):
+        # Adds split s (its fp32 partial and base-2 LSE, read from L2: other SMs wrote them).
+        w = gl.exp2(gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg") - m)
+        src = base + s * stride_os
+        o0 += w[:, None] * gl.load(src, cache_modifier=".cg")
+        o1 += w[:, None] * gl.load(src + _BC, cache_modifier=".cg")
+        o2 += w[:, None] * gl.load(src + 2 * _BC, cache_modifier=".cg")
+        o3 += w[:, None] * gl.load(src + 3 * _BC, cache_modifier=".cg")
+        return o0, o1, o2, o3, total + w
+
+    @gluon.jit
+    def _merge_half(o0, o1, o2, o3, l_i, PO, po_row, stride_oh, stride_os, PL, pl_row, stride_lh,
+                    stride_ls, split, num_splits, FOUT, fout_row, col0: gl.constexpr, FLSE,
+                    flse_row, WRITE_LSE: gl.constexpr, OWN_REGS: gl.constexpr,
+                    mma: gl.constexpr):  # fmt: skip
+        # The last program of a (query, head tile) merges every split into the result, for one
+        # column half (po_row / pl_row: split 0's row of the partials), with the weights of
+        # merge_splits_triton. OWN_REGS: its own split from its registers (o = unnormalised
+        # sums, l_i = row sums) added first; the sum's order then depends on which split came
+        # last. Else every split's partial is read back in split order: the same bits whichever
+        # program merges.
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        heads = gl.arange(0, _BH, layout=row_l)
+        lse_ptr = PL + pl_row + heads.to(gl.int64) * stride_lh
+        m = gl.full([_BH], float("-inf"), gl.float32, row_l)
+        for s in range(num_splits):
+            m = gl.maximum(m, gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg"))
+        m = gl.where(m == float("-inf"), 0.0, m)
+        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
+        base = PO + po_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
+        if OWN_REGS:
+            total = gl.exp2(gl.load(lse_ptr + split * stride_ls, cache_modifier=".cg") - m)
+            own = total / gl.where(l_i > 0.0, l_i, 1.0)
+            o0 = o0 * own[:, None]
+            o1 = o1 * own[:, None]
+            o2 = o2 * own[:, None]
+            o3 = o3 * own[:, None]
+            for s in range(num_splits):
+                if s != split:
+                    o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
+                                                         stride_ls, base, stride_os)  # fmt: skip
+        else:
+            total = gl.zeros([_BH], gl.float32, row_l)
+            o0 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o1 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o2 = gl.zeros([_BH, _BC], gl.float32, mma)
+            o3 = gl.zeros([_BH, _BC], gl.float32, mma)
+            for s in range(num_splits):
+                o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
+                                                     stride_ls, base, stride_os)  # fmt: skip
+        nonempty = total > 0.0
+        inv = 1.0 / gl.where(nonempty, total, 1.0)
+        dst = FOUT + fout_row + heads.to(gl.int64)[:, None] * (_LAT * _BC) + col0 + cols[None, :]
+        dt = FOUT.dtype.element_ty
+        gl.store(dst, (o0 * inv[:, None]).to(dt))
+        gl.store(dst + _BC, (o1 * inv[:, None]).to(dt))
+        gl.store(dst + 2 * _BC, (o2 * inv[:, None]).to(dt))
+        gl.store(dst + 3 * _BC, (o3 * inv[:, None]).to(dt))
+        if WRITE_LSE:
+            lse2 = gl.where(nonempty, m + gl.log2(gl.where(nonempty, total, 1.0)), float("-inf"))
+            gl.store(FLSE + flse_row + heads, lse2 * 0.6931471805599453)
