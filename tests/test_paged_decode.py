@@ -430,6 +430,21 @@ GPU_DTYPES = [torch.bfloat16, torch.float16]
 GPU_LENGTHS = [1, 2, 17, 300, 1025, 4097, 7000]
 
 
+def _gluon_mla_shard_args(bs, interleave, heads, seed):
+    # Ragged lengths on a DCP shard (rank 1 of 2: the 1-token request leaves it empty), three
+    # tokens per request: the MLA decode arguments (q, cache, block table, rows, kv_len,
+    # scale, latent width), with NaN in every unwritten slot.
+    d, rank = 2, 1
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave,
+                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=2)
+    rows, kv_len = rows.cuda(), kv_len.cuda()
+    assert (kv_len == 0).any()
+    q = torch.randn(rows.numel(), heads, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    return q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
@@ -690,15 +705,7 @@ def test_gpu_gluon_mla_matches_reference(bs, heads, splits, interleave):
     _require_gluon()
     from cp_modules.kernels.paged_decode_mla_gluon import paged_mla_attention_gluon
 
-    d, rank = 2, 1
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave,
-                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
-    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=2)
-    rows, kv_len = rows.cuda(), kv_len.cuda()
-    assert (kv_len == 0).any()
-    q = torch.randn(rows.numel(), heads, 576, device="cuda", generator=gen).to(torch.bfloat16)
-    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    args = _gluon_mla_shard_args(bs, interleave, heads, seed=2)
     out, lse = paged_mla_attention_gluon(*args, splits)
     ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
     check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{heads}")
@@ -879,15 +886,8 @@ def test_gpu_gluon_mla_fused_merge_matches_reference(variant, bs, interleave, sp
     )
 
     config = GLUON_MLA_VARIANTS[variant]
-    d, rank = 2, 1
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    shard = build_shard(GPU_LENGTHS, bs=bs, d=d, rank=rank, interleave=interleave,
-                        dtype=torch.bfloat16, device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
-    rows, kv_len = _dcp_queries(GPU_LENGTHS, d, rank, interleave, extra_tokens=2)
-    rows, kv_len = rows.cuda(), kv_len.cuda()
-    assert (kv_len == 0).any()
-    q = torch.randn(rows.numel(), heads, 576, device="cuda", generator=gen).to(torch.bfloat16)
-    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    args = _gluon_mla_shard_args(bs, interleave, heads, seed=5)
+    q, rows = args[0], args[3]
     ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
     assert config.fuses_merge(splits) == (splits <= config.fused_max_splits)
     out, lse = paged_mla_attention_gluon(*args, splits, config=config)

@@ -64,6 +64,18 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_bar, q_pe)
 
     @gluon.jit
+    def _piece_dst(k_lat, k_pe, buf: gl.constexpr, c: gl.constexpr, g: gl.constexpr,
+                   BOX_ROWS: gl.constexpr):  # fmt: skip
+        # Where copy g of piece c of buffer buf's tile lands (latent pieces, then the rope one).
+        if c < _LAT:
+            dst = k_lat.index(buf * _LAT + c)
+        else:
+            dst = k_pe.index(buf)
+        if BOX_ROWS < _BN:
+            dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+        return dst
+
+    @gluon.jit
     def _issue_tile(c_desc, k_lat, k_pe, k_ready, BT, bt_row, buf: gl.constexpr, n0, last_page,
                     PAGE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
         # One 64-token latent tile into buffer ``buf``: 9 pieces of 64 columns, one barrier
@@ -77,12 +89,7 @@ if HAS_GLUON:
                 page = gl.minimum(tok // PAGE, last_page)
                 blk = gl.load(BT + bt_row + page).to(gl.int32)
                 row = blk * PAGE + tok % PAGE
-                if c < _LAT:
-                    dst = k_lat.index(buf * _LAT + c)
-                else:
-                    dst = k_pe.index(buf)
-                if BOX_ROWS < _BN:
-                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                dst = _piece_dst(k_lat, k_pe, buf, c, g, BOX_ROWS)
                 tma.async_copy_global_to_shared(c_desc, [row, c * _BC], bar, dst)
 
     @gluon.jit
@@ -124,12 +131,7 @@ if HAS_GLUON:
             bar = k_ready.index(buf * 16 + c)
             mbarrier.expect(bar, _BN * _BC * 2)
             for g in gl.static_range(_BN // BOX_ROWS):
-                if c < _LAT:
-                    dst = k_lat.index(buf * _LAT + c)
-                else:
-                    dst = k_pe.index(buf)
-                if BOX_ROWS < _BN:
-                    dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                dst = _piece_dst(k_lat, k_pe, buf, c, g, BOX_ROWS)
                 tma.async_copy_global_to_shared(c_desc, [rows[g], c * _BC], bar, dst)
 
     @gluon.jit
