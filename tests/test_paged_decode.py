@@ -843,7 +843,7 @@ def test_gluon_mla_fused_merge_config_and_split_counts():
 
 
 def test_merge_counters_are_zeroed_grown_and_kept():
-    from cp_modules.kernels import paged_decode_mla_gluon as g
+    from cp_modules.kernels import paged_decode_mla_gluon_config as g
 
     cpu = torch.device("cpu")
     old = g._counters.pop((cpu, 0), None)
