@@ -278,6 +278,16 @@ class _FullWeightsSpawnLauncher(_MultiProcessingLauncher):
     holds DTensors that the main process cannot rebuild (and would need unpickling).
     """
 
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        # Each spawned worker destroys its process group before it exits: left to the
+        # interpreter's shutdown, gloo's worker threads are torn down in an arbitrary order and
+        # a rank could abort (std::terminate) after a finished fit.
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        finally:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None)
