@@ -756,6 +756,19 @@ def test_gluon_mla_config_is_validated():
         assert isinstance(default_gluon_mla_config(bs), GluonMLAConfig)
 
 
+def _three_request_mla_case(bs):
+    # Three requests of 100, 3000 and 5 tokens on one rank (no NaN slots): shard, cache, q
+    # (128 heads), query rows and kv lengths for the MLA decode kernels.
+    lengths = [100, 3000, 5]
+    shard = build_shard(lengths, bs=bs, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
+                        device="cuda", mla=(512, 64))  # fmt: skip
+    cache = shard.caches[0].nan_to_num_(0.0)
+    q = torch.randn(3, 128, 576, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(3, device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    return shard, cache, q, rows, kv_len
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", _gluon_variant_names())
 def test_gpu_gluon_mla_cuda_graph_replay_and_refusals(variant):
@@ -766,13 +779,7 @@ def test_gpu_gluon_mla_cuda_graph_replay_and_refusals(variant):
         paged_mla_attention_gluon,
     )
 
-    lengths = [100, 3000, 5]
-    shard = build_shard(lengths, bs=64, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
-                        device="cuda", mla=(512, 64))  # fmt: skip
-    cache = shard.caches[0].nan_to_num_(0.0)
-    q = torch.randn(3, 128, 576, device="cuda", dtype=torch.bfloat16)
-    rows = torch.arange(3, device="cuda", dtype=torch.int32)
-    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    shard, cache, q, rows, kv_len = _three_request_mla_case(bs=64)
 
     def run():
         return paged_mla_attention_gluon(q, cache, shard.block_table, rows, kv_len, 0.072, 512,
@@ -912,15 +919,10 @@ def test_gpu_gluon_mla_fused_merge_cuda_graph_replays(variant, reserved):
     # the graph's pool and kept). Another stream gets counters of its own.
     _require_gluon()
     from cp_modules.kernels import paged_decode_mla_gluon as g
+    from cp_modules.kernels import paged_decode_mla_gluon_config as gc
 
     config = g.GLUON_MLA_VARIANTS[variant]
-    lengths = [100, 3000, 5]
-    shard = build_shard(lengths, bs=16, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
-                        device="cuda", mla=(512, 64))  # fmt: skip
-    cache = shard.caches[0].nan_to_num_(0.0)
-    q = torch.randn(3, 128, 576, device="cuda", dtype=torch.bfloat16)
-    rows = torch.arange(3, device="cuda", dtype=torch.int32)
-    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    shard, cache, q, rows, kv_len = _three_request_mla_case(bs=16)
 
     def run():
         return g.paged_mla_attention_gluon(q, cache, shard.block_table, rows, kv_len, 0.072, 512,
@@ -931,9 +933,9 @@ def test_gpu_gluon_mla_fused_merge_cuda_graph_replays(variant, reserved):
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        old = g._counters.pop(g._stream_key(dev), None)
+        old = gc._counters.pop(gc._stream_key(dev), None)
         if old is not None:
-            g._retired_counters.append(old)
+            gc._retired_counters.append(old)
         if reserved:
             g.reserve_merge_counters(dev, 6)
             before = g.merge_counters(dev, 6).data_ptr()
