@@ -39,9 +39,8 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, write_results
+from cp_modules.kernels.masked_flash import flash_window_backward, flash_window_forward
 from cp_modules.kernels.masked_prefill import (
-    flash_window_backward,
-    flash_window_forward,
     flex_compile_config,
     flex_lse_kwargs,
     masked_pack,

@@ -569,3 +569,30 @@ def test_compiled_flex_keeps_many_variants_compiled_and_refuses_an_eager_fallbac
         with pytest.raises(Exception, match="(?i)recompile"):
             call(fn, 3.0)
     torch._dynamo.reset()
+
+
+def test_flash_window_twins_equal_the_dense_mask_grid():
+    # The FlashAttention-2 path's CPU twins (the reference, sequence by sequence) against the
+    # FlexAttention path's dense twin (the pack's mask evaluated on the whole score grid): two
+    # independent forms of the same windowed attention over a pack with several sequences,
+    # output, LSE and gradients (fp64).
+    from cp_modules.kernels.masked_flash import (
+        flash_window_backward_twin,
+        flash_window_forward_twin,
+    )
+    from cp_modules.kernels.masked_prefill import dense_twin_attention
+
+    segments = torch.tensor([[0, 0, 9, 0, 9], [1, 9, 5, 9, 12]])  # two requests, one a tail
+    pack = masked_pack(segments, 21, None, 4, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    tq, tk = pack.num_queries, pack.cu_k_host[-1]
+    q, dout = (torch.randn(tq, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(tk, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    out, lse = flash_window_forward_twin(q, k, v, pack, 0.3)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want_out, want_lse = dense_twin_attention(*leaves, pack, scale=0.3, softcap=None)
+    torch.testing.assert_close(out, want_out.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, want_lse.detach(), atol=1e-12, rtol=0)
+    want = torch.autograd.grad(want_out, leaves, dout)
+    for got, w in zip(flash_window_backward_twin(dout, q, k, v, out, lse, pack, 0.3), want):
+        torch.testing.assert_close(got, w, atol=1e-12, rtol=0)

@@ -295,8 +295,11 @@ class GenerationEngine:
             while not sched.done:
                 batch = sched.schedule()
                 t_step = time.perf_counter()
-                if steps and self._graph_serves(batch, sched):
-                    n_steps, n_tokens = self._decode_run(sched, batch, params, generator, record)
+                graph = self._serving_graph(batch) if steps else None
+                if graph is not None:
+                    n_steps, n_tokens = self._decode_run(
+                        sched, batch, graph, params, generator, record
+                    )
                     decode_s += time.perf_counter() - t_step
                     decode_tokens += n_tokens
                     steps += n_steps
@@ -343,8 +346,8 @@ class GenerationEngine:
         """Blocks per full-attention layer cache (0 before the first ``generate``)."""
         return self._cache_blocks
 
-    def _graph_serves(self, batch: StepBatch, sched: Scheduler) -> bool:
-        # Decode-only steps in a bucket, whose graph is (or can be) captured.
+    def _serving_graph(self, batch: StepBatch) -> DecodeGraph | None:
+        # The graph of a decode-only step in a bucket (captured on first use), or None.
         if not (
             self.decode_graphs
             and all(n == 1 for n in batch.num_new)
@@ -352,9 +355,9 @@ class GenerationEngine:
             and len(batch.sample_requests) == len(batch.requests)
             and bucket_of(len(batch.requests)) is not None
         ):
-            return False
+            return None
         try:
-            self._decode_graph(batch)
+            return self._decode_graph(batch)
         except RuntimeError as err:
             if self._graphs_requested:
                 raise RuntimeError(
@@ -368,8 +371,7 @@ class GenerationEngine:
             )
             self.decode_graphs = False
             self._graphs.clear()
-            return False
-        return True
+            return None
 
     @property
     def window_cache_blocks(self) -> dict[int, int]:
@@ -393,15 +395,14 @@ class GenerationEngine:
             self.num_graph_captures += int(capture)
         return graph
 
-    def _decode_run(self, sched, batch, params, generator, record) -> tuple[int, int]:
-        """Decode steps of ``batch``'s requests on a graph until one of them finishes.
+    def _decode_run(self, sched, batch, graph, params, generator, record) -> tuple[int, int]:
+        """Decode steps of ``batch``'s requests on ``graph`` until one of them finishes.
 
         Step t + 1 is launched before the host reads step t's tokens (its inputs are updated on
         the device), so the host's bookkeeping of step t overlaps the GPU's work on t + 1. When
         a request stops early (a stop token), the step already launched computed one token too
         many for it: that token is dropped. Returns (steps, tokens recorded).
         """
-        graph = self._decode_graph(batch)
         b = graph.load(batch)
         # Steps until the first request reaches max_new_tokens (stop tokens may end it sooner).
         num = min(r.max_new_tokens - len(r.output) for r in batch.requests)
