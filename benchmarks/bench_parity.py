@@ -13,7 +13,8 @@ inputs; outputs are compared first (the 2x rule is not needed here: both are bf1
 weights, and the check is that they agree to bf16 accuracy, relative error < 2e-2 of the
 output's RMS), and no speed is reported for a side that disagrees.
 
-Rows (the value is CP time / HF time, medians after warm-up; below 1 CP is faster):
+Rows (the value is CP time / HF time, medians after warm-up, the two sides' runs interleaved;
+below 1 CP is faster):
   - ``prefill``: the base model's forward on one 16k-token prompt (warm: same length each time).
   - ``new-length prefill``: the first call on a prompt of a length not seen before (16k + 64·i):
     plan building, kernel plan builds (cuDNN) and allocator growth included.
@@ -121,14 +122,25 @@ def _sync():
 
 
 def _time(fn, reps: int) -> float:
-    ts = []
+    return _time_pair(fn, None, reps)[0]
+
+
+def _time_pair(fa, fb, reps: int) -> tuple[float, float]:
+    """Median wall times of ``fa`` and ``fb`` (None: ``fa`` alone), their runs interleaved
+    (a b a b ...) so that both sides see the same clock and temperature history: timing one
+    side's runs after the other's made the later side's median a few percent apart by the
+    GPU's state alone."""
+    ts: list[list[float]] = [[], []]
     for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for i, fn in enumerate((fa, fb)):
+            if fn is None:
+                continue
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            ts[i].append(time.perf_counter() - t0)
+    return statistics.median(ts[0]), statistics.median(ts[1]) if ts[1] else float("nan")
 
 
 def _cp_prefill(cp, ids):
@@ -166,8 +178,7 @@ def prefill_rows(name: str, quick: bool, metrics: dict, profile: str | None = No
             raise RuntimeError(f"{name}: CP prefill differs from HF by {err:.3g} (relative RMS)")
         for _ in range(2):
             _cp_prefill(cp, ids), _hf_prefill(hf, ids)
-        t_cp = _time(lambda: _cp_prefill(cp, ids), 5)
-        t_hf = _time(lambda: _hf_prefill(hf, ids), 5)
+        t_cp, t_hf = _time_pair(lambda: _cp_prefill(cp, ids), lambda: _hf_prefill(hf, ids), 9)
         metrics[f"one-GPU parity prefill {name} (CP / HF sdpa)"] = t_cp / t_hf
         metrics[f"parity {name} prefill {n} ms CP"] = t_cp * 1e3
         metrics[f"parity {name} prefill {n} ms HF"] = t_hf * 1e3
@@ -234,8 +245,7 @@ def training_rows(name: str, quick: bool, metrics: dict, profile: str | None) ->
         m.zero_grad(set_to_none=True)
     for _ in range(2):
         cp_step_fn(), hf_step_fn()
-    t_cp = _time(cp_step_fn, 5)
-    t_hf = _time(hf_step_fn, 5)
+    t_cp, t_hf = _time_pair(cp_step_fn, hf_step_fn, 7)
     metrics[f"one-GPU parity training {name} (CP / HF sdpa)"] = t_cp / t_hf
     metrics[f"parity {name} training {n} ms CP"] = t_cp * 1e3
     metrics[f"parity {name} training {n} ms HF"] = t_hf * 1e3
@@ -315,8 +325,7 @@ def _engine_case(label, dtype, lens, new, *, quick, metrics, profile, compile=Fa
     if dtype == torch.float32:
         same = sum(a == b for a, b in zip(res.outputs, ref))
         metrics[f"engine {label} greedy tokens equal HF (requests)"] = same
-    t_engine = _time(run_engine, 3)
-    t_hf = _time(run_hf, 3)
+    t_engine, t_hf = _time_pair(run_engine, run_hf, 3)
     res = run_engine()
     tokens = sum(len(o) for o in res.outputs)
     metrics[f"engine vs HF generate tokens/s {label}"] = t_hf / t_engine
