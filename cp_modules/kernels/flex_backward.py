@@ -119,6 +119,12 @@ def _backward_entry(q, k, v, out, lse2, dout, graphs, blocks, scale, kernel_opti
     # The compiled frame (its own code object: its variants are counted apart).
     from torch._higher_order_ops import flex_attention_backward
 
+    if torch.compiler.is_dynamo_compiling():
+        # Heads and head dims static (the lowering takes them as kernel constants), as the
+        # public FlexAttention marks its inputs; lengths stay dynamic.
+        for x in (q, k, v, out, dout):
+            torch._dynamo.mark_static(x, -3)
+            torch._dynamo.mark_static(x, -1)
     return flex_attention_backward(
         q, k, v, out, lse2, dout, None, graphs["fw_graph"]["graph"],
         graphs["joint_graph"]["graph"], (*blocks, graphs["mask_graph"]["graph"]), scale,
