@@ -20,11 +20,12 @@ Calling it outside the library's autograd path needs what that path prepares:
   ``create_fw_bw_graph``; one set per (``score_mod``, ``mask_mod``, device, dtype).
 * Compiled: the eager operator is the dense math (the whole score grid). Dynamo proxies
   pre-traced graphs only when each is read as an item of a dict that is itself an item of a
-  dict (the compiled-autograd form: ``FlexAttentionBackwardHighOrderVariable.proxy_submod``
-  asserts ``arg.source.base`` is a ``DictGetItemSource``), and only while the module counts as
-  dynamic: installing a subgraph marks it static (``torchdynamo_force_dynamic = False``), so
-  the mark is reset before each call, else a recompile would meet a static module it cannot
-  proxy. Torch 2.13 also derives the joint graph from a plain ``score_mod``, but not for a
+  dict (``FlexAttentionBackwardHighOrderVariable.proxy_submod`` asserts ``arg.source.base``
+  is a ``DictGetItemSource``), and only while the module counts as dynamic: installing a
+  subgraph marks it static (``torchdynamo_force_dynamic = False``), so the mark is reset
+  before each call, else a recompile would meet a static module it cannot proxy (and so
+  would a restarted analysis within one trace: the float specialisation of
+  ``flex_compile_config`` avoids the one a symbolic ``scale`` causes). Torch 2.13 also derives the joint graph from a plain ``score_mod``, but not for a
   soft-cap: its ``create_fw_bw_graph`` builds the example gradient as a real tensor inside
   dynamo's fake mode, which ``tanh_backward`` refuses; the pre-traced form works on 2.11 and
   2.13.
