@@ -378,8 +378,8 @@ def test_gpu_masked_paths_follow_the_two_x_rule(path, window, softcap):
     "path, window, softcap", [("flex", 100, 20.0), ("flash", 100, None), ("auto", 100, None)]
 )
 def test_gpu_sinks_on_masked_paths_follow_the_two_x_rule(path, window, softcap):
-    # Sinks after the attention on CUDA: the flash backward takes the sink-normalised output
-    # and LSE; FlexAttention's recompute turns them into dO and dLSE.
+    # Sinks after the attention on CUDA: the flash and flex backward kernels take the
+    # sink-normalised output and LSE as they are.
     torch.manual_seed(0)
     lens = [300, 1, 77]
     h, hkv, d = 8, 2, 64

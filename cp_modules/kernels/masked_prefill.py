@@ -26,30 +26,36 @@ Two kernels over the same packing:
   the kernel call itself differs).
 * ``flex``: FlexAttention with a document mask (``mask_mod``: same sequence, causal, inside
   the window, by the positions above) and the soft-cap as ``score_mod``; compiled on CUDA
-  (one compiled function, dynamic shapes), eager on CPU. Its backward recomputes the forward
-  under autograd (flex's own backward kernel on CUDA; on CPU, where FlexAttention has no
-  backward, a dense twin that evaluates the same ``mask_mod`` and ``score_mod`` on the whole
-  score grid).
+  (one compiled function, dynamic shapes), eager on CPU. Its backward on CUDA is
+  FlexAttention's own backward kernel from the given output and LSE, one kernel and no
+  recompute (:mod:`cp_modules.kernels.flex_backward`). On CPU (FlexAttention has no
+  backward there), and where torch lacks what that call needs, it recomputes the forward
+  under autograd: on CPU a dense twin that evaluates the same ``mask_mod`` and ``score_mod``
+  on the whole score grid.
 
 Backward contract (as every PCP path): the gradients of the attention whose *given* output
 and LSE are the final ones, e.g. with attention sinks applied after the merge
-(``out = sigma * O``, ``sigma = exp(L - lse)``, L the recomputed LSE). The recompute feeds
-autograd ``dO = sigma * dout`` and ``dL = (1 - sigma) * rowsum(dout * out)``, which gives
-exactly the probabilities ``exp(s - lse)`` and the ``rowsum(dout * out)`` term the flash
-backward uses (sigma is 1 without sinks).
+(``out = sigma * O``, ``sigma = exp(L - lse)``, L the forward's own LSE). The flash and flex
+backward kernels take them as they are (probabilities ``exp(s - lse)``, ``delta =
+rowsum(dout * out)``); the recompute gives exactly the same
+(:func:`~cp_modules.kernels.flex_backward.recomputed_grads`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from cp_modules.kernels.flex_backward import (
+    flex_attention_backward_call,
+    flex_backward_supported,
+    key_run_mask,
+    recomputed_grads,
+)
 from cp_modules.kernels.masked_flash import (
     flash_window_backward,
     flash_window_backward_twin,
@@ -71,6 +77,7 @@ __all__ = [
     "flash_window_forward",
     "flex_attention_call",
     "FLEX_RECOMPILE_LIMIT",
+    "flex_backward",
     "flex_block_tables",
     "flex_compile_config",
     "flex_lse_kwargs",
@@ -81,8 +88,6 @@ __all__ = [
 ]
 
 MASKED_KERNELS = ("flash", "flex")
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,7 +162,7 @@ def _key_run_mask(q_lo, q_hi):
     # A closure over tensors, the form FlexAttention's compiled path traces without guarding
     # on the values.
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx >= q_lo[q_idx]) & (kv_idx < q_hi[q_idx])
+        return key_run_mask(b, h, q_idx, kv_idx, q_lo, q_hi)
 
     return mask_mod
 
@@ -394,6 +399,19 @@ def flex_attention_call(
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
+def flex_backward(dout, q, k, v, out, lse, pack: MaskedPack, *, scale, softcap, backend="inductor"):
+    """Gradients (dq, dk, dv) of :func:`flex_attention_call` from its final ``out`` / ``lse``
+    (natural log) by FlexAttention's backward kernel alone
+    (:func:`~cp_modules.kernels.flex_backward.flex_attention_backward_call`; ``backend=None``:
+    the operator's eager dense implementation)."""
+    with flex_compile_config():
+        return flex_attention_backward_call(
+            dout, q, k, v, out, lse, block_mask=_block_mask(pack, q.device),
+            mask_mod=key_run_mask, mask_buffers=(pack.q_lo, pack.q_hi), scale=scale,
+            score_mod=softcap_score_mod(softcap), backend=backend,
+        )  # fmt: skip
+
+
 def dense_twin_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -421,43 +439,6 @@ def dense_twin_attention(
     lse = torch.logsumexp(s, dim=-1)
     out = torch.einsum("hlm,mhd->lhd", torch.exp(s - lse[..., None]), vv)
     return out.to(q.dtype), lse.transpose(0, 1)
-
-
-# Dispatch keys that an op implementation running below autograd has excluded.
-_AUTOGRAD_KEYS = (
-    torch._C.DispatchKey.AutogradFunctionality,
-    torch._C.DispatchKey.AutogradOther,
-    torch._C.DispatchKey.AutogradNestedTensor,
-    torch._C.DispatchKey.ADInplaceOrView,
-)
-
-
-@contextlib.contextmanager
-def _autograd_inside_op():
-    # An op's implementation may run below autograd (a ``torch.library.custom_op`` calling
-    # this one excludes the autograd dispatch keys for its whole body), where even
-    # ``enable_grad`` records nothing; the recompute needs autograd, so the keys are
-    # re-included for it alone (the private guard torch's own compiled regions use).
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        exclude = exclude.remove(key)
-    include = torch._C._dispatch_tls_local_include_set()
-    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
-        yield
-
-
-def _recomputed_grads(attend: Attend, dout, q, k, v, out, lse):
-    # Gradients of the attention whose final output and LSE are ``out`` / ``lse``, by autograd
-    # through a recompute (module docstring: dO = sigma * dout, dL = (1 - sigma) * delta).
-    acc = lse_dtype(q.dtype)
-    with _autograd_inside_op():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        o, l_new = attend(*leaves)
-        sigma = torch.exp(l_new.detach().to(acc) - lse.to(acc))
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)
-        do = (dout.to(acc) * sigma[..., None]).to(o.dtype)
-        dl = ((1 - sigma) * delta).to(l_new.dtype)
-        return torch.autograd.grad((o, l_new), leaves, (do, dl))
 
 
 # --------------------------------------------------------------------------- PCP attention
@@ -558,10 +539,13 @@ def masked_prefill_backward(
         if kernel == "flash":
             bwd = flash_window_backward if q.is_cuda else flash_window_backward_twin
             gq, gk, gv = bwd(dop.contiguous(), qp, kp, vp, op, lsep, pack, scale)
+        elif q.is_cuda and flex_backward_supported():
+            gq, gk, gv = flex_backward(dop, qp, kp, vp, op, lsep, pack, scale=scale,
+                                       softcap=softcap)  # fmt: skip
         else:
             call = flex_attention_call if q.is_cuda else dense_twin_attention
             attend = functools.partial(call, pack=pack, scale=scale, softcap=softcap)
-            gq, gk, gv = _recomputed_grads(attend, dop, qp, kp, vp, op, lsep)
+            gq, gk, gv = recomputed_grads(attend, dop, qp, kp, vp, op, lsep)
     if gq is not None and _covers(pack.q_range, q.shape[0]):
         dq = gq.to(q.dtype).contiguous()
     else:

@@ -10,11 +10,13 @@ The kernels (one packed call for all segments of a step) live in
 * ``"auto"``: on CUDA, FlexAttention (fp16 / bf16 / fp32: its kernels accumulate in fp32)
   forward; backward FlashAttention-2 with its window arguments for windows without a soft-cap
   where it serves the queries (fp16 / bf16, equal query-key and value head dims up to 256:
-  it takes the given output and LSE, where FlexAttention's backward recomputes its forward),
-  FlexAttention otherwise; the pure-PyTorch reference for fp64 (exact; the block path treats
+  it takes the given output and LSE), FlexAttention otherwise (its own backward kernel from the
+  given output and LSE where torch allows, :mod:`cp_modules.kernels.flex_backward`, else a
+  recompute of its forward); the pure-PyTorch reference for fp64 (exact; the block path treats
   dtypes its kernels do not take the same way). On CPU: the reference. Measured on the H200
   (``benchmarks/bench_masked.py``, bf16, 32k, window 4096): FlexAttention's forward 5.3 ms
-  against FlashAttention-2's 7.2; backward 14.6 with its recompute against 16.7.
+  against FlashAttention-2's 7.2; backward 14.6 with its recompute against 16.7 (the choice
+  predates FlexAttention's backward without the recompute).
 * ``"flash"`` / ``"flex"``: that kernel, or a ``ValueError`` where it does not serve the call
   exactly. On CPU they run the kernel's packing with its CPU twin (the reference per packed
   sequence; eager FlexAttention forward and its dense twin backward): how the packing is
