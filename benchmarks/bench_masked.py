@@ -137,9 +137,10 @@ def reference(q, k, v, dout, scale, window, softcap, chunk: int = REF_CHUNK):
     return (out, lse, dq, dk, dv), low
 
 
-def rank_fns(plan, q, k, v, dout, scale, window, softcap, policy=POLICY):
+def rank_fns(plan, q, k, v, dout, scale, window, softcap, policy=None):
     """(forward, forward + backward) of one rank's masked head/tail attention on the op's
     path (``policy``), over the whole sequence's K/V."""
+    policy = policy or POLICY
     ql, dl = q[plan.token_indices], dout[plan.token_indices]
     inputs = PrefillInputs(ql, k, v, plan.segments_host, None, None, None, scale)
     masking = dict(window=window, softcap=softcap, policy=policy)
@@ -335,11 +336,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", default="0", choices=["0", "all"], help="which ranks are timed")
     p.add_argument("--check-only", action="store_true", help="correctness only, no timing")
     p.add_argument("--out", default=str(RESULTS), help="directory of the results file")
+    p.add_argument(
+        "--pcp-masked",
+        default="auto",
+        choices=["auto", "flex", "flash"],
+        help="the op's path (CPPolicy.pcp_masked); not auto: masked-<path>-<date>.json",
+    )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    global POLICY
     args = parse_args(argv)
+    POLICY = CPPolicy(pcp_masked=args.pcp_masked)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -349,7 +358,8 @@ def main(argv=None) -> int:
         metrics[name], ok = bench_shape(name, args.pcp, args.ranks, args.check_only)
         all_ok &= ok
         torch.cuda.empty_cache()
-    path = write_results("masked", metrics, args.out)
+    label = "masked" if args.pcp_masked == "auto" else f"masked-{args.pcp_masked}"
+    path = write_results(label, metrics, args.out)
     print(
         f"wrote {path}; {'all correct' if all_ok else 'SOME PATHS ARE WRONG (no speeds for them)'}"
     )

@@ -154,6 +154,7 @@ def flex_attention_backward_call(
     scale: float,
     score_mod: Callable | None,
     backend: str | None = "inductor",
+    divisible: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, Dv], in q's dtype) of the
     FlexAttention whose output and natural-log LSE are ``out`` [Tq, Hq, Dv] / ``lse`` [Tq, Hq],
@@ -162,7 +163,9 @@ def flex_attention_backward_call(
     which must be the same mask), ``score_mod`` the forward's (None: none).
 
     ``backend``: the ``torch.compile`` backend (the caller applies its dynamo settings), or
-    None for the operator's eager dense implementation (CPU tests). Requires
+    None for the operator's eager dense implementation (CPU tests). ``divisible``: both lengths
+    are multiples of 128, so the kernel may skip its bounds checks
+    (:func:`~cp_modules.kernels.masked_prefill.flex_divisible`). Requires
     :func:`flex_backward_supported`."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
@@ -171,6 +174,9 @@ def flex_attention_backward_call(
         x.detach().to(dt).transpose(0, 1).unsqueeze(0) for x in (q, k, v, out, dout)
     )  # fmt: skip
     kernel_options = _apply_kernel_options(q4, k4, v4, True, None)
+    if divisible:
+        assert q.shape[0] % 128 == 0 and k.shape[0] % 128 == 0, "lengths not multiples of 128"
+        kernel_options["IS_DIVISIBLE"] = True
     log2 = kernel_options["BACKEND"] != "FLASH"
     lse_t = lse.detach().transpose(0, 1) * (1 / math.log(2) if log2 else 1.0)
     lse4 = lse_t.to(torch.promote_types(lse.dtype, torch.float32)).contiguous().unsqueeze(0)

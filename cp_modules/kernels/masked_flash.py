@@ -17,7 +17,7 @@ from cp_modules.reference.pcp_attention import (
 )
 
 if TYPE_CHECKING:
-    from cp_modules.kernels.masked_prefill import MaskedPack
+    from cp_modules.kernels.masked_pack import MaskedPack
 
 __all__ = [
     "flash_window_backward",

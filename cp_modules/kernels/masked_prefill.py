@@ -5,27 +5,20 @@ C = cached-prefix tokens, Tq = packed queries (the segments' real queries), Tk =
 Hq / Hkv = query / KV heads, Dqk / Dv = head dims, S = segments
 (``cp_modules.partition.plan.SEGMENT_FIELDS``).
 
-Packing (:func:`masked_pack`): every segment (a request's head or tail chunk on this rank) is
-one sequence of the call: its real queries against its request's cached prefix followed by
-its new keys ``[k_start, k_start + k_len)``. Positions count from the request's first cached
-token: key ``p`` of the sequence sits at ``p``, query ``i`` of ``q_len`` at
-``prefix + k_len - q_len + i`` (bottom-right causal over prefix and new keys, as the
-reference). A query at position ``t`` sees keys ``t - W < p <= t``, so with a window W no
-query of the segment sees a key before ``prefix + k_len - q_len - W + 1``: the packing keeps
-only the last ``q_len + W - 1`` keys of each sequence (dropping keys from the front keeps the
-bottom-right alignment), and a rank's work grows with W, not with the sequence. Packed keys
-are rows of ``[k; prefix_k]`` (the prefix rows after the N new ones), so one call covers the
-cached prefix too and needs no LSE merge.
+Packing (:mod:`cp_modules.kernels.masked_pack`): every segment (a request's head or tail
+chunk on this rank) is one sequence of queries against its request's cached prefix and new
+keys, in one call for all segments (no LSE merge); the FlashAttention-2 kernel takes the
+``"varlen"`` layout, FlexAttention either (its forward and backward paths build ``"runs"``).
 
-Two kernels over the same packing:
+Two kernels:
 
 * ``flash`` (:mod:`cp_modules.kernels.masked_flash`): FlashAttention-2's varlen entry with ``window_size_left = W - 1`` and
   ``window_size_right = 0`` (bottom-right causal for varlen sequences): one call forward and
   one backward, which takes the given output and LSE. fp16 / bf16, Dqk == Dv <= 256, windows
   without soft-cap. On CPU its twin is the reference, sequence by sequence (for tests: only
   the kernel call itself differs).
-* ``flex``: FlexAttention with a document mask (``mask_mod``: same sequence, causal, inside
-  the window, by the positions above) and the soft-cap as ``score_mod``; compiled on CUDA
+* ``flex``: FlexAttention with a document mask (``mask_mod``: each query's run of packed keys,
+  causal and inside the window) and the soft-cap as ``score_mod``; compiled on CUDA
   (one compiled function, dynamic shapes), eager on CPU. Its backward on CUDA is
   FlexAttention's own backward kernel from the given output and LSE, one kernel and no
   recompute (:mod:`cp_modules.kernels.flex_backward`). On CPU (FlexAttention has no
@@ -45,9 +38,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from cp_modules.kernels.flex_backward import (
@@ -62,7 +53,13 @@ from cp_modules.kernels.masked_flash import (
     flash_window_forward,
     flash_window_forward_twin,
 )
-from cp_modules.kernels.pcp_varlen import _cumsum0, _ragged, _to_device
+from cp_modules.kernels.masked_pack import (
+    PACK_LAYOUTS,
+    SPARSE_BLOCK,
+    MaskedPack,
+    flex_block_tables,
+    masked_pack,
+)
 from cp_modules.reference.pcp_attention import (
     PrefillInputs,
     lse_dtype,
@@ -70,6 +67,7 @@ from cp_modules.reference.pcp_attention import (
 
 __all__ = [
     "MASKED_KERNELS",
+    "PACK_LAYOUTS",
     "SPARSE_BLOCK",
     "MaskedPack",
     "dense_twin_attention",
@@ -80,6 +78,7 @@ __all__ = [
     "flex_backward",
     "flex_block_tables",
     "flex_compile_config",
+    "flex_divisible",
     "flex_lse_kwargs",
     "masked_pack",
     "masked_prefill_backward",
@@ -88,169 +87,6 @@ __all__ = [
 ]
 
 MASKED_KERNELS = ("flash", "flex")
-
-
-@dataclass(frozen=True, eq=False)
-class MaskedPack:
-    """The packed sequences of one plan for one window.
-
-    Attributes:
-        q_index: [Tq] int64, local query rows, sequence by sequence.
-        k_index: [Tk] int64, rows of ``[k; prefix_k]`` (prefix rows from ``num_new`` on).
-        cu_q, cu_k: [S + 1] int32 cumulative query / key counts (FlashAttention-2's varlen).
-        cu_q_host, cu_k_host: the same as host lists.
-        max_q, max_k: the longest sequence's query / key count.
-        q_seq, q_pos, k_seq, k_pos: [Tq] / [Tk] int32, each packed row's sequence and its
-            position in its request (the FlexAttention mask reads them).
-        key_ranges_host: [Tq, 2] int64 numpy, the packed keys ``[lo, hi)`` each packed query
-            sees (its sequence's keys inside its window, up to itself): the block sparsity of
-            the FlexAttention mask.
-        window: W, or None (full causal).
-        num_new: N, the new-key rows before the prefix rows in ``[k; prefix_k]``.
-        flex_cache: the pack's FlexAttention mask function and block masks, built on first use.
-        q_lo, q_hi: [Tq] int32, the run of packed keys ``[lo, hi)`` each packed query sees
-            (``key_ranges_host`` on the device: the FlexAttention mask reads them).
-        q_range: ``(a, b)`` when ``q_index`` is the run ``a .. b - 1`` (the packed queries are
-            a slice of the local rows, e.g. every row of an unpadded one-rank plan), else None.
-        k_range: the same for ``k_index``.
-        k_unique: whether no row of ``[k; prefix_k]`` is packed twice (each key's gradient
-            has one contribution: no wider accumulation is needed).
-    """
-
-    q_index: torch.Tensor
-    k_index: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    cu_q_host: list[int]
-    cu_k_host: list[int]
-    max_q: int
-    max_k: int
-    q_seq: torch.Tensor
-    q_pos: torch.Tensor
-    k_seq: torch.Tensor
-    k_pos: torch.Tensor
-    key_ranges_host: np.ndarray
-    window: int | None
-    num_new: int
-    flex_cache: dict = field(default_factory=dict)
-    q_lo: torch.Tensor | None = None
-    q_hi: torch.Tensor | None = None
-    q_range: tuple[int, int] | None = None
-    k_range: tuple[int, int] | None = None
-    k_unique: bool = False
-
-    @property
-    def num_queries(self) -> int:
-        """Tq."""
-        return self.cu_q_host[-1]
-
-    def mask_mod(self):
-        """The FlexAttention ``mask_mod`` of the pack (same sequence, causal, inside the
-        window), one function object per pack (compiled code is reused for it).
-
-        Each packed query sees one run of packed keys (``key_ranges_host``: its sequence's
-        keys from its window's first to itself), so the mask is ``lo[q] <= kv < hi[q]``:
-        two loads per query row and none per key, where comparing sequences and positions
-        would load per key as well."""
-        fn = self.flex_cache.get("mask_mod")
-        if fn is None:
-            fn = self.flex_cache["mask_mod"] = _key_run_mask(self.q_lo, self.q_hi)
-        return fn
-
-
-def _key_run_mask(q_lo, q_hi):
-    # A closure over tensors, the form FlexAttention's compiled path traces without guarding
-    # on the values.
-    def mask_mod(b, h, q_idx, kv_idx):
-        return key_run_mask(b, h, q_idx, kv_idx, q_lo, q_hi)
-
-    return mask_mod
-
-
-def masked_pack(
-    segments: torch.Tensor,
-    num_new: int,
-    prefix_cu: list[int] | None,
-    window: int | None,
-    device: torch.device | str,
-) -> MaskedPack:
-    """The packing of a plan's segments ([S, 5] int64 host tensor) over ``num_new`` restored
-    new keys and the cached prefixes ragged by ``prefix_cu`` ([R + 1] host ints, or None),
-    keeping only the keys a window W (or None) lets the queries see."""
-    segs = (segments if segments.device.type == "cpu" else segments.cpu()).numpy()
-    segs = segs[segs[:, 2] > 0]
-    req, qs, ql, ks, kl = (segs[:, j].astype(np.int64) for j in range(5))
-    pcu = None if prefix_cu is None else np.asarray(prefix_cu, dtype=np.int64)
-    plen = np.zeros_like(kl) if pcu is None else pcu[req + 1] - pcu[req]
-    total = plen + kl
-    first = np.zeros_like(total) if window is None else np.maximum(total - ql - (window - 1), 0)
-    nk = total - first
-    pstart = np.zeros_like(req) if pcu is None else pcu[req]
-    seq = np.arange(segs.shape[0], dtype=np.int64)
-    k_pos = _ragged(first, nk)
-    k_seq = np.repeat(seq, nk)
-    # Key position p: a prefix row below the request's prefix length, else a new-key row.
-    k_rows = np.where(
-        k_pos < plen[k_seq],
-        num_new + pstart[k_seq] + k_pos,
-        ks[k_seq] + k_pos - plen[k_seq],
-    )
-    # Query at position t of a sequence whose kept keys start at position ``first`` (packed
-    # from cu_k): it sees positions [max(first, t - W + 1), t].
-    q_pos = _ragged(total - ql, ql)
-    q_seq = np.repeat(seq, ql)
-    cu_k = _cumsum0(nk)
-    lo_pos = q_pos - (window - 1) if window is not None else first[q_seq]
-    key_ranges = np.stack(
-        [cu_k[q_seq] + np.maximum(lo_pos, first[q_seq]) - first[q_seq],
-         cu_k[q_seq] + q_pos - first[q_seq] + 1], 1,
-    )  # fmt: skip
-    parts = {
-        "q_index": (_ragged(qs, ql), torch.int64),
-        "k_index": (k_rows, torch.int64),
-        "cu_q": (_cumsum0(ql), torch.int32),
-        "cu_k": (cu_k, torch.int32),
-        "q_seq": (q_seq, torch.int32),
-        "q_pos": (q_pos, torch.int32),
-        "k_seq": (k_seq, torch.int32),
-        "k_pos": (k_pos, torch.int32),
-        "q_lo": (key_ranges[:, 0], torch.int32),
-        "q_hi": (key_ranges[:, 1], torch.int32),
-    }
-    views = _to_device(parts, device)  # one host-to-device copy for all of them
-    q_rows = parts["q_index"][0]
-    return MaskedPack(
-        q_index=views["q_index"],
-        k_index=views["k_index"],
-        cu_q=views["cu_q"],
-        cu_k=views["cu_k"],
-        q_seq=views["q_seq"],
-        q_pos=views["q_pos"],
-        k_seq=views["k_seq"],
-        k_pos=views["k_pos"],
-        cu_q_host=parts["cu_q"][0].tolist(),  # ok: host (numpy)
-        cu_k_host=parts["cu_k"][0].tolist(),  # ok: host (numpy)
-        max_q=int(ql.max()) if ql.size else 0,
-        max_k=int(nk.max()) if nk.size else 0,
-        key_ranges_host=key_ranges.reshape(-1, 2),
-        window=window,
-        num_new=num_new,
-        q_lo=views["q_lo"],
-        q_hi=views["q_hi"],
-        q_range=_run_of(q_rows),
-        k_range=_run_of(k_rows),
-        k_unique=bool(np.unique(k_rows).size == k_rows.size),
-    )
-
-
-def _run_of(rows: np.ndarray) -> tuple[int, int] | None:
-    # (a, b) when ``rows`` is a .. b - 1 (non-empty), else None.
-    if rows.size == 0 or not bool((np.diff(rows) == 1).all()):
-        return None
-    return int(rows[0]), int(rows[-1]) + 1
-
-
-# --------------------------------------------------------------------------- FlexAttention
 
 
 @functools.lru_cache(maxsize=64)
@@ -307,45 +143,6 @@ def flex_compile_config():
     return cfg.patch(**settings)
 
 
-SPARSE_BLOCK = 128
-
-
-def flex_block_tables(pack: MaskedPack, block: int = SPARSE_BLOCK):
-    """The FlexAttention block sparsity of the pack, from its queries' key ranges (exact, on
-    the host): per query block, the kv blocks some of whose entries it sees (``mask_mod``
-    applied) and those all of whose entries it sees (complete blocks only). Returns
-    (kv_num_blocks [Bq], kv_indices [Bq, Bk], full_num_blocks [Bq], full_indices [Bq, Bk])
-    int32 numpy, indices ascending, padded with 0."""
-    a, b = pack.key_ranges_host[:, 0], pack.key_ranges_host[:, 1]
-    tq, tk = a.size, pack.cu_k_host[-1]
-    n_qb, n_kb = -(-tq // block), -(-tk // block)
-    starts = np.arange(0, tq, block)
-    # A query block's rows see a contiguous range of packed keys: every sequence's rows do,
-    # and a sequence's last query sees up to the first key of the next.
-    t_lo = np.minimum.reduceat(a, starts) // block
-    t_hi = -(-np.maximum.reduceat(b, starts) // block)
-    f_lo = -(-np.maximum.reduceat(a, starts) // block)
-    f_hi = np.minimum(np.minimum.reduceat(b, starts) // block, tk // block)
-    f_hi = np.where(starts + block <= tq, f_hi, f_lo)  # a partial query block: none full
-    n_full = np.maximum(f_hi - f_lo, 0)
-    has_full = n_full > 0
-    # Partial blocks: the touched range less the full one (before it and after it).
-    p1_hi = np.where(has_full, f_lo, t_hi)
-    p2_lo = np.where(has_full, f_hi, t_hi)
-    n1, n2 = p1_hi - t_lo, t_hi - p2_lo
-    j = np.arange(n_kb)[None, :]
-    n1c, n2c = n1[:, None], n2[:, None]
-    idx = np.where(j < n1c, t_lo[:, None] + j, np.where(j < n1c + n2c, p2_lo[:, None] + j - n1c, 0))
-    full = np.where(j < n_full[:, None], f_lo[:, None] + j, 0)
-    assert idx.shape == (n_qb, n_kb)
-    return (
-        (n1 + n2).astype(np.int32),
-        idx.astype(np.int32),
-        n_full.astype(np.int32),
-        full.astype(np.int32),
-    )
-
-
 def _block_mask(pack: MaskedPack, device: torch.device):
     key = str(device)
     mask = pack.flex_cache.get(key)
@@ -360,6 +157,16 @@ def _block_mask(pack: MaskedPack, device: torch.device):
             seq_lengths=(pack.num_queries, pack.cu_k_host[-1]),
         )  # fmt: skip
     return mask
+
+
+def flex_divisible(num_queries: int, num_keys: int) -> bool:
+    """Whether FlexAttention's kernels may skip their bounds checks (``IS_DIVISIBLE``): both
+    lengths are multiples of 128 (every block size its kernels pick divides 128). Its lowering
+    proves this only for static lengths; the library compiles with dynamic lengths (one
+    compiled function for every packing), where the proof fails and every block's loads are
+    bounds-checked, so the library states it from the actual lengths (one more compiled
+    variant)."""
+    return num_queries % 128 == 0 and num_keys % 128 == 0
 
 
 def flex_lse_kwargs() -> dict:
@@ -387,12 +194,15 @@ def flex_attention_call(
     on CPU (forward only there)."""
     fn = _compiled_flex() if q.is_cuda else _flex_entry
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    kwargs = flex_lse_kwargs()
+    if q.is_cuda and flex_divisible(q.shape[0], k.shape[0]):
+        kwargs["kernel_options"] = {"IS_DIVISIBLE": True}
     with warnings.catch_warnings(), flex_compile_config():
         # The eager (CPU) path warns that it is unfused: it is the CPU twin by design.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         res = fn(
             q4, k4, v4, softcap_score_mod(softcap), _block_mask(pack, q.device), scale,
-            q.shape[1] != k.shape[1], flex_lse_kwargs(),
+            q.shape[1] != k.shape[1], kwargs,
         )  # fmt: skip
     out, aux = res
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse
@@ -409,6 +219,7 @@ def flex_backward(dout, q, k, v, out, lse, pack: MaskedPack, *, scale, softcap, 
             dout, q, k, v, out, lse, block_mask=_block_mask(pack, q.device),
             mask_mod=key_run_mask, mask_buffers=(pack.q_lo, pack.q_hi), scale=scale,
             score_mod=softcap_score_mod(softcap), backend=backend,
+            divisible=backend is not None and flex_divisible(q.shape[0], k.shape[0]),
         )  # fmt: skip
 
 
@@ -474,6 +285,7 @@ def _check_kernel(kernel: str, pack: MaskedPack, softcap: float | None) -> None:
     assert kernel == "flex" or (pack.window is not None and not softcap), (
         "the FlashAttention-2 kernel serves windows without soft-cap"
     )
+    assert kernel == "flex" or pack.layout == "varlen", "FlashAttention-2 takes varlen packs"
 
 
 def masked_prefill_forward(

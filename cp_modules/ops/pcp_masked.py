@@ -131,19 +131,21 @@ def _prefix_cu(inputs: PrefillInputs) -> list[int] | None:
     return inputs.prefix_cu_seqlens.tolist()  # ok: host (CPU tensor)
 
 
-def masked_pack_of(inputs: PrefillInputs, window: int | None) -> MaskedPack:
-    """:func:`~cp_modules.kernels.masked_prefill.masked_pack` of the inputs' plan for
-    ``window``, built once per plan, window, prefix lengths and device."""
+def masked_pack_of(inputs: PrefillInputs, window: int | None, path: str = "flash") -> MaskedPack:
+    """:func:`~cp_modules.kernels.masked_pack.masked_pack` of the inputs' plan for ``window``
+    in the layout of ``path``'s kernel (FlexAttention: ``"runs"``, FlashAttention-2:
+    ``"varlen"``), built once per plan, window, layout, prefix lengths and device."""
+    layout = "runs" if path == "flex" else "varlen"
     device = inputs.q.device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     prefix_cu = _prefix_cu(inputs)
     num_new = inputs.k.shape[0]
-    key = (str(device), window, None if prefix_cu is None else tuple(prefix_cu), num_new)
+    key = (str(device), window, layout, None if prefix_cu is None else tuple(prefix_cu), num_new)
     packs = plan_state(inputs.segments).masked_packs
     pack = packs.get(key)
     if pack is None:
-        pack = packs[key] = masked_pack(inputs.segments, num_new, prefix_cu, window, device)
+        pack = packs[key] = masked_pack(inputs.segments, num_new, prefix_cu, window, device, layout)
     return pack
 
 
@@ -160,7 +162,7 @@ def pcp_masked_attention(
     path = choose_masked_path(policy.pcp_masked, inputs.q, inputs.v, window, softcap)
     if path == "reference":
         return pcp_prefill_attention_reference(inputs, window=window, softcap=softcap)
-    pack = masked_pack_of(inputs, window)
+    pack = masked_pack_of(inputs, window, path)
     return masked_prefill_forward(inputs, pack, kernel=path, softcap=softcap)
 
 
@@ -181,5 +183,5 @@ def pcp_masked_attention_backward(
         return pcp_prefill_attention_backward_reference(
             dout, out, lse, inputs, window=window, softcap=softcap
         )
-    pack = masked_pack_of(inputs, window)
+    pack = masked_pack_of(inputs, window, path)
     return masked_prefill_backward(dout, out, lse, inputs, pack, kernel=path, softcap=softcap)

@@ -42,7 +42,7 @@ from cp_modules.kernels.attention_blocks import (
     select_block_backend,
 )
 from cp_modules.kernels.grad_assembly import sum_pieces_into
-from cp_modules.kernels.masked_prefill import MaskedPack
+from cp_modules.kernels.masked_pack import MaskedPack
 from cp_modules.kernels.pcp_blocks import host_segments, pcp_blocks_backward, pcp_blocks_forward
 from cp_modules.kernels.pcp_varlen import (
     VarlenPack,

@@ -1,0 +1,93 @@
+"""The two key layouts of the masked (window / soft-cap) packing: "runs" (FlexAttention: every
+restored key once, in place) against "varlen" (every segment its own copy of its keys), on
+the CPU in fp64: the same keys seen by every query, the same outputs and gradients."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cp_modules.kernels.masked_pack import masked_pack
+from cp_modules.kernels.masked_prefill import masked_prefill_backward, masked_prefill_forward
+from cp_modules.partition import plan_pcp
+from cp_modules.reference.pcp_attention import PrefillInputs
+
+
+def _seen(pack) -> list[list[int]]:
+    # The rows of [k; prefix_k] each packed query sees, query by query.
+    rows = pack.k_index.tolist()
+    return [rows[a:b] for a, b in pack.key_ranges_host.tolist()]
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 100])
+def test_runs_layout_sees_the_same_keys_in_place(window):
+    lens = [37, 5, 20]
+    for pcp in (1, 2, 3):
+        for rank in range(pcp):
+            plan = plan_pcp(lens, [0] * len(lens), pcp, rank, decode_threshold=0)
+            n = sum(lens)
+            runs = masked_pack(plan.segments_host, n, None, window, "cpu", "runs")
+            var = masked_pack(plan.segments_host, n, None, window, "cpu", "varlen")
+            assert (runs.layout, var.layout) == ("runs", "varlen")
+            # Every new key once, in place: the packed keys are a slice of the inputs.
+            assert runs.k_range == (0, n) and runs.k_unique and runs.cu_k_host == [0, n]
+            assert runs.q_index.tolist() == var.q_index.tolist()
+            assert _seen(runs) == _seen(var), (pcp, rank)
+            assert runs.q_lo.tolist() == runs.key_ranges_host[:, 0].tolist()
+            assert runs.q_hi.tolist() == runs.key_ranges_host[:, 1].tolist()
+
+
+def test_runs_layout_with_a_cached_prefix_stays_varlen():
+    plan = plan_pcp([9, 4], [3, 2], 2, 1, decode_threshold=0)
+    cu = plan.prefix_cu_seqlens_host.tolist()
+    pack = masked_pack(plan.segments_host, 13, cu, 4, "cpu", "runs")
+    want = masked_pack(plan.segments_host, 13, cu, 4, "cpu", "varlen")
+    assert pack.layout == "varlen" and _seen(pack) == _seen(want)
+
+
+def test_runs_layout_gives_the_varlen_outputs_and_gradients():
+    # FlexAttention's CPU twin (eager forward, dense twin backward) on both layouts: outputs,
+    # LSE and every gradient agree; the runs layout's key gradients need no accumulation.
+    gen = torch.Generator().manual_seed(0)
+    for pcp, lens, window, softcap in itertools.product(
+        [1, 2], [[29], [17, 11, 3]], [None, 4, 50], [None, 2.0]
+    ):
+        if window is None and softcap is None:
+            continue
+        for rank in range(pcp):
+            plan = plan_pcp(lens, [0] * len(lens), pcp, rank, decode_threshold=0)
+            t, n = plan.token_indices.shape[0], sum(lens)
+            q, k, v = (
+                torch.randn(m, h, 8, generator=gen, dtype=torch.float64)
+                for m, h in ((t, 4), (n, 2), (n, 2))
+            )
+            inputs = PrefillInputs(q, k, v, plan.segments_host, None, None, None, 0.3)
+            packs = [
+                masked_pack(plan.segments_host, n, None, window, "cpu", layout)
+                for layout in ("runs", "varlen")
+            ]
+            kw = dict(kernel="flex", softcap=softcap)
+            outs = [masked_prefill_forward(inputs, p, **kw) for p in packs]
+            for a, b in zip(*outs):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+            dout = torch.randn(outs[0][0].shape, generator=gen, dtype=torch.float64)
+            grads = [
+                masked_prefill_backward(dout, *o, inputs, p, **kw) for o, p in zip(outs, packs)
+            ]
+            for a, b in zip(*grads):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert a.dtype == b.dtype
+                    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_flash_refuses_a_runs_pack():
+    plan = plan_pcp([12], [0], 2, 0, decode_threshold=0)
+    pack = masked_pack(plan.segments_host, 12, None, 3, "cpu", "runs")
+    q = torch.randn(plan.token_indices.shape[0], 2, 8, dtype=torch.float64)
+    k = torch.randn(12, 2, 8, dtype=torch.float64)
+    inputs = PrefillInputs(q, k, k, plan.segments_host, None, None, None, 0.3)
+    with pytest.raises(AssertionError, match="varlen"):
+        masked_prefill_forward(inputs, pack, kernel="flash", softcap=None)
