@@ -46,7 +46,11 @@ from cp_modules.kernels.masked_prefill import (
     masked_pack,
     softcap_score_mod,
 )
-from cp_modules.ops.pcp_masked import pcp_masked_attention, pcp_masked_attention_backward
+from cp_modules.ops.pcp_masked import (
+    choose_masked_path,
+    pcp_masked_attention,
+    pcp_masked_attention_backward,
+)
 from cp_modules.partition import plan_pcp
 from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
@@ -264,6 +268,11 @@ def bench_shape(name, pcps, ranks="0", check_only=False):
     S, hq, hkv, d, window, softcap = SHAPES[name]
     q, k, v, dout, scale = shape_inputs(name)
     res = {"S": S, "Hq": hq, "Hkv": hkv, "D": d, "window": window, "softcap": softcap}
+    # The op's path each way under the policy timed (the report states it per row).
+    res["paths"] = {
+        way: choose_masked_path(POLICY.pcp_masked, q, v, window, softcap, way)
+        for way in ("forward", "backward")
+    }
     (ref_out, ref_lse, *ref_grads), low = reference(q, k, v, dout, scale, window, softcap)
     kernels = baselines(q, k, v, dout, scale, window, softcap)
     res["baseline_err"] = {

@@ -164,9 +164,13 @@ def goals(r: dict) -> list[dict]:
             )
     masked = r.get("masked", {}).get("metrics", {})
     for shape, row in masked.items():
-        # Windows: FlexAttention forward, FlashAttention-2 backward; soft-cap: FlexAttention
-        # both ways (its backward recomputes the forward).
-        path = "flex fwd + flash bwd" if row.get("window") and not row.get("softcap") else "flex"
+        # The op's path each way, as the run recorded it (runs before the record: windows took
+        # FlexAttention forward and FlashAttention-2 backward, soft-cap FlexAttention).
+        paths = row.get("paths") or {
+            "forward": "flex",
+            "backward": "flash" if row.get("window") and not row.get("softcap") else "flex",
+        }
+        path = f"{paths['forward']} fwd + {paths['backward']} bwd"
         for p, entry in sorted(row.get("pcp", {}).items(), key=lambda kv: int(kv[0])):
             for kind, label in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
                 ratio = entry.get(f"{kind}_ratio")

@@ -8,15 +8,17 @@ The kernels (one packed call for all segments of a step) live in
 :attr:`CPPolicy.pcp_masked <cp_modules.policy.CPPolicy>`:
 
 * ``"auto"``: on CUDA, FlexAttention (fp16 / bf16 / fp32: its kernels accumulate in fp32)
-  forward; backward FlashAttention-2 with its window arguments for windows without a soft-cap
-  where it serves the queries (fp16 / bf16, equal query-key and value head dims up to 256:
-  it takes the given output and LSE), FlexAttention otherwise (its own backward kernel from the
-  given output and LSE where torch allows, :mod:`cp_modules.kernels.flex_backward`, else a
-  recompute of its forward); the pure-PyTorch reference for fp64 (exact; the block path treats
-  dtypes its kernels do not take the same way). On CPU: the reference. Measured on the H200
-  (``benchmarks/bench_masked.py``, bf16, 32k, window 4096): FlexAttention's forward 5.3 ms
-  against FlashAttention-2's 7.2; backward 14.6 with its recompute against 16.7 (the choice
-  predates FlexAttention's backward without the recompute).
+  forward and backward, its backward kernel taking the given output and LSE
+  (:mod:`cp_modules.kernels.flex_backward`); where torch lacks what that call needs (its
+  backward would recompute the forward), windows without a soft-cap take FlashAttention-2's
+  backward with its window arguments where it serves the queries (fp16 / bf16, equal
+  query-key and value head dims up to 256). The pure-PyTorch reference for fp64 (exact; the
+  block path treats dtypes its kernels do not take the same way). On CPU: the reference.
+  Measured on the H200 (``benchmarks/bench_masked.py``, bf16, Hq = Hkv = 32, D = 128, window
+  4096): FlexAttention forward 5.1 ms against FlashAttention-2's 7.2 at 32k; rank forward +
+  backward at one rank 1.03 x (32k) and 1.02 x (128k) the single-GPU FlexAttention's, where
+  FlashAttention-2's backward made it 1.14 x
+  (docs/experiments/2026-12-01-masked-prefill-speed.md).
 * ``"flash"`` / ``"flex"``: that kernel, or a ``ValueError`` where it does not serve the call
   exactly. On CPU they run the kernel's packing with its CPU twin (the reference per packed
   sequence; eager FlexAttention forward and its dense twin backward): how the packing is
@@ -32,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from cp_modules.kernels.attention_blocks import flash_serves
+from cp_modules.kernels.flex_backward import flex_backward_supported
 from cp_modules.kernels.masked_prefill import (
     MaskedPack,
     masked_pack,
@@ -114,8 +117,11 @@ def choose_masked_path(
         direction == "backward"
         and window is not None
         and not softcap
+        and not flex_backward_supported()
         and _flash_serves_window(q, v)
     ):
+        # FlexAttention's backward would recompute its forward: FlashAttention-2's takes the
+        # given output and LSE.
         return "flash"
     if q.dtype in FLEX_CUDA_DTYPES:
         return "flex"
