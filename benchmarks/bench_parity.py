@@ -16,8 +16,9 @@ output's RMS), and no speed is reported for a side that disagrees.
 Rows (the value is CP time / HF time, medians after warm-up, the two sides' runs interleaved;
 below 1 CP is faster):
   - ``prefill``: the base model's forward on one 16k-token prompt (warm: same length each time).
-  - ``new-length prefill``: the first call on a prompt of a length not seen before (16k + 64·i):
-    plan building, kernel plan builds (cuDNN) and allocator growth included.
+  - ``new-length prefill``: the first call on a prompt of a length not seen before (16k + 64·i,
+    i = 1..12, the median of the twelve): plan building, kernel plan builds (cuDNN) and
+    allocator growth included.
   - ``training``: forward, loss and backward of the causal LM on one 8k-token row (CP:
     ``CPTrainingContext.single().shard_batch`` + ``lm_cross_entropy``; HF: ``labels=``).
   - ``engine``: ``GenerationEngine`` against HF ``generate`` (greedy, every request runs to
@@ -184,7 +185,7 @@ def prefill_rows(name: str, quick: bool, metrics: dict, profile: str | None = No
         metrics[f"parity {name} prefill {n} ms HF"] = t_hf * 1e3
         # New lengths: each side sees each length once (its first call), interleaved.
         new_cp, new_hf = [], []
-        for i in range(1, 4 if quick else 7):
+        for i in range(1, 4 if quick else 13):
             m = n + 64 * i + (7 if i % 2 else 0)
             x = torch.randint(0, vocab, (m,), device=DEV, generator=g)
             for side, fn, acc in ((cp, _cp_prefill, new_cp), (hf, _hf_prefill, new_hf)):
@@ -245,7 +246,7 @@ def training_rows(name: str, quick: bool, metrics: dict, profile: str | None) ->
         m.zero_grad(set_to_none=True)
     for _ in range(2):
         cp_step_fn(), hf_step_fn()
-    t_cp, t_hf = _time_pair(cp_step_fn, hf_step_fn, 7)
+    t_cp, t_hf = _time_pair(cp_step_fn, hf_step_fn, 9)
     metrics[f"one-GPU parity training {name} (CP / HF sdpa)"] = t_cp / t_hf
     metrics[f"parity {name} training {n} ms CP"] = t_cp * 1e3
     metrics[f"parity {name} training {n} ms HF"] = t_hf * 1e3
