@@ -91,3 +91,48 @@ def test_flash_refuses_a_runs_pack():
     inputs = PrefillInputs(q, k, k, plan.segments_host, None, None, None, 0.3)
     with pytest.raises(AssertionError, match="varlen"):
         masked_prefill_forward(inputs, pack, kernel="flash", softcap=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[256, 128], [301, 77]], ids=["divisible", "ragged"])
+def test_gpu_runs_layout_follows_the_two_x_rule_on_flex_kernels(lens):
+    # Compiled FlexAttention on the runs layout (in-place keys; lengths multiples of 128 in the
+    # first case, so the divisibility flag is set), forward and backward, against an fp64
+    # dense twin: its error at most twice the error of the varlen layout on the same kernels.
+    from cp_modules.kernels.masked_prefill import dense_twin_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for pcp, window, softcap in ((1, None, 30.0), (2, 100, 30.0), (2, 64, None)):
+        for rank in range(pcp):
+            plan = plan_pcp(lens, [0] * len(lens), pcp, rank, decode_threshold=0)
+            t, n = plan.token_indices.shape[0], sum(lens)
+            q, k, v = (
+                torch.randn(m, h, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+                for m, h in ((t, 4), (n, 2), (n, 2))
+            )
+            inputs = PrefillInputs(q, k, v, plan.segments_host, None, None, None, 0.125)
+            packs = [
+                masked_pack(plan.segments_host, n, None, window, "cuda", layout)
+                for layout in ("runs", "varlen")
+            ]
+            kw = dict(kernel="flex", softcap=softcap)
+            outs = [masked_prefill_forward(inputs, p, **kw) for p in packs]
+            dout = torch.randn(outs[0][0].shape, generator=gen, device="cuda", dtype=q.dtype)
+            grads = [
+                masked_prefill_backward(dout, *o, inputs, p, **kw)[:3] for o, p in zip(outs, packs)
+            ]
+            # The fp64 twin: the runs pack's keys are the inputs' rows in place.
+            leaves = [x.double().requires_grad_() for x in (q, k, v)]
+            qi = packs[0].q_index
+            o64, _ = dense_twin_attention(
+                leaves[0][qi], leaves[1], leaves[2], packs[0], scale=0.125, softcap=softcap
+            )
+            ref_out = torch.zeros(outs[0][0].shape, dtype=torch.float64, device="cuda")
+            ref_out[qi] = o64
+            ref_grads = torch.autograd.grad(o64, leaves, dout[qi].double())
+            pairs = [("out", outs[0][0], outs[1][0], ref_out)]
+            pairs += [(name, a, b, r) for name, a, b, r in zip("qkv", *grads, ref_grads)]
+            for name, got, same, want in pairs:
+                err = (got.double() - want).abs().max().item()
+                base = (same.double() - want).abs().max().item()
+                assert err <= 2 * base + 1e-6, (name, pcp, rank, err, base)
