@@ -173,7 +173,7 @@ def flex_attention_backward_call(
     q4, k4, v4, out4, dout4 = (
         x.detach().to(dt).transpose(0, 1).unsqueeze(0) for x in (q, k, v, out, dout)
     )  # fmt: skip
-    kernel_options = _apply_kernel_options(q4, k4, v4, True, None)
+    kernel_options: dict = dict(_apply_kernel_options(q4, k4, v4, True, None))
     if divisible:
         assert q.shape[0] % 128 == 0 and k.shape[0] % 128 == 0, "lengths not multiples of 128"
         kernel_options["IS_DIVISIBLE"] = True

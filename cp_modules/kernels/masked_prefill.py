@@ -214,6 +214,7 @@ def flex_backward(dout, q, k, v, out, lse, pack: MaskedPack, *, scale, softcap, 
     (natural log) by FlexAttention's backward kernel alone
     (:func:`~cp_modules.kernels.flex_backward.flex_attention_backward_call`; ``backend=None``:
     the operator's eager dense implementation)."""
+    assert pack.q_lo is not None and pack.q_hi is not None, "a pack's key runs are set"
     with flex_compile_config():
         return flex_attention_backward_call(
             dout, q, k, v, out, lse, block_mask=_block_mask(pack, q.device),
