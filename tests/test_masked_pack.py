@@ -47,6 +47,21 @@ def test_runs_layout_with_a_cached_prefix_stays_varlen():
     assert pack.layout == "varlen" and _seen(pack) == _seen(want)
 
 
+def _layouts_case(lens, pcp, rank, window, dim, scale, **like):
+    # A rank's inputs (queries 4 heads, keys 2) and its packs in both layouts.
+    plan = plan_pcp(lens, [0] * len(lens), pcp, rank, decode_threshold=0)
+    t, n = plan.token_indices.shape[0], sum(lens)
+    gen = like.pop("generator")
+    q, k, v = (torch.randn(m, h, dim, generator=gen, **like) for m, h in ((t, 4), (n, 2), (n, 2)))
+    inputs = PrefillInputs(q, k, v, plan.segments_host, None, None, None, scale)
+    device = like.get("device", "cpu")
+    packs = [
+        masked_pack(plan.segments_host, n, None, window, device, layout)
+        for layout in ("runs", "varlen")
+    ]
+    return inputs, packs
+
+
 def test_runs_layout_gives_the_varlen_outputs_and_gradients():
     # FlexAttention's CPU twin (eager forward, dense twin backward) on both layouts: outputs,
     # LSE and every gradient agree; the runs layout's key gradients need no accumulation.
@@ -57,17 +72,9 @@ def test_runs_layout_gives_the_varlen_outputs_and_gradients():
         if window is None and softcap is None:
             continue
         for rank in range(pcp):
-            plan = plan_pcp(lens, [0] * len(lens), pcp, rank, decode_threshold=0)
-            t, n = plan.token_indices.shape[0], sum(lens)
-            q, k, v = (
-                torch.randn(m, h, 8, generator=gen, dtype=torch.float64)
-                for m, h in ((t, 4), (n, 2), (n, 2))
+            inputs, packs = _layouts_case(
+                lens, pcp, rank, window, 8, 0.3, generator=gen, dtype=torch.float64
             )
-            inputs = PrefillInputs(q, k, v, plan.segments_host, None, None, None, 0.3)
-            packs = [
-                masked_pack(plan.segments_host, n, None, window, "cpu", layout)
-                for layout in ("runs", "varlen")
-            ]
             kw = dict(kernel="flex", softcap=softcap)
             outs = [masked_prefill_forward(inputs, p, **kw) for p in packs]
             for a, b in zip(*outs):
@@ -104,17 +111,11 @@ def test_gpu_runs_layout_follows_the_two_x_rule_on_flex_kernels(lens):
     gen = torch.Generator(device="cuda").manual_seed(0)
     for pcp, window, softcap in ((1, None, 30.0), (2, 100, 30.0), (2, 64, None)):
         for rank in range(pcp):
-            plan = plan_pcp(lens, [0] * len(lens), pcp, rank, decode_threshold=0)
-            t, n = plan.token_indices.shape[0], sum(lens)
-            q, k, v = (
-                torch.randn(m, h, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
-                for m, h in ((t, 4), (n, 2), (n, 2))
-            )
-            inputs = PrefillInputs(q, k, v, plan.segments_host, None, None, None, 0.125)
-            packs = [
-                masked_pack(plan.segments_host, n, None, window, "cuda", layout)
-                for layout in ("runs", "varlen")
-            ]
+            inputs, packs = _layouts_case(
+                lens, pcp, rank, window, 64, 0.125, generator=gen, device="cuda",
+                dtype=torch.bfloat16,
+            )  # fmt: skip
+            q, k, v = inputs.q, inputs.k, inputs.v
             kw = dict(kernel="flex", softcap=softcap)
             outs = [masked_prefill_forward(inputs, p, **kw) for p in packs]
             dout = torch.randn(outs[0][0].shape, generator=gen, device="cuda", dtype=q.dtype)

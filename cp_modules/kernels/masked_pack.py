@@ -195,6 +195,10 @@ def masked_pack(
     }
     views = _to_device(parts, device)  # one host-to-device copy for all of them
     q_rows = parts["q_index"][0]
+    if layout == "runs":  # the identity rows 0 .. N - 1: known without scanning them
+        k_range, k_unique = ((0, num_new) if num_new else None), True
+    else:
+        k_range, k_unique = _run_of(k_rows), bool(np.unique(k_rows).size == k_rows.size)
     return MaskedPack(
         q_index=views["q_index"],
         k_index=views["k_index"],
@@ -214,8 +218,8 @@ def masked_pack(
         q_lo=views["q_lo"],
         q_hi=views["q_hi"],
         q_range=_run_of(q_rows),
-        k_range=_run_of(k_rows),
-        k_unique=bool(np.unique(k_rows).size == k_rows.size),
+        k_range=k_range,
+        k_unique=k_unique,
         layout=layout,
     )
 
