@@ -6,7 +6,9 @@ A rank of a P-way plan (DualChunkSwap: head chunk r, tail chunk 2P-1-r) runs the
 one packed call per step, keys cut to the window). Its time, forward and forward + backward, is
 compared with the best single-GPU kernel of the same masked attention over the whole sequence,
 divided by P: for windows FlashAttention-2 with its window arguments and compiled FlexAttention
-with a sliding-window mask; for soft-cap compiled FlexAttention.
+with a sliding-window mask; for soft-cap compiled FlexAttention. Where the library sets
+FlexAttention's block sizes itself (``flex_block_options``: soft-cap on sm_90), the baseline
+runs with torch's block sizes and with the library's ("flex-blocks"), and the faster counts.
 
 Shapes (bf16, one sequence, 32 heads x 128): window 4096 at S = 32k and 128k (Mistral / Gemma 3
 / gpt-oss windowed layers); window 4096 with soft-cap 50 (Gemma 2's local layers) and soft-cap
@@ -41,6 +43,7 @@ import torch
 from benchmarks.common import RESULTS, write_results
 from cp_modules.kernels.masked_flash import flash_window_backward, flash_window_forward
 from cp_modules.kernels.masked_prefill import (
+    flex_block_options,
     flex_compile_config,
     flex_lse_kwargs,
     masked_pack,
@@ -186,9 +189,10 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_baseline(q, k, v, dout, scale, window, softcap):
+def flex_baseline(q, k, v, dout, scale, window, softcap, kernel_options=None):
     """Compiled FlexAttention over the whole sequence with the plain sliding-window (or causal)
-    mask and the soft-cap: (forward, forward + backward)."""
+    mask and the soft-cap, torch's block sizes or those of ``kernel_options``: (forward,
+    forward + backward)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -199,7 +203,8 @@ def flex_baseline(q, k, v, dout, scale, window, softcap):
     mask = create_block_mask(mask_mod, None, None, S, S, device=q.device, _compile=True)
     q4, k4, v4, do4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v, dout))
     kwargs = dict(score_mod=softcap_score_mod(softcap), block_mask=mask, scale=scale,
-                  enable_gqa=q.shape[1] != k.shape[1], **flex_lse_kwargs())  # fmt: skip
+                  enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options,
+                  **flex_lse_kwargs())  # fmt: skip
     flex = _compiled_flex()
 
     def forward():
@@ -232,6 +237,10 @@ def baselines(q, k, v, dout, scale, window, softcap):
         res["flash"] = (fwd, both, (o, lse, list(both())))
     fwd, both, results = flex_baseline(q, k, v, dout, scale, window, softcap)
     res["flex"] = (fwd, both, results())
+    blocks = flex_block_options(q, softcap)
+    if blocks:  # the library's block sizes for this shape serve the baseline too
+        fwd, both, results = flex_baseline(q, k, v, dout, scale, window, softcap, blocks)
+        res["flex-blocks"] = (fwd, both, results())
     return res
 
 

@@ -261,9 +261,10 @@ def _profile(prefix: str, fns: dict) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             _sync()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        averages = prof.key_averages()
         with open(f"{prefix}-{side}.txt", "w") as f:
-            f.write(table)
+            for key in ("cuda_time_total", "self_cuda_time_total"):
+                f.write(averages.table(sort_by=key, row_limit=40) + "\n")
 
 
 def engine_rows(quick: bool, metrics: dict, profile: str | None, compiled: bool = False) -> None:

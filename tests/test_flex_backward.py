@@ -117,6 +117,35 @@ def test_compiled_flex_backward_traces_once_for_new_packed_lengths():
     torch._dynamo.reset()
 
 
+def test_compiled_flex_backward_states_divisibility_either_way():
+    # Dynamo guards only the kernel-option keys a compiled variant saw: were the divisibility
+    # flag present only when true, a call of lengths divisible by 128 would reuse a variant
+    # compiled for ragged lengths (bounds-checked loads, the flag lost). Each compiled graph's
+    # operator call is read for its flag: after two ragged lengths, a divisible one compiles
+    # a variant of its own, with the flag set.
+    import torch._dynamo
+    from torch._higher_order_ops import flex_attention_backward
+
+    flags = []
+
+    def spy(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is flex_attention_backward:
+                flags.append(node.args[11]["IS_DIVISIBLE"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    for n in (120, 136, 128):
+        pack = masked_pack(torch.tensor([[0, 0, n, 0, n]]), n, None, None, "cpu")
+        q, k, v, dout, out = (torch.randn(n, 2, 8, generator=g, dtype=torch.float64)
+                              for _ in range(5))  # fmt: skip
+        lse = torch.randn(n, 2, generator=g, dtype=torch.float64)
+        flex_backward(dout, q, k, v, out, lse, pack, scale=0.3, softcap=None, backend=spy)
+    torch._dynamo.reset()
+    assert flags and flags[-1] is True and not any(flags[:-1]), flags
+
+
 def _same_dtype_grads(pack, q, k, v, dout, scale, softcap):
     # The dense attention over the pack's mask in the inputs' dtype throughout (the 2x rule's
     # same-dtype reference; the dense twin accumulates in fp32), q/k/v gradients by autograd.

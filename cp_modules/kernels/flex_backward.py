@@ -155,6 +155,7 @@ def flex_attention_backward_call(
     score_mod: Callable | None,
     backend: str | None = "inductor",
     divisible: bool = False,
+    block_options: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, Dv], in q's dtype) of the
     FlexAttention whose output and natural-log LSE are ``out`` [Tq, Hq, Dv] / ``lse`` [Tq, Hq],
@@ -165,7 +166,9 @@ def flex_attention_backward_call(
     ``backend``: the ``torch.compile`` backend (the caller applies its dynamo settings), or
     None for the operator's eager dense implementation (CPU tests). ``divisible``: both lengths
     are multiples of 128, so the kernel may skip its bounds checks
-    (:func:`~cp_modules.kernels.masked_prefill.flex_divisible`). Requires
+    (:func:`~cp_modules.kernels.masked_prefill.flex_divisible`). ``block_options``: kernel
+    options of block sizes in FlexAttention's names (``bwd_BLOCK_M1``, ...; ``fwd_`` keys are
+    ignored here), None: torch's defaults. Requires
     :func:`flex_backward_supported`."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
@@ -176,7 +179,10 @@ def flex_attention_backward_call(
     kernel_options: dict = dict(_apply_kernel_options(q4, k4, v4, True, None))
     if divisible:
         assert q.shape[0] % 128 == 0 and k.shape[0] % 128 == 0, "lengths not multiples of 128"
-        kernel_options["IS_DIVISIBLE"] = True
+    # Stated either way: dynamo guards only the keys a compiled variant saw (a flag present
+    # only when true would let a divisible call reuse a variant compiled for ragged lengths).
+    kernel_options["IS_DIVISIBLE"] = bool(divisible)
+    kernel_options.update(block_options or {})
     log2 = kernel_options["BACKEND"] != "FLASH"
     lse_t = lse.detach().transpose(0, 1) * (1 / math.log(2) if log2 else 1.0)
     lse4 = lse_t.to(torch.promote_types(lse.dtype, torch.float32)).contiguous().unsqueeze(0)

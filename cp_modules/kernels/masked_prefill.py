@@ -78,6 +78,7 @@ __all__ = [
     "flex_backward",
     "flex_block_tables",
     "flex_compile_config",
+    "flex_block_options",
     "flex_divisible",
     "flex_lse_kwargs",
     "masked_pack",
@@ -169,6 +170,35 @@ def flex_divisible(num_queries: int, num_keys: int) -> bool:
     return num_queries % 128 == 0 and num_keys % 128 == 0
 
 
+# FlexAttention's block sizes for soft-capped attention on sm_90 at head dim 128, 16-bit, in
+# its option names (``fwd_`` / ``bwd_`` prefixes: forward / backward kernel). Measured on the
+# H200 (torch 2.11, triton 3.6; S = 32k, 32 heads, c = 50, docs/experiments/
+# 2026-12-01-masked-prefill-speed.md): torch's defaults there (forward 128 x 64, 8 warps;
+# backward 64 / 128 / 128 / 64, 8 warps) took 42.5 ms forward and 151.7 ms forward + backward
+# over the whole sequence, these 40.4 and 144.6 ms; one rank of eight (4k queries, 32k keys)
+# 21.4 ms forward + backward with the defaults, 19.8 ms with this backward. Without the
+# soft-cap the defaults were as fast or faster, and other block sizes measured slower.
+SOFTCAP_SM90_BLOCKS = {
+    "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+    "bwd_num_stages": 3, "bwd_num_warps": 4,
+}  # fmt: skip
+
+
+def flex_block_options(q: torch.Tensor, softcap: float | None) -> dict:
+    """FlexAttention kernel options of block sizes for ``q``'s attention: the measured
+    :data:`SOFTCAP_SM90_BLOCKS` for a soft-cap on sm_90, head dim 128, fp16 / bf16; else none
+    (torch's defaults). A compiled variant never meets calls of the other choice: the
+    soft-cap's score graph, head dim, dtype and device are guarded anyway."""
+    if softcap is None or not q.is_cuda or q.shape[-1] != 128:
+        return {}
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return {}
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return {}
+    return dict(SOFTCAP_SM90_BLOCKS)
+
+
 def flex_lse_kwargs() -> dict:
     """FlexAttention's keyword arguments that return the LSE: ``return_aux`` where it exists
     (``return_lse`` is deprecated there), else ``return_lse``."""
@@ -195,8 +225,13 @@ def flex_attention_call(
     fn = _compiled_flex() if q.is_cuda else _flex_entry
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     kwargs = flex_lse_kwargs()
-    if q.is_cuda and flex_divisible(q.shape[0], k.shape[0]):
-        kwargs["kernel_options"] = {"IS_DIVISIBLE": True}
+    if q.is_cuda:
+        # Stated either way: dynamo guards the keys a compiled variant saw, so a flag that is
+        # only present when true would let a later divisible call reuse a ragged variant.
+        kwargs["kernel_options"] = {
+            "IS_DIVISIBLE": flex_divisible(q.shape[0], k.shape[0]),
+            **flex_block_options(q, softcap),
+        }
     with warnings.catch_warnings(), flex_compile_config():
         # The eager (CPU) path warns that it is unfused: it is the CPU twin by design.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -221,6 +256,7 @@ def flex_backward(dout, q, k, v, out, lse, pack: MaskedPack, *, scale, softcap, 
             mask_mod=key_run_mask, mask_buffers=(pack.q_lo, pack.q_hi), scale=scale,
             score_mod=softcap_score_mod(softcap), backend=backend,
             divisible=backend is not None and flex_divisible(q.shape[0], k.shape[0]),
+            block_options=flex_block_options(q, softcap) if backend is not None else None,
         )  # fmt: skip
 
 
