@@ -221,7 +221,7 @@ def training_rows(name: str, quick: bool, metrics: dict, profile: str | None) ->
         with cp_step(cb.meta):
             logits = cp(
                 input_ids=cb.input_ids[None], position_ids=cb.positions[None], use_cache=False
-            ).logits[0]
+            ).logits.squeeze(0)  # not [0]: its backward zero-fills and copies [1, T, V]
             loss = lm_cross_entropy(logits, cb)
         loss.backward()
         return loss

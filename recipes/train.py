@@ -161,7 +161,9 @@ class HFTokensLM(torch.nn.Module):
         self.hf = model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids[None], position_ids=positions[None]).logits[0]
+        # squeeze(0), not [0]: indexing's backward zero-fills a [1, T, V] gradient and copies
+        # the logits' gradient into it (two passes over the largest tensor of the step).
+        return self.hf(input_ids=input_ids[None], position_ids=positions[None]).logits.squeeze(0)
 
 
 def _build_model(conf: TrainConf, groups=None) -> torch.nn.Module:

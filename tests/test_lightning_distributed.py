@@ -244,7 +244,8 @@ def _hf_eval_ids():
 
 def _hf_local_logits(model, cb):
     with cp_step(cb.meta):
-        return model(input_ids=cb.input_ids[None], position_ids=cb.positions[None]).logits[0]
+        out = model(input_ids=cb.input_ids[None], position_ids=cb.positions[None])
+        return out.logits.squeeze(0)
 
 
 def _hf_train(ctx, model):

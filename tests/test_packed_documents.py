@@ -121,7 +121,9 @@ def _packed_on_ranks(family, config):
     model = swap_attention(_model(family), ctx.groups)
     cb = ctx.shard_batch(_packed_batch())
     with cp_step(cb.meta):
-        logits = model(input_ids=cb.input_ids[None], position_ids=cb.positions[None]).logits[0]
+        logits = model(
+            input_ids=cb.input_ids[None], position_ids=cb.positions[None]
+        ).logits.squeeze(0)
         loss = lm_cross_entropy(logits, cb)
     loss.backward()
     # Gradients of every rank's loss share, summed over the dp x pcp ranks of its TP position.
