@@ -146,6 +146,33 @@ def test_compiled_flex_backward_states_divisibility_either_way():
     assert flags and flags[-1] is True and not any(flags[:-1]), flags
 
 
+def test_block_sizes_are_set_only_where_they_were_measured():
+    # The soft-cap block sizes apply on sm_90 at head dim 128 in 16-bit only; under 128
+    # queries (FlexAttention's decoding kernel forward, which sizes its own query block) only
+    # the backward's are set.
+    from cp_modules.kernels.masked_prefill import (
+        SOFTCAP_SM90_BLOCKS,
+        block_options_for,
+        flex_block_options,
+    )
+
+    bf16, sm90 = torch.bfloat16, (9, 0)
+    assert block_options_for(50.0, 4096, 128, bf16, sm90) == SOFTCAP_SM90_BLOCKS
+    assert block_options_for(50.0, 4096, 128, torch.float16, sm90) == SOFTCAP_SM90_BLOCKS
+    for args in [
+        (None, 4096, 128, bf16, sm90),  # no soft-cap
+        (50.0, 4096, 64, bf16, sm90),  # another head dim
+        (50.0, 4096, 128, torch.float32, sm90),
+        (50.0, 4096, 128, bf16, (8, 0)),
+        (50.0, 4096, 128, bf16, (10, 0)),
+    ]:
+        assert block_options_for(*args) == {}, args
+    short = block_options_for(50.0, 127, 128, bf16, sm90)
+    assert short and all(k.startswith("bwd_") for k in short), short
+    assert block_options_for(50.0, 128, 128, bf16, sm90) == SOFTCAP_SM90_BLOCKS
+    assert flex_block_options(torch.zeros(256, 2, 128, dtype=torch.bfloat16), 50.0) == {}  # CPU
+
+
 def _same_dtype_grads(pack, q, k, v, dout, scale, softcap):
     # The dense attention over the pack's mask in the inputs' dtype throughout (the 2x rule's
     # same-dtype reference; the dense twin accumulates in fp32), q/k/v gradients by autograd.

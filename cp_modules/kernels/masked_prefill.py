@@ -78,6 +78,7 @@ __all__ = [
     "flex_backward",
     "flex_block_tables",
     "flex_compile_config",
+    "block_options_for",
     "flex_block_options",
     "flex_divisible",
     "flex_lse_kwargs",
@@ -186,16 +187,30 @@ SOFTCAP_SM90_BLOCKS = {
 
 
 def flex_block_options(q: torch.Tensor, softcap: float | None) -> dict:
-    """FlexAttention kernel options of block sizes for ``q``'s attention: the measured
-    :data:`SOFTCAP_SM90_BLOCKS` for a soft-cap on sm_90, head dim 128, fp16 / bf16; else none
-    (torch's defaults). A compiled variant never meets calls of the other choice: the
-    soft-cap's score graph, head dim, dtype and device are guarded anyway."""
-    if softcap is None or not q.is_cuda or q.shape[-1] != 128:
+    """FlexAttention kernel options of block sizes for the packed queries ``q`` [Tq, Hq, D]
+    (:func:`block_options_for` on its device; none on CPU)."""
+    if not q.is_cuda:
         return {}
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    capability = torch.cuda.get_device_capability(q.device)
+    return block_options_for(softcap, q.shape[0], q.shape[-1], q.dtype, capability)
+
+
+def block_options_for(
+    softcap: float | None, num_queries: int, head_dim: int, dtype: torch.dtype, capability
+) -> dict:
+    """The measured :data:`SOFTCAP_SM90_BLOCKS` for a soft-cap on sm_90 (``capability``
+    (9, 0)), head dim 128, fp16 / bf16; else none (torch's defaults). Below 128 queries
+    FlexAttention's forward is its decoding kernel, which would take ``fwd_BLOCK_M`` as its
+    own query block (sized there for the query count and GQA group): the forward's keys are
+    left out. A compiled variant never meets calls of another choice: the soft-cap's score
+    graph, head dim, dtype and device are guarded, and so is the query count against 128 (the
+    lowering's choice of kernel)."""
+    if softcap is None or head_dim != 128 or tuple(capability) != (9, 0):
         return {}
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if dtype not in (torch.float16, torch.bfloat16):
         return {}
+    if num_queries < 128:
+        return {k: v for k, v in SOFTCAP_SM90_BLOCKS.items() if not k.startswith("fwd_")}
     return dict(SOFTCAP_SM90_BLOCKS)
 
 
