@@ -27,6 +27,7 @@ a new plan (packing, block mask; the compiled kernels are warm) separately.
 
     python -m benchmarks.bench_masked                       # the suite's part
     python -m benchmarks.bench_masked --shapes w4k-32k --pcp 1 2
+    python -m benchmarks.bench_masked --shapes softcap-32k --softcap-blocks bwd_BLOCK_M2=32
 
 Writes ``benchmarks/results/masked-<date>.json``.
 """
@@ -43,6 +44,7 @@ import torch
 from benchmarks.common import RESULTS, write_results
 from cp_modules.kernels.masked_flash import flash_window_backward, flash_window_forward
 from cp_modules.kernels.masked_prefill import (
+    SOFTCAP_SM90_BLOCKS,
     flex_block_options,
     flex_compile_config,
     flex_lse_kwargs,
@@ -360,13 +362,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["auto", "flex", "flash"],
         help="the op's path (CPPolicy.pcp_masked); not auto: masked-<path>-<date>.json",
     )
+    p.add_argument(
+        "--softcap-blocks",
+        default=None,
+        metavar="KEY=N,...",
+        help="override the library's soft-cap block sizes for this run, e.g. "
+        "bwd_BLOCK_M2=32,bwd_BLOCK_N2=32 (a sweep; writes masked-blocks-<date>.json)",
+    )
     return p.parse_args(argv)
+
+
+def parse_blocks(text: str) -> dict:
+    """``"bwd_BLOCK_M2=32,fwd_num_warps=8"`` -> the kernel-option dict, keys checked against
+    the library's own."""
+    blocks = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in SOFTCAP_SM90_BLOCKS or not value.isdigit():
+            raise SystemExit(f"--softcap-blocks: {item!r} is not KEY=N with KEY one of "
+                             f"{sorted(SOFTCAP_SM90_BLOCKS)}")  # fmt: skip
+        blocks[key] = int(value)
+    return blocks
 
 
 def main(argv=None) -> int:
     global POLICY
     args = parse_args(argv)
     POLICY = CPPolicy(pcp_masked=args.pcp_masked)
+    blocks = parse_blocks(args.softcap_blocks) if args.softcap_blocks else None
+    if blocks:  # the library's rule and the flex-blocks baseline both take them
+        SOFTCAP_SM90_BLOCKS.update(blocks)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -377,7 +402,10 @@ def main(argv=None) -> int:
         all_ok &= ok
         torch.cuda.empty_cache()
     label = "masked" if args.pcp_masked == "auto" else f"masked-{args.pcp_masked}"
-    path = write_results(label, metrics, args.out)
+    extra = {}
+    if blocks:
+        label, extra = f"{label}-blocks", {"softcap_blocks": dict(SOFTCAP_SM90_BLOCKS)}
+    path = write_results(label, metrics, args.out, **extra)
     print(
         f"wrote {path}; {'all correct' if all_ok else 'SOME PATHS ARE WRONG (no speeds for them)'}"
     )

@@ -69,3 +69,13 @@ def test_the_suite_part_covers_the_shapes():
     args = bench.parse_args([])
     assert args.pcp == [1, 2, 4, 8] and args.shapes == list(bench.SHAPES)
     assert bench.POLICY == CPPolicy()  # the op's own path choice is timed
+
+
+def test_softcap_block_sweep_takes_only_the_librarys_keys():
+    assert bench.parse_blocks("bwd_BLOCK_M2=32,fwd_num_warps=8") == {
+        "bwd_BLOCK_M2": 32,
+        "fwd_num_warps": 8,
+    }
+    for bad in ("BLOCK_M2=32", "bwd_BLOCK_M2=x", "bwd_BLOCK_M2"):
+        with pytest.raises(SystemExit, match="not KEY=N"):
+            bench.parse_blocks(bad)
