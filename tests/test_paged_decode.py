@@ -752,6 +752,11 @@ def test_gluon_mla_config_is_validated():
 
     with pytest.raises(ValueError, match="issue must be one of"):
         GluonMLAConfig(issue="tma")
+    with pytest.raises(ValueError, match="max_box_rows must be 8, 16, 32 or 64"):
+        GluonMLAConfig(issue="loader", max_box_rows=48)
+    # Block size 16: two producer warps (measured faster there); 64: one.
+    assert default_gluon_mla_config(16).issue == "loader2"
+    assert default_gluon_mla_config(64).issue == "loader"
     for bs in (8, 16, 64, 128):
         assert isinstance(default_gluon_mla_config(bs), GluonMLAConfig)
 

@@ -71,6 +71,8 @@ out = Path(os.environ.get("OUT_DIR", "/tmp/gluon-mla"))
 out.mkdir(parents=True, exist_ok=True)
 for name in names:
     cfg = m.GLUON_MLA_VARIANTS[name]
+    box = min(page, 64, cfg.max_box_rows)
+    sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
                   "PARTIAL": partial, **spec_consts,
                   **cfg.constexprs(int(splits_env) if splits_env else 2 if partial else 1),

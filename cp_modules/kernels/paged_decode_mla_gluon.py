@@ -171,7 +171,7 @@ if HAS_GLUON:
         phase = k & 1
         n0 = start + 2 * k * _BN
         s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma)
-        if ISSUE != _ISSUE_LOADER:
+        if ISSUE < _ISSUE_LOADER:
             if k > 0:
                 # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
                 mbarrier.wait(k_free.index(1), phase ^ 1)
@@ -205,12 +205,12 @@ if HAS_GLUON:
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        if ISSUE == _ISSUE_LOADER:
+        if ISSUE >= _ISSUE_LOADER:
             mbarrier.arrive(k_free.index(0))
         # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
         # published means warp group 1 is done with buffer 0: the next tile A goes there.
         mbarrier.wait(pb_bar, phase)
-        if ISSUE != _ISSUE_LOADER:
+        if ISSUE < _ISSUE_LOADER:
             if k + 1 < n_pairs:
                 _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, n0 + 2 * _BN,
                                last_page, PAGE, BOX_ROWS)  # fmt: skip
@@ -224,7 +224,7 @@ if HAS_GLUON:
                               o0 * alpha_b[:, None], o1 * alpha_b[:, None],
                               o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        if ISSUE == _ISSUE_LOADER:
+        if ISSUE >= _ISSUE_LOADER:
             mbarrier.arrive(k_free.index(1))
         return m_i, l_i, o0, o1, o2, o3
 
@@ -247,7 +247,7 @@ if HAS_GLUON:
         o2 = gl.zeros([_BH, _BC], gl.float32, mma)
         o3 = gl.zeros([_BH, _BC], gl.float32, mma)
         last_page = gl.maximum(end - 1, 0) // PAGE
-        if ISSUE != _ISSUE_LOADER:
+        if ISSUE < _ISSUE_LOADER:
             # Warp group 0 also issues the copies: Q, then the first two tiles.
             _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
             if n_pairs > 0:
@@ -323,7 +323,7 @@ if HAS_GLUON:
                               o0 * alpha_a[:, None], o1 * alpha_a[:, None],
                               o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
         s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-        if ISSUE == _ISSUE_LOADER:
+        if ISSUE >= _ISSUE_LOADER:
             mbarrier.arrive(k_free.index(0))
         if MASK:
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
@@ -447,13 +447,39 @@ if HAS_GLUON:
             for c in gl.static_range(_LAT + 1):
                 mbarrier.init(k_ready.index(b * 16 + c), count=1)
             # With the producer warp a buffer is free once both warp groups are done with it.
-            mbarrier.init(k_free.index(b), count=2 if ISSUE == _ISSUE_LOADER else 1)
+            mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
         if FUSED:
             mbarrier.init(k_ready.index(_HALF_STORED), count=1)
             mbarrier.init(k_ready.index(_TICKET), count=1)
 
         bt_row = row * stride_btr
-        if ISSUE == _ISSUE_LOADER:
+        # Warp group 0 issues the copies (inline, hoist), or one producer warp (loader) or two
+        # (loader2: each its share of every tile's pieces, the first also Q) do.
+        if ISSUE == _ISSUE_LOADER + 1:
+            gl.warp_specialize(
+                [
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
+                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
+                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
+                                PEEL, FUSED, OWN_REGS)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
+                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS)),
+                    (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
+                                   n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
+                                   2)),
+                    (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
+                                   n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 1,
+                                   2)),
+                ],
+                [4, 1, 1],
+                [WG1_REGS, LOADER_REGS, LOADER_REGS],
+            )  # fmt: skip
+        elif ISSUE == _ISSUE_LOADER:
             gl.warp_specialize(
                 [
                     (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
@@ -546,7 +572,7 @@ def paged_mla_attention_gluon(
     q2 = q.reshape(t * h, width)
     if q2.stride(0) != width:
         q2 = q2.contiguous()
-    box_rows = min(page, _TILE)
+    box_rows = min(page, _TILE, config.max_box_rows)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_HEADS, _PIECE], layout)
     c2 = cache.view(nb * page, width)
     c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], layout)

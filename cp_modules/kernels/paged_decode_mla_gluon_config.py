@@ -33,7 +33,7 @@ __all__ = [
 _HEADS = 64  # heads per program: the wgmma tile height
 _TILE = 64  # tokens per latent tile
 _PIECE = 64  # columns per TMA piece (128 bytes of bf16: the swizzle width)
-_ISSUE_MODES = ("inline", "hoist", "loader")
+_ISSUE_MODES = ("inline", "hoist", "loader", "loader2")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class GluonMLAConfig:
             ``"hoist"`` (warp group 0, a tile's block ids looked up together before its
             copies) or ``"loader"`` (a third partition, one producer warp, issues Q and every
             tile as soon as both warp groups are done with its buffer; the compute warp groups
-            issue nothing).
+            issue nothing); ``"loader2"``: two producer warps, each issuing about half of every
+            tile's pieces (the first also Q).
         peel: every pair of tiles but a split's last runs without the range mask and the
             row zeroing (and the branches around them, which make ptxas wait for in-flight
             products); the last pair runs the masked body.
@@ -68,6 +69,8 @@ class GluonMLAConfig:
             tiles (``None``: the Triton kernel's, ``paged_decode_mla._SPLIT_COST_TILES``).
         merge_tiles_per_split: the split chooser's cost of the last program's merge per extra
             split, in tiles, added once per (query, head tile) (0: not modelled).
+        max_box_rows: rows of one TMA copy at most (a page's rows, up to a 64-token tile, by
+            default): 16 makes a 64-token page take the copies of block size 16.
     """
 
     issue: str = "inline"
@@ -79,6 +82,7 @@ class GluonMLAConfig:
     merge_own_from_registers: bool = False
     split_cost_tiles: float | None = None
     merge_tiles_per_split: float = 0.0
+    max_box_rows: int = 64
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -93,6 +97,10 @@ class GluonMLAConfig:
         if self.split_cost_tiles is not None and not self.split_cost_tiles >= 0:
             raise ValueError(
                 f"GluonMLAConfig.split_cost_tiles must be None or >= 0, got {self.split_cost_tiles}"
+            )
+        if self.max_box_rows not in (8, 16, 32, 64):
+            raise ValueError(
+                f"GluonMLAConfig.max_box_rows must be 8, 16, 32 or 64, got {self.max_box_rows}"
             )
         if not self.merge_tiles_per_split >= 0:
             raise ValueError(
@@ -129,6 +137,11 @@ GLUON_MLA_VARIANTS = {
     "hoist": GluonMLAConfig(issue="hoist"),
     "loader": GluonMLAConfig(issue="loader"),
     "loader-r232": GluonMLAConfig(issue="loader", wg1_regs=232),
+    # Two producer warps share each tile's copies (36 per tile at block size 16). Three were
+    # no faster, four slower (more spills): docs/experiments/2026-12-01-mla-decode-gluon-schedules.md
+    "loader2-r232": GluonMLAConfig(issue="loader2", wg1_regs=232),
+    # loader-r232 with copies of 16 rows at any block size: what the copy count alone costs.
+    "loader-r232-box16": GluonMLAConfig(issue="loader", wg1_regs=232, max_box_rows=16),
     "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
     # The split merge fused into the kernel (the last program of a row merges; no merge
@@ -147,9 +160,13 @@ GLUON_MLA_VARIANTS = {
 # for the rest. Rule: from ``bench_mla_decode --gluon-only --variants ...``, per block size
 # the variant whose checked rates have the highest geometric mean over the 128-head rows
 # (none may be more than 3 % below the current default's on any row). The H200 sweep of
-# 2026-12-01 (benchmarks/results/mla-decode-gluon-2026-12-01.json): loader-r232 for both
-# (geometric mean 398 against 274 TFLOP/s at block size 16, 439 against 392 at 64).
-_DEFAULT_SMALL_PAGE = "loader-r232"
+# 2026-12-01 (`git show 1e352f6:benchmarks/results/mla-decode-gluon-2026-12-01.json`):
+# loader-r232 for both (geometric mean 398 against 274 TFLOP/s at block size 16, 439 against
+# 392 at 64). Then loader2-r232 for small blocks: 2.5-4 % above loader-r232 on the 128-head
+# shapes at block size 16 in two probes, +0.6 % geometric mean (-2.8 % to +3.3 % per shape) in
+# the sweep benchmarks/results/mla-decode-gluon-2026-12-01.json; at block size 64 equal or up
+# to 8 % slower, so large blocks keep loader-r232.
+_DEFAULT_SMALL_PAGE = "loader2-r232"
 _DEFAULT_LARGE_PAGE = "loader-r232"
 
 

@@ -30,30 +30,36 @@ if HAS_GLUON:
     _ISSUE_INLINE = gl.constexpr(0)
     _ISSUE_HOIST = gl.constexpr(1)
     _ISSUE_LOADER = gl.constexpr(2)
+    # 3: two producer warps, each issuing its share of every tile (loader2).
 
     @gluon.jit
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
-                    c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
-                    BOX_ROWS: gl.constexpr):  # fmt: skip
-        # The producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
+                    c_desc, BT, bt_row, q_row, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr,
+                    PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):  # fmt: skip
+        # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
-        # are looked up before waiting for its buffer.
-        _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
+        # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
+        # PART issues its share of each tile's pieces and the first one issues Q.
+        per: gl.constexpr = (_LAT + 1 + PARTS - 1) // PARTS
+        c_lo: gl.constexpr = PART * per
+        c_hi: gl.constexpr = min(c_lo + per, _LAT + 1)
+        if PART == 0:
+            _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
         last_page = gl.maximum(end - 1, 0) // PAGE
         if n_pairs > 0:
             rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows, BOX_ROWS, c_lo, c_hi)
             rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows, BOX_ROWS, c_lo, c_hi)
         for k in range(1, n_pairs):
             n0 = start + 2 * k * _BN
             phase = (k - 1) & 1
             rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
             rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
             mbarrier.wait(k_free.index(0), phase)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, c_lo, c_hi)
             mbarrier.wait(k_free.index(1), phase)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, c_lo, c_hi)
 
     @gluon.jit
     def _issue_q(q_desc, q_lat, q_pe, q_bar, q_row):
@@ -125,9 +131,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue_rows(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows,
-                    BOX_ROWS: gl.constexpr):  # fmt: skip
-        # The copies of one tile whose box rows are already known (_tile_rows).
-        for c in gl.static_range(_LAT + 1):
+                    BOX_ROWS: gl.constexpr, c_lo: gl.constexpr = 0,
+                    c_hi: gl.constexpr = _LAT + 1):  # fmt: skip
+        # The copies of pieces [c_lo, c_hi) of one tile whose box rows are already known
+        # (_tile_rows).
+        for c in gl.static_range(c_lo, c_hi):
             bar = k_ready.index(buf * 16 + c)
             mbarrier.expect(bar, _BN * _BC * 2)
             for g in gl.static_range(_BN // BOX_ROWS):
