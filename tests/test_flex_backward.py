@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,6 +83,73 @@ def test_flex_backward_equals_the_dense_twin_gradients(pack_name, feature):
                 assert a.shape == b.shape and a.dtype == b.dtype, name
                 torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10, msg=name)
                 torch.testing.assert_close(c, b, atol=1e-12, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("feature", ["causal", "c2"])
+def test_flex_backward_with_split_rows_equals_the_whole_rows(feature, monkeypatch):
+    # Long key runs cut in pieces for the backward (each piece a row of its own, dq summed):
+    # the same gradients as the whole rows and the dense twin, fp64. The "long" pack's second
+    # request spans up to 490 keys per 128-row block; with the key floor lifted, blocks over
+    # 1.5 x the mean run are cut.
+    from cp_modules.kernels import masked_pack as mp
+
+    monkeypatch.setattr(mp, "SPLIT_MIN_KEYS", 0)
+    window, softcap = FEATURES[feature]
+    pack, (q, k, v, dout) = _packed("long", window, (4, 2), 6, torch.float64, "cpu")
+    split = mp.row_split(pack, "cpu")
+    assert split is not None and split.num_queries > pack.num_queries
+    assert mp.row_split(pack, "cpu") is split  # cached in the pack
+    # The pieces of every row are disjoint and cover its run; cuts on 128-key boundaries.
+    ranges, src = split.key_ranges_host, split.src.numpy()
+    tq = pack.num_queries
+    covered = np.zeros((tq, pack.cu_k_host[-1]), dtype=np.int64)
+    for row in range(split.num_queries):
+        lo, hi = ranges[row]
+        if hi > lo:
+            covered[src[row], lo:hi] += 1
+            if row >= tq:
+                assert lo % 128 == 0 or lo == pack.key_ranges_host[src[row], 0]
+    want_cover = np.zeros_like(covered)
+    for row, (lo, hi) in enumerate(pack.key_ranges_host):
+        want_cover[row, lo:hi] = 1
+    np.testing.assert_array_equal(covered, want_cover)
+    assert split.extra_pos.numel() > 0 and split.num_queries % 128 == 0
+    out, lse, want = _reference(pack, q, k, v, dout, 0.3, softcap)
+    whole = flex_backward(dout, q, k, v, out, lse, pack, scale=0.3, softcap=softcap,
+                          backend=None)  # fmt: skip
+    got = flex_backward(dout, q, k, v, out, lse, pack, scale=0.3, softcap=softcap,
+                        backend=None, split=split)  # fmt: skip
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, whole, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10, msg=name)
+        torch.testing.assert_close(a, c, atol=1e-12, rtol=1e-10, msg=name)
+
+
+def test_row_split_leaves_short_and_even_runs_whole():
+    # Windowed rows (every run about W keys) and short packs are never cut; neither is the
+    # "long" pack under the default floor of 4096 keys.
+    from cp_modules.kernels import masked_pack as mp
+
+    for name, window in (("long", None), ("long", 64), ("no-prefix", None)):
+        pack, _ = _packed(name, window, (4, 2), 6, torch.float64, "cpu")
+        assert mp.row_split(pack, "cpu") is None, (name, window)
+    segs = torch.tensor([[0, 0, 8192, 0, 8192]])
+    pack = masked_pack(segs, 8192, None, 1024, "cpu", layout="runs")
+    assert mp.row_split(pack, "cpu") is None  # W = 1024: every run <= 1024 keys
+    # A PCP rank's head and tail chunks of one 32k request (chunk 0 and chunk 15 of 16):
+    # the tail chunk's blocks span ~2x the mean and are cut in two.
+    segs = torch.tensor([[0, 0, 2048, 0, 2048], [0, 2048, 2048, 0, 32768]])
+    pack = masked_pack(segs, 32768, None, None, "cpu", layout="runs")
+    split = mp.row_split(pack, "cpu")
+    assert split is not None
+    assert split.num_queries == 4096 + 2048  # the tail chunk's 16 blocks, once more
+    lens = split.key_ranges_host[:, 1] - split.key_ranges_host[:, 0]
+    assert lens.max() <= 16384 + 128
+    # The whole sequence in one pack (one rank): a long kernel, whose longest blocks are a
+    # small share of its work (0.8 %): left whole.
+    pack = masked_pack(torch.tensor([[0, 0, 32768, 0, 32768]]), 32768, None, None, "cpu",
+                       layout="runs")  # fmt: skip
+    assert mp.row_split(pack, "cpu") is None
 
 
 def test_compiled_flex_backward_traces_once_for_new_packed_lengths():
@@ -206,11 +274,15 @@ def _backward_variants() -> int:
 
 
 @pytest.mark.gpu
-def test_gpu_flex_backward_follows_the_two_x_rule():
-    # bf16 on CUDA: FlexAttention's backward kernel from the forward's output and LSE, and
-    # the recompute it replaces, each within twice the error of the bf16 dense attention
-    # against the fp64 dense twin; GQA, soft-cap with and without a window, cached prefixes.
+def test_gpu_flex_backward_follows_the_two_x_rule(monkeypatch):
+    # bf16 on CUDA: FlexAttention's backward kernel from the forward's output and LSE, the
+    # recompute it replaces, and the kernel over split rows (long key runs cut in pieces),
+    # each within twice the error of the bf16 dense attention against the fp64 dense twin;
+    # GQA, soft-cap with and without a window, cached prefixes.
+    from cp_modules.kernels import masked_pack as mp
+
     assert flex_backward_supported()
+    mp_floor, splits = mp.SPLIT_MIN_KEYS, 0
     d = 64  # Triton's dot needs 16 or more
     scale = d**-0.5
     for name, window, softcap in (("prefix", 5, 30.0), ("no-prefix", None, 20.0),
@@ -226,10 +298,22 @@ def test_gpu_flex_backward_follows_the_two_x_rule():
         got = flex_backward(dout, q, k, v, out, lse, pack, scale=scale, softcap=softcap)
         attend = functools.partial(flex_attention_call, pack=pack, scale=scale, softcap=softcap)
         old = recomputed_grads(attend, dout, q, k, v, out, lse)
+        # The same kernel over rows with their long key runs cut in pieces (the floor lifted
+        # so that these small packs are cut where their spans allow).
+        monkeypatch.setattr(mp, "SPLIT_MIN_KEYS", 0)
+        split = mp.row_split(pack, q.device)
+        monkeypatch.setattr(mp, "SPLIT_MIN_KEYS", mp_floor)
+        cut = () if split is None else flex_backward(dout, q, k, v, out, lse, pack, scale=scale,
+                                                     softcap=softcap, split=split)  # fmt: skip
+        splits += split is not None
         for label, a, b, s, w in zip(("dq", "dk", "dv"), got, old, same, want):
             assert a.dtype == torch.bfloat16 and a.shape == w.shape, label
             _two_x(a.double().cpu(), s.double().cpu(), w, f"{name} {label} new")
             _two_x(b.double().cpu(), s.double().cpu(), w, f"{name} {label} recompute")
+        for label, c, s, w in zip(("dq", "dk", "dv"), cut, same, want):
+            assert c.dtype == torch.bfloat16 and c.shape == w.shape, label
+            _two_x(c.double().cpu(), s.double().cpu(), w, f"{name} {label} split rows")
+    assert splits >= 2  # the causal "long" packs were cut
 
 
 @pytest.mark.gpu

@@ -37,7 +37,15 @@ import torch
 from cp_modules.kernels.flex_backward import key_run_mask
 from cp_modules.kernels.pcp_varlen import _cumsum0, _ragged, _to_device
 
-__all__ = ["PACK_LAYOUTS", "SPARSE_BLOCK", "MaskedPack", "flex_block_tables", "masked_pack"]
+__all__ = [
+    "PACK_LAYOUTS",
+    "SPARSE_BLOCK",
+    "MaskedPack",
+    "RowSplit",
+    "flex_block_tables",
+    "masked_pack",
+    "row_split",
+]
 
 PACK_LAYOUTS = ("varlen", "runs")
 
@@ -237,7 +245,7 @@ def _run_of(rows: np.ndarray) -> tuple[int, int] | None:
 SPARSE_BLOCK = 128
 
 
-def flex_block_tables(pack: MaskedPack, block: int = SPARSE_BLOCK):
+def flex_block_tables(pack: MaskedPack | RowSplit, block: int = SPARSE_BLOCK):
     """The FlexAttention block sparsity of the pack, from its queries' key ranges (exact, on
     the host): per query block, the kv blocks some of whose entries it sees (``mask_mod``
     applied) and those all of whose entries it sees (complete blocks only). Returns
@@ -271,3 +279,134 @@ def flex_block_tables(pack: MaskedPack, block: int = SPARSE_BLOCK):
         n_full.astype(np.int32),
         full.astype(np.int32),
     )
+
+
+# Backward row splitting (row_split): a query block whose keys span more than SPLIT_FACTOR
+# times the mean run is cut into pieces of about the mean; spans under SPLIT_MIN_KEYS never;
+# and only in packs whose longest block spans at least SPLIT_TAIL_SHARE of all blocks' spans
+# summed (short kernels, where the last long programs are a tail). Measured on the H200
+# (soft-capped 32k causal, one rank of P; docs/experiments/2026-12-01-masked-prefill-speed.md):
+# the longest block's share is 6.2 / 3.2 / 1.6 / 0.8 % at P = 8 / 4 / 2 / 1, and cutting made
+# the rank's forward + backward 1.7 / 0.4 % faster at P = 8 / 4 and 0.5 / 0.7 % slower at
+# P = 2 / 1.
+SPLIT_FACTOR = 1.5
+SPLIT_MIN_KEYS = 4096
+SPLIT_TAIL_SHARE = 0.025
+
+
+@dataclass(frozen=True, eq=False)
+class RowSplit:
+    """The packed queries of a pack for FlexAttention's backward with long key runs cut in
+    pieces (:func:`row_split`): rows ``0 .. Tq - 1`` are the pack's own rows with their first
+    piece, then empty rows up to a multiple of the sparse block, then the further pieces, one
+    128-row block of copies per source block and piece.
+
+    Attributes:
+        src: [Tq'] int64 device tensor, the pack's packed row each row copies (0 for the
+            padding rows, whose runs are empty).
+        extra_pos, extra_dst: [E] int64 device tensors, the rows past ``Tq`` that hold a
+            piece of a real row, and that row (their dq is added to it).
+        key_ranges_host: [Tq', 2] int64 numpy, each row's run of packed keys.
+        q_lo, q_hi: the runs on the device (the mask's buffers).
+        cu_k_host: the pack's (the keys are not split).
+        flex_cache: block masks, built on first use.
+    """
+
+    src: torch.Tensor
+    extra_pos: torch.Tensor
+    extra_dst: torch.Tensor
+    key_ranges_host: np.ndarray
+    q_lo: torch.Tensor
+    q_hi: torch.Tensor
+    cu_k_host: list[int]
+    flex_cache: dict = field(default_factory=dict)
+
+    @property
+    def num_queries(self) -> int:
+        """Tq' (the rows of the split layout)."""
+        return int(self.key_ranges_host.shape[0])
+
+    def mask_mod(self):
+        """The ``mask_mod`` of the split rows (``lo[q] <= kv < hi[q]``, as the pack's)."""
+        fn = self.flex_cache.get("mask_mod")
+        if fn is None:
+            fn = self.flex_cache["mask_mod"] = _key_run_mask(self.q_lo, self.q_hi)
+        return fn
+
+
+def row_split(pack: MaskedPack, device, block: int = SPARSE_BLOCK) -> RowSplit | None:
+    """The pack's rows with long key runs cut for the backward, or None where no query block
+    spans more than ``SPLIT_FACTOR`` x the mean run (and ``SPLIT_MIN_KEYS``) keys, or where
+    the longest block is under ``SPLIT_TAIL_SHARE`` of the pack's block spans summed. Cached
+    in the pack.
+
+    Why: FlexAttention's backward computes dQ in one program per query block that loops over
+    every key the block sees. A PCP rank holds a request's head and tail chunks, so its tail
+    chunk's programs loop over up to the whole sequence while the rest are short, and the
+    last heads' long programs end the kernel alone. Each piece of a row is a row of its own
+    (the same q, out, dout and LSE: the backward needs only those, so the pieces' gradients
+    are exact parts that add up): each key's dK / dV come from exactly one piece of each row,
+    and dQ is the sum of the pieces' (:func:`~cp_modules.kernels.masked_prefill.flex_backward`).
+    Cuts fall on multiples of ``block`` (the sparse block) so no piece adds a partial block."""
+    key = ("row_split", str(device))
+    if key in pack.flex_cache:
+        return pack.flex_cache[key]
+    split = pack.flex_cache[key] = _row_split(pack, device, block)
+    return split
+
+
+def _row_split(pack: MaskedPack, device, block: int) -> RowSplit | None:
+    ranges = pack.key_ranges_host
+    tq = ranges.shape[0]
+    a, b = ranges[:, 0], ranges[:, 1]
+    lens = b - a
+    if tq == 0 or not (lens > 0).any():
+        return None
+    target = float(lens[lens > 0].mean())
+    starts = np.arange(0, tq, block)
+    lo, hi = np.minimum.reduceat(a, starts), np.maximum.reduceat(b, starts)
+    span = hi - lo
+    cut = (span > SPLIT_FACTOR * target) & (span > SPLIT_MIN_KEYS)
+    if not cut.any() or span.max() < SPLIT_TAIL_SHARE * span.sum():
+        return None
+    first = ranges.copy()
+    n_rows = -(-tq // block) * block
+    extra_src, extra_ranges, extra_real = [], [], []
+    for qb in np.flatnonzero(cut):
+        n = int(np.ceil(span[qb] / target))
+        step = -(-int(span[qb]) // n)
+        inner = sorted({-(-(int(lo[qb]) + j * step) // block) * block for j in range(1, n)})
+        edges = [int(lo[qb])] + [e for e in inner if lo[qb] < e < hi[qb]] + [int(hi[qb])]
+        if len(edges) < 3:
+            continue
+        r0, r1 = qb * block, min(qb * block + block, tq)
+        ra, rb = a[r0:r1], b[r0:r1]
+        first[r0:r1, 1] = np.maximum(np.minimum(rb, edges[1]), ra)
+        for e0, e1 in zip(edges[1:-1], edges[2:]):
+            pa = np.maximum(ra, e0)
+            pb = np.maximum(np.minimum(rb, e1), pa)
+            pad = block - (r1 - r0)
+            extra_src.append(np.concatenate([np.arange(r0, r1), np.zeros(pad, np.int64)]))
+            extra_ranges.append(np.concatenate([np.stack([pa, pb], 1),
+                                                np.zeros((pad, 2), np.int64)]))  # fmt: skip
+            extra_real.append(np.concatenate([np.ones(r1 - r0, bool), np.zeros(pad, bool)]))
+    if not extra_src:
+        return None
+    pad_rows = n_rows - tq
+    src = np.concatenate([np.arange(tq), np.zeros(pad_rows, np.int64), *extra_src])
+    all_ranges = np.concatenate([first, np.zeros((pad_rows, 2), np.int64), *extra_ranges])
+    real = np.concatenate(extra_real)
+    extra_pos = n_rows + np.flatnonzero(real)
+    parts = {
+        "src": (src, torch.int64),
+        "extra_pos": (extra_pos, torch.int64),
+        "extra_dst": (src[extra_pos], torch.int64),
+        "q_lo": (all_ranges[:, 0], torch.int32),
+        "q_hi": (all_ranges[:, 1], torch.int32),
+    }
+    views = _to_device(parts, device)
+    return RowSplit(
+        src=views["src"], extra_pos=views["extra_pos"], extra_dst=views["extra_dst"],
+        key_ranges_host=all_ranges, q_lo=views["q_lo"], q_hi=views["q_hi"],
+        cu_k_host=pack.cu_k_host,
+    )  # fmt: skip

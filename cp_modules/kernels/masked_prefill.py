@@ -21,7 +21,9 @@ Two kernels:
   causal and inside the window) and the soft-cap as ``score_mod``; compiled on CUDA
   (one compiled function, dynamic shapes), eager on CPU. Its backward on CUDA is
   FlexAttention's own backward kernel from the given output and LSE, one kernel and no
-  recompute (:mod:`cp_modules.kernels.flex_backward`). On CPU (FlexAttention has no
+  recompute (:mod:`cp_modules.kernels.flex_backward`), over rows whose long key runs are
+  cut in pieces where the longest query blocks would end a short kernel alone
+  (:func:`~cp_modules.kernels.masked_pack.row_split`). On CPU (FlexAttention has no
   backward there), and where torch lacks what that call needs, it recomputes the forward
   under autograd: on CPU a dense twin that evaluates the same ``mask_mod`` and ``score_mod``
   on the whole score grid.
@@ -57,8 +59,10 @@ from cp_modules.kernels.masked_pack import (
     PACK_LAYOUTS,
     SPARSE_BLOCK,
     MaskedPack,
+    RowSplit,
     flex_block_tables,
     masked_pack,
+    row_split,
 )
 from cp_modules.reference.pcp_attention import (
     PrefillInputs,
@@ -145,7 +149,7 @@ def flex_compile_config():
     return cfg.patch(**settings)
 
 
-def _block_mask(pack: MaskedPack, device: torch.device):
+def _block_mask(pack: MaskedPack | RowSplit, device: torch.device):
     key = str(device)
     mask = pack.flex_cache.get(key)
     if mask is None:
@@ -259,20 +263,33 @@ def flex_attention_call(
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
-def flex_backward(dout, q, k, v, out, lse, pack: MaskedPack, *, scale, softcap, backend="inductor"):
+def flex_backward(dout, q, k, v, out, lse, pack: MaskedPack, *, scale, softcap, backend="inductor",
+                  split: RowSplit | None = None):  # fmt: skip
     """Gradients (dq, dk, dv) of :func:`flex_attention_call` from its final ``out`` / ``lse``
     (natural log) by FlexAttention's backward kernel alone
     (:func:`~cp_modules.kernels.flex_backward.flex_attention_backward_call`; ``backend=None``:
-    the operator's eager dense implementation)."""
+    the operator's eager dense implementation). ``split``: the pack's rows with long key runs
+    cut in pieces (:func:`~cp_modules.kernels.masked_pack.row_split`); each piece's dq is
+    added to its row's in fp32."""
     assert pack.q_lo is not None and pack.q_hi is not None, "a pack's key runs are set"
+    rows: MaskedPack | RowSplit = pack
+    runs = (pack.q_lo, pack.q_hi)
+    if split is not None:
+        rows, runs = split, (split.q_lo, split.q_hi)
+        dout, q, out, lse = (x.index_select(0, split.src) for x in (dout, q, out, lse))
     with flex_compile_config():
-        return flex_attention_backward_call(
-            dout, q, k, v, out, lse, block_mask=_block_mask(pack, q.device),
-            mask_mod=key_run_mask, mask_buffers=(pack.q_lo, pack.q_hi), scale=scale,
+        dq, dk, dv = flex_attention_backward_call(
+            dout, q, k, v, out, lse, block_mask=_block_mask(rows, q.device),
+            mask_mod=key_run_mask, mask_buffers=runs, scale=scale,
             score_mod=softcap_score_mod(softcap), backend=backend,
             divisible=backend is not None and flex_divisible(q.shape[0], k.shape[0]),
             block_options=flex_block_options(q, softcap) if backend is not None else None,
         )  # fmt: skip
+    if split is not None:
+        pieces = dq.index_select(0, split.extra_pos).to(lse_dtype(dq.dtype))
+        dq = dq[: pack.num_queries].to(pieces.dtype).index_add_(0, split.extra_dst, pieces)
+        dq = dq.to(q.dtype)
+    return dq, dk, dv
 
 
 def dense_twin_attention(
@@ -405,7 +422,7 @@ def masked_prefill_backward(
             gq, gk, gv = bwd(dop.contiguous(), qp, kp, vp, op, lsep, pack, scale)
         elif q.is_cuda and flex_backward_supported():
             gq, gk, gv = flex_backward(dop, qp, kp, vp, op, lsep, pack, scale=scale,
-                                       softcap=softcap)  # fmt: skip
+                                       softcap=softcap, split=row_split(pack, q.device))  # fmt: skip
         else:
             call = flex_attention_call if q.is_cuda else dense_twin_attention
             attend = functools.partial(call, pack=pack, scale=scale, softcap=softcap)
