@@ -73,13 +73,18 @@ def test_report_regenerates_the_dated_report(tmp_path):
     got = json.loads((tmp_path / f"{DATED}.json").read_text())
     assert got == want
     # Every result file the report reads is kept, and it reads all that are kept but the
-    # earlier PCP run its notes cite, the two-GPU communication run of the NCCL report and the
-    # fused-merge sweep of the MLA decode note (variants that are not the default).
+    # earlier PCP run its notes cite, the two-GPU communication run of the NCCL report, the
+    # fused-merge sweep and the copy-count probes of the MLA decode note (variants that are
+    # not the default), the soft-cap block-size sweep of the masked prefill note and the
+    # repeats of the parity note.
     kept = {p.name for p in (BENCH / "results").glob("*.json")}
     assert set(got["sources"].values()) == kept - {
         "pcp-first-overlap-2026-11-30.json",
         "dcp_comm-2026-11-30.json",
         "mla-decode-gluon-fused-2026-12-01.json",
+        "mla-decode-probes-2026-12-01.json",
+        "masked-blocks-2026-12-01.json",
+        "parity-repeats-2026-12-01.json",
     }
 
 
