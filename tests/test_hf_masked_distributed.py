@@ -1,7 +1,7 @@
 """HF models with sliding windows, attention sinks and soft-capping on gloo ranks: greedy
 generation through the engine at tp2 x pcp2 x dcp2 equals HF ``generate`` on one process
 (gpt-oss: sinks, windowed and full layers; Gemma 3: windowed and full layers; Gemma 2: window
-and soft-cap). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
+and soft-cap; EXAONE 4: windowed and rope-less full layers, q/k norms replicated over TP). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 PROMPT_LENS = (11, 5, 8)
 MAX_NEW_TOKENS = 6
-FAMILIES = ("gpt_oss", "gemma3", "gemma2")
+FAMILIES = ("gpt_oss", "gemma3", "gemma2", "exaone4")
 
 
 def _model(family: str):
@@ -32,6 +32,8 @@ def _model(family: str):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_()
+    elif family == "exaone4":
+        model = tf.Exaone4ForCausalLM(tf.Exaone4Config(**common))
     elif family == "gemma3":
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common))
     else:

@@ -4,8 +4,9 @@ interface gives the original model's logits; what cp cannot serve is refused.
 Families (tiny configs, seeded weights, fp32): Llama (also llama3 rope scaling and q/k/v/o
 biases), Qwen2 (also yarn), Qwen3 and Qwen3-MoE (q/k norms), Mistral (no window), Mixtral,
 Gemma, Granite (multipliers), OLMo2 (full-width q/k norms), Phi-3 (fused qkv_proj), GLM-4 and
-StableLM (partial rotary), Cohere (interleaved rope, logit scale), DeepSeek-V2/V3 (MLA, module
-swap). The swapped model is fed a ragged batch of prompts flattened into one row
+StableLM (partial rotary), Cohere (interleaved rope, logit scale), EXAONE 4 (a windowed and a
+full layer), GPT-2, GPTBigCode (multi-query), GPT-J, CodeGen and GPT-NeoX (attention modules
+named ``attn`` / ``attention``), DeepSeek-V2/V3 (MLA, module swap). The swapped model is fed a ragged batch of prompts flattened into one row
 (``input_ids [1, T]``, ``position_ids`` = the step's positions) and its logits, restored to
 batch order, are compared with the original model run prompt by prompt; then the same with a
 paged KV cache, the prompts prefilled in two chunks (the second attends the cached first).
@@ -325,6 +326,40 @@ def test_attention_outside_the_interface_is_refused():
         ValueError, match=r"Model layer 'layers.0.self_attn': OwnAttention does not go through"
     ):
         swap_attention(Model())
+
+
+def test_attention_modules_the_swap_does_not_know_or_serve_are_refused():
+    import transformers as tf
+
+    # BLOOM's `self_attention` (ALiBi, outside the attention interface) is not a module cp knows.
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=8))
+    with pytest.raises(ValueError, match="BloomForCausalLM has no self-attention modules cp knows"):
+        swap_attention(bloom)
+    # GPT-2 with cross-attention blocks (`crossattention`, is_cross_attention=True).
+    with pytest.raises(
+        ValueError, match=r"layer 'transformer.h.0.crossattention': cross-attention"
+    ):
+        swap_attention(build_tiny("gpt2", add_cross_attention=True))
+    # GPT-2's own configs keep attention dropout on: refused in training, served in eval.
+    gpt2 = swap_attention(build_tiny("gpt2", attn_pdrop=0.1))
+    _forward(gpt2)
+    gpt2.train()
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn'.*dropout=0.1"):
+        _forward(gpt2)
+
+
+def test_multi_query_heads_come_from_the_module():
+    model = swap_attention(build_tiny("gpt_bigcode"))
+    assert [m.cp_binding.num_kv_heads for m in cp_attention_layers(model)] == [1, 1]
+    model = swap_attention(build_tiny("gpt_bigcode", multi_query=False))
+    assert [m.cp_binding.num_kv_heads for m in cp_attention_layers(model)] == [8, 8]
+
+
+def test_exaone4_full_layers_ignore_the_window_their_module_keeps():
+    model = swap_attention(build_tiny("exaone4"))
+    layers = cp_attention_layers(model)
+    assert [m.sliding_window for m in layers] == [4, 4]  # the module keeps it on both layers
+    assert [m.cp_binding.sliding_window for m in layers] == [4, None]
 
 
 def test_swap_rejects_a_layout_that_cannot_serve_the_heads():

@@ -293,9 +293,19 @@ def cp_attention_forward(
 def layer_window(module, hf_config) -> int | None:
     """The sliding window a HF attention module will be called with: its ``sliding_window``
     (Gemma 2/3, gpt-oss, Qwen2, Cohere 2 set it per layer), else the config's (Mistral and the
-    models that pass ``config.sliding_window`` to every layer); None for full attention."""
-    w: Any = getattr(module, "sliding_window", getattr(hf_config, "sliding_window", None))
+    models that pass ``config.sliding_window`` to every layer); None for full attention,
+    and for a module whose ``is_sliding`` is False (EXAONE 4's full layers)."""
+    own = hasattr(module, "sliding_window") or hasattr(module, "is_sliding")
+    w: Any = _module_window(module) if own else getattr(hf_config, "sliding_window", None)
     return int(w) if _active(w) else None
+
+
+def _module_window(module) -> Any:
+    """``module.sliding_window``, except on a layer that says it is not sliding: EXAONE 4
+    keeps the config's window on every layer and applies it where ``is_sliding``."""
+    if getattr(module, "is_sliding", None) is False:
+        return None
+    return getattr(module, "sliding_window", None)
 
 
 def _window(binding, module, attention_mask, window_kwarg) -> int | None:
@@ -304,7 +314,7 @@ def _window(binding, module, attention_mask, window_kwarg) -> int | None:
     said: dict[str, Any] = {
         "the mask": attention_mask.size if isinstance(attention_mask, WindowMask) else None,
         "sliding_window=": window_kwarg if _active(window_kwarg) else None,
-        "module.sliding_window": getattr(module, "sliding_window", None),
+        "module.sliding_window": _module_window(module),
     }
     sizes = {int(v) for v in said.values() if _active(v)}
     if len(sizes) > 1 or (sizes and said["the mask"] is None):

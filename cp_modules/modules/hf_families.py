@@ -4,7 +4,9 @@ Each family is built from its transformers config class with tiny sizes (hidden 
 heads, 2 KV heads, 2 layers, vocabulary 256) plus what makes the family itself: Qwen3's and
 OLMo2's q/k norms, Phi-3's fused ``qkv_proj``, GLM-4's and StableLM's partial rotary, Cohere's
 interleaved rope and logit scale, Granite's multipliers, llama3 and yarn rope scaling, MoE
-layers, DeepSeek's MLA. Used by the tests and by the recipes' tiny ``model=`` choices.
+layers, EXAONE 4's windowed and full (rope-less) layers, the GPT-style families (GPT-2's learned
+positions, GPTBigCode's single KV head, GPT-J / CodeGen / GPT-NeoX partial rotary), DeepSeek's
+MLA. Used by the tests and by the recipes' tiny ``model=`` choices.
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ _MLA = dict(
     n_group=1,
     topk_group=1,
     first_k_dense_replace=1,
+)
+# MHA (or multi-query in GPTBigCode): these configs have no num_key_value_heads. Dropout off
+# (cp refuses attention dropout in training; GPT-2's configs default to 0.1).
+_GPT = dict(
+    num_key_value_heads=None,
+    attn_pdrop=0.0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
 )
 
 # family -> (transformers config class, causal-LM class, config overrides)
@@ -102,6 +114,17 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 8}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    # GPT-style families whose attention module is ``attn`` / ``attention``.
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {**_GPT, "scale_attn_by_inverse_layer_idx": True}),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**_GPT, "multi_query": True}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {**_GPT, "rotary_dim": 4}),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", {**_GPT, "rotary_dim": 4}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**_GPT, "rotary_pct": 0.5}),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {"q_lora_rank": None, **_MLA}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {"q_lora_rank": 32, **_MLA}),
 }

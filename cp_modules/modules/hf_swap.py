@@ -175,6 +175,33 @@ def _uses_interface(attn: nn.Module) -> bool:
     return _USES_INTERFACE[cls]
 
 
+# What decoder layers call their self-attention: ``self_attn`` (Llama and most families);
+# ``attn`` / ``attention`` in GPT-2, GPT-J, CodeGen, GPTBigCode and GPT-NeoX, which are taken
+# only as causal self-attention (vision towers and cross-attention use the same names).
+_SELF_ATTN_NAMES = ("attn", "attention")
+
+
+def _is_decoder_attention(name: str, mod: nn.Module) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "self_attn":
+        return True
+    return (
+        leaf in _SELF_ATTN_NAMES
+        and getattr(mod, "is_causal", None) is True
+        and not getattr(mod, "is_cross_attention", False)
+        and isinstance(getattr(mod, "layer_idx", None), int)
+    )
+
+
+def _kv_heads(attn: nn.Module, num_heads: int, config_kv_heads: int) -> int:
+    """The KV heads of one attention module: from its ``num_key_value_groups`` where it has
+    one (GPTBigCode's multi-query layers say it only there), else the config's."""
+    groups = getattr(attn, "num_key_value_groups", None)
+    if isinstance(groups, int) and groups > 0 and num_heads % groups == 0:
+        return num_heads // groups
+    return config_kv_heads
+
+
 def cp_attention_layers(model: nn.Module) -> list[nn.Module]:
     """The attention modules of ``model`` that cp serves, in module order: the model's own
     modules bound to the ``cp`` interface (``module.cp_binding``) and MLA adapters."""
@@ -262,13 +289,21 @@ def swap_attention(
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
-        if name.rsplit(".", 1)[-1] == "self_attn"
+        if _is_decoder_attention(name, mod)
         and getattr(mod, "cp_binding", None) is None
         and not isinstance(mod, CPMLAAttention)
     ]
+    cross = [n for n, m in model.named_modules() if getattr(m, "is_cross_attention", False) is True]
+    if cross:
+        raise ValueError(
+            f"{model_name} layer {cross[0]!r}: cross-attention (an encoder's keys) is not "
+            "implemented by context-parallel attention; cp serves causal self-attention (build "
+            "the model without add_cross_attention)"
+        )
     if not targets and not cp_attention_layers(model):
         raise ValueError(
-            f"{model_name} has no `self_attn` modules: cp serves causal LMs whose attention goes "
+            f"{model_name} has no self-attention modules cp knows (`self_attn`, or causal "
+            "`attn` / `attention` with a layer_idx): cp serves causal LMs whose attention goes "
             "through transformers' attention interface, and DeepSeek-V2/V3-style MLA models"
         )
     num_heads = hf_config.num_attention_heads
@@ -293,14 +328,15 @@ def swap_attention(
             raise ValueError(
                 f"{where}: {type(attn).__name__} has no integer layer_idx (its KV-cache slot)"
             )
-        config.validate_heads(num_heads, num_kv_heads)
+        kv_heads = _kv_heads(attn, num_heads, num_kv_heads)
+        config.validate_heads(num_heads, kv_heads)
         head_dim = getattr(attn, "head_dim", None) or hf_config.hidden_size // num_heads
         binding = CPLayerBinding(
             model_name=model_name,
             layer_name=name,
             layer_idx=layer_idx,
             caches=caches,
-            num_kv_heads=num_kv_heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             v_head_dim=head_dim,
             sliding_window=layer_window(attn, hf_config),
@@ -321,7 +357,9 @@ def swap_attention(
         tp_mesh = groups.mesh["tp"]
         plan = _attention_tp_plan(hf_config)
         for _, attn, binding in bound:
-            _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_kv_heads)
+            _parallelize_attention(
+                attn, binding, plan, tp_mesh, config, num_heads, binding.num_kv_heads
+            )
         for layer in swapped_mla:
             apply_tensor_parallel(layer, tp_mesh)
         if parallelize_rest:
