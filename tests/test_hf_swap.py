@@ -340,6 +340,15 @@ def test_attention_modules_the_swap_does_not_know_or_serve_are_refused():
         ValueError, match=r"layer 'transformer.h.0.crossattention': cross-attention"
     ):
         swap_attention(build_tiny("gpt2", add_cross_attention=True))
+    # A multimodal model (Qwen2-VL: the text model's sizes sit in text_config; vision attention).
+    vl = tf.Qwen2VLForConditionalGeneration(
+        tf.Qwen2VLConfig(
+            text_config=tiny_config("qwen2").to_dict(),
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=4),
+        )
+    )
+    with pytest.raises(ValueError, match="Qwen2VLForConditionalGeneration: a multimodal model"):
+        swap_attention(vl)
     # GPT-2's own configs keep attention dropout on: refused in training, served in eval.
     gpt2 = swap_attention(build_tiny("gpt2", attn_pdrop=0.1))
     _forward(gpt2)
@@ -390,7 +399,7 @@ def test_swapped_attention_takes_one_row_of_tokens_and_no_hf_cache():
     ):
         model(
             input_ids=torch.zeros(2, 2, dtype=torch.long),
-            position_ids=torch.zeros(2, 2, dtype=torch.long),
+            position_ids=meta.positions.view(2, 2),
             use_cache=False,
         )
     from transformers import DynamicCache
@@ -403,6 +412,26 @@ def test_swapped_attention_takes_one_row_of_tokens_and_no_hf_cache():
         _forward(model, use_cache=True, **cache)  # HF fills its own cache
         with pytest.raises(ValueError, match="use_cache=False"):
             _forward(model, use_cache=True, **cache)  # ... and cp refuses to read it
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "deepseek_v3"])
+def test_a_forward_without_the_steps_positions_is_refused(family):
+    # HF would number the local tokens 0..T-1 itself: silently wrong under PCP (and for GPT-2's
+    # absolute positions, for every request after the first).
+    model = swap_attention(build_tiny(family))
+    meta = build_step_metadata(CPRuntime.single(), [5, 3])
+    ids = torch.arange(8)[meta.token_indices][None]
+    with torch.no_grad(), cp_step(meta):
+        with pytest.raises(ValueError, match="without position_ids"):
+            model(input_ids=ids, use_cache=False)
+        with pytest.raises(ValueError, match="position_ids has 7 entries but the step has 8"):
+            model(input_ids=ids, position_ids=meta.positions[None, :7], use_cache=False)
+        with pytest.raises(ValueError, match="not the step's positions"):
+            model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=False)
+        model(input_ids=ids, position_ids=meta.positions[None].clone(), use_cache=False)
+    # Outside a cp step the hook stays out of the way (cp's attention then asks for a step).
+    with pytest.raises(RuntimeError, match="no context-parallel step is active"):
+        model(input_ids=ids, use_cache=False)
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "phi3"])

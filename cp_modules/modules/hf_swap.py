@@ -28,8 +28,6 @@ The model is fed one step of the batch's flattened tokens as a single row:
 from __future__ import annotations
 
 import inspect
-import re
-import warnings
 
 import torch
 from torch import nn
@@ -46,6 +44,11 @@ from cp_modules.modules.hf_attention import (
     layer_window,
     refusal,
     register_cp_attention,
+)
+from cp_modules.modules.hf_tp import (
+    attention_tp_plan,
+    parallelize_attention,
+    parallelize_non_attention,
 )
 from cp_modules.modules.rope import RotaryEmbedding
 
@@ -282,6 +285,16 @@ def swap_attention(
             f"expected a transformers model with a .config, got {type(model).__name__}"
         )
     model_name = type(model).__name__
+    if not isinstance(getattr(hf_config, "num_attention_heads", None), int):
+        what = (
+            "a multimodal model (its config nests text_config)"
+            if hasattr(hf_config, "text_config")
+            else "its config has no num_attention_heads"
+        )
+        raise ValueError(
+            f"{model_name}: {what}; cp serves decoder-only causal LMs (a config with "
+            "num_attention_heads), and DeepSeek-V2/V3-style MLA models"
+        )
     _check_layer_types(model, hf_config)
     register_cp_attention()
     caches = getattr(model, "cp_kv_caches", None) or CPKVCaches()
@@ -355,9 +368,9 @@ def swap_attention(
         model.cp_groups = groups
     if groups is not None and config.tp > 1:
         tp_mesh = groups.mesh["tp"]
-        plan = _attention_tp_plan(hf_config)
+        plan = attention_tp_plan(hf_config)
         for _, attn, binding in bound:
-            _parallelize_attention(
+            parallelize_attention(
                 attn, binding, plan, tp_mesh, config, num_heads, binding.num_kv_heads
             )
         for layer in swapped_mla:
@@ -367,179 +380,53 @@ def swap_attention(
     for _, attn, binding in bound:
         attn.cp_binding = binding
     model.cp_kv_caches = caches
+    _check_positions_on_forward(model)
     model.set_attn_implementation(CP_ATTN_IMPLEMENTATION)
     return model
 
 
-# ----------------------------------------------------------------------------- TP
+def _check_positions_on_forward(model: nn.Module) -> None:
+    """Refuse a forward, under a cp step, without the step's positions. HF would number the
+    local tokens 0..T-1 itself: wrong rope for a rank's head and tail chunks, and wrong
+    absolute positions (GPT-2, OPT) for every request after the first, without an error."""
+    base = getattr(model, "base_model", model)
+    if getattr(base, "_cp_positions_hook", None) is not None:
+        return
+    name = type(model).__name__
 
-_DEFAULT_ATTENTION_PLAN = {
-    "q_proj": "colwise",
-    "k_proj": "colwise",
-    "v_proj": "colwise",
-    "o_proj": "rowwise",
-    "qkv_proj": "colwise_gather_output",
-}
-_GATHERED = ("colwise_gather_output", "rowwise_split_input")
+    def hook(module, args, kwargs):
+        from cp_modules import step as cp_step_module
 
-
-def _attention_tp_plan(hf_config) -> dict[str, str]:
-    """The model's TP plan for the children of ``self_attn`` (child name -> style)."""
-    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or {})
-    own = {}
-    for key, style in plan.items():
-        m = re.fullmatch(r"(?:.*\.)?self_attn\.(\w+)", key)
-        if m:
-            own[m.group(1)] = style
-    return own or dict(_DEFAULT_ATTENTION_PLAN)
-
-
-def _grad_allreduce(module: nn.Module, tp_group: tuple[str, int]) -> None:
-    """Sum the gradients of a replicated module's parameters over TP (each rank's covers only
-    its own heads)."""
-    from cp_modules.distributed.collectives import all_reduce
-
-    for p in module.parameters():
-        if p.requires_grad:
-            p.register_hook(lambda g: all_reduce(g.contiguous(), *tp_group))
-
-
-def _parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_kv_heads) -> None:
-    """Shard one attention module's projections over ``tp_mesh`` after the model's TP plan."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    tp = tp_mesh.size()
-    tp_group = (tp_mesh.get_group().group_name, tp)
-    children = {n: m for n, m in attn.named_children() if any(True for _ in m.parameters())}
-    missing = sorted(set(children) - set(plan))
-    if missing:
-        raise ValueError(
-            f"{binding.where()}: tensor_parallel_size={tp} but the model's TP plan does not say "
-            f"how to shard {missing}: run with tensor_parallel_size=1"
-        )
-    styles = {n: plan[n] for n in children}
-    known = {"colwise", "rowwise", "replicated_with_grad_allreduce", *_GATHERED}
-    odd = {n: s for n, s in styles.items() if s not in known}
-    if odd:
-        raise ValueError(
-            f"{binding.where()}: TP styles {odd} are not supported by cp; known: {sorted(known)}"
-        )
-    replicated = any(s in _GATHERED for s in styles.values())
-    binding.tp_group = tp_group
-    kv_sharded = True
-    if replicated:
-        if config.tp_positions_per_dcp_group > 1:
+        meta = cp_step_module._CURRENT
+        if meta is None or len(args) > 2:  # no step; or positions given positionally
+            return None
+        pos = kwargs.get("position_ids")
+        if pos is None:
             raise ValueError(
-                f"{binding.where()}: the model's TP plan keeps every head on every TP rank "
-                f"({styles}), so a DCP group may span only PCP ranks: need "
-                f"decode_context_parallel_size <= prefill_context_parallel_size, got "
-                f"dcp={config.dcp}, pcp={config.pcp} (or run with tensor_parallel_size=1)"
+                f"{name}: called under a cp step without position_ids, so the model would number "
+                "this rank's tokens 0..T-1 itself; pass position_ids=meta.positions[None] (and "
+                "input_ids=ids[meta.token_indices][None])"
             )
-        binding.heads_replicated = True
-        binding.num_kv_heads = num_kv_heads
-        if any(s in ("colwise", "rowwise") for s in styles.values()):
+        want = meta.positions
+        if pos.numel() != want.numel():
             raise ValueError(
-                f"{binding.where()}: a TP plan that mixes gathered and sharded heads: {styles}"
+                f"{name}: position_ids has {pos.numel()} entries but the step has "
+                f"{want.numel()} local tokens on this rank; pass position_ids=meta.positions[None]"
             )
-    elif num_kv_heads % tp:
-        # Fewer KV heads than TP ranks: k/v projections stay replicated, each rank uses the
-        # KV head of its query heads (gradients summed over TP in the attention function).
-        kv_sharded = False
-        binding.kv_replica_index = tp_mesh.get_local_rank() * num_kv_heads // tp
-        binding.num_kv_heads = 1
-        styles = {n: s for n, s in styles.items() if n not in ("k_proj", "v_proj")}
-    else:
-        binding.num_kv_heads = num_kv_heads // tp
-    sinks = getattr(attn, "sinks", None)
-    if isinstance(sinks, nn.Parameter) and not replicated:
-        from cp_modules.distributed.collectives import all_reduce
-
-        # Per-head sink logits (gpt-oss) stay whole on every rank; each rank attends with its
-        # heads' slice, and the slices' gradients are summed over TP.
-        binding.sinks_slice = (tp_mesh.get_local_rank(), tp)
-        sinks.register_hook(lambda g: all_reduce(g.contiguous(), *tp_group))
-    torch_plan = {}
-    for n, s in styles.items():
-        if s == "colwise":
-            torch_plan[n] = ColwiseParallel()
-        elif s == "rowwise":
-            torch_plan[n] = RowwiseParallel()
-        elif s == "colwise_gather_output":
-            torch_plan[n] = ColwiseParallel(output_layouts=Replicate())
-        elif s == "rowwise_split_input":
-            torch_plan[n] = RowwiseParallel(input_layouts=Replicate())
-        elif not replicated and (kv_sharded or not n.startswith("k_")):
-            # replicated_with_grad_allreduce: a q/k norm over this rank's heads. With replicated
-            # KV heads the k side's gradient is already summed by the attention function.
-            _grad_allreduce(children[n], tp_group)
-    parallelize_module(attn, tp_mesh, torch_plan)
-
-
-def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
-    """Shard embeddings, dense MLPs and the LM head of a HF model over ``tp_mesh``.
-
-    Outputs stay replicated plain tensors, so the HF forward between the layers is unchanged:
-    the token embedding is split over the vocabulary (row-wise: each rank looks up its rows,
-    the partial results are all-reduced), MLPs are column-wise ``gate/up_proj`` + row-wise
-    ``down_proj``, the LM head is split over the vocabulary and all-gathered. A module whose
-    size the TP size does not divide stays replicated (a warning names it).
-    """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    tp = tp_mesh.size()
-    plan = {}
-    skipped = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, CPMLAAttention) or getattr(mod, "cp_binding", None) is not None:
-            continue
-        children = {n: getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")}
-        if all(isinstance(c, nn.Linear) for c in children.values()):
-            if children["gate_proj"].out_features % tp:
-                skipped.append(name)
-                continue
-            prefix = f"{name}." if name else ""
-            plan[prefix + "gate_proj"] = ColwiseParallel()
-            plan[prefix + "up_proj"] = ColwiseParallel()
-            plan[prefix + "down_proj"] = RowwiseParallel()
-    emb = model.get_input_embeddings()
-    emb_name = _module_name(model, emb)
-    if emb_name is not None:
-        if emb.num_embeddings % tp:
-            skipped.append(emb_name)
-        else:
-            plan[emb_name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_name = _module_name(model, head) if isinstance(head, nn.Linear) else None
-    if head_name is not None:
-        if head.out_features % tp:
-            skipped.append(head_name)
-        else:
-            plan[head_name] = ColwiseParallel(output_layouts=Replicate())
-    if skipped:
-        warnings.warn(
-            f"modules kept replicated (sizes not divisible by the TP size {tp}): {skipped}",
-            stacklevel=2,
-        )
-    return parallelize_module(model, tp_mesh, plan)
-
-
-def _module_name(root: nn.Module, target: nn.Module | None) -> str | None:
-    if target is None:
+        # Values are compared where that costs no host sync (CPU tensors, outside compile).
+        if (
+            pos.device.type == "cpu"
+            and want.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and not torch.equal(pos.reshape(-1).to(want.dtype), want)
+        ):
+            raise ValueError(
+                f"{name}: position_ids are not the step's positions (meta.positions): under "
+                "context parallelism a rank holds chunks of each request, numbered by the step"
+            )
         return None
-    for name, mod in root.named_modules():
-        if mod is target:
-            return name
-    return None
+
+    base._cp_positions_hook = base.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 # ----------------------------------------------------------------------------- KV caches

@@ -1,0 +1,191 @@
+"""Tensor parallelism of a swapped HF model: the attention projections after the model's own
+TP plan (:func:`parallelize_attention`), and the embeddings, MLPs and LM head
+(:func:`parallelize_non_attention`). Used by :func:`~cp_modules.modules.hf_swap.swap_attention`.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, cast
+
+from torch import nn
+
+from cp_modules.modules.attention import CPMLAAttention
+
+__all__ = ["attention_tp_plan", "parallelize_attention", "parallelize_non_attention"]
+
+_DEFAULT_ATTENTION_PLAN = {
+    "q_proj": "colwise",
+    "k_proj": "colwise",
+    "v_proj": "colwise",
+    "o_proj": "rowwise",
+    "qkv_proj": "colwise_gather_output",
+}
+_GATHERED = ("colwise_gather_output", "rowwise_split_input")
+
+
+def attention_tp_plan(hf_config) -> dict[str, str]:
+    """The model's TP plan for the children of ``self_attn`` (child name -> style)."""
+    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+    own = {}
+    for key, style in plan.items():
+        m = re.fullmatch(r"(?:.*\.)?self_attn\.(\w+)", key)
+        if m:
+            own[m.group(1)] = style
+    return own or dict(_DEFAULT_ATTENTION_PLAN)
+
+
+def _grad_allreduce(module: nn.Module, tp_group: tuple[str, int]) -> None:
+    """Sum the gradients of a replicated module's parameters over TP (each rank's covers only
+    its own heads)."""
+    from cp_modules.distributed.collectives import all_reduce
+
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: all_reduce(g.contiguous(), *tp_group))
+
+
+def parallelize_attention(attn, binding, plan, tp_mesh, config, num_heads, num_kv_heads) -> None:
+    """Shard one attention module's projections over ``tp_mesh`` after the model's TP plan."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    tp_group = (tp_mesh.get_group().group_name, tp)
+    children = {n: m for n, m in attn.named_children() if any(True for _ in m.parameters())}
+    missing = sorted(set(children) - set(plan))
+    if missing:
+        raise ValueError(
+            f"{binding.where()}: tensor_parallel_size={tp} but the model's TP plan does not say "
+            f"how to shard {missing}: run with tensor_parallel_size=1"
+        )
+    styles = {n: plan[n] for n in children}
+    known = {"colwise", "rowwise", "replicated_with_grad_allreduce", *_GATHERED}
+    odd = {n: s for n, s in styles.items() if s not in known}
+    if odd:
+        raise ValueError(
+            f"{binding.where()}: TP styles {odd} are not supported by cp; known: {sorted(known)}"
+        )
+    replicated = any(s in _GATHERED for s in styles.values())
+    binding.tp_group = tp_group
+    kv_sharded = True
+    if replicated:
+        if config.tp_positions_per_dcp_group > 1:
+            raise ValueError(
+                f"{binding.where()}: the model's TP plan keeps every head on every TP rank "
+                f"({styles}), so a DCP group may span only PCP ranks: need "
+                f"decode_context_parallel_size <= prefill_context_parallel_size, got "
+                f"dcp={config.dcp}, pcp={config.pcp} (or run with tensor_parallel_size=1)"
+            )
+        binding.heads_replicated = True
+        binding.num_kv_heads = num_kv_heads
+        if any(s in ("colwise", "rowwise") for s in styles.values()):
+            raise ValueError(
+                f"{binding.where()}: a TP plan that mixes gathered and sharded heads: {styles}"
+            )
+    elif num_kv_heads % tp:
+        # Fewer KV heads than TP ranks: k/v projections stay replicated, each rank uses the
+        # KV head of its query heads (gradients summed over TP in the attention function).
+        kv_sharded = False
+        binding.kv_replica_index = tp_mesh.get_local_rank() * num_kv_heads // tp
+        binding.num_kv_heads = 1
+        styles = {n: s for n, s in styles.items() if n not in ("k_proj", "v_proj")}
+    else:
+        binding.num_kv_heads = num_kv_heads // tp
+    sinks = getattr(attn, "sinks", None)
+    if isinstance(sinks, nn.Parameter) and not replicated:
+        from cp_modules.distributed.collectives import all_reduce
+
+        # Per-head sink logits (gpt-oss) stay whole on every rank; each rank attends with its
+        # heads' slice, and the slices' gradients are summed over TP.
+        binding.sinks_slice = (tp_mesh.get_local_rank(), tp)
+        sinks.register_hook(lambda g: all_reduce(g.contiguous(), *tp_group))
+    torch_plan: dict[str, ParallelStyle] = {}
+    for n, s in styles.items():
+        if s == "colwise":
+            torch_plan[n] = ColwiseParallel()
+        elif s == "rowwise":
+            torch_plan[n] = RowwiseParallel()
+        elif s == "colwise_gather_output":
+            torch_plan[n] = ColwiseParallel(output_layouts=Replicate())
+        elif s == "rowwise_split_input":
+            torch_plan[n] = RowwiseParallel(input_layouts=Replicate())
+        elif not replicated and (kv_sharded or not n.startswith("k_")):
+            # replicated_with_grad_allreduce: a q/k norm over this rank's heads. With replicated
+            # KV heads the k side's gradient is already summed by the attention function.
+            _grad_allreduce(children[n], tp_group)
+    parallelize_module(attn, tp_mesh, torch_plan)
+
+
+def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
+    """Shard embeddings, dense MLPs and the LM head of a HF model over ``tp_mesh``.
+
+    Outputs stay replicated plain tensors, so the HF forward between the layers is unchanged:
+    the token embedding is split over the vocabulary (row-wise: each rank looks up its rows,
+    the partial results are all-reduced), MLPs are column-wise ``gate/up_proj`` + row-wise
+    ``down_proj``, the LM head is split over the vocabulary and all-gathered. A module whose
+    size the TP size does not divide stays replicated (a warning names it).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    plan: dict[str, ParallelStyle] = {}
+    skipped = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, CPMLAAttention) or getattr(mod, "cp_binding", None) is not None:
+            continue
+        gate, up, down = (getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        if (
+            isinstance(gate, nn.Linear)
+            and isinstance(up, nn.Linear)
+            and isinstance(down, nn.Linear)
+        ):
+            if gate.out_features % tp:
+                skipped.append(name)
+                continue
+            prefix = f"{name}." if name else ""
+            plan[prefix + "gate_proj"] = ColwiseParallel()
+            plan[prefix + "up_proj"] = ColwiseParallel()
+            plan[prefix + "down_proj"] = RowwiseParallel()
+    hf_model = cast(Any, model)  # a transformers PreTrainedModel
+    emb = hf_model.get_input_embeddings()
+    emb_name = _module_name(model, emb)
+    if emb_name is not None:
+        if emb.num_embeddings % tp:
+            skipped.append(emb_name)
+        else:
+            plan[emb_name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    head = hf_model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = _module_name(model, head) if isinstance(head, nn.Linear) else None
+    if head_name is not None and head is not None:
+        if head.out_features % tp:
+            skipped.append(head_name)
+        else:
+            plan[head_name] = ColwiseParallel(output_layouts=Replicate())
+    if skipped:
+        warnings.warn(
+            f"modules kept replicated (sizes not divisible by the TP size {tp}): {skipped}",
+            stacklevel=2,
+        )
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def _module_name(root: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    for name, mod in root.named_modules():
+        if mod is target:
+            return name
+    return None
