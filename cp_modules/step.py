@@ -482,6 +482,11 @@ _SERIALS: Iterator[int] = itertools.count(1)
 _CURRENT: CPStepMetadata | None = None
 
 
+def active_step() -> CPStepMetadata | None:
+    """The metadata of the step being run, or None outside of any :func:`cp_step`."""
+    return _CURRENT
+
+
 def current_step() -> CPStepMetadata:
     """The metadata of the step being run.
 

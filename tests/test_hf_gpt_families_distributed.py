@@ -148,3 +148,57 @@ def test_gpt_style_models_are_refused_at_tp2_on_every_rank():
         for rank, per_rank in enumerate(results):
             msg = per_rank[family]
             assert msg is not None and "TP plan does not say how to shard" in msg, (family, rank)
+
+
+def _sub_norm_llama():
+    """Llama whose MLPs normalise the intermediate features (as BitNet's ffn_sub_norm does):
+    column-wise sharding would normalise each rank's slice."""
+    import torch
+    from torch import nn
+
+    from cp_modules.modules.hf_families import build_tiny
+
+    model = build_tiny("llama", seed=4)
+    torch.manual_seed(5)
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        mlp.__class__ = type("SubNormMLP", (type(mlp),), {"forward": _sub_norm_forward})
+        mlp.sub_norm = nn.RMSNorm(mlp.gate_proj.out_features, eps=1e-6)
+        nn.init.normal_(mlp.sub_norm.weight, 1.0, 0.5)
+    return model.eval()
+
+
+def _sub_norm_forward(self, x):
+    return self.down_proj(self.sub_norm(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def _sub_norm_at_tp2(rank: int, world_size: int):
+    import warnings
+
+    from cp_modules.config import ParallelConfig
+    from cp_modules.distributed.groups import init_cp_groups
+    from cp_modules.engine import GenerationEngine, SamplingParams
+    from cp_modules.modules.hf_swap import swap_attention
+
+    groups = init_cp_groups(ParallelConfig(tensor_parallel_size=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = swap_attention(_sub_norm_llama(), groups)
+    engine = GenerationEngine(model, groups, block_size=4, max_num_tokens=8, progress=False)
+    out = engine.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW_TOKENS)).outputs
+    return out, [str(w.message) for w in caught]
+
+
+def test_an_mlp_tp_cannot_shard_exactly_stays_replicated_and_generation_is_exact():
+    import torch
+
+    model = _sub_norm_llama()
+    with torch.no_grad():
+        want = [
+            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           do_sample=False, max_new_tokens=MAX_NEW_TOKENS)[0, len(p):].tolist()
+            for p in _prompts()
+        ]  # fmt: skip
+    for rank, (got, messages) in enumerate(run_distributed(_sub_norm_at_tp2, 2, timeout_s=300)):
+        assert got == want, (rank, got, want)
+        assert any("MLPs kept replicated" in m and "model.layers.0.mlp" in m for m in messages)

@@ -1,7 +1,9 @@
 """HF models with sliding windows, attention sinks and soft-capping on gloo ranks: greedy
 generation through the engine at tp2 x pcp2 x dcp2 equals HF ``generate`` on one process
 (gpt-oss: sinks, windowed and full layers; Gemma 3: windowed and full layers; Gemma 2: window
-and soft-cap; EXAONE 4: windowed and rope-less full layers, q/k norms replicated over TP). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
+and soft-cap; EXAONE 4: windowed and rope-less full layers, q/k norms replicated over TP;
+Gemma 3n: windowed and full layers, two of them reading the K/V of earlier layers, MLPs with
+activation sparsity). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ pytestmark = pytest.mark.distributed
 
 PROMPT_LENS = (11, 5, 8)
 MAX_NEW_TOKENS = 6
-FAMILIES = ("gpt_oss", "gemma3", "gemma2", "exaone4")
+FAMILIES = ("gpt_oss", "gemma3", "gemma2", "exaone4", "gemma3n")
 
 
 def _model(family: str):
@@ -32,6 +34,16 @@ def _model(family: str):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_()
+    elif family == "gemma3n":
+        # Layers 2-3 reuse the K/V of layers 0-1; the first two MLPs keep the 95 % activation
+        # sparsity (statistics over the intermediate features: kept replicated over TP).
+        four = dict(num_hidden_layers=4, layer_types=common["layer_types"] * 2)
+        model = tf.Gemma3nForCausalLM(
+            tf.Gemma3nTextConfig(**{**common, **four}, vocab_size_per_layer_input=256,
+                                 hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                                 activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+                                 altup_num_inputs=2, laurel_rank=4)
+        )  # fmt: skip
     elif family == "exaone4":
         model = tf.Exaone4ForCausalLM(tf.Exaone4Config(**common))
     elif family == "gemma3":

@@ -471,3 +471,21 @@ def test_compiled_prefill_and_decode_have_no_graph_break(variant):
     decode, got = step([0, 2], [12, 5], [13, 6])
     assert decode
     torch.testing.assert_close(got, torch.cat([want[0][12:], want[2][5:]]))
+
+
+def test_tp_shards_only_mlps_whose_forward_is_elementwise_between_the_projections():
+    import transformers.models.bitnet.modeling_bitnet as bitnet
+    import transformers.models.gemma3n.modeling_gemma3n as gemma3n
+    import transformers.models.llama.modeling_llama as llama
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    from cp_modules.modules.hf_tp import _elementwise_mlp
+
+    assert _elementwise_mlp(build_tiny("llama").model.layers[0].mlp)
+    assert _elementwise_mlp(build_tiny("deepseek_v3").model.layers[0].mlp)  # its dense layer
+    for cls in (llama.LlamaMLP, qwen3.Qwen3MLP):
+        assert _elementwise_mlp(cls.__new__(cls))
+    # A norm over the intermediate features (BitNet) or their statistics (Gemma 3n's activation
+    # sparsity) would see one rank's slice: kept replicated.
+    for cls in (bitnet.BitNetMLP, gemma3n.Gemma3nTextMLP):
+        assert not _elementwise_mlp(cls.__new__(cls))

@@ -395,9 +395,9 @@ def _check_positions_on_forward(model: nn.Module) -> None:
     name = type(model).__name__
 
     def hook(module, args, kwargs):
-        from cp_modules import step as cp_step_module
+        from cp_modules.step import active_step
 
-        meta = cp_step_module._CURRENT
+        meta = active_step()
         if meta is None or len(args) > 2:  # no step; or positions given positionally
             return None
         pos = kwargs.get("position_ids")

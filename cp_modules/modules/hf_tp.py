@@ -5,7 +5,9 @@ TP plan (:func:`parallelize_attention`), and the embeddings, MLPs and LM head
 
 from __future__ import annotations
 
+import inspect
 import re
+import textwrap
 import warnings
 from typing import Any, cast
 
@@ -142,7 +144,8 @@ def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
 
     tp = tp_mesh.size()
     plan: dict[str, ParallelStyle] = {}
-    skipped = []
+    skipped: list[str] = []
+    unknown: list[str] = []
     for name, mod in model.named_modules():
         if isinstance(mod, CPMLAAttention) or getattr(mod, "cp_binding", None) is not None:
             continue
@@ -152,6 +155,9 @@ def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
             and isinstance(up, nn.Linear)
             and isinstance(down, nn.Linear)
         ):
+            if not _elementwise_mlp(mod):
+                unknown.append(name)
+                continue
             if gate.out_features % tp:
                 skipped.append(name)
                 continue
@@ -179,7 +185,38 @@ def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
             f"modules kept replicated (sizes not divisible by the TP size {tp}): {skipped}",
             stacklevel=2,
         )
+    if unknown:
+        warnings.warn(
+            "MLPs kept replicated: their forward is not down_proj(act_fn(gate_proj(x)) * "
+            f"up_proj(x)), which column/row-wise sharding keeps exact: {unknown}",
+            stacklevel=2,
+        )
     return parallelize_module(model, tp_mesh, plan)
+
+
+# The gated MLP that column-wise gate/up and row-wise down sharding keeps exact: everything
+# between the projections is elementwise over the intermediate features. Norms over those
+# features (BitNet's ffn_sub_norm) or statistics of them (Gemma 3n's activation sparsity)
+# would see one rank's slice.
+_GATED_MLP = re.compile(
+    r"def forward\(self, (\w+)[^)]*\)[^:]*:\s*"
+    r"(?:(\w+) = )?(?:return )?"
+    r"self\.down_proj\(self\.act_fn\(self\.gate_proj\(\1\)\) \* self\.up_proj\(\1\)\)\s*"
+    r"(?:return \2\s*)?$"
+)
+_ELEMENTWISE: dict[type, bool] = {}
+
+
+def _elementwise_mlp(mod: nn.Module) -> bool:
+    cls = type(mod)
+    if cls not in _ELEMENTWISE:
+        try:
+            src = textwrap.dedent(inspect.getsource(cls.forward))
+        except (OSError, TypeError):
+            src = ""
+        code = "\n".join(ln for ln in src.splitlines() if not ln.strip().startswith("#"))
+        _ELEMENTWISE[cls] = _GATED_MLP.search(code.strip()) is not None
+    return _ELEMENTWISE[cls]
 
 
 def _module_name(root: nn.Module, target: nn.Module | None) -> str | None:
