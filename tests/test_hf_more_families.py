@@ -1,0 +1,153 @@
+"""More transformers families through ``swap_attention`` on one process: logits of a ragged
+batch flattened into one row equal the original model's (run prompt by prompt), with and
+without the paged KV cache (the prompts' second halves over their cached first halves).
+
+Tiny configs (hidden 64, 8 query heads, 2 KV heads unless the family has none, 2 layers) of
+families beyond :data:`~cp_modules.modules.hf_families.FAMILIES`: windowed layer mixes
+(Cohere 2, OLMo 3, Gemma 2 and 3, gpt-oss, windowed Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+Phi-3, Starcoder2), rope-less layers (SmolLM3), MoE families, and families whose attention
+or norms differ from Llama's (Phi, Nemotron, BitNet's sub-norm, HunYuan, ERNIE 4.5, Helium,
+Apertus, Arcee, Seed-OSS, GLM, OPT's learned positions).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_hf_swap import LENS, _check_over_the_paged_cache, _original_logits, _prompts, _run_step
+
+from cp_modules.modules.hf_swap import allocate_kv_caches, swap_attention
+
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+    bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)  # fmt: skip
+MIXED = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+SLIDING = dict(sliding_window=4, use_sliding_window=True, max_window_layers=1)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MHA = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+
+# name: (config class, causal-LM class, config kwargs)
+CASES = {
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {**COMMON, **MIXED}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {**COMMON, **MIXED}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**COMMON, "head_dim": 8, "sliding_window": 4}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**COMMON, "head_dim": 8, **MIXED}),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            **COMMON,
+            "intermediate_size": 64,
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            **MIXED,
+        },
+    ),  # fmt: skip
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {**COMMON, "sliding_window": 4}),
+    "mixtral_window": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {**COMMON, "sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),  # fmt: skip
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", {**COMMON, **SLIDING}),
+    "qwen3_window": ("Qwen3Config", "Qwen3ForCausalLM", {**COMMON, "head_dim": 8, **SLIDING}),
+    "qwen3_moe_window": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {**COMMON, "head_dim": 8, **MOE, **SLIDING},
+    ),  # fmt: skip
+    "phi3_window": ("Phi3Config", "Phi3ForCausalLM", {**COMMON, "sliding_window": 4}),
+    "starcoder2_window": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        {**COMMON, "sliding_window": 4},
+    ),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", COMMON),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {**COMMON, **MOE, "shared_expert_intermediate_size": 32},
+    ),  # fmt: skip
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        {**COMMON, "num_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        {**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),  # fmt: skip
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        {**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),  # fmt: skip
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            **COMMON,
+            "head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),  # fmt: skip
+    "hunyuan_moe": (
+        "HunYuanMoEV1Config",
+        "HunYuanMoEV1ForCausalLM",
+        {**COMMON, "head_dim": 8, "num_experts": 4, "moe_topk": 2},
+    ),  # fmt: skip
+    "phi": ("PhiConfig", "PhiForCausalLM", {**MHA, "qk_layernorm": True}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", COMMON),
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", COMMON),
+    "hunyuan_dense": (
+        "HunYuanDenseV1Config",
+        "HunYuanDenseV1ForCausalLM",
+        {**COMMON, "head_dim": 8},
+    ),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {**COMMON, "head_dim": 8}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {**COMMON, "head_dim": 8}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", COMMON),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", COMMON),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {**COMMON, "head_dim": 8}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {**COMMON, "head_dim": 8}),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        {**MHA, "ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": 0.0},
+    ),  # fmt: skip
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_equal_the_original_model_with_and_without_a_paged_cache(name):
+    import transformers as tf
+
+    config_cls, model_cls, kwargs = CASES[name]
+    torch.manual_seed(0)
+    original = getattr(tf, model_cls)(getattr(tf, config_cls)(**kwargs)).float().eval()
+    prompts = _prompts()
+    want = _original_logits(original, prompts)
+    model = swap_attention(copy.deepcopy(original))
+    got = _run_step(model, prompts, [0] * len(prompts), list(LENS))
+    torch.testing.assert_close(got, torch.cat(want))
+    allocate_kv_caches(model, 16, 4, dtype=torch.float32)
+    _check_over_the_paged_cache(model, prompts, want)
