@@ -7,7 +7,8 @@ families beyond :data:`~cp_modules.modules.hf_families.FAMILIES`: windowed layer
 (Cohere 2, OLMo 3, Gemma 2 and 3, gpt-oss, windowed Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
 Phi-3, Starcoder2), rope-less layers (SmolLM3), MoE families, and families whose attention
 or norms differ from Llama's (Phi, Nemotron, BitNet's sub-norm, HunYuan, ERNIE 4.5, Helium,
-Apertus, Arcee, Seed-OSS, GLM, OPT's learned positions).
+Apertus, Arcee, Seed-OSS, GLM, OPT's learned positions), and DeepSeek-style MLA in MiniCPM3,
+GLM-4-MoE-Lite, Youtu and AXK1.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ MIXED = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention
 SLIDING = dict(sliding_window=4, use_sliding_window=True, max_window_layers=1)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MHA = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+MLA = dict(
+    COMMON, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
+    num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+)  # fmt: skip
 
 # name: (config class, causal-LM class, config kwargs)
 CASES = {
@@ -121,6 +127,11 @@ CASES = {
     "arcee": ("ArceeConfig", "ArceeForCausalLM", COMMON),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {**COMMON, "head_dim": 8}),
     "glm": ("GlmConfig", "GlmForCausalLM", {**COMMON, "head_dim": 8}),
+    # DeepSeek-style MLA in other families (module swap to HFCPMLAAttention).
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", MLA),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", MLA),
+    "youtu": ("YoutuConfig", "YoutuForCausalLM", MLA),
+    "axk1": ("AXK1Config", "AXK1ForCausalLM", MLA),
     "opt": (
         "OPTConfig",
         "OPTForCausalLM",
@@ -142,6 +153,8 @@ def test_logits_equal_the_original_model_with_and_without_a_paged_cache(name):
     import transformers as tf
 
     config_cls, model_cls, kwargs = CASES[name]
+    if not hasattr(tf, model_cls):
+        pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
     torch.manual_seed(0)
     original = getattr(tf, model_cls)(getattr(tf, config_cls)(**kwargs)).float().eval()
     prompts = _prompts()

@@ -489,3 +489,30 @@ def test_tp_shards_only_mlps_whose_forward_is_elementwise_between_the_projection
     # sparsity) would see one rank's slice: kept replicated.
     for cls in (bitnet.BitNetMLP, gemma3n.Gemma3nTextMLP):
         assert not _elementwise_mlp(cls.__new__(cls))
+
+
+def test_an_mla_module_that_does_more_than_deepseeks_is_refused():
+    import transformers as tf
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    class GatedMLA(DeepseekV3Attention):  # an output gate (as Bailing's g_proj)
+        def forward(self, hidden_states, *args, **kwargs):
+            out, weights = super().forward(hidden_states, *args, **kwargs)
+            return torch.sigmoid(self.g_proj(hidden_states)) * out, weights
+
+    model = build_tiny("deepseek_v3")
+    attn = model.model.layers[1].self_attn
+    attn.__class__ = GatedMLA
+    attn.g_proj = torch.nn.Linear(64, 64)
+    with pytest.raises(ValueError, match=r"layer 'model.layers.1.self_attn'.*uses \['g_proj'\]"):
+        swap_attention(model)
+    # DeepSeek-V3.2's sparse indexer, were its layers not typed `indexed_attention`.
+    if hasattr(tf, "DeepseekV32ForCausalLM"):
+        cfg = tf.DeepseekV32Config(**{**tiny_config("deepseek_v3").to_diff_dict(), "index_topk": 4,
+                                      "index_n_heads": 2, "index_head_dim": 16})  # fmt: skip
+        v32 = tf.DeepseekV32ForCausalLM(cfg).eval()
+        with pytest.raises(ValueError, match="indexed_attention"):
+            swap_attention(v32)
+        v32.config.layer_types = None
+        with pytest.raises(ValueError, match=r"DeepseekV32Attention looks like MLA.*'indexer'"):
+            swap_attention(v32)

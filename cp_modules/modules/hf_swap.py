@@ -28,6 +28,7 @@ The model is fed one step of the batch's flattened tokens as a single row:
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 from torch import nn
@@ -152,6 +153,36 @@ class HFCPMLAAttention(CPMLAAttention):
         cos, sin = _rope_from_hf(position_embeddings, kwargs, self.rotary)
         out = super().forward(x, None, position_embeddings=(cos, sin))
         return out.unsqueeze(0), None
+
+
+# What the forward of DeepSeek-V2/V3-style MLA (and its copies: MiniCPM3, GLM-4-MoE-Lite, Youtu,
+# AXK1) reads from its module and config: what HFCPMLAAttention implements. Anything else (an
+# output gate, a sparse indexer, LongCat's LoRA scales, sinks) would be dropped by the swap.
+_MLA_FORWARD_ATTRS = frozenset(
+    {*_MLA_PROJECTIONS, "attention_dropout", "config", "expand_kv", "kv_lora_rank", "layer_idx",
+     "q_lora_rank", "qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "scaling", "training"}
+)  # fmt: skip
+_MLA_CONFIG_ATTRS = frozenset({"_attn_implementation", "rope_interleave"})
+
+
+def _check_mla_module(attn: nn.Module, where: str) -> None:
+    """Refuse an MLA module whose forward does more than DeepSeek-V2/V3's."""
+    try:
+        src = inspect.getsource(type(attn).forward)
+    except (OSError, TypeError):
+        src = ""
+    used = set(re.findall(r"self\.(\w+)", src))
+    config_used = set(re.findall(r"self\.config\.(\w+)", src))
+    own = {n for n, m in attn.named_children() if any(True for _ in m.parameters())}
+    own |= {n for n, _ in attn.named_parameters(recurse=False)}
+    unknown = sorted((used - _MLA_FORWARD_ATTRS) | (own - set(_MLA_PROJECTIONS)))
+    unknown += sorted(f"config.{n}" for n in config_used - _MLA_CONFIG_ATTRS)
+    if not src or unknown:
+        what = f"uses {unknown}" if src else "has no readable forward"
+        raise ValueError(
+            f"{where}: {type(attn).__name__} looks like MLA (kv_a_proj_with_mqa, kv_b_proj) "
+            f"but {what}, which cp's MLA (DeepSeek-V2/V3's) does not implement"
+        )
 
 
 def _rope_theta(config) -> float:
@@ -323,14 +354,15 @@ def swap_attention(
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     swapped_mla, bound = [], []
     for name, attn in targets:
+        where = f"{model_name} layer {name!r}"
         if _is_mla(attn):
+            _check_mla_module(attn, where)
             config.validate_heads(num_heads, None)
             new = HFCPMLAAttention.from_hf(attn, hf_config)
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
             swapped_mla.append(new)
             continue
-        where = f"{model_name} layer {name!r}"
         if not _uses_interface(attn):
             raise ValueError(
                 f"{where}: {type(attn).__name__} does not go through transformers' attention "
