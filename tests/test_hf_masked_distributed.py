@@ -3,7 +3,7 @@ generation through the engine at tp2 x pcp2 x dcp2 equals HF ``generate`` on one
 (gpt-oss: sinks, windowed and full layers; Gemma 3: windowed and full layers; Gemma 2: window
 and soft-cap; EXAONE 4: windowed and rope-less full layers, q/k norms replicated over TP;
 Gemma 3n: windowed and full layers, two of them reading the K/V of earlier layers, MLPs with
-activation sparsity). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
+activation sparsity; Gemma 3 loaded as its multimodal class: its language model, text only). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed
 
 PROMPT_LENS = (11, 5, 8)
 MAX_NEW_TOKENS = 6
-FAMILIES = ("gpt_oss", "gemma3", "gemma2", "exaone4", "gemma3n")
+FAMILIES = ("gpt_oss", "gemma3", "gemma2", "exaone4", "gemma3n", "gemma3_multimodal")
 
 
 def _model(family: str):
@@ -43,6 +43,13 @@ def _model(family: str):
                                  hidden_size_per_layer_input=8, num_kv_shared_layers=2,
                                  activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
                                  altup_num_inputs=2, laurel_rank=4)
+        )  # fmt: skip
+    elif family == "gemma3_multimodal":  # its language model, text-only inputs
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+        model = tf.Gemma3ForConditionalGeneration(
+            tf.Gemma3Config(text_config=common, vision_config=vision, mm_tokens_per_image=4,
+                            image_token_id=255, boi_token_id=254, eoi_token_id=253)
         )  # fmt: skip
     elif family == "exaone4":
         model = tf.Exaone4ForCausalLM(tf.Exaone4Config(**common))

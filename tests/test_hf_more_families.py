@@ -8,7 +8,8 @@ families beyond :data:`~cp_modules.modules.hf_families.FAMILIES`: windowed layer
 Phi-3, Starcoder2), rope-less layers (SmolLM3), MoE families, and families whose attention
 or norms differ from Llama's (Phi, Nemotron, BitNet's sub-norm, HunYuan, ERNIE 4.5, Helium,
 Apertus, Arcee, Seed-OSS, GLM, OPT's learned positions), and DeepSeek-style MLA in MiniCPM3,
-GLM-4-MoE-Lite, Youtu and AXK1.
+GLM-4-MoE-Lite, Youtu and AXK1. Then the language model of multimodal models (Gemma 3,
+Qwen2.5-VL, Mistral 3, LLaVA) for text-only inputs.
 """
 
 from __future__ import annotations
@@ -164,3 +165,66 @@ def test_logits_equal_the_original_model_with_and_without_a_paged_cache(name):
     torch.testing.assert_close(got, torch.cat(want))
     allocate_kv_caches(model, 16, 4, dtype=torch.float32)
     _check_over_the_paged_cache(model, prompts, want)
+
+
+def _multimodal(name: str):
+    """A tiny multimodal model whose language model is a tiny family (vision towers tiny too)."""
+    import transformers as tf
+
+    from cp_modules.modules.hf_families import tiny_config
+
+    torch.manual_seed(0)
+    mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    if name == "gemma3":
+        text = dict(COMMON, num_attention_heads=4, head_dim=16, **MIXED)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+        config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                 image_token_id=255, boi_token_id=254, eoi_token_id=253)  # fmt: skip
+        return tf.Gemma3ForConditionalGeneration(config).eval()
+    if name == "qwen2_5_vl":  # multimodal rope: text-only positions are 1-D
+        text = {**tiny_config("qwen2").to_dict(), "rope_parameters": mrope}
+        vision = dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64
+        )
+        config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+        return tf.Qwen2_5_VLForConditionalGeneration(config).eval()
+    if name == "mistral3":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, head_dim=16)  # fmt: skip
+        config = tf.Mistral3Config(
+            text_config=tiny_config("mistral").to_dict(), vision_config=vision
+        )
+        return tf.Mistral3ForConditionalGeneration(config).eval()
+    text = {**tiny_config("llama").to_dict(), "model_type": "llama"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    return tf.LlavaForConditionalGeneration(
+        tf.LlavaConfig(text_config=text, vision_config=vision)
+    ).eval()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_5_vl", "mistral3", "llava"])
+def test_a_multimodal_models_language_model_serves_text_only_inputs(name):
+    from cp_modules.modules import CPRuntime, build_step_metadata, cp_step
+    from cp_modules.modules.hf_swap import cp_attention_layers
+
+    original = _multimodal(name)
+    prompts = _prompts()
+    want = _original_logits(original, prompts)
+    model = swap_attention(copy.deepcopy(original))
+    layers = cp_attention_layers(model)
+    assert len(layers) == 2
+    decoder = model.get_decoder()
+    assert all(any(m is layer for m in decoder.modules()) for layer in layers)
+    config = model.config
+    assert config.get_text_config()._attn_implementation == "cp"
+    assert config.vision_config._attn_implementation != "cp"  # the vision tower keeps its own
+    got = _run_step(model, prompts, [0] * len(prompts), list(LENS))
+    torch.testing.assert_close(got, torch.cat(want))
+    allocate_kv_caches(model, 16, 4, dtype=torch.float32)
+    _check_over_the_paged_cache(model, prompts, want)
+    # Images are not split over ranks: refused under a cp step.
+    meta = build_step_metadata(CPRuntime.single(), [4])
+    with torch.no_grad(), cp_step(meta), pytest.raises(ValueError, match="'pixel_values'"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), position_ids=meta.positions[None],
+              pixel_values=torch.zeros(1, 3, 28, 28), use_cache=False)  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 
 import pytest
 import torch
@@ -340,15 +341,18 @@ def test_attention_modules_the_swap_does_not_know_or_serve_are_refused():
         ValueError, match=r"layer 'transformer.h.0.crossattention': cross-attention"
     ):
         swap_attention(build_tiny("gpt2", add_cross_attention=True))
-    # A multimodal model (Qwen2-VL: the text model's sizes sit in text_config; vision attention).
-    vl = tf.Qwen2VLForConditionalGeneration(
-        tf.Qwen2VLConfig(
-            text_config=tiny_config("qwen2").to_dict(),
-            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=4),
-        )
+    # An encoder-decoder (T5: its attention is neither `self_attn` nor causal self-attention).
+    t5 = tf.T5ForConditionalGeneration(
+        tf.T5Config(vocab_size=256, d_model=64, d_ff=128, num_layers=1, num_heads=4, d_kv=16)
     )
-    with pytest.raises(ValueError, match="Qwen2VLForConditionalGeneration: a multimodal model"):
-        swap_attention(vl)
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration has no self-attention"):
+        swap_attention(t5)
+    # A config with neither head counts nor a text model.
+    class NoHeads(torch.nn.Module):
+        config = types.SimpleNamespace(hidden_size=8)
+
+    with pytest.raises(ValueError, match="NoHeads: its config has no num_attention_heads and no"):
+        swap_attention(NoHeads())
     # GPT-2's own configs keep attention dropout on: refused in training, served in eval.
     gpt2 = swap_attention(build_tiny("gpt2", attn_pdrop=0.1))
     _forward(gpt2)

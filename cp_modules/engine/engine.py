@@ -141,7 +141,7 @@ class GenerationEngine:
                 f"the model's dtype is {self.dtype}; the paged decode kernels take float32, "
                 "bfloat16 or float16: convert the model with model.to(dtype)"
             )
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = _text_config(model).vocab_size
         self._logits_fn = _logits_postprocess(model)
         self._cache_blocks = 0
         self._window_blocks: dict[int, int] = {}
@@ -246,7 +246,7 @@ class GenerationEngine:
         """
         params = params or SamplingParams()
         prompts = self._check_prompts(prompts)
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = getattr(_text_config(self.model), "max_position_embeddings", None)
         longest = max(len(p) for p in prompts) + params.max_new_tokens
         if limit is not None and longest > limit:
             raise ValueError(
@@ -525,7 +525,7 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
     ]
     steps = []
     # Gemma-style final soft-capping runs only when the config sets it (an `if` around it).
-    final_softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    final_softcap = getattr(_text_config(model), "final_logit_softcapping", None)
     for ln in lines[1:]:
         if "final_logit_softcapping" in ln or ln == "logits = torch.tanh(logits)":
             if final_softcap is None:
@@ -556,6 +556,12 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
         return x
 
     return apply
+
+
+def _text_config(model: nn.Module):
+    """The config of ``model``'s language model (itself for a causal LM)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -316,16 +316,7 @@ def swap_attention(
             f"expected a transformers model with a .config, got {type(model).__name__}"
         )
     model_name = type(model).__name__
-    if not isinstance(getattr(hf_config, "num_attention_heads", None), int):
-        what = (
-            "a multimodal model (its config nests text_config)"
-            if hasattr(hf_config, "text_config")
-            else "its config has no num_attention_heads"
-        )
-        raise ValueError(
-            f"{model_name}: {what}; cp serves decoder-only causal LMs (a config with "
-            "num_attention_heads), and DeepSeek-V2/V3-style MLA models"
-        )
+    hf_config, prefix, sub_config = _language_model(model, hf_config)
     _check_layer_types(model, hf_config)
     register_cp_attention()
     caches = getattr(model, "cp_kv_caches", None) or CPKVCaches()
@@ -333,7 +324,8 @@ def swap_attention(
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
-        if _is_decoder_attention(name, mod)
+        if name.startswith(prefix)
+        and _is_decoder_attention(name, mod)
         and getattr(mod, "cp_binding", None) is None
         and not isinstance(mod, CPMLAAttention)
     ]
@@ -413,8 +405,44 @@ def swap_attention(
         attn.cp_binding = binding
     model.cp_kv_caches = caches
     _check_positions_on_forward(model)
-    model.set_attn_implementation(CP_ATTN_IMPLEMENTATION)
+    # A multimodal model: its language model only (the vision tower keeps its attention).
+    model.set_attn_implementation(
+        {sub_config: CP_ATTN_IMPLEMENTATION} if sub_config else CP_ATTN_IMPLEMENTATION
+    )
     return model
+
+
+def _language_model(model: nn.Module, hf_config):
+    """(the text model's config, the module-name prefix of its layers, the sub-config key)
+    of a causal LM ("", None) or of a multimodal model whose language model cp serves for
+    text-only forwards (Gemma 3 / 3n / 4 load this way through AutoModelForCausalLM)."""
+    if isinstance(getattr(hf_config, "num_attention_heads", None), int):
+        return hf_config, "", None
+    name = type(model).__name__
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
+    key = next(
+        (k for k in getattr(hf_config, "sub_configs", {}) if getattr(hf_config, k, None) is text),
+        None,
+    )
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    prefix = next((n for n, m in model.named_modules() if m is decoder), None)
+    if (
+        text is None
+        or text is hf_config
+        or key is None
+        or not prefix
+        or not isinstance(getattr(text, "num_attention_heads", None), int)
+    ):
+        raise ValueError(
+            f"{name}: its config has no num_attention_heads and no text model cp can find "
+            "(a text_config and get_decoder()); cp serves decoder-only causal LMs, the language "
+            "model of multimodal ones (text-only inputs), and DeepSeek-V2/V3-style MLA models"
+        )
+    return text, prefix + ".", key
+
+
+# Keyword arguments that carry non-text inputs into a multimodal model's forward.
+_MEDIA = ("pixel_values", "image_", "video", "audio", "input_features", "mm_encoder_outputs")
 
 
 def _check_positions_on_forward(model: nn.Module) -> None:
@@ -432,6 +460,12 @@ def _check_positions_on_forward(model: nn.Module) -> None:
         meta = active_step()
         if meta is None or len(args) > 2:  # no step; or positions given positionally
             return None
+        media = sorted(k for k, v in kwargs.items() if v is not None and k.startswith(_MEDIA))
+        if media:
+            raise ValueError(
+                f"{name}: {media} under a cp step: cp serves the language model of a multimodal "
+                "model for text-only inputs (images, video and audio are not split over ranks)"
+            )
         pos = kwargs.get("position_ids")
         if pos is None:
             raise ValueError(
