@@ -347,6 +347,7 @@ def test_attention_modules_the_swap_does_not_know_or_serve_are_refused():
     )
     with pytest.raises(ValueError, match="T5ForConditionalGeneration has no self-attention"):
         swap_attention(t5)
+
     # A config with neither head counts nor a text model.
     class NoHeads(torch.nn.Module):
         config = types.SimpleNamespace(hidden_size=8)
