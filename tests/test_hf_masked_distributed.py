@@ -3,7 +3,8 @@ generation through the engine at tp2 x pcp2 x dcp2 equals HF ``generate`` on one
 (gpt-oss: sinks, windowed and full layers; Gemma 3: windowed and full layers; Gemma 2: window
 and soft-cap; EXAONE 4: windowed and rope-less full layers, q/k norms replicated over TP;
 Gemma 3n: windowed and full layers, two of them reading the K/V of earlier layers, MLPs with
-activation sparsity; Gemma 3 loaded as its multimodal class: its language model, text only). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
+activation sparsity; Gemma 3 loaded as its multimodal class: its language model, text only; Gemma 4: K/V-shared
+layers and wider heads on its full layers). Windows of 3 keys are shorter than every prompt, so they change the tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.distributed
 
 PROMPT_LENS = (11, 5, 8)
 MAX_NEW_TOKENS = 6
-FAMILIES = ("gpt_oss", "gemma3", "gemma2", "exaone4", "gemma3n", "gemma3_multimodal")
+FAMILIES = ("gpt_oss", "gemma3", "gemma2", "exaone4", "gemma3n", "gemma3_multimodal", "gemma4")
 
 
 def _model(family: str):
@@ -50,6 +51,13 @@ def _model(family: str):
         model = tf.Gemma3ForConditionalGeneration(
             tf.Gemma3Config(text_config=common, vision_config=vision, mm_tokens_per_image=4,
                             image_token_id=255, boi_token_id=254, eoi_token_id=253)
+        )  # fmt: skip
+    elif family == "gemma4":  # K/V-shared layers, wider full-layer heads
+        four = dict(num_hidden_layers=4, layer_types=common["layer_types"] * 2)
+        model = tf.Gemma4ForCausalLM(
+            tf.Gemma4TextConfig(**{**common, **four}, vocab_size_per_layer_input=256,
+                                hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                                per_layer_config={"01": {"head_dim": 32}, "03": {"head_dim": 32}})
         )  # fmt: skip
     elif family == "exaone4":
         model = tf.Exaone4ForCausalLM(tf.Exaone4Config(**common))

@@ -9,7 +9,7 @@ Phi-3, Starcoder2), rope-less layers (SmolLM3), MoE families, and families whose
 or norms differ from Llama's (Phi, Nemotron, BitNet's sub-norm, HunYuan, ERNIE 4.5, Helium,
 Apertus, Arcee, Seed-OSS, GLM, OPT's learned positions), and DeepSeek-style MLA in MiniCPM3,
 GLM-4-MoE-Lite, Youtu and AXK1. Then the language model of multimodal models (Gemma 3,
-Qwen2.5-VL, Mistral 3, LLaVA) for text-only inputs.
+Gemma 4, Qwen2.5-VL, Mistral 3, LLaVA) for text-only inputs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ MLA = dict(
     COMMON, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
     qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
     num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+)  # fmt: skip
+
+GEMMA4 = dict(
+    COMMON, num_hidden_layers=4, num_attention_heads=4, head_dim=16, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=256,
+    hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+    per_layer_config={"01": {"head_dim": 32}, "03": {"head_dim": 32}},
 )  # fmt: skip
 
 # name: (config class, causal-LM class, config kwargs)
@@ -128,6 +135,9 @@ CASES = {
     "arcee": ("ArceeConfig", "ArceeForCausalLM", COMMON),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {**COMMON, "head_dim": 8}),
     "glm": ("GlmConfig", "GlmForCausalLM", {**COMMON, "head_dim": 8}),
+    # Gemma 4: layers 2-3 reuse the K/V of layers 0-1, the full layers have wider heads and
+    # proportional rope; its model slices masks by logits_to_keep (the whole mask here).
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4, pad_token_id=None)),
     # DeepSeek-style MLA in other families (module swap to HFCPMLAAttention).
     "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", MLA),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", MLA),
@@ -189,6 +199,12 @@ def _multimodal(name: str):
         )
         config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
         return tf.Qwen2_5_VLForConditionalGeneration(config).eval()
+    if name == "gemma4":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, head_dim=16)  # fmt: skip
+        config = tf.Gemma4Config(text_config=dict(GEMMA4, pad_token_id=0), vision_config=vision,
+                                 audio_config=None)  # fmt: skip
+        return tf.Gemma4ForConditionalGeneration(config).eval()
     if name == "mistral3":
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=16)  # fmt: skip
@@ -203,17 +219,21 @@ def _multimodal(name: str):
     ).eval()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen2_5_vl", "mistral3", "llava"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen2_5_vl", "mistral3", "llava"])
 def test_a_multimodal_models_language_model_serves_text_only_inputs(name):
+    import transformers as tf
+
     from cp_modules.modules import CPRuntime, build_step_metadata, cp_step
     from cp_modules.modules.hf_swap import cp_attention_layers
 
+    if name == "gemma4" and not hasattr(tf, "Gemma4ForConditionalGeneration"):
+        pytest.skip(f"transformers {tf.__version__} has no Gemma 4")
     original = _multimodal(name)
     prompts = _prompts()
     want = _original_logits(original, prompts)
     model = swap_attention(copy.deepcopy(original))
     layers = cp_attention_layers(model)
-    assert len(layers) == 2
+    assert len(layers) == (4 if name == "gemma4" else 2)
     decoder = model.get_decoder()
     assert all(any(m is layer for m in decoder.modules()) for layer in layers)
     config = model.config

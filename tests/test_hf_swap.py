@@ -521,3 +521,15 @@ def test_an_mla_module_that_does_more_than_deepseeks_is_refused():
         v32.config.layer_types = None
         with pytest.raises(ValueError, match=r"DeepseekV32Attention looks like MLA.*'indexer'"):
             swap_attention(v32)
+
+
+def test_a_mask_marker_serves_whole_slices_and_refuses_partial_ones():
+    from cp_modules.modules.hf_attention import RefusedMask, WindowMask
+
+    window = WindowMask(4)
+    assert window[:, :, slice(-0, None), :] is window and window[...] is window
+    for index in [(slice(None), slice(None), slice(-1, None), slice(None)), 3]:
+        with pytest.raises(ValueError, match="keeping only some query rows or keys"):
+            window[index]
+    refused = RefusedMask("a feature")
+    assert refused[:, :, :, :] is refused

@@ -103,15 +103,40 @@ class CPLayerBinding:
         return f"{self.model_name} layer {self.layer_name!r} (layer_idx={self.layer_idx})"
 
 
+class _WholeMask:
+    """Indexing a cp mask marker: whole rows and columns only (Gemma 4 slices its masks with
+    ``[:, :, slice(-logits_to_keep, None), :]``, the whole mask for ``logits_to_keep=0``)."""
+
+    def __getitem__(self, index):
+        parts = index if isinstance(index, tuple) else (index,)
+        whole = all(
+            p is Ellipsis
+            or (
+                isinstance(p, slice)
+                and p.start in (None, 0)
+                and p.stop is None
+                and p.step in (None, 1)
+            )
+            for p in parts
+        )
+        if not whole:
+            raise ValueError(
+                f"the model indexes its attention mask with {index!r}, keeping only some query "
+                "rows or keys: cp attends every local token of the step (call the model "
+                "without logits_to_keep)"
+            )
+        return self
+
+
 @dataclass(frozen=True)
-class RefusedMask:
+class RefusedMask(_WholeMask):
     """The mask HF asked the ``cp`` mask function for, when cp does not implement it."""
 
     feature: str
 
 
 @dataclass(frozen=True)
-class WindowMask:
+class WindowMask(_WholeMask):
     """A sliding-window causal mask of ``size`` keys (served: passed on as the window)."""
 
     size: int
@@ -148,6 +173,7 @@ _INERT_KWARGS = frozenset(
         "output_router_logits",
         "max_length_q",
         "max_length_k",
+        "labels",  # Gemma 4's multimodal model passes its loss targets down to every layer
     }
 )
 
