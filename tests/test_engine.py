@@ -20,18 +20,13 @@ from cp_modules.engine import (
     sample_tokens,
 )
 from cp_modules.modules.hf_swap import swap_attention
+from cp_modules.testing import hf_greedy_tokens
 
 LENS = (29, 1, 9, 4, 17)
 MAX_NEW = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is fastest, and spin-waiting threads crawl on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _conf(family: str) -> ModelConf:
@@ -49,17 +44,8 @@ def _prompts(lens=LENS, seed=3) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
 
 
-def _hf_generate(model, prompts, **kw) -> list[list[int]]:
-    with torch.no_grad():
-        return [
-            model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                **kw,
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+def _hf_generate(model, prompts, max_new_tokens, **kw) -> list[list[int]]:
+    return hf_greedy_tokens(model, prompts, max_new_tokens, **kw)
 
 
 def _engine(family: str, **kw) -> GenerationEngine:

@@ -17,14 +17,9 @@ from recipe_models import build_model
 from cp_modules.engine import GenerationEngine, SamplingParams
 from cp_modules.engine.graphs import BUCKETS, bucket_of, graph_width
 from cp_modules.modules.hf_swap import swap_attention
+from cp_modules.testing import hf_greedy_tokens
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(lens, seed=5):
@@ -48,17 +43,7 @@ def _model(family="llama", device="cpu", dtype=torch.float32, moe=True):
 
 
 def _hf_generate(model, prompts, max_new, device="cpu", **kw):
-    with torch.no_grad():
-        return [
-            model.generate(
-                torch.tensor([p], device=device),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
-                do_sample=False,
-                max_new_tokens=max_new,
-                **kw,
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    return hf_greedy_tokens(model, prompts, max_new, device, **kw)
 
 
 def test_buckets_and_widths():

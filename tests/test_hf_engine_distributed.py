@@ -21,7 +21,7 @@ import dataclasses
 import pytest
 
 from cp_modules.cache.dcp import dcp_num_blocks
-from cp_modules.testing import run_distributed
+from cp_modules.testing import hf_greedy_tokens, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -188,16 +188,7 @@ def hf_reference():
             grads = _train_grads(swap_attention(model), None, CPRuntime.single())
             cache[key, train] = {n: torch.from_numpy(g) for n, g in grads.items()}
         else:
-            with torch.no_grad():
-                cache[key, train] = [
-                    model.generate(
-                        torch.tensor([p]),
-                        max_new_tokens=MAX_NEW_TOKENS,
-                        do_sample=False,
-                        attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                    )[0, len(p) :].tolist()
-                    for p in prompts
-                ]
+            cache[key, train] = hf_greedy_tokens(model, prompts, MAX_NEW_TOKENS)
         return cache[key, train]
 
     return prompts, get

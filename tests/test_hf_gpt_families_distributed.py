@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from cp_modules.testing import run_distributed
+# The ragged training batch and loss of the HF engine tests (gradients summed over PCP).
+from test_hf_engine_distributed import _train_grads
+
+from cp_modules.testing import hf_greedy_tokens, run_distributed
 
 pytestmark = pytest.mark.distributed
 
 PROMPT_LENS = (11, 5, 8)
-TRAIN_LENS = (9, 1, 6)
 MAX_NEW_TOKENS = 5
 FAMILIES = ("gpt2", "gpt_bigcode", "gpt_neox", "exaone4")
 
@@ -40,50 +42,11 @@ def _prompts(lens=PROMPT_LENS, seed=11) -> list[list[int]]:
 
 
 def _hf_generate(family: str) -> list[list[int]]:
-    import torch
-
-    model = _model(family)
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           do_sample=False, max_new_tokens=MAX_NEW_TOKENS)[0, len(p):].tolist()
-            for p in _prompts()
-        ]  # fmt: skip
-
-
-def _train_grads(model, runtime, pcp_group=None):
-    """Gradients of sum(logits * W) over a ragged batch, summed over PCP."""
-    import torch
-    import torch.distributed as dist
-
-    from cp_modules.modules import build_step_metadata, cp_step, restore_tokens
-
-    flat = torch.tensor([t for p in _prompts(TRAIN_LENS, seed=5) for t in p])
-    weights = torch.randn(
-        sum(TRAIN_LENS), 256, generator=torch.Generator().manual_seed(99), dtype=torch.float64
-    )
-    meta = build_step_metadata(runtime, list(TRAIN_LENS))
-    model.train()
-    with cp_step(meta):
-        logits = model(
-            input_ids=flat[meta.token_indices][None],
-            position_ids=meta.positions[None],
-            use_cache=False,
-        ).logits.squeeze(0)
-    # Every PCP rank holds the same restored logits; the restore's backward sums over PCP.
-    ((restore_tokens(logits, meta) * weights).sum() / runtime.pcp_size).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        if pcp_group is not None:
-            dist.all_reduce(g, group=pcp_group)
-        grads[name] = g.numpy()
-    return grads
+    return hf_greedy_tokens(_model(family), _prompts(), MAX_NEW_TOKENS)
 
 
 def _rank_body(rank: int, world_size: int, families):
     from cp_modules.config import ParallelConfig
-    from cp_modules.distributed.collectives import resolve_group
     from cp_modules.distributed.groups import init_cp_groups
     from cp_modules.engine import GenerationEngine, SamplingParams
     from cp_modules.modules.hf_swap import swap_attention
@@ -97,7 +60,7 @@ def _rank_body(rank: int, world_size: int, families):
         engine = GenerationEngine(model, groups, block_size=4, max_num_tokens=8, progress=False)
         tokens = engine.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
         model = swap_attention(_model(family, "float64"), groups)
-        grads = _train_grads(model, CPRuntime.from_groups(groups), resolve_group(groups.pcp_name))
+        grads = _train_grads(model, groups, CPRuntime.from_groups(groups))
         out[family] = (tokens.outputs, grads)
     return out
 
@@ -111,7 +74,9 @@ def test_gpt_style_and_exaone4_models_generate_like_hf_and_train_like_one_proces
     results = run_distributed(_rank_body, 2, FAMILIES, timeout_s=900)
     for family in FAMILIES:
         want_tokens = _hf_generate(family)
-        want_grads = _train_grads(swap_attention(_model(family, "float64")), CPRuntime.single())
+        want_grads = _train_grads(
+            swap_attention(_model(family, "float64")), None, CPRuntime.single()
+        )
         for rank, per_rank in enumerate(results):
             tokens, grads = per_rank[family]
             assert tokens == want_tokens, (family, rank, tokens, want_tokens)
@@ -190,15 +155,8 @@ def _sub_norm_at_tp2(rank: int, world_size: int):
 
 
 def test_an_mlp_tp_cannot_shard_exactly_stays_replicated_and_generation_is_exact():
-    import torch
 
-    model = _sub_norm_llama()
-    with torch.no_grad():
-        want = [
-            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           do_sample=False, max_new_tokens=MAX_NEW_TOKENS)[0, len(p):].tolist()
-            for p in _prompts()
-        ]  # fmt: skip
+    want = hf_greedy_tokens(_sub_norm_llama(), _prompts(), MAX_NEW_TOKENS)
     for rank, (got, messages) in enumerate(run_distributed(_sub_norm_at_tp2, 2, timeout_s=300)):
         assert got == want, (rank, got, want)
         assert any("MLPs kept replicated" in m and "model.layers.0.mlp" in m for m in messages)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cp_modules.testing import run_distributed
+from cp_modules.testing import hf_greedy_tokens, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -76,15 +76,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _hf_generate(family: str) -> list[list[int]]:
-    import torch
-
-    model = _model(family)
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           do_sample=False, max_new_tokens=MAX_NEW_TOKENS)[0, len(p):].tolist()
-            for p in _prompts()
-        ]  # fmt: skip
+    return hf_greedy_tokens(_model(family), _prompts(), MAX_NEW_TOKENS)
 
 
 def _rank_body(rank: int, world_size: int, families):

@@ -26,7 +26,7 @@ from cp_modules.config import ParallelConfig
 from cp_modules.distributed.dcp_spec import DCPCommSpec
 from cp_modules.engine import Request, Scheduler
 from cp_modules.step import CPRuntime, build_step_metadata
-from cp_modules.testing import run_distributed
+from cp_modules.testing import hf_greedy_tokens, run_distributed
 
 WINDOW = 8
 BLOCK = 4
@@ -212,13 +212,7 @@ def _prompts(lens=LONG_PROMPTS) -> list[list[int]]:
 
 
 def _hf_generate(family: str, max_new: int) -> list[list[int]]:
-    model = _model(family)
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           do_sample=False, max_new_tokens=max_new)[0, len(p):].tolist()
-            for p in _prompts()
-        ]  # fmt: skip
+    return hf_greedy_tokens(_model(family), _prompts(), max_new)
 
 
 def _generate(groups, family: str, max_num_tokens: int, max_new: int, graphs: bool = False):
