@@ -9,7 +9,8 @@ Phi-3, Starcoder2), rope-less layers (SmolLM3), MoE families, and families whose
 or norms differ from Llama's (Phi, Nemotron, BitNet's sub-norm, HunYuan, ERNIE 4.5, Helium,
 Apertus, Arcee, Seed-OSS, GLM, OPT's learned positions), and DeepSeek-style MLA in MiniCPM3,
 GLM-4-MoE-Lite, Youtu and AXK1. Then the language model of multimodal models (Gemma 3,
-Gemma 4, Qwen2.5-VL, Mistral 3, LLaVA) for text-only inputs.
+Gemma 4, Qwen2.5-VL, Qwen3-VL, SmolVLM, InternVL, Mistral 3, LLaVA) for text-only inputs;
+PaliGemma (a prefix LM) refused.
 """
 
 from __future__ import annotations
@@ -200,6 +201,32 @@ def _multimodal(name: str):
         config = tf.Gemma4Config(text_config=dict(GEMMA4, pad_token_id=0), vision_config=vision,
                                  audio_config=None)  # fmt: skip
         return tf.Gemma4ForConditionalGeneration(config).eval()
+    if name == "qwen3_vl":
+        text = {
+            **tiny_config("qwen3").to_dict(),
+            "rope_parameters": {**mrope, "mrope_interleaved": True},
+        }
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4,
+                      out_hidden_size=64, deepstack_visual_indexes=[0])  # fmt: skip
+        config = tf.Qwen3VLConfig(text_config=text, vision_config=vision)
+        return tf.Qwen3VLForConditionalGeneration(config).eval()
+    small_vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    if name == "smolvlm":
+        text = {**tiny_config("llama").to_dict(), "model_type": "llama"}
+        config = tf.SmolVLMConfig(text_config=text, vision_config=small_vision)
+        return tf.SmolVLMForConditionalGeneration(config).eval()
+    if name == "internvl":  # passes image_sizes=None down to its layers
+        text = {**tiny_config("qwen2").to_dict(), "model_type": "qwen2"}
+        config = tf.InternVLConfig(text_config=text, vision_config=small_vision)
+        return tf.InternVLForConditionalGeneration(config).eval()
+    if name == "paligemma":  # a prefix LM: bidirectional over the prompt
+        text = {**tiny_config("gemma").to_dict(), "model_type": "gemma"}
+        config = tf.PaliGemmaConfig(
+            text_config=text, vision_config={**small_vision, "projection_dim": 64}
+        )
+        return tf.PaliGemmaForConditionalGeneration(config).eval()
     if name == "mistral3":
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=16)  # fmt: skip
@@ -214,7 +241,19 @@ def _multimodal(name: str):
     ).eval()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen2_5_vl", "mistral3", "llava"])
+MULTIMODAL = [
+    "gemma3",
+    "gemma4",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "smolvlm",
+    "internvl",
+    "mistral3",
+    "llava",
+]
+
+
+@pytest.mark.parametrize("name", MULTIMODAL)
 def test_a_multimodal_models_language_model_serves_text_only_inputs(name):
     import transformers as tf
 
@@ -243,3 +282,8 @@ def test_a_multimodal_models_language_model_serves_text_only_inputs(name):
     with torch.no_grad(), cp_step(meta), pytest.raises(ValueError, match="'pixel_values'"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long), position_ids=meta.positions[None],
               pixel_values=torch.zeros(1, 3, 28, 28), use_cache=False)  # fmt: skip
+
+
+def test_a_multimodal_prefix_lm_is_refused():
+    with pytest.raises(ValueError, match=r"language_model.layers.0.self_attn.*non-causal"):
+        swap_attention(_multimodal("paligemma"))

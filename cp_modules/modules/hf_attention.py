@@ -164,6 +164,11 @@ _FEATURES: dict[str, tuple[Callable[[object], bool], str]] = {
     "output_attentions": (_active, "returning attention weights (output_attentions=True)"),
 }
 
+# Keyword arguments that carry non-text inputs into a multimodal model (InternVL passes
+# image_sizes=None down to its layers): absent ones are inert; present ones are refused at the
+# model's forward (swap_attention's hook), since cp serves text-only inputs.
+MEDIA_KWARGS = ("pixel_values", "image_", "video", "audio", "input_features", "mm_encoder_outputs")
+
 # Keyword arguments the models pass that do not change attention.
 _INERT_KWARGS = frozenset(
     {
@@ -201,7 +206,7 @@ def check_call(binding: CPLayerBinding, module, attention_mask, dropout, kwargs)
     if _active(dropout) and module.training:
         raise refusal(binding, module, f"attention dropout in training (dropout={dropout})")
     for name, value in kwargs.items():
-        if name in _SERVED_KWARGS:
+        if name in _SERVED_KWARGS or (value is None and name.startswith(MEDIA_KWARGS)):
             continue
         if name in _FEATURES:
             is_active, text = _FEATURES[name]

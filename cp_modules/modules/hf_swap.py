@@ -38,6 +38,7 @@ from cp_modules.config import ParallelConfig
 from cp_modules.modules.attention import CPMLAAttention, apply_tensor_parallel
 from cp_modules.modules.hf_attention import (
     CP_ATTN_IMPLEMENTATION,
+    MEDIA_KWARGS,
     CPKVCaches,
     CPLayerBinding,
     RefusedMask,
@@ -441,10 +442,6 @@ def _language_model(model: nn.Module, hf_config):
     return text, prefix + ".", key
 
 
-# Keyword arguments that carry non-text inputs into a multimodal model's forward.
-_MEDIA = ("pixel_values", "image_", "video", "audio", "input_features", "mm_encoder_outputs")
-
-
 def _check_positions_on_forward(model: nn.Module) -> None:
     """Refuse a forward, under a cp step, without the step's positions. HF would number the
     local tokens 0..T-1 itself: wrong rope for a rank's head and tail chunks, and wrong
@@ -460,7 +457,7 @@ def _check_positions_on_forward(model: nn.Module) -> None:
         meta = active_step()
         if meta is None or len(args) > 2:  # no step; or positions given positionally
             return None
-        media = sorted(k for k, v in kwargs.items() if v is not None and k.startswith(_MEDIA))
+        media = sorted(k for k, v in kwargs.items() if v is not None and k.startswith(MEDIA_KWARGS))
         if media:
             raise ValueError(
                 f"{name}: {media} under a cp step: cp serves the language model of a multimodal "
