@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,8 +114,11 @@ class HFCPMLAAttention(CPMLAAttention):
     or complex [1, T, Dr / 2]) -> (out [1, T, hidden], None).
     """
 
+    layer_idx: int | None
+    where: str
+
     @classmethod
-    def from_hf(cls, attn: nn.Module, config) -> HFCPMLAAttention:
+    def from_hf(cls, attn: Any, config) -> HFCPMLAAttention:
         """Adapter owning ``attn``'s projection and norm modules (weights kept, not copied)."""
         complex_rope = getattr(config, "model_type", "") == "deepseek_v2"
         if attn.kv_b_proj.bias is not None:
@@ -237,7 +241,7 @@ def _kv_heads(attn: nn.Module, num_heads: int, config_kv_heads: int) -> int:
     return config_kv_heads
 
 
-def cp_attention_layers(model: nn.Module) -> list[nn.Module]:
+def cp_attention_layers(model: nn.Module) -> list[Any]:
     """The attention modules of ``model`` that cp serves, in module order: the model's own
     modules bound to the ``cp`` interface (``module.cp_binding``) and MLA adapters."""
     return [
@@ -388,9 +392,10 @@ def swap_attention(
             f"{model_name}: attention modules share a layer_idx (each needs its own KV cache)"
         )
 
+    hf_model: Any = model  # a transformers PreTrainedModel
     if config.world_size > 1 and groups is None:
         groups = init_cp_groups(config)
-        model.cp_groups = groups
+        hf_model.cp_groups = groups
     if groups is not None and config.tp > 1:
         tp_mesh = groups.mesh["tp"]
         plan = attention_tp_plan(hf_config)
@@ -404,10 +409,10 @@ def swap_attention(
             parallelize_non_attention(model, tp_mesh)
     for _, attn, binding in bound:
         attn.cp_binding = binding
-    model.cp_kv_caches = caches
+    hf_model.cp_kv_caches = caches
     _check_positions_on_forward(model)
     # A multimodal model: its language model only (the vision tower keeps its attention).
-    model.set_attn_implementation(
+    hf_model.set_attn_implementation(
         {sub_config: CP_ATTN_IMPLEMENTATION} if sub_config else CP_ATTN_IMPLEMENTATION
     )
     return model
@@ -425,7 +430,8 @@ def _language_model(model: nn.Module, hf_config):
         (k for k in getattr(hf_config, "sub_configs", {}) if getattr(hf_config, k, None) is text),
         None,
     )
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    hf_model: Any = model
+    decoder = hf_model.get_decoder() if hasattr(model, "get_decoder") else None
     prefix = next((n for n, m in model.named_modules() if m is decoder), None)
     if (
         text is None
@@ -562,7 +568,7 @@ def free_kv_caches(model: nn.Module) -> None:
 
 def kv_cache_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every KV-cache tensor of ``model``'s cp layers (e.g. to mark them for torch.compile)."""
-    out = []
+    out: list[torch.Tensor] = []
     for layer in cp_attention_layers(model):
         b = getattr(layer, "cp_binding", None)
         cache = b.caches.get(b.layer_idx) if b is not None else layer.kv_cache
