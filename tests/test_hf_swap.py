@@ -428,6 +428,11 @@ def test_a_forward_without_the_steps_positions_is_refused(family):
         with pytest.raises(ValueError, match="not the step's positions"):
             model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=False)
         model(input_ids=ids, position_ids=meta.positions[None].clone(), use_cache=False)
+        # HF's own loss would shift the targets within this rank's (reordered) tokens.
+        for name in ("labels", "shift_labels"):
+            with pytest.raises(ValueError, match=f"{name}= under a cp step"):
+                model(input_ids=ids, position_ids=meta.positions[None], use_cache=False,
+                      **{name: ids})  # fmt: skip
     # Outside a cp step the hook stays out of the way (cp's attention then asks for a step).
     with pytest.raises(RuntimeError, match="no context-parallel step is active"):
         model(input_ids=ids, use_cache=False)

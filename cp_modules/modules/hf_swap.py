@@ -496,6 +496,27 @@ def _check_positions_on_forward(model: nn.Module) -> None:
         return None
 
     base._cp_positions_hook = base.register_forward_pre_hook(hook, with_kwargs=True)
+    if model is not base:
+        top: Any = model
+        top._cp_labels_hook = model.register_forward_pre_hook(_refuse_hf_loss, with_kwargs=True)
+
+
+def _refuse_hf_loss(module, args, kwargs):
+    """HF's loss shifts ``labels`` by one within the row it is given. Under a cp step that row
+    is this rank's tokens in the step's order (a PCP rank holds a head and a tail chunk of
+    each request; requests follow each other), so the shift pairs tokens with the wrong
+    targets, and the mean is over this rank's tokens only."""
+    from cp_modules.step import active_step
+
+    given = [k for k in ("labels", "shift_labels") if kwargs.get(k) is not None]
+    if given and active_step() is not None:
+        raise ValueError(
+            f"{type(module).__name__}: {given[0]}= under a cp step: HF's loss would shift the "
+            "targets within this rank's tokens, which are chunks of the step's requests. Take "
+            "the logits and use cp_modules.training.lm_cross_entropy(logits.squeeze(0), batch) "
+            "(the targets of a CPBatch, averaged over the global batch)"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- KV caches
