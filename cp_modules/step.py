@@ -498,7 +498,8 @@ def current_step() -> CPStepMetadata:
             "no context-parallel step is active: build the step's metadata with "
             "build_step_metadata(...) and run the model's forward under `with cp_step(meta):` "
             "(activation checkpointing runs the forward again in the backward: checkpoint "
-            "with cp_modules.training.checkpoint_with_step, which re-enters the step)"
+            "with cp_modules.training.checkpoint_with_step, which re-enters the step; HF's "
+            "gradient_checkpointing_enable() does so on models swap_attention prepared)"
         )
     return _CURRENT
 

@@ -184,3 +184,42 @@ def test_an_mlp_tp_cannot_shard_exactly_stays_replicated_and_generation_is_exact
     for rank, (got, messages) in enumerate(run_distributed(_sub_norm_at_tp2, 2, timeout_s=300)):
         assert got == want, (rank, got, want)
         assert any("MLPs kept replicated" in m and "model.layers.0.mlp" in m for m in messages)
+
+
+def _checkpointed_grads(rank: int, world_size: int, cases):
+    from cp_modules.config import ParallelConfig
+    from cp_modules.distributed.groups import init_cp_groups
+    from cp_modules.modules.hf_swap import swap_attention
+    from cp_modules.step import CPRuntime
+
+    groups = init_cp_groups(ParallelConfig(prefill_context_parallel_size=2))
+    out = {}
+    for family, reentrant in cases:
+        model = swap_attention(_model(family, "float64"), groups)
+        # HF's own switch: its replay in the backward runs after the step's forward has ended.
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+        out[family, reentrant] = _train_grads(model, groups, CPRuntime.from_groups(groups))
+    return out
+
+
+def test_hf_gradient_checkpointing_trains_like_one_process_at_pcp2():
+    import torch
+
+    from cp_modules.modules.hf_swap import swap_attention
+    from cp_modules.step import CPRuntime
+
+    cases = [("gpt_neox", False), ("gpt_neox", True), ("exaone4", False)]
+    results = run_distributed(_checkpointed_grads, 2, cases, timeout_s=300)
+    for family, reentrant in cases:
+        # One process, no checkpointing.
+        want = _train_grads(swap_attention(_model(family, "float64")), None, CPRuntime.single())
+        for rank, per_rank in enumerate(results):
+            got = per_rank[family, reentrant]
+            assert got.keys() == want.keys()
+            for n, g in want.items():
+                torch.testing.assert_close(
+                    torch.from_numpy(got[n]), torch.from_numpy(g),
+                    msg=f"{family} reentrant={reentrant} rank {rank} {n}",
+                )  # fmt: skip

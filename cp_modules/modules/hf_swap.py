@@ -456,12 +456,17 @@ def _check_positions_on_forward(model: nn.Module) -> None:
     if getattr(base, "_cp_positions_hook", None) is not None:
         return
     name = type(model).__name__
+    checkpointed = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
     def hook(module, args, kwargs):
         from cp_modules.step import active_step
 
         meta = active_step()
-        if meta is None or len(args) > 2:  # no step; or positions given positionally
+        if meta is None:
+            return None
+        if not torch.compiler.is_compiling():
+            _bind_checkpointing_to_steps(checkpointed)
+        if len(args) > 2:  # positions given positionally
             return None
         media = sorted(k for k, v in kwargs.items() if v is not None and k.startswith(MEDIA_KWARGS))
         if media:
@@ -499,6 +504,42 @@ def _check_positions_on_forward(model: nn.Module) -> None:
     if model is not base:
         top: Any = model
         top._cp_labels_hook = model.register_forward_pre_hook(_refuse_hf_loss, with_kwargs=True)
+
+
+def _bind_checkpointing_to_steps(modules: list[Any]) -> None:
+    """HF's gradient checkpointing (``model.gradient_checkpointing_enable()``) replays a layer
+    in the backward, when the step of its forward is no longer active: the replay of a layer
+    checkpointed under a cp step re-enters that step (what ``checkpoint_with_step`` does)."""
+    for m in modules:
+        func = m.__dict__.get("_gradient_checkpointing_func")
+        if func is not None and not getattr(func, "cp_step_bound", False):
+            m._gradient_checkpointing_func = _step_bound(func)
+
+
+_BOUND: dict[int, Any] = {}
+
+
+def _step_bound(func: Any) -> Any:
+    """``func`` (HF's checkpoint function, shared by every layer) with its replay run under
+    the step that was active when the layer ran first."""
+    if id(func) in _BOUND and _BOUND[id(func)][0] is func:
+        return _BOUND[id(func)][1]
+    from cp_modules.step import active_step, cp_step
+
+    def checkpointed(function, *args, **kwargs):
+        meta = active_step()
+        if meta is None:
+            return func(function, *args, **kwargs)
+
+        def replay(*a, **k):
+            with cp_step(meta):
+                return function(*a, **k)
+
+        return func(replay, *args, **kwargs)
+
+    checkpointed.cp_step_bound = True  # type: ignore[attr-defined]
+    _BOUND[id(func)] = (func, checkpointed)
+    return checkpointed
 
 
 def _refuse_hf_loss(module, args, kwargs):
