@@ -39,7 +39,6 @@ from cp_modules.config import ParallelConfig
 from cp_modules.modules.attention import CPMLAAttention, apply_tensor_parallel
 from cp_modules.modules.hf_attention import (
     CP_ATTN_IMPLEMENTATION,
-    MEDIA_KWARGS,
     CPKVCaches,
     CPLayerBinding,
     RefusedMask,
@@ -48,6 +47,7 @@ from cp_modules.modules.hf_attention import (
     refusal,
     register_cp_attention,
 )
+from cp_modules.modules.hf_forward import install_forward_checks
 from cp_modules.modules.hf_tp import (
     attention_tp_plan,
     parallelize_attention,
@@ -410,7 +410,7 @@ def swap_attention(
     for _, attn, binding in bound:
         attn.cp_binding = binding
     hf_model.cp_kv_caches = caches
-    _check_positions_on_forward(model)
+    install_forward_checks(model)
     # A multimodal model: its language model only (the vision tower keeps its attention).
     hf_model.set_attn_implementation(
         {sub_config: CP_ATTN_IMPLEMENTATION} if sub_config else CP_ATTN_IMPLEMENTATION
@@ -446,118 +446,6 @@ def _language_model(model: nn.Module, hf_config):
             "model of multimodal ones (text-only inputs), and DeepSeek-V2/V3-style MLA models"
         )
     return text, prefix + ".", key
-
-
-def _check_positions_on_forward(model: nn.Module) -> None:
-    """Refuse a forward, under a cp step, without the step's positions. HF would number the
-    local tokens 0..T-1 itself: wrong rope for a rank's head and tail chunks, and wrong
-    absolute positions (GPT-2, OPT) for every request after the first, without an error."""
-    base = getattr(model, "base_model", model)
-    if getattr(base, "_cp_positions_hook", None) is not None:
-        return
-    name = type(model).__name__
-    checkpointed = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
-
-    def hook(module, args, kwargs):
-        from cp_modules.step import active_step
-
-        meta = active_step()
-        if meta is None:
-            return None
-        if not torch.compiler.is_compiling():
-            _bind_checkpointing_to_steps(checkpointed)
-        if len(args) > 2:  # positions given positionally
-            return None
-        media = sorted(k for k, v in kwargs.items() if v is not None and k.startswith(MEDIA_KWARGS))
-        if media:
-            raise ValueError(
-                f"{name}: {media} under a cp step: cp serves the language model of a multimodal "
-                "model for text-only inputs (images, video and audio are not split over ranks)"
-            )
-        pos = kwargs.get("position_ids")
-        if pos is None:
-            raise ValueError(
-                f"{name}: called under a cp step without position_ids, so the model would number "
-                "this rank's tokens 0..T-1 itself; pass position_ids=meta.positions[None] (and "
-                "input_ids=ids[meta.token_indices][None])"
-            )
-        want = meta.positions
-        if pos.numel() != want.numel():
-            raise ValueError(
-                f"{name}: position_ids has {pos.numel()} entries but the step has "
-                f"{want.numel()} local tokens on this rank; pass position_ids=meta.positions[None]"
-            )
-        # Values are compared where that costs no host sync (CPU tensors, outside compile).
-        if (
-            pos.device.type == "cpu"
-            and want.device.type == "cpu"
-            and not torch.compiler.is_compiling()
-            and not torch.equal(pos.reshape(-1).to(want.dtype), want)
-        ):
-            raise ValueError(
-                f"{name}: position_ids are not the step's positions (meta.positions): under "
-                "context parallelism a rank holds chunks of each request, numbered by the step"
-            )
-        return None
-
-    base._cp_positions_hook = base.register_forward_pre_hook(hook, with_kwargs=True)
-    if model is not base:
-        top: Any = model
-        top._cp_labels_hook = model.register_forward_pre_hook(_refuse_hf_loss, with_kwargs=True)
-
-
-def _bind_checkpointing_to_steps(modules: list[Any]) -> None:
-    """HF's gradient checkpointing (``model.gradient_checkpointing_enable()``) replays a layer
-    in the backward, when the step of its forward is no longer active: the replay of a layer
-    checkpointed under a cp step re-enters that step (what ``checkpoint_with_step`` does)."""
-    for m in modules:
-        func = m.__dict__.get("_gradient_checkpointing_func")
-        if func is not None and not getattr(func, "cp_step_bound", False):
-            m._gradient_checkpointing_func = _step_bound(func)
-
-
-_BOUND: dict[int, Any] = {}
-
-
-def _step_bound(func: Any) -> Any:
-    """``func`` (HF's checkpoint function, shared by every layer) with its replay run under
-    the step that was active when the layer ran first."""
-    if id(func) in _BOUND and _BOUND[id(func)][0] is func:
-        return _BOUND[id(func)][1]
-    from cp_modules.step import active_step, cp_step
-
-    def checkpointed(function, *args, **kwargs):
-        meta = active_step()
-        if meta is None:
-            return func(function, *args, **kwargs)
-
-        def replay(*a, **k):
-            with cp_step(meta):
-                return function(*a, **k)
-
-        return func(replay, *args, **kwargs)
-
-    checkpointed.cp_step_bound = True  # type: ignore[attr-defined]
-    _BOUND[id(func)] = (func, checkpointed)
-    return checkpointed
-
-
-def _refuse_hf_loss(module, args, kwargs):
-    """HF's loss shifts ``labels`` by one within the row it is given. Under a cp step that row
-    is this rank's tokens in the step's order (a PCP rank holds a head and a tail chunk of
-    each request; requests follow each other), so the shift pairs tokens with the wrong
-    targets, and the mean is over this rank's tokens only."""
-    from cp_modules.step import active_step
-
-    given = [k for k in ("labels", "shift_labels") if kwargs.get(k) is not None]
-    if given and active_step() is not None:
-        raise ValueError(
-            f"{type(module).__name__}: {given[0]}= under a cp step: HF's loss would shift the "
-            "targets within this rank's tokens, which are chunks of the step's requests. Take "
-            "the logits and use cp_modules.training.lm_cross_entropy(logits.squeeze(0), batch) "
-            "(the targets of a CPBatch, averaged over the global batch)"
-        )
-    return None
 
 
 # ----------------------------------------------------------------------------- KV caches
