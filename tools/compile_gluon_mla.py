@@ -26,70 +26,93 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cp_modules.kernels import paged_decode_mla_gluon as m  # noqa: E402
 
-page = int(sys.argv[1]) if len(sys.argv) > 1 else 64
-partial = sys.argv[2] == "1" if len(sys.argv) > 2 else True
-layout = m._smem_layout()
-box = min(page, 64)
-splits_env = os.environ.get("SPLITS")
-sig = {
-    "q_desc": f"tensordesc<bf16[64, 64],{layout!r}>",
-    "c_desc": f"tensordesc<bf16[{box}, 64],{layout!r}>",
-    "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
-    "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32",
-    "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "qk_scale": "fp32",
-    **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
-                          "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
-    **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
-                                "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
-                                "OWN_REGS")},
-}  # fmt: skip
-attrs, spec_consts = {}, {}
-if splits_env:
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
 
-    n = int(splits_env)
-    if partial != (n > 1):
-        sys.exit("SPLITS > 1 goes with partial 1, SPLITS=1 with partial 0")
-    r, h, width = 512, 128, 32768 // page
-    ints = {"stride_ot": h * n * r, "stride_oh": n * r, "stride_os": r if n > 1 else 0,
-            "stride_lt": h * n, "stride_lh": n, "stride_ls": 1 if n > 1 else 0,
-            "stride_btr": width, "max_kv_len": width * page}  # fmt: skip
-    names_ = list(m._paged_mla_gluon_kernel.arg_names)
-    for k, v in ints.items():
-        kind, attr = native_specialize_impl(BaseBackend, v, False, True, True)
-        if kind == "constexpr":
-            sig[k] = "constexpr"
-            spec_consts[k] = v
-        elif attr:
+def _signature(page: int, partial: bool, splits: int | None):
+    """The kernel's argument types, and (with ``splits``) the attributes and constants of a
+    launch with that many splits (128 heads, ctx 32k)."""
+    layout = m._smem_layout()
+    sig = {
+        "q_desc": f"tensordesc<bf16[64, 64],{layout!r}>",
+        "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
+        "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32",
+        "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "qk_scale": "fp32",
+        **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
+                              "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
+        **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
+                                    "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
+                                    "OWN_REGS")},
+    }  # fmt: skip
+    attrs, spec_consts = {}, {}
+    if splits:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        if partial != (splits > 1):
+            raise ValueError("SPLITS > 1 goes with partial 1, SPLITS=1 with partial 0")
+        r, h, width = 512, 128, 32768 // page
+        ints = {"stride_ot": h * splits * r, "stride_oh": splits * r,
+                "stride_os": r if splits > 1 else 0, "stride_lt": h * splits, "stride_lh": splits,
+                "stride_ls": 1 if splits > 1 else 0, "stride_btr": width,
+                "max_kv_len": width * page}  # fmt: skip
+        names_ = list(m._paged_mla_gluon_kernel.arg_names)
+        for k, v in ints.items():
+            kind, attr = native_specialize_impl(BaseBackend, v, False, True, True)
+            if kind == "constexpr":
+                sig[k] = "constexpr"
+                spec_consts[k] = v
+            elif attr:
+                attrs[(names_.index(k),)] = [["tt.divisibility", 16]]
+        for k in ("BT", "SEQ_IDX", "KV_LEN", "OUT", "LSE", "FOUT", "FLSE", "COUNTER"):
             attrs[(names_.index(k),)] = [["tt.divisibility", 16]]
-    for k in ("BT", "SEQ_IDX", "KV_LEN", "OUT", "LSE", "FOUT", "FLSE", "COUNTER"):
-        attrs[(names_.index(k),)] = [["tt.divisibility", 16]]
-names = sys.argv[3] if len(sys.argv) > 3 else "base"
-names = list(m.GLUON_MLA_VARIANTS) if names == "all" else names.split(",")
-out = Path(os.environ.get("OUT_DIR", "/tmp/gluon-mla"))
-out.mkdir(parents=True, exist_ok=True)
-for name in names:
+    return layout, sig, attrs, spec_consts
+
+
+def compile_sm90(
+    name: str, page: int, partial: bool, splits: int | None = None, wg1_regs: int | None = None
+):
+    """The Gluon MLA kernel of variant ``name`` compiled for sm_90 (no GPU needed)."""
+    layout, sig, attrs, spec_consts = _signature(page, partial, splits)
     cfg = m.GLUON_MLA_VARIANTS[name]
     box = min(page, 64, cfg.max_box_rows)
     sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
                   "PARTIAL": partial, **spec_consts,
-                  **cfg.constexprs(int(splits_env) if splits_env else 2 if partial else 1),
-                  "WG1_REGS": int(os.environ.get("WG1_REGS", cfg.wg1_regs))}  # fmt: skip
+                  **cfg.constexprs(splits if splits else 2 if partial else 1),
+                  "WG1_REGS": wg1_regs if wg1_regs is not None else cfg.wg1_regs}  # fmt: skip
     src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    tag = f"_S{splits_env}" if splits_env else ""
-    stem = out / f"mla_{name}_bs{page}_partial{int(partial)}{tag}"
-    stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
-    stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
-    ptxas = os.environ.get("PTXAS", "ptxas")
-    cmd = [ptxas, "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")), "-o",
-           str(stem.with_suffix(".cubin"))]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    info = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
-            if "registers" in ln or "spill" in ln or "injected" in ln or "error" in ln]  # fmt: skip
-    print(
-        f"[{name} bs={page} partial={int(partial)}{' S=' + splits_env if splits_env else ''}] triton {triton.__version__}: shared "
-        f"{kernel.metadata.shared} B, {kernel.metadata.num_warps} warps; " + " | ".join(info)
-    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def main() -> None:
+    page = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+    partial = sys.argv[2] == "1" if len(sys.argv) > 2 else True
+    splits_env = os.environ.get("SPLITS")
+    splits = int(splits_env) if splits_env else None
+    names = sys.argv[3] if len(sys.argv) > 3 else "base"
+    names = list(m.GLUON_MLA_VARIANTS) if names == "all" else names.split(",")
+    out = Path(os.environ.get("OUT_DIR", "/tmp/gluon-mla"))
+    out.mkdir(parents=True, exist_ok=True)
+    wg1 = int(os.environ["WG1_REGS"]) if "WG1_REGS" in os.environ else None
+    for name in names:
+        try:
+            kernel = compile_sm90(name, page, partial, splits, wg1)
+        except ValueError as e:
+            sys.exit(str(e))
+        tag = f"_S{splits_env}" if splits_env else ""
+        stem = out / f"mla_{name}_bs{page}_partial{int(partial)}{tag}"
+        stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
+        stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
+        ptxas = os.environ.get("PTXAS", "ptxas")
+        cmd = [ptxas, "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")), "-o",
+               str(stem.with_suffix(".cubin"))]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        info = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
+                if "registers" in ln or "spill" in ln or "injected" in ln or "error" in ln]  # fmt: skip
+        print(
+            f"[{name} bs={page} partial={int(partial)}{' S=' + splits_env if splits_env else ''}] triton {triton.__version__}: shared "
+            f"{kernel.metadata.shared} B, {kernel.metadata.num_warps} warps; " + " | ".join(info)
+        )
+
+
+if __name__ == "__main__":
+    main()
