@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from cp_modules.modules.hf_attention import MEDIA_KWARGS
+from cp_modules.step import active_step, cp_step
 
 __all__ = ["install_forward_checks"]
 
@@ -31,12 +32,10 @@ def install_forward_checks(model: nn.Module) -> None:
     checkpointed = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
     def hook(module, args, kwargs):
-        from cp_modules.step import active_step
-
         meta = active_step()
         if meta is None:
             return None
-        if not torch.compiler.is_compiling():
+        if module.training and not torch.compiler.is_compiling():  # HF checkpoints in training
             _bind_checkpointing_to_steps(checkpointed)
         if len(args) > 2:  # positions given positionally
             return None
@@ -88,15 +87,9 @@ def _bind_checkpointing_to_steps(modules: list[Any]) -> None:
             m._gradient_checkpointing_func = _step_bound(func)
 
 
-_BOUND: dict[int, Any] = {}
-
-
 def _step_bound(func: Any) -> Any:
-    """``func`` (HF's checkpoint function, shared by every layer) with its replay run under
-    the step that was active when the layer ran first."""
-    if id(func) in _BOUND and _BOUND[id(func)][0] is func:
-        return _BOUND[id(func)][1]
-    from cp_modules.step import active_step, cp_step
+    """``func`` (HF's checkpoint function) with its replay run under the step that was active
+    when the layer ran first."""
 
     def checkpointed(function, *args, **kwargs):
         meta = active_step()
@@ -110,7 +103,6 @@ def _step_bound(func: Any) -> Any:
         return func(replay, *args, **kwargs)
 
     checkpointed.cp_step_bound = True  # type: ignore[attr-defined]
-    _BOUND[id(func)] = (func, checkpointed)
     return checkpointed
 
 
@@ -119,8 +111,6 @@ def _refuse_hf_loss(module, args, kwargs):
     is this rank's tokens in the step's order (a PCP rank holds a head and a tail chunk of
     each request; requests follow each other), so the shift pairs tokens with the wrong
     targets, and the mean is over this rank's tokens only."""
-    from cp_modules.step import active_step
-
     given = [k for k in ("labels", "shift_labels") if kwargs.get(k) is not None]
     if given and active_step() is not None:
         raise ValueError(

@@ -50,6 +50,7 @@ from cp_modules.modules.hf_attention import (
 from cp_modules.modules.hf_forward import install_forward_checks
 from cp_modules.modules.hf_tp import (
     attention_tp_plan,
+    module_name,
     parallelize_attention,
     parallelize_non_attention,
 )
@@ -432,7 +433,7 @@ def _language_model(model: nn.Module, hf_config):
     )
     hf_model: Any = model
     decoder = hf_model.get_decoder() if hasattr(model, "get_decoder") else None
-    prefix = next((n for n, m in model.named_modules() if m is decoder), None)
+    prefix = module_name(model, decoder)
     if (
         text is None
         or text is hf_config

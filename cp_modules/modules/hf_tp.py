@@ -15,7 +15,7 @@ from torch import nn
 
 from cp_modules.modules.attention import CPMLAAttention
 
-__all__ = ["attention_tp_plan", "parallelize_attention", "parallelize_non_attention"]
+__all__ = ["attention_tp_plan", "module_name", "parallelize_attention", "parallelize_non_attention"]
 
 _DEFAULT_ATTENTION_PLAN = {
     "q_proj": "colwise",
@@ -167,14 +167,14 @@ def parallelize_non_attention(model: nn.Module, tp_mesh) -> nn.Module:
             plan[prefix + "down_proj"] = RowwiseParallel()
     hf_model = cast(Any, model)  # a transformers PreTrainedModel
     emb = hf_model.get_input_embeddings()
-    emb_name = _module_name(model, emb)
+    emb_name = module_name(model, emb)
     if emb_name is not None:
         if emb.num_embeddings % tp:
             skipped.append(emb_name)
         else:
             plan[emb_name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     head = hf_model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_name = _module_name(model, head) if isinstance(head, nn.Linear) else None
+    head_name = module_name(model, head) if isinstance(head, nn.Linear) else None
     if head_name is not None and head is not None:
         if head.out_features % tp:
             skipped.append(head_name)
@@ -219,7 +219,8 @@ def _elementwise_mlp(mod: nn.Module) -> bool:
     return _ELEMENTWISE[cls]
 
 
-def _module_name(root: nn.Module, target: nn.Module | None) -> str | None:
+def module_name(root: nn.Module, target: nn.Module | None) -> str | None:
+    """The name of ``target`` among ``root``'s modules (None if it is not one)."""
     if target is None:
         return None
     for name, mod in root.named_modules():
