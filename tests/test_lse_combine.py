@@ -463,3 +463,51 @@ def test_gpu_public_functions_compile_fullgraph():
     want = step(out, lse, packed)
     for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         assert torch.equal(g, w)
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "t, h, s, d, config",
+    [
+        (2, 3, 5, 24, None),  # default launch: several rows per program, S and D not powers of 2
+        (3, 2, 8, 16, (4, 16, 2, 4)),  # rows not a multiple of BLOCK_R, two split chunks
+        (1, 2, 33, 40, (1, 16, 8, 4)),  # a long split list over column blocks, the last masked
+        (2, 2, 1, 8, None),  # one split
+    ],
+    ids=["T2-H3-S5-D24-default", "T3-H2-S8-R4", "T1-H2-S33-D40-R1", "S1"],
+)
+def test_split_merge_kernel_matches_reference(t, h, s, d, config):
+    from cp_modules.kernels.lse_merge import merge_splits_triton
+    from cp_modules.reference.lse_merge import merge_partials_reference
+
+    g = torch.Generator().manual_seed(s)
+    o_buf = torch.randn(t, h, s, d, generator=g).to(KERNEL_DEVICE)
+    l_buf = (3 * torch.randn(t, h, s, generator=g)).to(KERNEL_DEVICE)
+    # Empty splits (no keys in their range): base-2 LSE -inf, partial 0; one row all empty.
+    l_buf[0, 0, s // 2] = -INF
+    o_buf[0, 0, s // 2] = 0
+    l_buf[-1, -1] = -INF
+    o_buf[-1, -1] = 0
+    out = torch.full((t, h, d), NAN, device=KERNEL_DEVICE)
+    lse = torch.full((t, h), NAN, device=KERNEL_DEVICE)
+    merge_splits_triton(o_buf, l_buf, out, lse, config)
+    ref, ref_lse = merge_partials_reference(
+        [o_buf[:, :, i] for i in range(s)], [l_buf[:, :, i] * math.log(2) for i in range(s)],
+        torch.float32,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[-1, -1], torch.zeros(d, device=KERNEL_DEVICE))
+    assert lse[-1, -1].item() == -INF
+
+
+def test_split_merge_launch_config_reads_about_16_kb_per_program():
+    from cp_modules.kernels.lse_merge import merge_splits_launch_config
+
+    for splits, dv in [(2, 512), (8, 512), (64, 512), (33, 128), (2, 128), (256, 512)]:
+        rows, cols, chunk, _ = merge_splits_launch_config(splits, dv)
+        per_program = rows * splits * cols * 4
+        assert cols <= 64 and chunk >= 1 and rows * chunk * cols <= 4096
+        # Below 8 KB only where one row's split list already spans a program.
+        assert per_program >= 8192 or rows == 16, (splits, dv, rows, cols)
+        assert rows == 1 or per_program <= 16384

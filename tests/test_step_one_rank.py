@@ -138,3 +138,17 @@ def test_one_rank_plan_equals_the_general_plan_on_the_gpu():
         direct = plan_pcp(n, m, 1, 0, decode_threshold=threshold, device="cuda")
         general = _general_plan(n, m, 1, 0, threshold, device="cuda")
         _assert_same(direct, general, f"case {i}")
+
+
+@pytest.mark.parametrize("pcp", [1, 2, 4])
+@pytest.mark.parametrize("num_new", [[1, 1, 1], [1], [3, 1, 2]], ids=["one-each", "one", "multi"])
+def test_all_decode_rows_are_the_local_rows_in_order(pcp, num_new):
+    # The attention ops return an all-decode step's decode result as the output, with no
+    # scatter: that needs the decode rows to be every local row, in order.
+    num_new = np.array(num_new)
+    num_comp = np.array([7, 30, 2][: len(num_new)])
+    is_decode = np.ones(len(num_new), dtype=bool)
+    idx, req, pos = step_mod._decode_rows(pcp, num_new, num_comp, is_decode, int(num_new.sum()))
+    assert idx.tolist() == list(range(int(num_new.sum())))
+    assert req.tolist() == np.repeat(np.arange(len(num_new)), num_new).tolist()
+    assert pos.tolist() == [int(c) + i for c, n in zip(num_comp, num_new) for i in range(n)]

@@ -44,6 +44,7 @@ __all__ = [
     "lse_combine_triton",
     "merge_partials_into",
     "merge_partials_triton",
+    "merge_splits_launch_config",
     "merge_splits_triton",
 ]
 
@@ -245,6 +246,8 @@ def _merge_splits_kernel(
     PLSE,
     OUT,
     LSE,
+    num_rows,
+    num_heads,
     stride_pot,
     stride_poh,
     stride_pos,
@@ -259,42 +262,57 @@ def _merge_splits_kernel(
     CHUNK_S: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    # One program: BLOCK_DV output columns of one (query, head) row (several programs per row,
-    # so a long split list is read by many SMs at B = 1). The split LSEs (base 2) are read at
-    # once; the fp32 partial outputs CHUNK_S splits at a time.
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    dv_block = tl.program_id(2)
-    lse_row = PLSE + t * stride_plt + h * stride_plh
+    # One program: BLOCK_DV output columns of BLOCK_R (query, head) rows, r = t * H + h. Rows
+    # of few splits are taken several at a time and long split lists by several programs
+    # (column blocks), so every program reads tens of KB whatever the split count. The split
+    # LSEs (base 2) are read at once; the fp32 partials CHUNK_S splits at a time.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    t = (rows // num_heads).to(tl.int64)
+    h = (rows % num_heads).to(tl.int64)
+    dv_block = tl.program_id(1)
+    lse_rows = PLSE + t * stride_plt + h * stride_plh
     offs_s = tl.arange(0, BLOCK_S)
-    lse2 = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse2, 0)
+    lse2 = tl.load(
+        lse_rows[:, None] + offs_s[None, :],
+        mask=row_ok[:, None] & (offs_s < NUM_SPLITS)[None, :],
+        other=float("-inf"),
+    )
+    m = tl.max(lse2, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse2 - m_safe), 0)
+    total = tl.sum(tl.exp2(lse2 - m_safe[:, None]), 1)
     offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < DV
-    po_row = PO + t * stride_pot + h * stride_poh
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    po_rows = PO + t * stride_pot + h * stride_poh
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, NUM_SPLITS, CHUNK_S):
         offs_c = s0 + tl.arange(0, CHUNK_S)
-        c_mask = offs_c < NUM_SPLITS
-        w = tl.exp2(tl.load(lse_row + offs_c, mask=c_mask, other=float("-inf")) - m_safe)
-        po = tl.load(
-            po_row + offs_c[:, None] * stride_pos + offs_dv[None, :],
-            mask=c_mask[:, None] & dv_mask[None, :],
-            other=0.0,
+        rc_mask = row_ok[:, None] & (offs_c < NUM_SPLITS)[None, :]
+        w = tl.exp2(
+            tl.load(lse_rows[:, None] + offs_c[None, :], mask=rc_mask, other=float("-inf"))
+            - m_safe[:, None]
         )
-        acc += tl.sum(po * w[:, None], 0)
-    out = acc / tl.where(total > 0.0, total, 1.0)
+        po = tl.load(
+            po_rows[:, None, None] + offs_c[None, :, None] * stride_pos + offs_dv[None, None, :],
+            mask=rc_mask[:, :, None] & dv_mask[None, None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+        acc += tl.sum(po * w[:, :, None], 1)
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    o_rows = OUT + t * stride_ot + h * stride_oh
     tl.store(
-        OUT + t * stride_ot + h * stride_oh + offs_dv, out.to(OUT.dtype.element_ty), mask=dv_mask
+        o_rows[:, None] + offs_dv[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=row_ok[:, None] & dv_mask[None, :],
     )
     if dv_block == 0:
         lse = tl.where(
             total > 0.0, (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0))), float("-inf")
         )
-        tl.store(LSE + t * stride_lt + h * stride_lh, lse * 0.6931471805599453)
+        tl.store(LSE + t * stride_lt + h * stride_lh, lse * 0.6931471805599453, mask=row_ok)
 
 
 @functools.cache
@@ -478,26 +496,51 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-# Output columns per program of the split merge: a row's partials are read by several programs
-# (MLA's 512 columns by 8), so a long split list at B = 1 is spread over many SMs
-# (docs/switch-points.md).
-_MERGE_SPLITS_BLOCK_DV = 64
+# Launch parameters of the split merge (swept on the H200 over MLA's and GQA's split counts,
+# docs/experiments/2026-12-02-split-merge.md): about 16 KB of fp32 partials per program (one
+# that reads 2 KB spends its time starting, not loading: 0.9 TB/s at B = 8), 64 columns, so a
+# long split list at B = 1 is still read by many SMs, and at most 4096 partial values a load.
+_MERGE_SPLITS_BYTES = 16384
+_MERGE_SPLITS_MAX_DV = 64
+_MERGE_SPLITS_MAX_ROWS = 16
+_MERGE_SPLITS_TILE = 4096
+
+
+def merge_splits_launch_config(num_splits: int, dv: int) -> tuple[int, int, int, int]:
+    """(BLOCK_R rows, BLOCK_DV columns, CHUNK_S splits per load, warps) of the split merge."""
+    block_dv = min(_MERGE_SPLITS_MAX_DV, triton.next_power_of_2(dv))
+    block_s = triton.next_power_of_2(num_splits)
+    per_row = block_s * block_dv * 4
+    block_r = 1
+    while block_r < _MERGE_SPLITS_MAX_ROWS and 2 * block_r * per_row <= _MERGE_SPLITS_BYTES:
+        block_r *= 2
+    chunk_s = max(1, min(block_s, _MERGE_SPLITS_TILE // (block_r * block_dv)))
+    return block_r, block_dv, chunk_s, 4
 
 
 def merge_splits_triton(
-    o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    o_buf: torch.Tensor,
+    l_buf: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Merge split-KV partials ``o_buf`` [T, H, S, Dv] fp32 with base-2 LSEs ``l_buf``
-    [T, H, S] into ``out`` [T, H, Dv] and natural-log ``lse`` [T, H] fp32 (written in place)."""
+    [T, H, S] into ``out`` [T, H, Dv] and natural-log ``lse`` [T, H] fp32 (written in place).
+    ``config``: (rows, columns, splits per load, warps) per program instead of
+    :func:`merge_splits_launch_config`'s (powers of two; for tuning)."""
     t, hq, num_splits, dv = o_buf.shape
-    block_dv = min(_MERGE_SPLITS_BLOCK_DV, triton.next_power_of_2(dv))
-    block_s = triton.next_power_of_2(num_splits)
-    _merge_splits_kernel[(t, hq, triton.cdiv(dv, block_dv))](
-        o_buf, l_buf, out, lse,
+    if o_buf.stride(3) != 1 or l_buf.stride(2) != 1:
+        raise ValueError("merge_splits_triton needs contiguous columns and split LSEs")
+    block_r, block_dv, chunk_s, warps = config or merge_splits_launch_config(num_splits, dv)
+    rows = t * hq
+    _merge_splits_kernel[(triton.cdiv(rows, block_r), triton.cdiv(dv, block_dv))](
+        o_buf, l_buf, out, lse, rows, hq,
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
         l_buf.stride(0), l_buf.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=block_s, CHUNK_S=min(32, block_s),
-        DV=dv, BLOCK_DV=block_dv,
-        num_warps=4,
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        CHUNK_S=min(chunk_s, triton.next_power_of_2(num_splits)),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_R=block_r,
+        num_warps=warps,
     )  # fmt: skip

@@ -78,6 +78,9 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
     if has_cache and meta.slot_mapping is None:
         raise RuntimeError("a KV cache was given but the step has no block table")
     xplan = None if meta.all_decode else _window_plan(meta, window, has_cache)
+    # Every local row a decode token, in batch order (local_decode_idx is 0..T-1): the decode
+    # result is the output, with no zeroed buffer, gather or scatter around it.
+    only_decode = meta.all_decode and meta.has_decode
     slots = meta.slot_mapping
     if meta.all_decode:
         # Decode tokens are replicated on every PCP rank in batch order: nothing to gather.
@@ -116,7 +119,7 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
                 *pcp_policy_args(meta.runtime.policy, q.shape[2], v.shape[2]), window, softcap,
             )  # fmt: skip
         lse = lse.to(lse_dtype_of(q))
-    else:
+    elif not only_decode:
         out = q.new_zeros(out_shape)
         lse = torch.full(out_shape[:2], float("-inf"), dtype=lse_dtype_of(q), device=q.device)
     if meta.has_decode:
@@ -125,7 +128,7 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
         idx = meta.local_decode_idx
         kv_start = meta.decode_kv_start(window)
         o, lse_d = decode_combined(
-            q.index_select(0, idx),
+            q if only_decode else q.index_select(0, idx),
             meta,
             lambda qq: paged_attention(
                 qq,
@@ -139,8 +142,11 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
                 softcap=softcap or None,
             ),
         )
-        out.index_copy_(0, idx, o.to(out.dtype))
-        lse.index_copy_(0, idx, lse_d.to(lse.dtype))
+        if only_decode:
+            out, lse = o.to(q.dtype).contiguous(), lse_d.to(lse_dtype_of(q)).contiguous()
+        else:
+            out.index_copy_(0, idx, o.to(out.dtype))
+            lse.index_copy_(0, idx, lse_d.to(lse.dtype))
     if sinks is not None:
         out, lse = _apply_sinks(out, lse, sinks)
     return out, lse

@@ -66,6 +66,8 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             )
     out_shape = (q.shape[0], h, dv)
     latent_full = latent if meta.all_decode else gather_rows(latent, meta)
+    # Every local row a decode token, in batch order: the decode result is the output.
+    only_decode = meta.all_decode and meta.has_decode
     if has_cache:
         if meta.slot_mapping is None:
             raise RuntimeError("a KV cache was given but the step has no block table")
@@ -81,14 +83,14 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy, **prefix
         )
         lse = lse.to(lse_dtype_of(q))
-    else:
+    elif not only_decode:
         out = q.new_zeros(out_shape)
         lse = torch.full(out_shape[:2], float("-inf"), dtype=lse_dtype_of(q), device=q.device)
     if meta.has_decode:
         if not has_cache:
             raise RuntimeError("decode requests need a KV cache")
         idx = meta.local_decode_idx
-        q_dec = q.index_select(0, idx)
+        q_dec = q if only_decode else q.index_select(0, idx)
         # Absorb W_UK into the query: attend the latent directly (q dim Rk + Dr).
         q_lat = torch.einsum("bhd,hdc->bhc", q_dec[..., :dn], w_uk)
         q_abs = torch.cat((q_lat, q_dec[..., dn:]), dim=-1).contiguous()
@@ -107,8 +109,11 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             ),
         )
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
-        out.index_copy_(0, idx, o.to(out.dtype))
-        lse.index_copy_(0, idx, lse_d.to(lse.dtype))
+        if only_decode:
+            out, lse = o.to(q.dtype).contiguous(), lse_d.to(lse_dtype_of(q)).contiguous()
+        else:
+            out.index_copy_(0, idx, o.to(out.dtype))
+            lse.index_copy_(0, idx, lse_d.to(lse.dtype))
     return out, lse
 
 
