@@ -314,7 +314,7 @@ def cp_attention_forward(
             "(shard the sinks with the heads)",
         )
     out = gqa_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), cache,
+        q, k, v, cache,
         scale=float(scaling), sinks=sinks, sliding_window=window,
         softcap=float(softcap) if _active(softcap) else None,
     )  # fmt: skip

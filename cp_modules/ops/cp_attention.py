@@ -81,6 +81,10 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
     # Every local row a decode token, in batch order (local_decode_idx is 0..T-1): the decode
     # result is the output, with no zeroed buffer, gather or scatter around it.
     only_decode = meta.all_decode and meta.has_decode
+    if not only_decode:
+        # The prefill kernels take dense rows; the decode kernels and the cache write take any
+        # row and head strides (HF's [1, H, T, D] views, transposed: a copy per layer saved).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     slots = meta.slot_mapping
     if meta.all_decode:
         # Decode tokens are replicated on every PCP rank in batch order: nothing to gather.
@@ -408,7 +412,8 @@ def gqa_attention(
     """Context-parallel GQA/MHA attention of this rank's local tokens for the current step.
 
     Args:
-        q: [T, H, D] local queries (after RoPE), in ``meta.token_indices`` order.
+        q: [T, H, D] local queries (after RoPE), in ``meta.token_indices`` order (q, k and v:
+            any row and head strides, last dim contiguous).
         k, v: [T, Hkv, D] local keys (after RoPE) and values; H a multiple of Hkv.
         kv_cache: ``(k_cache, v_cache)`` [NB, BS, Hkv, D] of this layer, written in place, or
             None (training, cache-less forward).
@@ -435,6 +440,8 @@ def gqa_attention(
     masking = (int(sliding_window or 0), float(softcap or 0.0))
     grads = (q, k, v) + (() if sinks is None else (sinks,))
     if kv_cache is None:
+        # Dense rows for the forward and for the backward, which gets the saved inputs.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, _, _ = torch.ops.cp.gqa_attention(q, k, v, sinks, scale, *masking)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
