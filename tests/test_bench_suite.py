@@ -81,11 +81,12 @@ def test_report_regenerates_the_dated_report(tmp_path):
     read = {name for names in got["sources"].values() for name in names.split(" + ")}
     # Also kept: the decode run with the SDPA and FlexAttention comparisons and the Gluon
     # schedules' sweep (both superseded by the runs with the new split merge, cited by their
-    # notes) and the split-merge probe.
+    # notes), the split-merge probe and the engine's repeat run of the split-merge note.
     assert read == kept - {
         "decode-2026-12-01.json",
         "mla-decode-gluon-2026-12-01.json",
         "split-merge-probe-2026-12-02.json",
+        "parity-engine-repeat-2026-12-02.json",
         "pcp-first-overlap-2026-11-30.json",
         "dcp_comm-2026-11-30.json",
         "mla-decode-gluon-fused-2026-12-01.json",

@@ -160,28 +160,6 @@ def test_sample_tokens_filters():
         assert t[0] in (2, 3) and t[1] == 0
 
 
-@pytest.mark.parametrize("vocab", [128256, 151936, 32000, 50257, 4096 + 64])
-def test_greedy_tokens_equal_argmax_ties_to_the_lowest_id(vocab):
-    from cp_modules.engine.sampling import _vocab_groups, greedy_tokens
-
-    g = torch.Generator().manual_seed(vocab)
-    # Few distinct values: every row has many tied maxima, in several groups.
-    logits = torch.randint(0, 4, (6, vocab), generator=g).float()
-    logits[1] = float("-inf")  # all -inf: id 0
-    logits[2, vocab // 2] = 9.0  # one maximum in a middle group
-    logits[3, -1] = 9.0  # in the last group, its last id
-    logits[4, 7] = float("nan")  # NaN wins, as in argmax
-    logits[5, :] = 1.0  # all equal: id 0
-    want = logits.argmax(dim=-1)
-    assert torch.equal(greedy_tokens(logits), want)
-    assert torch.equal(greedy_tokens(logits.bfloat16()), logits.bfloat16().argmax(dim=-1))
-    wide = torch.cat((logits, logits), dim=1)[:, :vocab]  # rows with a stride of 2 * vocab
-    assert torch.equal(greedy_tokens(wide), want)
-    assert greedy_tokens(logits[:0]).shape == (0,)
-    # The two-pass path is taken where the vocabulary has a group count.
-    assert (_vocab_groups(vocab) is None) == (vocab == 50257)
-
-
 @pytest.mark.parametrize(
     "kw, match",
     [

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "greedy_tokens", "sample_tokens"]
+__all__ = ["SamplingParams", "sample_tokens"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def sample_tokens(
     ``generator`` so that ranks holding the same logits and seed draw the same tokens.
     """
     if params.greedy:
-        return greedy_tokens(logits)
+        return logits.argmax(dim=-1)
     scores = logits.float() / params.temperature
     if params.top_k:
         k = min(params.top_k, scores.shape[-1])
@@ -97,29 +97,3 @@ def sample_tokens(
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def _vocab_groups(vocab: int) -> int | None:
-    # Groups of at least 64 ids that divide the vocabulary (128,256 = 256 x 501; 151,936 =
-    # 128 x 1,187; 32,000 = 256 x 125), or None (e.g. GPT-2's 50,257): one argmax then.
-    return next((g for g in (512, 256, 128, 64) if vocab % g == 0 and vocab // g >= 64), None)
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` of ``[B, V]`` logits, ties to the lowest id, in two passes when
-    the vocabulary splits into groups: the maximum of each group, the first group that holds
-    the row's maximum, the first id of that group that does. On the GPU one argmax over a few
-    long rows runs on a few thread blocks (~28 us for 16 x 128,256 fp32 on an H200); the
-    group pass spreads the same bytes over all of them."""
-    b, v = logits.shape
-    groups = _vocab_groups(v)
-    if groups is None or b == 0 or logits.stride(1) != 1:
-        return logits.argmax(dim=-1)
-    x = (
-        logits.view(b, groups, v // groups)
-        if logits.is_contiguous()
-        else logits.reshape(b, groups, -1)
-    )
-    group = x.amax(dim=-1).argmax(dim=-1)
-    rows = torch.arange(b, device=logits.device)
-    return group * (v // groups) + x[rows, group].argmax(dim=-1)
