@@ -506,6 +506,8 @@ _MERGE_SPLITS_MAX_ROWS = 16
 _MERGE_SPLITS_TILE = 4096
 
 
+# Cached: every split decode launch (a layer of a decode step) asks for it.
+@functools.cache
 def merge_splits_launch_config(num_splits: int, dv: int) -> tuple[int, int, int, int]:
     """(BLOCK_R rows, BLOCK_DV columns, CHUNK_S splits per load, warps) of the split merge."""
     block_dv = min(_MERGE_SPLITS_MAX_DV, triton.next_power_of_2(dv))
