@@ -27,7 +27,8 @@ SMEM_PER_BLOCK = 232448  # the H200's largest shared memory per block (227 KB)
 ROOT = Path(__file__).resolve().parents[1]
 
 # variant -> warp-specialized partitions besides warp group 0 (warp group 1, producer warps)
-SCHEDULES = {"base": 1, "hoist": 1, "loader-r232": 2, "loader2-r232": 3, "loader-r232-fused": 2}
+SCHEDULES = {"base": 1, "hoist": 1, "loader-r232": 2, "loader2-r232": 3, "loader-r232-fused": 2,
+             "loader-r232-early": 2}  # fmt: skip
 # The split path (partial results) where the schedule runs it: the fused merge, and block
 # size 16's default (loader2-r232) both ways.
 CASES = [

@@ -754,6 +754,9 @@ def test_gluon_mla_config_is_validated():
         GluonMLAConfig(issue="tma")
     with pytest.raises(ValueError, match="max_box_rows must be 8, 16, 32 or 64"):
         GluonMLAConfig(issue="loader", max_box_rows=48)
+    with pytest.raises(ValueError, match="early_release needs producer warps"):
+        GluonMLAConfig(issue="hoist", early_release=True)
+    assert GluonMLAConfig(issue="loader2", early_release=True).constexprs()["EARLY"] is True
     # Block size 16: two producer warps (measured faster there); 64: one.
     assert default_gluon_mla_config(16).issue == "loader2"
     assert default_gluon_mla_config(64).issue == "loader"

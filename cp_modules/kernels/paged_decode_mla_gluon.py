@@ -67,7 +67,6 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -93,49 +92,25 @@ if HAS_GLUON:
         _BC,
         _BH,
         _BN,
+        _FREE_HI,
+        _FREE_LO,
+        _FREE_ROPE,
         _ISSUE_LOADER,
         _LAT,
         _issue_q,
         _issue_tile_by,
         _merge_half,
         _mla_loader,
+        _pv4,
+        _scores,
         _sync_warp_group,
+        _zero_rows_past,
     )
 
     # The fused merge's two hand-offs between the warp groups, in barrier slots the tile
     # copies leave unused (a buffer's pieces take slots buf * 16 + [0, 9)).
     _HALF_STORED = gl.constexpr(_LAT + 1)  # warp group 1 -> 0: its partial half is stored
     _TICKET = gl.constexpr(_LAT + 2)  # warp group 0 -> 1: vec_smem[6 * 64] holds "last"
-
-    @gluon.jit
-    def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
-        # Rows >= valid of pieces [first, first + count) become 0 (generic-proxy stores, then
-        # a fence so that the warp group's next wgmma sees them).
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, blk))
-        keep = (rows < valid)[:, None]
-        for c in gl.static_range(count):
-            x = bufs.index(first + c).load(blk)
-            bufs.index(first + c).store(gl.where(keep, x, gl.zeros_like(x)))
-        fence_async_shared()
-        _sync_warp_group()
-
-    @gluon.jit
-    def _scores(q_lat, q_pe, k_lat, k_pe, k_ready, buf: gl.constexpr, phase, mma: gl.constexpr):
-        # S = Q K^T over the 8 latent pieces and the rope piece, each as soon as it lands.
-        # A runtime loop: the shared-memory descriptors of the pieces are computed per piece
-        # instead of being hoisted out of the tile loop (18 of them do not fit in registers).
-        s = gl.zeros([_BH, _BN], gl.float32, mma)
-        mbarrier.wait(k_ready.index(buf * 16), phase)
-        s = warpgroup_mma(q_lat.index(0), k_lat.index(buf * _LAT).permute((1, 0)), s,
-                          use_acc=False, is_async=True)  # fmt: skip
-        for c in range(1, _LAT):
-            mbarrier.wait(k_ready.index(buf * 16 + c), phase)
-            s = warpgroup_mma(q_lat.index(c), k_lat.index(buf * _LAT + c).permute((1, 0)), s,
-                              is_async=True)  # fmt: skip
-        mbarrier.wait(k_ready.index(buf * 16 + _LAT), phase)
-        s = warpgroup_mma(q_pe, k_pe.index(buf).permute((1, 0)), s, is_async=True)
-        return s
 
     @gluon.jit
     def _store_half(o0, o1, o2, o3, l_i, OUT, out_row, col0: gl.constexpr, stride_oh,
@@ -151,18 +126,10 @@ if HAS_GLUON:
         gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
 
     @gluon.jit
-    def _pv4(p, k_smem, first: gl.constexpr, o0, o1, o2, o3):
-        o0 = warpgroup_mma(p, k_smem.index(first), o0, is_async=True)
-        o1 = warpgroup_mma(p, k_smem.index(first + 1), o1, is_async=True)
-        o2 = warpgroup_mma(p, k_smem.index(first + 2), o2, is_async=True)
-        o3 = warpgroup_mma(p, k_smem.index(first + 3), o3, is_async=True)
-        return o0, o1, o2, o3
-
-    @gluon.jit
     def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
                   k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
                   last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         # Warp group 0's share of pair k (tiles A = 2k in buffer 0, B = 2k + 1 in buffer 1).
         # MASK: the pair may reach past the range (the last pair); else no masks, no zeroing.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -170,7 +137,7 @@ if HAS_GLUON:
         dt: gl.constexpr = q_lat.dtype
         phase = k & 1
         n0 = start + 2 * k * _BN
-        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma)
+        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma, EARLY)
         if ISSUE < _ISSUE_LOADER:
             if k > 0:
                 # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
@@ -178,6 +145,8 @@ if HAS_GLUON:
                 _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, n0 + _BN,
                                last_page, PAGE, BOX_ROWS)  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s,))
+        if EARLY:
+            mbarrier.arrive(k_free.index(_FREE_ROPE))
         if MASK:
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
             s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
@@ -205,7 +174,9 @@ if HAS_GLUON:
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        if ISSUE >= _ISSUE_LOADER:
+        if EARLY:
+            mbarrier.arrive(k_free.index(_FREE_LO))
+        elif ISSUE >= _ISSUE_LOADER:
             mbarrier.arrive(k_free.index(0))
         # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
         # published means warp group 1 is done with buffer 0: the next tile A goes there.
@@ -224,7 +195,9 @@ if HAS_GLUON:
                               o0 * alpha_b[:, None], o1 * alpha_b[:, None],
                               o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        if ISSUE >= _ISSUE_LOADER:
+        if EARLY:
+            mbarrier.arrive(k_free.index(4 + _FREE_LO))
+        elif ISSUE >= _ISSUE_LOADER:
             mbarrier.arrive(k_free.index(1))
         return m_i, l_i, o0, o1, o2, o3
 
@@ -235,7 +208,7 @@ if HAS_GLUON:
                  stride_ls, num_splits, H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
                  PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                  ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
-                 OWN_REGS: gl.constexpr):  # fmt: skip
+                 OWN_REGS: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -264,12 +237,12 @@ if HAS_GLUON:
                 m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                     k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
                     k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
-                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma)  # fmt: skip
+                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY)  # fmt: skip
         for k in range(n_full, n_pairs):
             m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                 k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
                 k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
-                last_page, PAGE, BOX_ROWS, ISSUE, True, mma)  # fmt: skip
+                last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY)  # fmt: skip
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
         nonempty = l_i > 0.0
         lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -303,14 +276,14 @@ if HAS_GLUON:
     @gluon.jit
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
                   vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         # Warp group 1's share of pair k; MASK as in _wg0_pair.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         dt: gl.constexpr = q_lat.dtype
         phase = k & 1
         n0 = start + (2 * k + 1) * _BN
-        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma)
+        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma, EARLY)
         # Tile A with warp group 0's probabilities while S_B is in flight.
         mbarrier.wait(pa_bar, phase)
         alpha_a = vec_smem.slice(0 * _BH, _BH).load(row_l)
@@ -323,7 +296,10 @@ if HAS_GLUON:
                               o0 * alpha_a[:, None], o1 * alpha_a[:, None],
                               o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
         s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-        if ISSUE >= _ISSUE_LOADER:
+        if EARLY:
+            mbarrier.arrive(k_free.index(_FREE_HI))
+            mbarrier.arrive(k_free.index(4 + _FREE_ROPE))
+        elif ISSUE >= _ISSUE_LOADER:
             mbarrier.arrive(k_free.index(0))
         if MASK:
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
@@ -351,7 +327,10 @@ if HAS_GLUON:
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        mbarrier.arrive(k_free.index(1))
+        if EARLY:
+            mbarrier.arrive(k_free.index(4 + _FREE_HI))
+        else:
+            mbarrier.arrive(k_free.index(1))
         return l_i, o0, o1, o2, o3
 
     @gluon.jit
@@ -359,7 +338,8 @@ if HAS_GLUON:
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row, stride_lh,
                  FOUT, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
                  H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
-                 PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr):  # fmt: skip
+                 PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
+                 EARLY: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -376,11 +356,11 @@ if HAS_GLUON:
             for k in range(n_full):
                 l_i, o0, o1, o2, o3 = _wg1_pair(
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma)  # fmt: skip
+                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY)  # fmt: skip
         for k in range(n_full, n_pairs):
             l_i, o0, o1, o2, o3 = _wg1_pair(
                 k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
-                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma)  # fmt: skip
+                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY)  # fmt: skip
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
         if FUSED:
             # Tell warp group 0 this half is stored, then learn whether this program is the
@@ -408,7 +388,8 @@ if HAS_GLUON:
                                 ISSUE: gl.constexpr = 0, PEEL: gl.constexpr = False,
                                 WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
                                 FUSED: gl.constexpr = False,
-                                OWN_REGS: gl.constexpr = False):  # fmt: skip
+                                OWN_REGS: gl.constexpr = False,
+                                EARLY: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -439,7 +420,7 @@ if HAS_GLUON:
         pa_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         pb_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [32, 1], bar_layout)
-        k_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        k_free = gl.allocate_shared_memory(gl.int64, [8 if EARLY else 2, 1], bar_layout)
         mbarrier.init(q_bar, count=1)
         mbarrier.init(pa_bar, count=1)
         mbarrier.init(pb_bar, count=1)
@@ -447,7 +428,13 @@ if HAS_GLUON:
             for c in gl.static_range(_LAT + 1):
                 mbarrier.init(k_ready.index(b * 16 + c), count=1)
             # With the producer warp a buffer is free once both warp groups are done with it.
-            mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
+            if EARLY:
+                # Early release: each part of a buffer is freed by the one warp group that
+                # uses it last (_FREE_ROPE / _LO / _HI).
+                for part in gl.static_range(3):
+                    mbarrier.init(k_free.index(b * 4 + part), count=1)
+            else:
+                mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
         if FUSED:
             mbarrier.init(k_ready.index(_HALF_STORED), count=1)
             mbarrier.init(k_ready.index(_TICKET), count=1)
@@ -463,18 +450,18 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS)),
+                                PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
                                 stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS)),
+                                PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   2)),
+                                   2, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 1,
-                                   2)),
+                                   2, EARLY)),
                 ],
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
@@ -487,14 +474,15 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS)),
+                                PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
                                 stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS)),
+                                PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
-                                   n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS)),
+                                   n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
+                                   1, EARLY)),
                 ],
                 [4, 1],
                 [WG1_REGS, LOADER_REGS],
@@ -507,12 +495,12 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS)),
+                                PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
                                 stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS)),
+                                PEEL, FUSED, OWN_REGS, EARLY)),
                 ],
                 [4],
                 [WG1_REGS],

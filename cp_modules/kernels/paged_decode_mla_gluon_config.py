@@ -71,6 +71,11 @@ class GluonMLAConfig:
             split, in tiles, added once per (query, head tile) (0: not modelled).
         max_box_rows: rows of one TMA copy at most (a page's rows, up to a 64-token tile, by
             default): 16 makes a 64-token page take the copies of block size 16.
+        early_release: (producer warps only) a tile buffer is freed in three parts, each by
+            the warp group that uses it last: the rope piece after the tile's scores, each
+            256-column latent half after its P @ V; the producers refill each part as soon as
+            it is free and the scores take the pieces in that order (rope, then the half freed
+            first). Off: a buffer is refilled once both warp groups are done with all of it.
     """
 
     issue: str = "inline"
@@ -83,6 +88,7 @@ class GluonMLAConfig:
     split_cost_tiles: float | None = None
     merge_tiles_per_split: float = 0.0
     max_box_rows: int = 64
+    early_release: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -102,6 +108,11 @@ class GluonMLAConfig:
             raise ValueError(
                 f"GluonMLAConfig.max_box_rows must be 8, 16, 32 or 64, got {self.max_box_rows}"
             )
+        if self.early_release and not self.issue.startswith("loader"):
+            raise ValueError(
+                "GluonMLAConfig.early_release needs producer warps (issue 'loader' or "
+                f"'loader2'), got issue={self.issue!r}"
+            )
         if not self.merge_tiles_per_split >= 0:
             raise ValueError(
                 "GluonMLAConfig.merge_tiles_per_split must be >= 0, got "
@@ -117,7 +128,8 @@ class GluonMLAConfig:
         return {"ISSUE": _ISSUE_MODES.index(self.issue), "PEEL": self.peel,
                 "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs,
                 "FUSED": self.fuses_merge(num_splits),
-                "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers}  # fmt: skip
+                "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
+                "EARLY": self.early_release}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -142,6 +154,9 @@ GLUON_MLA_VARIANTS = {
     "loader2-r232": GluonMLAConfig(issue="loader2", wg1_regs=232),
     # loader-r232 with copies of 16 rows at any block size: what the copy count alone costs.
     "loader-r232-box16": GluonMLAConfig(issue="loader", wg1_regs=232, max_box_rows=16),
+    # Each buffer refilled in three parts as each is freed (rope, then the latent halves).
+    "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
+    "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
     "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
     # The split merge fused into the kernel (the last program of a row merges; no merge

@@ -10,7 +10,12 @@ from __future__ import annotations
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+    )
 
     HAS_GLUON = True
 except ImportError:  # pragma: no cover - a Triton without Gluon
@@ -33,13 +38,148 @@ if HAS_GLUON:
     # 3: two producer warps, each issuing its share of every tile (loader2).
 
     @gluon.jit
+    def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
+        # Rows >= valid of pieces [first, first + count) become 0 (generic-proxy stores, then
+        # a fence so that the warp group's next wgmma sees them).
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, blk))
+        keep = (rows < valid)[:, None]
+        for c in gl.static_range(count):
+            x = bufs.index(first + c).load(blk)
+            bufs.index(first + c).store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        _sync_warp_group()
+
+    @gluon.jit
+    def _scores(q_lat, q_pe, k_lat, k_pe, k_ready, buf: gl.constexpr, phase, mma: gl.constexpr,
+                EARLY: gl.constexpr = False):  # fmt: skip
+        # S = Q K^T over the 8 latent pieces and the rope piece, each as soon as it lands.
+        # A runtime loop: the shared-memory descriptors of the pieces are computed per piece
+        # instead of being hoisted out of the tile loop (18 of them do not fit in registers).
+        # EARLY: in the order the producer refills them (_mla_loader_early): the rope piece,
+        # then the latent half freed first (buffer 0: [0, 256), buffer 1: [256, 512)).
+        s = gl.zeros([_BH, _BN], gl.float32, mma)
+        if EARLY:
+            mbarrier.wait(k_ready.index(buf * 16 + _LAT), phase)
+            s = warpgroup_mma(q_pe, k_pe.index(buf).permute((1, 0)), s, use_acc=False,
+                              is_async=True)  # fmt: skip
+            for i in range(_LAT):
+                c = (i + buf * (_LAT // 2)) % _LAT
+                mbarrier.wait(k_ready.index(buf * 16 + c), phase)
+                s = warpgroup_mma(q_lat.index(c), k_lat.index(buf * _LAT + c).permute((1, 0)),
+                                  s, is_async=True)  # fmt: skip
+        else:
+            mbarrier.wait(k_ready.index(buf * 16), phase)
+            s = warpgroup_mma(q_lat.index(0), k_lat.index(buf * _LAT).permute((1, 0)), s,
+                              use_acc=False, is_async=True)  # fmt: skip
+            for c in range(1, _LAT):
+                mbarrier.wait(k_ready.index(buf * 16 + c), phase)
+                s = warpgroup_mma(q_lat.index(c), k_lat.index(buf * _LAT + c).permute((1, 0)),
+                                  s, is_async=True)  # fmt: skip
+            mbarrier.wait(k_ready.index(buf * 16 + _LAT), phase)
+            s = warpgroup_mma(q_pe, k_pe.index(buf).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _pv4(p, k_smem, first: gl.constexpr, o0, o1, o2, o3):
+        o0 = warpgroup_mma(p, k_smem.index(first), o0, is_async=True)
+        o1 = warpgroup_mma(p, k_smem.index(first + 1), o1, is_async=True)
+        o2 = warpgroup_mma(p, k_smem.index(first + 2), o2, is_async=True)
+        o3 = warpgroup_mma(p, k_smem.index(first + 3), o3, is_async=True)
+        return o0, o1, o2, o3
+
+    # EARLY release (``GluonMLAConfig.early_release``): a buffer is freed in three parts, each
+    # by the one warp group that uses it last, so that its refill starts as soon as each is done:
+    # the rope piece after the tile's scores, each latent half after its P @ V. Free barrier
+    # buf * 4 + part: part 0 rope, 1 columns [0, 256) (warp group 0's), 2 [256, 512).
+    _FREE_ROPE = gl.constexpr(0)
+    _FREE_LO = gl.constexpr(1)
+    _FREE_HI = gl.constexpr(2)
+
+    @gluon.jit
+    def _issue_part(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows, BOX_ROWS: gl.constexpr,
+                    part: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
+        # The copies of one freed part of a tile that producer PART of PARTS owns: the rope
+        # piece is the first producer's; latent piece c is producer (c % 4) * PARTS // 4's.
+        if part == _FREE_ROPE:
+            if PART == 0:
+                _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, _LAT, _LAT + 1)
+        else:
+            c0: gl.constexpr = (part - 1) * (_LAT // 2)
+            for j in gl.static_range(_LAT // 2):
+                if j * PARTS // (_LAT // 2) == PART:
+                    _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c0 + j,
+                                c0 + j + 1)  # fmt: skip
+
+    @gluon.jit
+    def _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
+                          BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr, PART: gl.constexpr,
+                          PARTS: gl.constexpr):  # fmt: skip
+        # A tile's parts in the order its scores take them (_scores with EARLY); WAIT: each
+        # part once its free barrier says the previous tile is done with it.
+        first: gl.constexpr = _FREE_LO if buf == 0 else _FREE_HI
+        second: gl.constexpr = _FREE_HI if buf == 0 else _FREE_LO
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 4 + _FREE_ROPE), phase)
+        _issue_part(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, _FREE_ROPE, PART, PARTS)
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 4 + first), phase)
+        _issue_part(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, first, PART, PARTS)
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 4 + second), phase)
+        _issue_part(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, second, PART, PARTS)
+
+    @gluon.jit
+    def _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
+                          q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                          BOX_ROWS: gl.constexpr, PART: gl.constexpr = 0,
+                          PARTS: gl.constexpr = 1):  # fmt: skip
+        # _mla_loader with EARLY release: tile 2k + 2's parts go into buffer 0 as tile 2k's
+        # are freed, then tile 2k + 3's into buffer 1.
+        if PART == 0:
+            _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
+        last_page = gl.maximum(end - 1, 0) // PAGE
+        if n_pairs > 0:
+            rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
+            _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows, BOX_ROWS, 0, False,
+                              PART, PARTS)  # fmt: skip
+            rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
+            _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows, BOX_ROWS, 0, False,
+                              PART, PARTS)  # fmt: skip
+        for k in range(1, n_pairs):
+            n0 = start + 2 * k * _BN
+            phase = (k - 1) & 1
+            rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
+            rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
+            _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS, phase,
+                              True, PART, PARTS)  # fmt: skip
+            _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS, phase,
+                              True, PART, PARTS)  # fmt: skip
+
+    @gluon.jit
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
                     c_desc, BT, bt_row, q_row, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr,
-                    PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):  # fmt: skip
+                    PART: gl.constexpr = 0, PARTS: gl.constexpr = 1,
+                    EARLY: gl.constexpr = False):  # fmt: skip
         # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
         # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
-        # PART issues its share of each tile's pieces and the first one issues Q.
+        # PART issues its share of each tile's pieces and the first one issues Q. EARLY: each
+        # part of a buffer as soon as it is free (_mla_loader_early).
+        if EARLY:
+            _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
+                              n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
+                              PARTS)  # fmt: skip
+        else:
+            _mla_loader_tiles(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
+                              n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
+                              PARTS)  # fmt: skip
+
+    @gluon.jit
+    def _mla_loader_tiles(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
+                          q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                          BOX_ROWS: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
+        # Whole tiles: a buffer's copies once both warp groups are done with it.
         per: gl.constexpr = (_LAT + 1 + PARTS - 1) // PARTS
         c_lo: gl.constexpr = PART * per
         c_hi: gl.constexpr = min(c_lo + per, _LAT + 1)
