@@ -181,8 +181,8 @@ GLUON_MLA_VARIANTS = {
 # shapes at block size 16 in two probes, +0.6 % geometric mean (-2.8 % to +3.3 % per shape) in
 # the sweep benchmarks/results/mla-decode-gluon-2026-12-01.json; at block size 64 equal or up
 # to 8 % slower, so large blocks keep loader-r232.
-_DEFAULT_SMALL_PAGE = "loader2-r232"
-_DEFAULT_LARGE_PAGE = "loader-r232"
+_DEFAULT_SMALL_PAGE = "loader2-r232-early"
+_DEFAULT_LARGE_PAGE = "loader2-r232-early"
 
 
 def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:
