@@ -102,6 +102,7 @@ if HAS_GLUON:
         _merge_half,
         _mla_loader,
         _pv4,
+        _release_pv,
         _scores,
         _sync_warp_group,
         _zero_rows_past,
@@ -173,11 +174,12 @@ if HAS_GLUON:
         o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, 0,
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         if EARLY:
-            mbarrier.arrive(k_free.index(_FREE_LO))
-        elif ISSUE >= _ISSUE_LOADER:
-            mbarrier.arrive(k_free.index(0))
+            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_LO, EARLY == 2)
+        else:
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            if ISSUE >= _ISSUE_LOADER:
+                mbarrier.arrive(k_free.index(0))
         # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
         # published means warp group 1 is done with buffer 0: the next tile A goes there.
         mbarrier.wait(pb_bar, phase)
@@ -194,11 +196,12 @@ if HAS_GLUON:
         o0, o1, o2, o3 = _pv4(p_smem, k_lat, _LAT,
                               o0 * alpha_b[:, None], o1 * alpha_b[:, None],
                               o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         if EARLY:
-            mbarrier.arrive(k_free.index(4 + _FREE_LO))
-        elif ISSUE >= _ISSUE_LOADER:
-            mbarrier.arrive(k_free.index(1))
+            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_LO, EARLY == 2)
+        else:
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            if ISSUE >= _ISSUE_LOADER:
+                mbarrier.arrive(k_free.index(1))
         return m_i, l_i, o0, o1, o2, o3
 
     @gluon.jit
@@ -295,12 +298,19 @@ if HAS_GLUON:
         o0, o1, o2, o3 = _pv4(p_smem, k_lat, 4,
                               o0 * alpha_a[:, None], o1 * alpha_a[:, None],
                               o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
-        s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-        if EARLY:
+        if EARLY == 2:
+            # S_B was issued before these four products: it is done when at most 4 remain.
+            s = warpgroup_mma_wait(4, deps=(s,))
+            mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
+            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_HI, True)
+        elif EARLY:
+            s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
             mbarrier.arrive(k_free.index(_FREE_HI))
-            mbarrier.arrive(k_free.index(4 + _FREE_ROPE))
-        elif ISSUE >= _ISSUE_LOADER:
-            mbarrier.arrive(k_free.index(0))
+            mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
+        else:
+            s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
+            if ISSUE >= _ISSUE_LOADER:
+                mbarrier.arrive(k_free.index(0))
         if MASK:
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
             s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
@@ -326,10 +336,10 @@ if HAS_GLUON:
         o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, _LAT + 4,
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         if EARLY:
-            mbarrier.arrive(k_free.index(4 + _FREE_HI))
+            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_HI, EARLY == 2)
         else:
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(k_free.index(1))
         return l_i, o0, o1, o2, o3
 
@@ -389,7 +399,7 @@ if HAS_GLUON:
                                 WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
                                 FUSED: gl.constexpr = False,
                                 OWN_REGS: gl.constexpr = False,
-                                EARLY: gl.constexpr = False):  # fmt: skip
+                                EARLY: gl.constexpr = 0):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -420,7 +430,7 @@ if HAS_GLUON:
         pa_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         pb_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [32, 1], bar_layout)
-        k_free = gl.allocate_shared_memory(gl.int64, [8 if EARLY else 2, 1], bar_layout)
+        k_free = gl.allocate_shared_memory(gl.int64, [32 if EARLY else 2, 1], bar_layout)
         mbarrier.init(q_bar, count=1)
         mbarrier.init(pa_bar, count=1)
         mbarrier.init(pb_bar, count=1)
@@ -430,9 +440,9 @@ if HAS_GLUON:
             # With the producer warp a buffer is free once both warp groups are done with it.
             if EARLY:
                 # Early release: each part of a buffer is freed by the one warp group that
-                # uses it last (_FREE_ROPE / _LO / _HI).
-                for part in gl.static_range(3):
-                    mbarrier.init(k_free.index(b * 4 + part), count=1)
+                # uses it last (slots _FREE_ROPE and _FREE_LO / _FREE_HI, or each piece).
+                for slot in gl.static_range(_LAT + 1):
+                    mbarrier.init(k_free.index(b * 16 + slot), count=1)
             else:
                 mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
         if FUSED:
@@ -458,10 +468,10 @@ if HAS_GLUON:
                                 PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   2, EARLY)),
+                                   2, EARLY > 0, EARLY == 2)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 1,
-                                   2, EARLY)),
+                                   2, EARLY > 0, EARLY == 2)),
                 ],
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
@@ -482,7 +492,7 @@ if HAS_GLUON:
                                 PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   1, EARLY)),
+                                   1, EARLY > 0, EARLY == 2)),
                 ],
                 [4, 1],
                 [WG1_REGS, LOADER_REGS],

@@ -15,6 +15,7 @@ try:
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_wait,
     )
 
     HAS_GLUON = True
@@ -88,52 +89,72 @@ if HAS_GLUON:
         o3 = warpgroup_mma(p, k_smem.index(first + 3), o3, is_async=True)
         return o0, o1, o2, o3
 
-    # EARLY release (``GluonMLAConfig.early_release``): a buffer is freed in three parts, each
-    # by the one warp group that uses it last, so that its refill starts as soon as each is done:
-    # the rope piece after the tile's scores, each latent half after its P @ V. Free barrier
-    # buf * 4 + part: part 0 rope, 1 columns [0, 256) (warp group 0's), 2 [256, 512).
-    _FREE_ROPE = gl.constexpr(0)
-    _FREE_LO = gl.constexpr(1)
-    _FREE_HI = gl.constexpr(2)
+    # EARLY release (``GluonMLAConfig.early_release``): a buffer is freed in parts, each by
+    # the one warp group that uses it last, so that its refill starts as soon as each is done:
+    # the rope piece after the tile's scores, each latent half (or with PIECES each latent
+    # piece) after its P @ V. Free barrier buf * 16 + slot: slot 8 the rope piece, 0 / 4 the
+    # halves [0, 256) (warp group 0's) and [256, 512), c latent piece c (PIECES).
+    _FREE_ROPE = gl.constexpr(_LAT)
+    _FREE_LO = gl.constexpr(0)
+    _FREE_HI = gl.constexpr(_LAT // 2)
 
     @gluon.jit
-    def _issue_part(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows, BOX_ROWS: gl.constexpr,
-                    part: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
-        # The copies of one freed part of a tile that producer PART of PARTS owns: the rope
-        # piece is the first producer's; latent piece c is producer (c % 4) * PARTS // 4's.
-        if part == _FREE_ROPE:
-            if PART == 0:
-                _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, _LAT, _LAT + 1)
+    def _release_pv(o0, o1, o2, o3, k_free, slot: gl.constexpr, PIECES: gl.constexpr):
+        # Wait for a latent half's P @ V (4 products, one per piece, issued last) and free it:
+        # whole, or (PIECES) each piece as its product completes.
+        if PIECES:
+            o0 = warpgroup_mma_wait(3, deps=(o0,))
+            mbarrier.arrive(k_free.index(slot))
+            o1 = warpgroup_mma_wait(2, deps=(o1,))
+            mbarrier.arrive(k_free.index(slot + 1))
+            o2 = warpgroup_mma_wait(1, deps=(o2,))
+            mbarrier.arrive(k_free.index(slot + 2))
+            o3 = warpgroup_mma_wait(0, deps=(o3,))
+            mbarrier.arrive(k_free.index(slot + 3))
         else:
-            c0: gl.constexpr = (part - 1) * (_LAT // 2)
-            for j in gl.static_range(_LAT // 2):
-                if j * PARTS // (_LAT // 2) == PART:
-                    _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c0 + j,
-                                c0 + j + 1)  # fmt: skip
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            mbarrier.arrive(k_free.index(slot))
+        return o0, o1, o2, o3
 
     @gluon.jit
     def _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
                           BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr, PART: gl.constexpr,
-                          PARTS: gl.constexpr):  # fmt: skip
-        # A tile's parts in the order its scores take them (_scores with EARLY); WAIT: each
-        # part once its free barrier says the previous tile is done with it.
-        first: gl.constexpr = _FREE_LO if buf == 0 else _FREE_HI
-        second: gl.constexpr = _FREE_HI if buf == 0 else _FREE_LO
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 4 + _FREE_ROPE), phase)
-        _issue_part(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, _FREE_ROPE, PART, PARTS)
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 4 + first), phase)
-        _issue_part(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, first, PART, PARTS)
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 4 + second), phase)
-        _issue_part(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, second, PART, PARTS)
+                          PARTS: gl.constexpr, PIECES: gl.constexpr):  # fmt: skip
+        # A tile's pieces that producer PART of PARTS owns (the rope piece: the first one;
+        # latent piece c: producer (c % 4) * PARTS // 4), in the order its scores take them
+        # (_scores with EARLY). WAIT: each once its part's free barrier says the previous tile
+        # is done with it (a half's barrier before the producer's first piece in that half).
+        if PART == 0:
+            if WAIT:
+                mbarrier.wait(k_free.index(buf * 16 + _FREE_ROPE), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, _LAT, _LAT + 1)
+        first: gl.constexpr = buf * (_LAT // 2)
+        second: gl.constexpr = _LAT // 2 - first
+        for c in gl.static_range(first, first + _LAT // 2):
+            _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf, rows, BOX_ROWS, phase,
+                               WAIT, PART, PARTS, PIECES, c)  # fmt: skip
+        for c in gl.static_range(second, second + _LAT // 2):
+            _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf, rows, BOX_ROWS, phase,
+                               WAIT, PART, PARTS, PIECES, c)  # fmt: skip
+
+    @gluon.jit
+    def _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
+                           BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr,
+                           PART: gl.constexpr, PARTS: gl.constexpr, PIECES: gl.constexpr,
+                           c: gl.constexpr):  # fmt: skip
+        if (c % 4) * PARTS // 4 == PART:
+            if WAIT:
+                if PIECES:
+                    mbarrier.wait(k_free.index(buf * 16 + c), phase)
+                elif c % 4 == PART * 4 // PARTS:
+                    mbarrier.wait(k_free.index(buf * 16 + c - c % 4), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c, c + 1)
 
     @gluon.jit
     def _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
                           q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
                           BOX_ROWS: gl.constexpr, PART: gl.constexpr = 0,
-                          PARTS: gl.constexpr = 1):  # fmt: skip
+                          PARTS: gl.constexpr = 1, PIECES: gl.constexpr = False):  # fmt: skip
         # _mla_loader with EARLY release: tile 2k + 2's parts go into buffer 0 as tile 2k's
         # are freed, then tile 2k + 3's into buffer 1.
         if PART == 0:
@@ -142,25 +163,25 @@ if HAS_GLUON:
         if n_pairs > 0:
             rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows, BOX_ROWS, 0, False,
-                              PART, PARTS)  # fmt: skip
+                              PART, PARTS, PIECES)  # fmt: skip
             rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows, BOX_ROWS, 0, False,
-                              PART, PARTS)  # fmt: skip
+                              PART, PARTS, PIECES)  # fmt: skip
         for k in range(1, n_pairs):
             n0 = start + 2 * k * _BN
             phase = (k - 1) & 1
             rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
             rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS, phase,
-                              True, PART, PARTS)  # fmt: skip
+                              True, PART, PARTS, PIECES)  # fmt: skip
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS, phase,
-                              True, PART, PARTS)  # fmt: skip
+                              True, PART, PARTS, PIECES)  # fmt: skip
 
     @gluon.jit
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
                     c_desc, BT, bt_row, q_row, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr,
                     PART: gl.constexpr = 0, PARTS: gl.constexpr = 1,
-                    EARLY: gl.constexpr = False):  # fmt: skip
+                    EARLY: gl.constexpr = False, PIECES: gl.constexpr = False):  # fmt: skip
         # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
         # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
@@ -169,7 +190,7 @@ if HAS_GLUON:
         if EARLY:
             _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
-                              PARTS)  # fmt: skip
+                              PARTS, PIECES)  # fmt: skip
         else:
             _mla_loader_tiles(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
