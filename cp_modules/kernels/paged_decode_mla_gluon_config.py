@@ -163,10 +163,12 @@ GLUON_MLA_VARIANTS = {
     "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
     "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
     # ... and each latent piece freed as its P @ V product completes.
-    "loader2-r232-early-pieces": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True,
-                                                release_pieces=True),
-    "loader-r232-early-pieces": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True,
-                                               release_pieces=True),
+    "loader2-r232-early-pieces": GluonMLAConfig(
+        issue="loader2", wg1_regs=232, early_release=True, release_pieces=True
+    ),
+    "loader-r232-early-pieces": GluonMLAConfig(
+        issue="loader", wg1_regs=232, early_release=True, release_pieces=True
+    ),
     "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
     # The split merge fused into the kernel (the last program of a row merges; no merge
