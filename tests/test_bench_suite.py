@@ -81,8 +81,15 @@ def test_report_regenerates_the_dated_report(tmp_path):
     read = {name for names in got["sources"].values() for name in names.split(" + ")}
     # Also kept: the decode run with the SDPA and FlexAttention comparisons and the Gluon
     # schedules' sweep (both superseded by the runs with the new split merge, cited by their
-    # notes), the split-merge probe and the engine's repeat run of the split-merge note.
+    # notes), the split-merge probe and the engine's repeat run of the split-merge note; the
+    # Gluon sweep of the split-merge note, the early-release sweeps and the repeat of the MLA
+    # decode run (the early-release note; the report reads that day's full MLA decode run),
+    # and the MLA decode run of the Gluon schedules' note that it supersedes.
     assert read == kept - {
+        "mla-decode-2026-12-01.json",
+        "mla-decode-gluon-2026-12-02.json",
+        "mla-decode-gluon-early-2026-12-02.json",
+        "mla-decode-repeat-2026-12-02.json",
         "decode-2026-12-01.json",
         "mla-decode-gluon-2026-12-01.json",
         "split-merge-probe-2026-12-02.json",
