@@ -167,7 +167,9 @@ def goals(r: dict) -> list[dict]:
                 3.4,
                 note=note if kind == "mla" else "",
             )
-    mla = (r.get("mla-decode-gluon") or r.get("mla-decode", {})).get("metrics", {}).get("summary", {})
+    mla = (
+        (r.get("mla-decode-gluon") or r.get("mla-decode", {})).get("metrics", {}).get("summary", {})
+    )
     for name, row in mla.items():
         if name.startswith("paged decode mla TFLOP/s (128 heads)"):
             target = 300 if "B=1 " in name else 450

@@ -36,8 +36,10 @@ larger counts to the separate merge).
 
 Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
 each block id looked up next to its copy; warp group 0 with a tile's ids looked up first; or a
-producer warp in a third partition), and whether the last pair of a split is peeled off so
-that the others run without masks.
+producer warp in a third partition), when a tile buffer is free for its refill (once both warp
+groups are done with all of it, or in parts: the rope piece after the tile's scores, each
+latent half after its P @ V, with the scores taking the pieces in that order), and whether the
+last pair of a split is peeled off so that the others run without masks.
 
 Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 only.
 """

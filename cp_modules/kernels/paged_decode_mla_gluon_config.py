@@ -192,7 +192,10 @@ GLUON_MLA_VARIANTS = {
 # 392 at 64). Then loader2-r232 for small blocks: 2.5-4 % above loader-r232 on the 128-head
 # shapes at block size 16 in two probes, +0.6 % geometric mean (-2.8 % to +3.3 % per shape) in
 # the sweep benchmarks/results/mla-decode-gluon-2026-12-01.json; at block size 64 equal or up
-# to 8 % slower, so large blocks keep loader-r232.
+# to 8 % slower, so large blocks keep loader-r232. Then loader2-r232-early for both (2026-12-02,
+# benchmarks/results/mla-decode-gluon-early-2026-12-02.json: geometric mean of the medians
+# 414 -> 444 at block size 16, 446 -> 468 at 64; no shape's median below the former default's;
+# docs/experiments/2026-12-02-mla-decode-early-release.md).
 _DEFAULT_SMALL_PAGE = "loader2-r232-early"
 _DEFAULT_LARGE_PAGE = "loader2-r232-early"
 

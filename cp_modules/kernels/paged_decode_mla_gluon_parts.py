@@ -1,8 +1,9 @@
 """Parts of the Gluon MLA decode kernel (:mod:`cp_modules.kernels.paged_decode_mla_gluon`):
-the kernel's tile constants; how Q and each 64-token latent tile reach shared memory (TMA
-copies of 64 columns, one per page and piece; the block ids looked up next to each copy, a
-tile's ids looked up first, or one or two producer warps that issue the copies: the kernel's
-ISSUE); and the fused split merge of the last program of a (query, head tile) row.
+the kernel's tile constants; the score and P @ V products of a tile; how Q and each 64-token
+latent tile reach shared memory (TMA copies of 64 columns, one per page and piece; the block
+ids looked up next to each copy, a tile's ids looked up first, or one or two producer warps
+that issue the copies: the kernel's ISSUE; with EARLY, a buffer's parts refilled as each is
+freed); and the fused split merge of the last program of a (query, head tile) row.
 """
 
 from __future__ import annotations
