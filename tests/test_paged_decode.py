@@ -756,12 +756,8 @@ def test_gluon_mla_config_is_validated():
         GluonMLAConfig(issue="loader", max_box_rows=48)
     with pytest.raises(ValueError, match="early_release needs producer warps"):
         GluonMLAConfig(issue="hoist", early_release=True)
-    with pytest.raises(ValueError, match="release_pieces needs early_release"):
-        GluonMLAConfig(issue="loader2", release_pieces=True)
-    assert GluonMLAConfig(issue="loader2", early_release=True).constexprs()["EARLY"] == 1
-    pieces = GluonMLAConfig(issue="loader", early_release=True, release_pieces=True)
-    assert pieces.constexprs()["EARLY"] == 2
-    assert GluonMLAConfig(issue="loader").constexprs()["EARLY"] == 0
+    assert GluonMLAConfig(issue="loader2", early_release=True).constexprs()["EARLY"] is True
+    assert GluonMLAConfig(issue="loader").constexprs()["EARLY"] is False
     # Two producer warps refilling each buffer in parts (measured fastest at both sizes).
     for bs in (16, 64):
         assert default_gluon_mla_config(bs).issue == "loader2"

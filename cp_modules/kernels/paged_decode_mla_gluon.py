@@ -177,7 +177,7 @@ if HAS_GLUON:
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
         if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_LO, EARLY == 2)
+            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_LO)
         else:
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             if ISSUE >= _ISSUE_LOADER:
@@ -199,7 +199,7 @@ if HAS_GLUON:
                               o0 * alpha_b[:, None], o1 * alpha_b[:, None],
                               o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
         if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_LO, EARLY == 2)
+            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_LO)
         else:
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             if ISSUE >= _ISSUE_LOADER:
@@ -300,12 +300,7 @@ if HAS_GLUON:
         o0, o1, o2, o3 = _pv4(p_smem, k_lat, 4,
                               o0 * alpha_a[:, None], o1 * alpha_a[:, None],
                               o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
-        if EARLY == 2:
-            # S_B was issued before these four products: it is done when at most 4 remain.
-            s = warpgroup_mma_wait(4, deps=(s,))
-            mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_HI, True)
-        elif EARLY:
+        if EARLY:
             s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
             mbarrier.arrive(k_free.index(_FREE_HI))
             mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
@@ -339,7 +334,7 @@ if HAS_GLUON:
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
         if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_HI, EARLY == 2)
+            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_HI)
         else:
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(k_free.index(1))
@@ -401,7 +396,7 @@ if HAS_GLUON:
                                 WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
                                 FUSED: gl.constexpr = False,
                                 OWN_REGS: gl.constexpr = False,
-                                EARLY: gl.constexpr = 0):  # fmt: skip
+                                EARLY: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -442,9 +437,9 @@ if HAS_GLUON:
             # With the producer warp a buffer is free once both warp groups are done with it.
             if EARLY:
                 # Early release: each part of a buffer is freed by the one warp group that
-                # uses it last (slots _FREE_ROPE and _FREE_LO / _FREE_HI, or each piece).
-                for slot in gl.static_range(_LAT + 1):
-                    mbarrier.init(k_free.index(b * 16 + slot), count=1)
+                # uses it last (slots _FREE_ROPE, _FREE_LO and _FREE_HI).
+                for slot in gl.static_range(3):
+                    mbarrier.init(k_free.index(b * 16 + slot * (_LAT // 2)), count=1)
             else:
                 mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
         if FUSED:
@@ -470,10 +465,10 @@ if HAS_GLUON:
                                 PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   2, EARLY > 0, EARLY == 2)),
+                                   2, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 1,
-                                   2, EARLY > 0, EARLY == 2)),
+                                   2, EARLY)),
                 ],
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
@@ -494,7 +489,7 @@ if HAS_GLUON:
                                 PEEL, FUSED, OWN_REGS, EARLY)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   1, EARLY > 0, EARLY == 2)),
+                                   1, EARLY)),
                 ],
                 [4, 1],
                 [WG1_REGS, LOADER_REGS],

@@ -76,8 +76,6 @@ class GluonMLAConfig:
             256-column latent half after its P @ V; the producers refill each part as soon as
             it is free and the scores take the pieces in that order (rope, then the half freed
             first). Off: a buffer is refilled once both warp groups are done with all of it.
-        release_pieces: with ``early_release``, each 64-column latent piece is freed as its
-            P @ V product completes, instead of each half after its four.
     """
 
     issue: str = "inline"
@@ -91,7 +89,6 @@ class GluonMLAConfig:
     merge_tiles_per_split: float = 0.0
     max_box_rows: int = 64
     early_release: bool = False
-    release_pieces: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -116,8 +113,6 @@ class GluonMLAConfig:
                 "GluonMLAConfig.early_release needs producer warps (issue 'loader' or "
                 f"'loader2'), got issue={self.issue!r}"
             )
-        if self.release_pieces and not self.early_release:
-            raise ValueError("GluonMLAConfig.release_pieces needs early_release=True")
         if not self.merge_tiles_per_split >= 0:
             raise ValueError(
                 "GluonMLAConfig.merge_tiles_per_split must be >= 0, got "
@@ -134,7 +129,7 @@ class GluonMLAConfig:
                 "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs,
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
-                "EARLY": 2 if self.release_pieces else int(self.early_release)}  # fmt: skip
+                "EARLY": self.early_release}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -162,13 +157,6 @@ GLUON_MLA_VARIANTS = {
     # Each buffer refilled in three parts as each is freed (rope, then the latent halves).
     "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
     "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
-    # ... and each latent piece freed as its P @ V product completes.
-    "loader2-r232-early-pieces": GluonMLAConfig(
-        issue="loader2", wg1_regs=232, early_release=True, release_pieces=True
-    ),
-    "loader-r232-early-pieces": GluonMLAConfig(
-        issue="loader", wg1_regs=232, early_release=True, release_pieces=True
-    ),
     "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
     # The split merge fused into the kernel (the last program of a row merges; no merge

@@ -92,35 +92,24 @@ if HAS_GLUON:
 
     # EARLY release (``GluonMLAConfig.early_release``): a buffer is freed in parts, each by
     # the one warp group that uses it last, so that its refill starts as soon as each is done:
-    # the rope piece after the tile's scores, each latent half (or with PIECES each latent
-    # piece) after its P @ V. Free barrier buf * 16 + slot: slot 8 the rope piece, 0 / 4 the
-    # halves [0, 256) (warp group 0's) and [256, 512), c latent piece c (PIECES).
+    # the rope piece after the tile's scores, each latent half after its P @ V. Free barrier
+    # buf * 16 + slot: slot 8 the rope piece, 0 / 4 the halves [0, 256) (warp group 0's) and
+    # [256, 512).
     _FREE_ROPE = gl.constexpr(_LAT)
     _FREE_LO = gl.constexpr(0)
     _FREE_HI = gl.constexpr(_LAT // 2)
 
     @gluon.jit
-    def _release_pv(o0, o1, o2, o3, k_free, slot: gl.constexpr, PIECES: gl.constexpr):
-        # Wait for a latent half's P @ V (4 products, one per piece, issued last) and free it:
-        # whole, or (PIECES) each piece as its product completes.
-        if PIECES:
-            o0 = warpgroup_mma_wait(3, deps=(o0,))
-            mbarrier.arrive(k_free.index(slot))
-            o1 = warpgroup_mma_wait(2, deps=(o1,))
-            mbarrier.arrive(k_free.index(slot + 1))
-            o2 = warpgroup_mma_wait(1, deps=(o2,))
-            mbarrier.arrive(k_free.index(slot + 2))
-            o3 = warpgroup_mma_wait(0, deps=(o3,))
-            mbarrier.arrive(k_free.index(slot + 3))
-        else:
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(slot))
+    def _release_pv(o0, o1, o2, o3, k_free, slot: gl.constexpr):
+        # Wait for a latent half's P @ V (its 4 products) and free that half.
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        mbarrier.arrive(k_free.index(slot))
         return o0, o1, o2, o3
 
     @gluon.jit
     def _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
                           BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr, PART: gl.constexpr,
-                          PARTS: gl.constexpr, PIECES: gl.constexpr):  # fmt: skip
+                          PARTS: gl.constexpr):  # fmt: skip
         # A tile's pieces that producer PART of PARTS owns (the rope piece: the first one;
         # latent piece c: producer (c % 4) * PARTS // 4), in the order its scores take them
         # (_scores with EARLY). WAIT: each once its part's free barrier says the previous tile
@@ -133,21 +122,18 @@ if HAS_GLUON:
         second: gl.constexpr = _LAT // 2 - first
         for c in gl.static_range(first, first + _LAT // 2):
             _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf, rows, BOX_ROWS, phase,
-                               WAIT, PART, PARTS, PIECES, c)  # fmt: skip
+                               WAIT, PART, PARTS, c)  # fmt: skip
         for c in gl.static_range(second, second + _LAT // 2):
             _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf, rows, BOX_ROWS, phase,
-                               WAIT, PART, PARTS, PIECES, c)  # fmt: skip
+                               WAIT, PART, PARTS, c)  # fmt: skip
 
     @gluon.jit
     def _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
                            BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr,
-                           PART: gl.constexpr, PARTS: gl.constexpr, PIECES: gl.constexpr,
-                           c: gl.constexpr):  # fmt: skip
+                           PART: gl.constexpr, PARTS: gl.constexpr, c: gl.constexpr):  # fmt: skip
         if (c % 4) * PARTS // 4 == PART:
             if WAIT:
-                if PIECES:
-                    mbarrier.wait(k_free.index(buf * 16 + c), phase)
-                elif c % 4 == PART * 4 // PARTS:
+                if c % 4 == PART * 4 // PARTS:
                     mbarrier.wait(k_free.index(buf * 16 + c - c % 4), phase)
             _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c, c + 1)
 
@@ -155,7 +141,7 @@ if HAS_GLUON:
     def _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
                           q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
                           BOX_ROWS: gl.constexpr, PART: gl.constexpr = 0,
-                          PARTS: gl.constexpr = 1, PIECES: gl.constexpr = False):  # fmt: skip
+                          PARTS: gl.constexpr = 1):  # fmt: skip
         # _mla_loader with EARLY release: tile 2k + 2's parts go into buffer 0 as tile 2k's
         # are freed, then tile 2k + 3's into buffer 1.
         if PART == 0:
@@ -164,25 +150,25 @@ if HAS_GLUON:
         if n_pairs > 0:
             rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows, BOX_ROWS, 0, False,
-                              PART, PARTS, PIECES)  # fmt: skip
+                              PART, PARTS)  # fmt: skip
             rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows, BOX_ROWS, 0, False,
-                              PART, PARTS, PIECES)  # fmt: skip
+                              PART, PARTS)  # fmt: skip
         for k in range(1, n_pairs):
             n0 = start + 2 * k * _BN
             phase = (k - 1) & 1
             rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
             rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS, phase,
-                              True, PART, PARTS, PIECES)  # fmt: skip
+                              True, PART, PARTS)  # fmt: skip
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS, phase,
-                              True, PART, PARTS, PIECES)  # fmt: skip
+                              True, PART, PARTS)  # fmt: skip
 
     @gluon.jit
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
                     c_desc, BT, bt_row, q_row, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr,
                     PART: gl.constexpr = 0, PARTS: gl.constexpr = 1,
-                    EARLY: gl.constexpr = False, PIECES: gl.constexpr = False):  # fmt: skip
+                    EARLY: gl.constexpr = False):  # fmt: skip
         # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
         # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
@@ -191,7 +177,7 @@ if HAS_GLUON:
         if EARLY:
             _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
-                              PARTS, PIECES)  # fmt: skip
+                              PARTS)  # fmt: skip
         else:
             _mla_loader_tiles(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
