@@ -744,6 +744,25 @@ def test_gpu_gluon_mla_variants_match_reference(variant, bs, splits):
     check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{variant}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [8, 32, 128], ids=["BS8", "BS32", "BS128"])
+@pytest.mark.parametrize("splits", [None, 7], ids=["Sauto", "S7"])
+def test_gpu_gluon_mla_cpasync_other_block_sizes(bs, splits):
+    # The cp.async copies find each row's page themselves: pages of 8 (eight to a tile), 32
+    # and 128 tokens (a tile in half a page) on the ragged DCP shard, NaN in unwritten slots.
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import (
+        GLUON_MLA_VARIANTS,
+        paged_mla_attention_gluon,
+    )
+
+    args = _gluon_mla_shard_args(bs, 16, 128, seed=5)
+    config = GLUON_MLA_VARIANTS["cpasync-r232-early"]
+    out, lse = paged_mla_attention_gluon(*args, splits, config=config)
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-cpasync-bs{bs}")
+
+
 def test_gluon_mla_config_is_validated():
     from cp_modules.kernels.paged_decode_mla_gluon_config import (
         GluonMLAConfig,
@@ -758,6 +777,9 @@ def test_gluon_mla_config_is_validated():
         GluonMLAConfig(issue="hoist", early_release=True)
     assert GluonMLAConfig(issue="loader2", early_release=True).constexprs()["EARLY"] is True
     assert GluonMLAConfig(issue="loader").constexprs()["EARLY"] is False
+    with pytest.raises(ValueError, match="'cpasync' is built with early_release=True only"):
+        GluonMLAConfig(issue="cpasync")
+    assert GluonMLAConfig(issue="cpasync", early_release=True).constexprs()["ISSUE"] == 4
     # Two producer warps refilling each buffer in parts (measured fastest at both sizes).
     for bs in (16, 64):
         assert default_gluon_mla_config(bs).issue == "loader2"
@@ -808,6 +830,8 @@ def test_gpu_gluon_mla_cuda_graph_replay_and_refusals(variant):
                                        upcast=False)  # fmt: skip
         check_against_reference(out, lse, ref, same, atol=1e-4, name="gluon-graph")
     assert "heads" in gluon_mla_supported(q[:, :16], cache, 512)
+    shifted = cache.new_empty(cache.numel() + 4).view(-1)[4:].view(cache.shape)
+    assert "16-byte aligned" in gluon_mla_supported(q, shifted, 512)
     with pytest.raises(ValueError, match="bf16/fp16"):
         paged_mla_attention_gluon(q.float(), cache.float(), shard.block_table, rows, kv_len,
                                   0.072, 512)  # fmt: skip

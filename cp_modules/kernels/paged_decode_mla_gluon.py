@@ -91,21 +91,25 @@ __all__ = [
 
 if HAS_GLUON:
     from cp_modules.kernels.paged_decode_mla_gluon_parts import (
+        _ASYNC_THREADS,
         _BC,
         _BH,
         _BN,
         _FREE_HI,
         _FREE_LO,
         _FREE_ROPE,
+        _ISSUE_ASYNC,
         _ISSUE_LOADER,
         _LAT,
         _issue_q,
         _issue_tile_by,
         _merge_half,
         _mla_loader,
+        _mla_loader_async,
         _pv4,
         _release_pv,
         _scores,
+        _store_half,
         _sync_warp_group,
         _zero_rows_past,
     )
@@ -114,19 +118,6 @@ if HAS_GLUON:
     # copies leave unused (a buffer's pieces take slots buf * 16 + [0, 9)).
     _HALF_STORED = gl.constexpr(_LAT + 1)  # warp group 1 -> 0: its partial half is stored
     _TICKET = gl.constexpr(_LAT + 2)  # warp group 0 -> 1: vec_smem[6 * 64] holds "last"
-
-    @gluon.jit
-    def _store_half(o0, o1, o2, o3, l_i, OUT, out_row, col0: gl.constexpr, stride_oh,
-                    mma: gl.constexpr):  # fmt: skip
-        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
-        heads = gl.arange(0, _BH, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
-        base = OUT + out_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
-        dt = OUT.dtype.element_ty
-        gl.store(base, (o0 * inv[:, None]).to(dt))
-        gl.store(base + _BC, (o1 * inv[:, None]).to(dt))
-        gl.store(base + 2 * _BC, (o2 * inv[:, None]).to(dt))
-        gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
 
     @gluon.jit
     def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
@@ -387,7 +378,7 @@ if HAS_GLUON:
                             LSE, 0, False, OWN_REGS, mma)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _paged_mla_gluon_kernel(q_desc, c_desc, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER,
+    def _paged_mla_gluon_kernel(q_desc, c_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER,
                                 qk_scale, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                                 stride_ls, stride_btr, max_kv_len, num_splits,
                                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
@@ -433,7 +424,9 @@ if HAS_GLUON:
         mbarrier.init(pb_bar, count=1)
         for b in gl.static_range(2):
             for c in gl.static_range(_LAT + 1):
-                mbarrier.init(k_ready.index(b * 16 + c), count=1)
+                # cpasync: each producer thread arrives once its copies of the piece land.
+                mbarrier.init(k_ready.index(b * 16 + c),
+                              count=_ASYNC_THREADS if ISSUE == _ISSUE_ASYNC else 1)  # fmt: skip
             # With the producer warp a buffer is free once both warp groups are done with it.
             if EARLY:
                 # Early release: each part of a buffer is freed by the one warp group that
@@ -492,6 +485,26 @@ if HAS_GLUON:
                                    1, EARLY)),
                 ],
                 [4, 1],
+                [WG1_REGS, LOADER_REGS],
+            )  # fmt: skip
+        elif ISSUE == _ISSUE_ASYNC:
+            gl.warp_specialize(
+                [
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
+                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
+                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
+                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY)),
+                    (_mla_loader_async, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start,
+                                         end, n_pairs, q_desc, CACHE, BT, bt_row, q_row, PAGE)),
+                ],
+                [4, 4],
                 [WG1_REGS, LOADER_REGS],
             )  # fmt: skip
         else:
@@ -572,7 +585,7 @@ def paged_mla_attention_gluon(
     c2 = cache.view(nb * page, width)
     c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], layout)
     _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
-        q_desc, c_desc, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
+        q_desc, c_desc, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
         counters, scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0),
         max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,

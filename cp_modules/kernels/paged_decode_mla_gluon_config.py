@@ -33,7 +33,7 @@ __all__ = [
 _HEADS = 64  # heads per program: the wgmma tile height
 _TILE = 64  # tokens per latent tile
 _PIECE = 64  # columns per TMA piece (128 bytes of bf16: the swizzle width)
-_ISSUE_MODES = ("inline", "hoist", "loader", "loader2")
+_ISSUE_MODES = ("inline", "hoist", "loader", "loader2", "cpasync")
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,16 @@ class GluonMLAConfig:
             copies) or ``"loader"`` (a third partition, one producer warp, issues Q and every
             tile as soon as both warp groups are done with its buffer; the compute warp groups
             issue nothing); ``"loader2"``: two producer warps, each issuing about half of every
-            tile's pieces (the first also Q).
+            tile's pieces (the first also Q); ``"cpasync"``: a producer warp group (4 warps)
+            issues Q by TMA and copies the tiles with cp.async, each thread 16 bytes of 4 rows
+            per piece (9 copy instructions a thread per tile at any block size), with
+            ``early_release`` only.
         peel: every pair of tiles but a split's last runs without the range mask and the
             row zeroing (and the branches around them, which make ptxas wait for in-flight
             products); the last pair runs the masked body.
         wg1_regs: registers per thread of warp group 1 (``setmaxnreg``).
-        loader_regs: registers per thread of the producer warp (``issue="loader"``).
+        loader_regs: registers per thread of the producer warps (``loader``, ``loader2``,
+            ``cpasync``).
         fused_merge: with several KV splits, the program that finishes last for a (query,
             head tile) merges the splits' fp32 partials into the result itself (an arrival
             counter per (query, head tile) in a per-device workspace), instead of a separate
@@ -108,11 +112,13 @@ class GluonMLAConfig:
             raise ValueError(
                 f"GluonMLAConfig.max_box_rows must be 8, 16, 32 or 64, got {self.max_box_rows}"
             )
-        if self.early_release and not self.issue.startswith("loader"):
+        if self.early_release and self.issue not in ("loader", "loader2", "cpasync"):
             raise ValueError(
-                "GluonMLAConfig.early_release needs producer warps (issue 'loader' or "
-                f"'loader2'), got issue={self.issue!r}"
+                "GluonMLAConfig.early_release needs producer warps (issue 'loader', 'loader2' "
+                f"or 'cpasync'), got issue={self.issue!r}"
             )
+        if self.issue == "cpasync" and not self.early_release:
+            raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
         if not self.merge_tiles_per_split >= 0:
             raise ValueError(
                 "GluonMLAConfig.merge_tiles_per_split must be >= 0, got "
@@ -157,6 +163,9 @@ GLUON_MLA_VARIANTS = {
     # Each buffer refilled in three parts as each is freed (rope, then the latent halves).
     "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
     "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
+    # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
+    # tile at any block size) instead of TMA (36 copies a tile at block size 16).
+    "cpasync-r232-early": GluonMLAConfig(issue="cpasync", wg1_regs=232, early_release=True),
     "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
     # The split merge fused into the kernel (the last program of a row merges; no merge
@@ -212,6 +221,8 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
         return f"the Gluon MLA kernel needs a power-of-two block size >= 8, got {page}"
     if cache.stride(1) != width or cache.stride(0) != page * width:
         return "the Gluon MLA kernel needs a contiguous cache"
+    if cache.data_ptr() % 16:
+        return "the Gluon MLA kernel needs a 16-byte aligned cache"
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -38,6 +39,10 @@ if HAS_GLUON:
     _ISSUE_HOIST = gl.constexpr(1)
     _ISSUE_LOADER = gl.constexpr(2)
     # 3: two producer warps, each issuing its share of every tile (loader2).
+    # 4: a producer warp group copying the tiles row by row (cp.async, 16 bytes a thread).
+    _ISSUE_ASYNC = gl.constexpr(4)
+    _ASYNC_THREADS = gl.constexpr(128)
+    _ROW = gl.constexpr((8 + 1) * 64)  # elements of one cache row: latent and rope
 
     @gluon.jit
     def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
@@ -209,6 +214,73 @@ if HAS_GLUON:
             mbarrier.wait(k_free.index(1), phase)
             _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, c_lo, c_hi)
 
+    # ISSUE = cpasync: the tiles reach shared memory through cp.async, each of the producer
+    # warp group's 128 threads copying 16 bytes of 4 rows per piece. A tile is then 9 copy
+    # instructions a thread whatever the block size (TMA takes one copy per page and piece:
+    # 36 a tile at block size 16). Each thread arrives on a piece's barrier once its copies
+    # have landed (cp.async.mbarrier.arrive.noinc; the barriers count 128 arrivals).
+    @gluon.jit
+    def _async_row_offsets(BT, bt_row, n0, last_page, PAGE: gl.constexpr, lay: gl.constexpr):
+        # Where each of a tile's 64 rows starts in the cache (elements); rows past the range
+        # read the last real page, as the TMA copies do.
+        tok = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(1, lay))
+        page = gl.minimum(tok // PAGE, last_page)
+        blk = gl.load(BT + bt_row + page).to(gl.int64)
+        return (blk * PAGE + tok % PAGE) * _ROW
+
+    @gluon.jit
+    def _async_piece(CACHE, offs, k_lat, k_pe, k_ready, buf: gl.constexpr, c: gl.constexpr,
+                     lay: gl.constexpr):  # fmt: skip
+        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, lay))
+        src = CACHE + offs[:, None] + (c * _BC + cols)[None, :]
+        if c < _LAT:
+            async_copy.async_copy_global_to_shared(k_lat.index(buf * _LAT + c), src)
+        else:
+            async_copy.async_copy_global_to_shared(k_pe.index(buf), src)
+        async_copy.mbarrier_arrive(k_ready.index(buf * 16 + c), increment_count=False)
+
+    @gluon.jit
+    def _async_tile_early(CACHE, BT, bt_row, n0, last_page, k_lat, k_pe, k_ready, k_free,
+                          buf: gl.constexpr, phase, WAIT: gl.constexpr, PAGE: gl.constexpr,
+                          lay: gl.constexpr):  # fmt: skip
+        # One tile in the order of _issue_tile_early (rope piece, then the half freed first),
+        # each part once its free barrier says the previous tile is done with it (WAIT).
+        offs = _async_row_offsets(BT, bt_row, n0, last_page, PAGE, lay)
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 16 + _FREE_ROPE), phase)
+        _async_piece(CACHE, offs, k_lat, k_pe, k_ready, buf, _LAT, lay)
+        first: gl.constexpr = buf * (_LAT // 2)
+        second: gl.constexpr = _LAT // 2 - first
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 16 + first), phase)
+        for c in gl.static_range(first, first + _LAT // 2):
+            _async_piece(CACHE, offs, k_lat, k_pe, k_ready, buf, c, lay)
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 16 + second), phase)
+        for c in gl.static_range(second, second + _LAT // 2):
+            _async_piece(CACHE, offs, k_lat, k_pe, k_ready, buf, c, lay)
+
+    @gluon.jit
+    def _mla_loader_async(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
+                          q_desc, CACHE, BT, bt_row, q_row, PAGE: gl.constexpr):  # fmt: skip
+        # The producer warp group of ISSUE = cpasync (early release only): Q by TMA, then
+        # tile 2k + 2 into buffer 0 part by part as tile 2k's parts are freed, and so on.
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
+        last_page = gl.maximum(end - 1, 0) // PAGE
+        if n_pairs > 0:
+            _async_tile_early(CACHE, BT, bt_row, start, last_page, k_lat, k_pe, k_ready, k_free,
+                              0, 0, False, PAGE, lay)  # fmt: skip
+            _async_tile_early(CACHE, BT, bt_row, start + _BN, last_page, k_lat, k_pe, k_ready,
+                              k_free, 1, 0, False, PAGE, lay)  # fmt: skip
+        for k in range(1, n_pairs):
+            n0 = start + 2 * k * _BN
+            phase = (k - 1) & 1
+            _async_tile_early(CACHE, BT, bt_row, n0, last_page, k_lat, k_pe, k_ready, k_free, 0,
+                              phase, True, PAGE, lay)  # fmt: skip
+            _async_tile_early(CACHE, BT, bt_row, n0 + _BN, last_page, k_lat, k_pe, k_ready,
+                              k_free, 1, phase, True, PAGE, lay)  # fmt: skip
+
     @gluon.jit
     def _issue_q(q_desc, q_lat, q_pe, q_bar, q_row):
         # Q of the program's 64 heads: 9 pieces of 64 columns on one barrier.
@@ -300,6 +372,19 @@ if HAS_GLUON:
         else:
             rows = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
             _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS)
+
+    @gluon.jit
+    def _store_half(o0, o1, o2, o3, l_i, OUT, out_row, col0: gl.constexpr, stride_oh,
+                    mma: gl.constexpr):  # fmt: skip
+        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
+        heads = gl.arange(0, _BH, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
+        base = OUT + out_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
+        dt = OUT.dtype.element_ty
+        gl.store(base, (o0 * inv[:, None]).to(dt))
+        gl.store(base + _BC, (o1 * inv[:, None]).to(dt))
+        gl.store(base + 2 * _BC, (o2 * inv[:, None]).to(dt))
+        gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
 
     @gluon.jit
     def _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr, stride_ls, base, stride_os):
