@@ -756,7 +756,7 @@ def test_gpu_gluon_mla_cpasync_other_block_sizes(bs, splits):
         paged_mla_attention_gluon,
     )
 
-    args = _gluon_mla_shard_args(bs, 16, 128, seed=5)
+    args = _gluon_mla_shard_args(bs, min(bs, 16), 128, seed=5)
     config = GLUON_MLA_VARIANTS["cpasync-r232-early"]
     out, lse = paged_mla_attention_gluon(*args, splits, config=config)
     ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
@@ -777,6 +777,12 @@ def test_gluon_mla_config_is_validated():
         GluonMLAConfig(issue="hoist", early_release=True)
     assert GluonMLAConfig(issue="loader2", early_release=True).constexprs()["EARLY"] is True
     assert GluonMLAConfig(issue="loader").constexprs()["EARLY"] is False
+    with pytest.raises(ValueError, match="spread_merge and fused_merge exclude each other"):
+        GluonMLAConfig(issue="loader", fused_merge=True, spread_merge=True)
+    spread = GluonMLAConfig(issue="loader2", early_release=True, spread_merge=True)
+    assert [spread.spreads_merge(s, 128, 132) for s in (1, 2, 8, 9)] == [False, True, True, False]
+    assert not spread.spreads_merge(8, 133, 132)  # not all resident: the separate merge
+    assert spread.constexprs(8, spread=True)["SPREAD"] and not spread.constexprs(8)["SPREAD"]
     with pytest.raises(ValueError, match="'cpasync' is built with early_release=True only"):
         GluonMLAConfig(issue="cpasync")
     assert GluonMLAConfig(issue="cpasync", early_release=True).constexprs()["ISSUE"] == 4
@@ -903,7 +909,7 @@ def test_merge_counters_are_zeroed_grown_and_kept():
 def _fused_variant_names():
     from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
 
-    return [n for n, c in GLUON_MLA_VARIANTS.items() if c.fused_merge]
+    return [n for n, c in GLUON_MLA_VARIANTS.items() if c.fused_merge or c.spread_merge]
 
 
 @pytest.mark.gpu
@@ -930,7 +936,13 @@ def test_gpu_gluon_mla_fused_merge_matches_reference(variant, bs, interleave, sp
     args = _gluon_mla_shard_args(bs, interleave, heads, seed=5)
     q, rows = args[0], args[3]
     ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
-    assert config.fuses_merge(splits) == (splits <= config.fused_max_splits)
+    if config.fused_merge:
+        assert config.fuses_merge(splits) == (splits <= config.fused_max_splits)
+    else:
+        # The spread merge: up to 8 splits and every program resident (rows x splits <= SMs).
+        programs = rows.numel() * heads // 64 * splits
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        assert config.spreads_merge(splits, programs, sms) == (splits <= 8 and programs <= sms)
     out, lse = paged_mla_attention_gluon(*args, splits, config=config)
     check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-{variant}")
     torch.cuda.synchronize()

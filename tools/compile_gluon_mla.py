@@ -78,9 +78,10 @@ def compile_sm90(
     cfg = m.GLUON_MLA_VARIANTS[name]
     box = min(page, 64, cfg.max_box_rows)
     sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
+    n = splits if splits else 2 if partial else 1
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
                   "PARTIAL": partial, **spec_consts,
-                  **cfg.constexprs(splits if splits else 2 if partial else 1),
+                  **cfg.constexprs(n, spread=cfg.spreads_merge(n, 2 * n, 132)),
                   "WG1_REGS": wg1_regs if wg1_regs is not None else cfg.wg1_regs}  # fmt: skip
     src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -34,6 +34,12 @@ and every CUDA-graph replay without a memset. No merge launch; the merging progr
 split's partial alone, so its tail grows with the split count (``fused_max_splits`` hands
 larger counts to the separate merge).
 
+Spread split merge (``GluonMLAConfig.spread_merge``, 2 to 8 splits, every program resident: a
+cooperative launch): after its ticket each program waits until its row's S tickets are in,
+then merges the row's 64-column blocks c = s (mod S) from every split's partial (in split
+order), so the merge's reads are spread over the row's S SMs; a second round of tickets resets
+the counter once every program is past its wait. No merge launch.
+
 Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
 each block id looked up next to its copy; warp group 0 with a tile's ids looked up first; or a
 producer warp in a third partition), when a tile buffer is free for its refill (once both warp
@@ -90,6 +96,16 @@ __all__ = [
 ]
 
 if HAS_GLUON:
+    from cp_modules.kernels.paged_decode_mla_gluon_epilogue import (
+        _HALF_STORED,
+        _SPUN,
+        _TICKET,
+        _store_half,
+        _wg0_fused,
+        _wg0_spread,
+        _wg1_fused,
+        _wg1_spread,
+    )
     from cp_modules.kernels.paged_decode_mla_gluon_parts import (
         _ASYNC_THREADS,
         _BC,
@@ -103,21 +119,14 @@ if HAS_GLUON:
         _LAT,
         _issue_q,
         _issue_tile_by,
-        _merge_half,
         _mla_loader,
         _mla_loader_async,
         _pv4,
         _release_pv,
         _scores,
-        _store_half,
         _sync_warp_group,
         _zero_rows_past,
     )
-
-    # The fused merge's two hand-offs between the warp groups, in barrier slots the tile
-    # copies leave unused (a buffer's pieces take slots buf * 16 + [0, 9)).
-    _HALF_STORED = gl.constexpr(_LAT + 1)  # warp group 1 -> 0: its partial half is stored
-    _TICKET = gl.constexpr(_LAT + 2)  # warp group 0 -> 1: vec_smem[6 * 64] holds "last"
 
     @gluon.jit
     def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
@@ -204,7 +213,7 @@ if HAS_GLUON:
                  stride_ls, num_splits, H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
                  PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                  ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
-                 OWN_REGS: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                 OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -247,27 +256,12 @@ if HAS_GLUON:
         heads = gl.arange(0, _BH, layout=row_l)
         gl.store(LSE + lse_row + heads.to(gl.int64) * stride_lh, lse2)
         if FUSED:
-            # Arrive once warp group 1's half is stored too; the last of the row's splits
-            # merges (acq_rel: the others' partials are visible to it).
-            _sync_warp_group()
-            mbarrier.wait(k_ready.index(_HALF_STORED), 0)
-            pid = gl.program_id(0)
-            split = gl.program_id(1)
-            ticket = gl.atomic_add(COUNTER + pid, 1, sem="acq_rel", scope="gpu")
-            last = ticket == num_splits - 1
-            vec_smem.slice(6 * _BH, _BH).store(gl.full([_BH], last.to(gl.float32), gl.float32,
-                                                        row_l))  # fmt: skip
-            _sync_warp_group()
-            mbarrier.arrive(k_ready.index(_TICKET))
-            if last:
-                # Every split has arrived: reset the counter for the next launch.
-                gl.atomic_xchg(COUNTER + pid, 0, sem="relaxed", scope="gpu")
-                t64 = (pid // NUM_HEAD_TILES).to(gl.int64)
-                head0 = ((pid % NUM_HEAD_TILES) * _BH).to(gl.int64)
-                _merge_half(o0, o1, o2, o3, l_i, OUT, out_row - split * stride_os, stride_oh,
-                            stride_os, LSE, lse_row - split * stride_ls, stride_lh, stride_ls,
-                            split, num_splits, FOUT, (t64 * H + head0) * (_LAT * _BC), 0, FLSE,
-                            t64 * H + head0, True, OWN_REGS, mma)  # fmt: skip
+            _wg0_fused(o0, o1, o2, o3, l_i, vec_smem, k_ready, COUNTER, OUT, out_row, stride_oh,
+                       stride_os, LSE, lse_row, stride_lh, stride_ls, num_splits, FOUT, FLSE, H,
+                       NUM_HEAD_TILES, OWN_REGS, mma)  # fmt: skip
+        if SPREAD:
+            _wg0_spread(COUNTER, num_splits, k_ready, OUT, out_row, stride_oh, stride_os, LSE,
+                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES, mma)  # fmt: skip
 
     @gluon.jit
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
@@ -334,10 +328,10 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_wg1(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row, stride_lh,
-                 FOUT, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
+                 FOUT, FLSE, COUNTER, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
                  H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
                  PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
-                 EARLY: gl.constexpr):  # fmt: skip
+                 EARLY: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -361,21 +355,12 @@ if HAS_GLUON:
                 vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY)  # fmt: skip
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
         if FUSED:
-            # Tell warp group 0 this half is stored, then learn whether this program is the
-            # last of its row (warp group 0 takes the ticket) and if so merge this half.
-            _sync_warp_group()
-            mbarrier.arrive(k_ready.index(_HALF_STORED))
-            mbarrier.wait(k_ready.index(_TICKET), 0)
-            last = gl.max(vec_smem.slice(6 * _BH, _BH).load(row_l), 0)
-            if last > 0.0:
-                pid = gl.program_id(0)
-                split = gl.program_id(1)
-                t64 = (pid // NUM_HEAD_TILES).to(gl.int64)
-                head0 = ((pid % NUM_HEAD_TILES) * _BH).to(gl.int64)
-                _merge_half(o0, o1, o2, o3, l_i, OUT, out_row - split * stride_os, stride_oh,
-                            stride_os, LSE, lse_row - split * stride_ls, stride_lh, stride_ls,
-                            split, num_splits, FOUT, (t64 * H + head0) * (_LAT * _BC), HALF_COL,
-                            LSE, 0, False, OWN_REGS, mma)  # fmt: skip
+            _wg1_fused(o0, o1, o2, o3, l_i, vec_smem, k_ready, OUT, out_row, stride_oh,
+                       stride_os, LSE, lse_row, stride_lh, stride_ls, num_splits, FOUT,
+                       HALF_COL, H, NUM_HEAD_TILES, OWN_REGS, mma)  # fmt: skip
+        if SPREAD:
+            _wg1_spread(COUNTER, num_splits, k_ready, OUT, out_row, stride_oh, stride_os, LSE,
+                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES, mma)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _paged_mla_gluon_kernel(q_desc, c_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER,
@@ -387,7 +372,8 @@ if HAS_GLUON:
                                 WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
                                 FUSED: gl.constexpr = False,
                                 OWN_REGS: gl.constexpr = False,
-                                EARLY: gl.constexpr = False):  # fmt: skip
+                                EARLY: gl.constexpr = False,
+                                SPREAD: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -435,9 +421,9 @@ if HAS_GLUON:
                     mbarrier.init(k_free.index(b * 16 + slot * (_LAT // 2)), count=1)
             else:
                 mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
-        if FUSED:
+        if FUSED or SPREAD:
             mbarrier.init(k_ready.index(_HALF_STORED), count=1)
-            mbarrier.init(k_ready.index(_TICKET), count=1)
+            mbarrier.init(k_ready.index(_SPUN if SPREAD else _TICKET), count=1)
 
         bt_row = row * stride_btr
         # Warp group 0 issues the copies (inline, hoist), or one producer warp (loader) or two
@@ -450,12 +436,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
-                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
+                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
+                                NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    2, EARLY)),
@@ -474,12 +461,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
-                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
+                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
+                                NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    1, EARLY)),
@@ -495,12 +483,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
-                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
+                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
+                                NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                     (_mla_loader_async, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start,
                                          end, n_pairs, q_desc, CACHE, BT, bt_row, q_row, PAGE)),
                 ],
@@ -515,12 +504,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, stride_os,
-                                stride_ls, num_splits, _LAT * _BC // 2, H, NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY)),
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
+                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
+                                NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
                 ],
                 [4],
                 [WG1_REGS],
@@ -574,8 +564,9 @@ def paged_mla_attention_gluon(
                                                  _num_sms(q.device))  # fmt: skip
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     fused = config.fuses_merge(num_splits)
-    # Without the fused merge the kernel never touches the counters (any int32 tensor will do).
-    counters = merge_counters(q.device, t * head_tiles) if fused else block_table
+    spread = config.spreads_merge(num_splits, t * head_tiles * num_splits, _num_sms(q.device))
+    # Without an in-kernel merge the kernel never touches the counters (any int32 tensor will do).
+    counters = merge_counters(q.device, t * head_tiles) if fused or spread else block_table
     layout = _smem_layout()
     q2 = q.reshape(t * h, width)
     if q2.stride(0) != width:
@@ -589,9 +580,9 @@ def paged_mla_attention_gluon(
         counters, scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0),
         max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,
-        PARTIAL=num_splits > 1, **config.constexprs(num_splits),
-        num_warps=4,
+        PARTIAL=num_splits > 1, **config.constexprs(num_splits, spread),
+        num_warps=4, launch_cooperative_grid=spread,
     )  # fmt: skip
-    if num_splits > 1 and not fused:
+    if num_splits > 1 and not (fused or spread):
         merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse

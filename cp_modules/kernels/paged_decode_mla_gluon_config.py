@@ -33,6 +33,7 @@ __all__ = [
 _HEADS = 64  # heads per program: the wgmma tile height
 _TILE = 64  # tokens per latent tile
 _PIECE = 64  # columns per TMA piece (128 bytes of bf16: the swizzle width)
+_SPREAD_MAX_SPLITS = 8  # the spread merge hands out the 8 column blocks of 64
 _ISSUE_MODES = ("inline", "hoist", "loader", "loader2", "cpasync")
 
 
@@ -69,6 +70,13 @@ class GluonMLAConfig:
         fused_max_splits: the fused merge serves at most this many splits (the last program
             reads every other split's partial alone, so its tail grows with the count); more
             splits take the separate merge launch. Only with ``fused_merge``.
+        spread_merge: with 2 to 8 KV splits and every program resident at once (at most one
+            per SM: the launch is cooperative, so a grid that cannot all be resident fails
+            instead of waiting forever), the row's programs wait for each other after storing
+            their partials, and program s merges the 64-column blocks c = s (mod S) of its row
+            (reading every split's partial of them from L2), instead of a separate merge
+            launch. Every split is read in split order: the same bits on every run. Other
+            launches take the separate merge. Not with ``fused_merge``.
         split_cost_tiles: the split chooser's fixed cost of one split program, in 64-token
             tiles (``None``: the Triton kernel's, ``paged_decode_mla._SPLIT_COST_TILES``).
         merge_tiles_per_split: the split chooser's cost of the last program's merge per extra
@@ -89,6 +97,7 @@ class GluonMLAConfig:
     fused_merge: bool = False
     fused_max_splits: int = _MAX_SPLITS
     merge_own_from_registers: bool = False
+    spread_merge: bool = False
     split_cost_tiles: float | None = None
     merge_tiles_per_split: float = 0.0
     max_box_rows: int = 64
@@ -119,6 +128,8 @@ class GluonMLAConfig:
             )
         if self.issue == "cpasync" and not self.early_release:
             raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
+        if self.spread_merge and self.fused_merge:
+            raise ValueError("GluonMLAConfig.spread_merge and fused_merge exclude each other")
         if not self.merge_tiles_per_split >= 0:
             raise ValueError(
                 "GluonMLAConfig.merge_tiles_per_split must be >= 0, got "
@@ -129,13 +140,20 @@ class GluonMLAConfig:
         """Whether a launch with ``num_splits`` splits merges them in the kernel."""
         return self.fused_merge and 1 < num_splits <= self.fused_max_splits
 
-    def constexprs(self, num_splits: int = 1) -> dict:
-        """The kernel's compile-time arguments for this configuration and split count."""
+    def spreads_merge(self, num_splits: int, num_programs: int, num_sms: int) -> bool:
+        """Whether a launch of ``num_programs`` programs (rows x splits) merges its splits
+        spread over the row's programs (all resident: one per SM at most)."""
+        return (self.spread_merge and 1 < num_splits <= _SPREAD_MAX_SPLITS
+                and num_programs <= num_sms)  # fmt: skip
+
+    def constexprs(self, num_splits: int = 1, spread: bool = False) -> dict:
+        """The kernel's compile-time arguments for this configuration and split count
+        (``spread``: :meth:`spreads_merge` holds for the launch)."""
         return {"ISSUE": _ISSUE_MODES.index(self.issue), "PEEL": self.peel,
                 "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs,
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
-                "EARLY": self.early_release}  # fmt: skip
+                "EARLY": self.early_release, "SPREAD": spread}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -166,6 +184,13 @@ GLUON_MLA_VARIANTS = {
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16).
     "cpasync-r232-early": GluonMLAConfig(issue="cpasync", wg1_regs=232, early_release=True),
+    # The split merge spread over each row's programs (no merge launch), on the default.
+    "loader2-r232-early-spread": GluonMLAConfig(
+        issue="loader2", wg1_regs=232, early_release=True, spread_merge=True
+    ),
+    "cpasync-r232-early-spread": GluonMLAConfig(
+        issue="cpasync", wg1_regs=232, early_release=True, spread_merge=True
+    ),
     "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
     "loader-peel": GluonMLAConfig(issue="loader", peel=True),
     # The split merge fused into the kernel (the last program of a row merges; no merge

@@ -3,7 +3,8 @@ the kernel's tile constants; the score and P @ V products of a tile; how Q and e
 latent tile reach shared memory (TMA copies of 64 columns, one per page and piece; the block
 ids looked up next to each copy, a tile's ids looked up first, or one or two producer warps
 that issue the copies: the kernel's ISSUE; with EARLY, a buffer's parts refilled as each is
-freed); and the fused split merge of the last program of a (query, head tile) row.
+freed). The epilogues (the partial stores and the in-kernel merges) are in
+:mod:`cp_modules.kernels.paged_decode_mla_gluon_epilogue`.
 """
 
 from __future__ import annotations
@@ -372,79 +373,3 @@ if HAS_GLUON:
         else:
             rows = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
             _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS)
-
-    @gluon.jit
-    def _store_half(o0, o1, o2, o3, l_i, OUT, out_row, col0: gl.constexpr, stride_oh,
-                    mma: gl.constexpr):  # fmt: skip
-        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
-        heads = gl.arange(0, _BH, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
-        base = OUT + out_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
-        dt = OUT.dtype.element_ty
-        gl.store(base, (o0 * inv[:, None]).to(dt))
-        gl.store(base + _BC, (o1 * inv[:, None]).to(dt))
-        gl.store(base + 2 * _BC, (o2 * inv[:, None]).to(dt))
-        gl.store(base + 3 * _BC, (o3 * inv[:, None]).to(dt))
-
-    @gluon.jit
-    def _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr, stride_ls, base, stride_os):
-        # Adds split s (its fp32 partial and base-2 LSE, read from L2: other SMs wrote them).
-        w = gl.exp2(gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg") - m)
-        src = base + s * stride_os
-        o0 += w[:, None] * gl.load(src, cache_modifier=".cg")
-        o1 += w[:, None] * gl.load(src + _BC, cache_modifier=".cg")
-        o2 += w[:, None] * gl.load(src + 2 * _BC, cache_modifier=".cg")
-        o3 += w[:, None] * gl.load(src + 3 * _BC, cache_modifier=".cg")
-        return o0, o1, o2, o3, total + w
-
-    @gluon.jit
-    def _merge_half(o0, o1, o2, o3, l_i, PO, po_row, stride_oh, stride_os, PL, pl_row, stride_lh,
-                    stride_ls, split, num_splits, FOUT, fout_row, col0: gl.constexpr, FLSE,
-                    flse_row, WRITE_LSE: gl.constexpr, OWN_REGS: gl.constexpr,
-                    mma: gl.constexpr):  # fmt: skip
-        # The last program of a (query, head tile) merges every split into the result, for one
-        # column half (po_row / pl_row: split 0's row of the partials), with the weights of
-        # merge_splits_triton. OWN_REGS: its own split from its registers (o = unnormalised
-        # sums, l_i = row sums) added first; the sum's order then depends on which split came
-        # last. Else every split's partial is read back in split order: the same bits whichever
-        # program merges.
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        heads = gl.arange(0, _BH, layout=row_l)
-        lse_ptr = PL + pl_row + heads.to(gl.int64) * stride_lh
-        m = gl.full([_BH], float("-inf"), gl.float32, row_l)
-        for s in range(num_splits):
-            m = gl.maximum(m, gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg"))
-        m = gl.where(m == float("-inf"), 0.0, m)
-        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
-        base = PO + po_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
-        if OWN_REGS:
-            total = gl.exp2(gl.load(lse_ptr + split * stride_ls, cache_modifier=".cg") - m)
-            own = total / gl.where(l_i > 0.0, l_i, 1.0)
-            o0 = o0 * own[:, None]
-            o1 = o1 * own[:, None]
-            o2 = o2 * own[:, None]
-            o3 = o3 * own[:, None]
-            for s in range(num_splits):
-                if s != split:
-                    o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
-                                                         stride_ls, base, stride_os)  # fmt: skip
-        else:
-            total = gl.zeros([_BH], gl.float32, row_l)
-            o0 = gl.zeros([_BH, _BC], gl.float32, mma)
-            o1 = gl.zeros([_BH, _BC], gl.float32, mma)
-            o2 = gl.zeros([_BH, _BC], gl.float32, mma)
-            o3 = gl.zeros([_BH, _BC], gl.float32, mma)
-            for s in range(num_splits):
-                o0, o1, o2, o3, total = _merge_split(s, o0, o1, o2, o3, total, m, lse_ptr,
-                                                     stride_ls, base, stride_os)  # fmt: skip
-        nonempty = total > 0.0
-        inv = 1.0 / gl.where(nonempty, total, 1.0)
-        dst = FOUT + fout_row + heads.to(gl.int64)[:, None] * (_LAT * _BC) + col0 + cols[None, :]
-        dt = FOUT.dtype.element_ty
-        gl.store(dst, (o0 * inv[:, None]).to(dt))
-        gl.store(dst + _BC, (o1 * inv[:, None]).to(dt))
-        gl.store(dst + 2 * _BC, (o2 * inv[:, None]).to(dt))
-        gl.store(dst + 3 * _BC, (o3 * inv[:, None]).to(dt))
-        if WRITE_LSE:
-            lse2 = gl.where(nonempty, m + gl.log2(gl.where(nonempty, total, 1.0)), float("-inf"))
-            gl.store(FLSE + flse_row + heads, lse2 * 0.6931471805599453)
