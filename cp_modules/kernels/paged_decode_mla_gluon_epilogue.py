@@ -51,31 +51,39 @@ if HAS_GLUON:
         while n < num_splits:
             n = gl.atomic_add(COUNTER + pid, 0, sem="acquire", scope="gpu")
 
+    _SPREAD_SPLITS = gl.constexpr(8)  # splits the spread merge serves at most
+
     @gluon.jit
     def _merge_block(PO, po_row, stride_oh, stride_os, PL, pl_row, stride_lh, stride_ls,
-                     num_splits, FOUT, fout_row, col0, FLSE, flse_row, write_lse,
-                     mma: gl.constexpr):  # fmt: skip
+                     num_splits, FOUT, fout_row, col0, FLSE, flse_row, write_lse):  # fmt: skip
         # Columns [col0, col0 + 64) of the row's result from every split's fp32 partial and
-        # base-2 LSE, in split order (merge_splits_triton's weights); write_lse: its LSE too.
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        heads = gl.arange(0, _BH, layout=row_l)
-        lse_ptr = PL + pl_row + heads.to(gl.int64) * stride_lh
-        m = gl.full([_BH], float("-inf"), gl.float32, row_l)
-        for s in range(num_splits):
-            m = gl.maximum(m, gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg"))
+        # base-2 LSE (merge_splits_triton's weights; the same bits on every run); write_lse:
+        # its LSE too. A thread holds all (up to 8) splits of its heads and columns, so every
+        # split's loads are in flight at once and the sum over splits stays in the thread.
+        l3: gl.constexpr = gl.BlockedLayout([1, _SPREAD_SPLITS, 4], [8, 1, 4],
+                                            [gl.num_warps(), 1, 1], [2, 1, 0])  # fmt: skip
+        w_l: gl.constexpr = gl.SliceLayout(2, l3)  # [heads, splits]
+        o_l: gl.constexpr = gl.SliceLayout(1, l3)  # [heads, columns]
+        heads = gl.arange(0, _BH, layout=gl.SliceLayout(1, w_l)).to(gl.int64)
+        splits = gl.arange(0, _SPREAD_SPLITS, layout=gl.SliceLayout(0, w_l))
+        live = (splits < num_splits)[None, :]
+        lse = gl.load(PL + pl_row + heads[:, None] * stride_lh + splits[None, :] * stride_ls,
+                      mask=live, other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+        m = gl.max(lse, 1)
         m = gl.where(m == float("-inf"), 0.0, m)
-        cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, mma))
-        src = PO + po_row + heads.to(gl.int64)[:, None] * stride_oh + col0 + cols[None, :]
-        total = gl.zeros([_BH], gl.float32, row_l)
-        o = gl.zeros([_BH, _BC], gl.float32, mma)
-        for s in range(num_splits):
-            w = gl.exp2(gl.load(lse_ptr + s * stride_ls, cache_modifier=".cg") - m)
-            o += w[:, None] * gl.load(src + s * stride_os, cache_modifier=".cg")
-            total += w
+        w = gl.exp2(lse - m[:, None])
+        total = gl.sum(w, 1)
         nonempty = total > 0.0
-        inv = 1.0 / gl.where(nonempty, total, 1.0)
-        dst = FOUT + fout_row + heads.to(gl.int64)[:, None] * (_LAT * _BC) + col0 + cols[None, :]
-        gl.store(dst, (o * inv[:, None]).to(FOUT.dtype.element_ty))
+        inv = gl.convert_layout(1.0 / gl.where(nonempty, total, 1.0), gl.SliceLayout(1, o_l))
+        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, o_l))
+        src = (PO + po_row + (heads[:, None] * stride_oh + splits[None, :] * stride_os)[:, :, None]
+               + (col0 + cols)[None, None, :])  # fmt: skip
+        h_o = gl.arange(0, _BH, layout=gl.SliceLayout(1, o_l)).to(gl.int64)
+        dst = FOUT + fout_row + h_o[:, None] * (_LAT * _BC) + col0 + cols[None, :]
+        for j in gl.static_range(_BC // 16):
+            p = gl.load(src + j * 16, mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+            o = gl.sum(w[:, :, None] * p, 1)
+            gl.store(dst + j * 16, (o * inv[:, None]).to(FOUT.dtype.element_ty))
         if write_lse:
             lse2 = gl.where(nonempty, m + gl.log2(gl.where(nonempty, total, 1.0)), float("-inf"))
             gl.store(FLSE + flse_row + heads, lse2 * 0.6931471805599453)
@@ -97,7 +105,7 @@ if HAS_GLUON:
                 _merge_block(PO, out_row - split * stride_os, stride_oh, stride_os, PL,
                              lse_row - split * stride_ls, stride_lh, stride_ls, num_splits, FOUT,
                              (t64 * H + head0) * (_LAT * _BC), c * _BC, FLSE, t64 * H + head0,
-                             c == 0, mma)  # fmt: skip
+                             c == 0)  # fmt: skip
 
     @gluon.jit
     def _wg0_spread(COUNTER, num_splits, k_ready, PO, out_row, stride_oh, stride_os, PL, lse_row,
