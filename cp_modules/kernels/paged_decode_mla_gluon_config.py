@@ -182,9 +182,12 @@ GLUON_MLA_VARIANTS = {
     "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
     "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
-    # tile at any block size) instead of TMA (36 copies a tile at block size 16).
+    # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
+    # block size 16 as fast as 64 with it, but +1 % at 16 and -6 % at 64 against the default
+    # (docs/experiments/2026-12-02-mla-decode-copies-and-merges.md).
     "cpasync-r232-early": GluonMLAConfig(issue="cpasync", wg1_regs=232, early_release=True),
-    # The split merge spread over each row's programs (no merge launch), on the default.
+    # The split merge spread over each row's programs (no merge launch). Measured slower at
+    # B=8 4k than the separate merge (same note).
     "loader2-r232-early-spread": GluonMLAConfig(
         issue="loader2", wg1_regs=232, early_release=True, spread_merge=True
     ),
