@@ -35,12 +35,12 @@ def _signature(page: int, partial: bool, splits: int | None):
         "q_desc": f"tensordesc<bf16[64, 64],{layout!r}>",
         "CACHE": "*bf16", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
         "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32",
-        "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "qk_scale": "fp32",
+        "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "TRACE_BUF": "*i32", "qk_scale": "fp32",
         **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
                               "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
         **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
                                     "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
-                                    "OWN_REGS", "EARLY")},
+                                    "OWN_REGS", "EARLY", "SPREAD", "TRACE")},
     }  # fmt: skip
     attrs, spec_consts = {}, {}
     if splits:
@@ -80,7 +80,7 @@ def compile_sm90(
     sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
     n = splits if splits else 2 if partial else 1
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
-                  "PARTIAL": partial, **spec_consts,
+                  "PARTIAL": partial, "TRACE": False, **spec_consts,
                   **cfg.constexprs(n, spread=cfg.spreads_merge(n, 2 * n, 132)),
                   "WG1_REGS": wg1_regs if wg1_regs is not None else cfg.wg1_regs}  # fmt: skip
     src = GluonASTSource(m._paged_mla_gluon_kernel, sig, constexprs=constexprs, attrs=attrs)

@@ -124,6 +124,7 @@ if HAS_GLUON:
         _pv4,
         _release_pv,
         _scores,
+        _stamp,
         _sync_warp_group,
         _zero_rows_past,
     )
@@ -213,7 +214,8 @@ if HAS_GLUON:
                  stride_ls, num_splits, H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
                  PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                  ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
-                 OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
+                 OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr,
+                 TRACE: gl.constexpr, TRACE_BUF):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -233,7 +235,9 @@ if HAS_GLUON:
                                last_page, PAGE, BOX_ROWS)  # fmt: skip
                 _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, start + _BN,
                                last_page, PAGE, BOX_ROWS)  # fmt: skip
+        _stamp(TRACE_BUF, 0, num_splits, TRACE)
         mbarrier.wait(q_bar, 0)
+        _stamp(TRACE_BUF, 1, num_splits, TRACE)
         n_full = 0
         if PEEL:
             # Every pair but the last lies wholly inside the range: no masks, no zeroing.
@@ -248,6 +252,7 @@ if HAS_GLUON:
                 k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
                 k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
                 last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY)  # fmt: skip
+        _stamp(TRACE_BUF, 2, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
         nonempty = l_i > 0.0
         lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -255,6 +260,7 @@ if HAS_GLUON:
             lse2 = lse2 * 0.6931471805599453
         heads = gl.arange(0, _BH, layout=row_l)
         gl.store(LSE + lse_row + heads.to(gl.int64) * stride_lh, lse2)
+        _stamp(TRACE_BUF, 3, num_splits, TRACE)
         if FUSED:
             _wg0_fused(o0, o1, o2, o3, l_i, vec_smem, k_ready, COUNTER, OUT, out_row, stride_oh,
                        stride_os, LSE, lse_row, stride_lh, stride_ls, num_splits, FOUT, FLSE, H,
@@ -331,7 +337,8 @@ if HAS_GLUON:
                  FOUT, FLSE, COUNTER, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
                  H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
                  PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
-                 EARLY: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
+                 EARLY: gl.constexpr, SPREAD: gl.constexpr, TRACE: gl.constexpr,
+                 TRACE_BUF):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -353,7 +360,9 @@ if HAS_GLUON:
             l_i, o0, o1, o2, o3 = _wg1_pair(
                 k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
                 vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY)  # fmt: skip
+        _stamp(TRACE_BUF, 4, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
+        _stamp(TRACE_BUF, 5, num_splits, TRACE)
         if FUSED:
             _wg1_fused(o0, o1, o2, o3, l_i, vec_smem, k_ready, OUT, out_row, stride_oh,
                        stride_os, LSE, lse_row, stride_lh, stride_ls, num_splits, FOUT,
@@ -363,7 +372,7 @@ if HAS_GLUON:
                         lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES, mma)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _paged_mla_gluon_kernel(q_desc, c_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER,
+    def _paged_mla_gluon_kernel(q_desc, c_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER, TRACE_BUF,
                                 qk_scale, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                                 stride_ls, stride_btr, max_kv_len, num_splits,
                                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
@@ -373,7 +382,7 @@ if HAS_GLUON:
                                 FUSED: gl.constexpr = False,
                                 OWN_REGS: gl.constexpr = False,
                                 EARLY: gl.constexpr = False,
-                                SPREAD: gl.constexpr = False):  # fmt: skip
+                                SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -436,13 +445,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    2, EARLY)),
@@ -461,13 +470,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    1, EARLY)),
@@ -483,13 +492,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_loader_async, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start,
                                          end, n_pairs, q_desc, CACHE, BT, bt_row, q_row, PAGE)),
                 ],
@@ -504,13 +513,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                 ],
                 [4],
                 [WG1_REGS],
@@ -532,6 +541,7 @@ def paged_mla_attention_gluon(
     num_splits: int | None = None,
     *,
     config: GluonMLAConfig | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode through the Gluon kernel; the contract of
     :func:`~cp_modules.kernels.paged_decode_mla.paged_mla_attention_kernel`.
@@ -540,6 +550,8 @@ def paged_mla_attention_gluon(
     :func:`default_gluon_mla_config` of the block size); all compute the same attention. A
     schedule with ``fused_merge`` merges the KV splits inside the kernel (arrival counters
     from :func:`merge_counters`); the others launch :func:`merge_splits_triton` after it.
+    ``trace`` (int64, 8 per program, at (row * S + split) * 8): each program's timeline for
+    a probe (:func:`~cp_modules.kernels.paged_decode_mla_gluon_parts._stamp`).
 
     Raises:
         ValueError: when the kernel cannot serve these inputs (:func:`gluon_mla_supported`).
@@ -577,11 +589,11 @@ def paged_mla_attention_gluon(
     c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], layout)
     _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
         q_desc, c_desc, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
-        counters, scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0),
+        counters, block_table if trace is None else trace, scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0),
         max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,
         PARTIAL=num_splits > 1, **config.constexprs(num_splits, spread),
-        num_warps=4, launch_cooperative_grid=spread,
+        TRACE=trace is not None, num_warps=4, launch_cooperative_grid=spread,
     )  # fmt: skip
     if num_splits > 1 and not (fused or spread):
         merge_splits_triton(o_buf, l_buf, out, lse)

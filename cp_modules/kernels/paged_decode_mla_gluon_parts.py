@@ -59,6 +59,22 @@ if HAS_GLUON:
         _sync_warp_group()
 
     @gluon.jit
+    def _stamp(TRACE_BUF, slot: gl.constexpr, num_splits, TRACE: gl.constexpr):
+        # With TRACE, the global timer (ns) into the program's trace slot: 0 / 1 warp group 0
+        # before / after Q landed, 2 its last pair done, 3 its half and the LSE stored; 4 / 5
+        # warp group 1's last pair done / its half stored; 6 the SM.
+        if TRACE:
+            pid = gl.program_id(0)
+            base = TRACE_BUF + (pid * num_splits + gl.program_id(1)).to(gl.int64) * 8
+            now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid],
+                                            dtype=gl.int64, is_pure=False, pack=1)  # fmt: skip
+            gl.store(base + slot, now)
+            if slot == 0:
+                sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid],
+                                               dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+                gl.store(base + 6, sm.to(gl.int64))
+
+    @gluon.jit
     def _scores(q_lat, q_pe, k_lat, k_pe, k_ready, buf: gl.constexpr, phase, mma: gl.constexpr,
                 EARLY: gl.constexpr = False):  # fmt: skip
         # S = Q K^T over the 8 latent pieces and the rope piece, each as soon as it lands.
