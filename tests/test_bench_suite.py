@@ -85,11 +85,12 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # Gluon sweep of the split-merge note, the early-release sweeps and the repeat of the MLA
     # decode run (the early-release note; the report reads that day's full MLA decode run),
     # and the MLA decode run of the Gluon schedules' note that it supersedes; the copy and
-    # merge schedules' sweeps and the spread-merge probe of the note on those (variants that
-    # are not the default).
+    # merge schedules' sweeps, the spread-merge probe and the timeline probe of the note on
+    # those (variants that are not the default, and per-program stamps).
     assert read == kept - {
         "mla-decode-gluon-copies-merges-2026-12-02.json",
         "spread-merge-probe-2026-12-02.json",
+        "mla-timeline-probe-2026-12-02.json",
         "mla-decode-2026-12-01.json",
         "mla-decode-gluon-2026-12-02.json",
         "mla-decode-gluon-early-2026-12-02.json",
