@@ -763,6 +763,26 @@ def test_gpu_gluon_mla_cpasync_other_block_sizes(bs, splits):
     check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-mla-cpasync-bs{bs}")
 
 
+@pytest.mark.gpu
+def test_gpu_gluon_mla_trace_stamps_each_program_in_order():
+    # The probe's trace: every program stamps its points in program order, on its own SM
+    # slot, and tracing does not change the result.
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import paged_mla_attention_gluon
+
+    args = _gluon_mla_shard_args(64, 16, 128, seed=6)
+    trace = torch.zeros(args[0].shape[0] * 2 * 3 * 8, dtype=torch.int64, device="cuda")
+    out, lse = paged_mla_attention_gluon(*args, 3, trace=trace)
+    want_out, want_lse = paged_mla_attention_gluon(*args, 3)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    t = trace.view(-1, 8).cpu()
+    assert (t[:, :6] > 0).all()
+    assert (t[:, 0] <= t[:, 1]).all() and (t[:, 1] <= t[:, 2]).all() and (t[:, 2] <= t[:, 3]).all()
+    assert (t[:, 1] <= t[:, 4]).all() and (t[:, 4] <= t[:, 5]).all()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((t[:, 6] >= 0) & (t[:, 6] < sms)).all()
+
+
 def test_gluon_mla_config_is_validated():
     from cp_modules.kernels.paged_decode_mla_gluon_config import (
         GluonMLAConfig,
