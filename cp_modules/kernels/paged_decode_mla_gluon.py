@@ -120,7 +120,6 @@ if HAS_GLUON:
         _issue_q,
         _issue_tile_by,
         _mla_loader,
-        _mla_loader_async,
         _pv4,
         _release_pv,
         _scores,
@@ -462,7 +461,7 @@ if HAS_GLUON:
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
             )  # fmt: skip
-        elif ISSUE == _ISSUE_LOADER:
+        elif ISSUE == _ISSUE_LOADER or ISSUE == _ISSUE_ASYNC:
             gl.warp_specialize(
                 [
                     (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
@@ -479,30 +478,9 @@ if HAS_GLUON:
                                 PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   1, EARLY)),
+                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC)),
                 ],
-                [4, 1],
-                [WG1_REGS, LOADER_REGS],
-            )  # fmt: skip
-        elif ISSUE == _ISSUE_ASYNC:
-            gl.warp_specialize(
-                [
-                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
-                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
-                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
-                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
-                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
-                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
-                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
-                                NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
-                    (_mla_loader_async, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start,
-                                         end, n_pairs, q_desc, CACHE, BT, bt_row, q_row, PAGE)),
-                ],
-                [4, 4],
+                [4, 4 if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],
             )  # fmt: skip
         else:

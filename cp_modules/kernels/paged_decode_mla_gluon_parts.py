@@ -190,13 +190,18 @@ if HAS_GLUON:
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
                     c_desc, BT, bt_row, q_row, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr,
                     PART: gl.constexpr = 0, PARTS: gl.constexpr = 1,
-                    EARLY: gl.constexpr = False):  # fmt: skip
+                    EARLY: gl.constexpr = False, CACHE=None,
+                    ASYNC: gl.constexpr = False):  # fmt: skip
         # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
         # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
         # PART issues its share of each tile's pieces and the first one issues Q. EARLY: each
-        # part of a buffer as soon as it is free (_mla_loader_early).
-        if EARLY:
+        # part of a buffer as soon as it is free (_mla_loader_early). ASYNC: the producer warp
+        # group of ISSUE = cpasync (_mla_loader_async: cp.async copies from CACHE).
+        if ASYNC:
+            _mla_loader_async(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
+                              n_pairs, q_desc, CACHE, BT, bt_row, q_row, PAGE)  # fmt: skip
+        elif EARLY:
             _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
                               PARTS)  # fmt: skip
