@@ -41,8 +41,9 @@ order), so the merge's reads are spread over the row's S SMs; a second round of 
 the counter once every program is past its wait. No merge launch.
 
 Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
-each block id looked up next to its copy; warp group 0 with a tile's ids looked up first; or a
-producer warp in a third partition), when a tile buffer is free for its refill (once both warp
+each block id looked up next to its copy; warp group 0 with a tile's ids looked up first;
+producer warps in a third partition; or a producer warp group copying each row with cp.async
+instead of TMA), when a tile buffer is free for its refill (once both warp
 groups are done with all of it, or in parts: the rope piece after the tile's scores, each
 latent half after its P @ V, with the scores taking the pieces in that order), and whether the
 last pair of a split is peeled off so that the others run without masks.
