@@ -783,6 +783,19 @@ def test_gpu_gluon_mla_trace_stamps_each_program_in_order():
     assert ((t[:, 6] >= 0) & (t[:, 6] < sms)).all()
 
 
+def test_gluon_mla_trace_buffer_is_checked_before_the_launch():
+    # The kernel writes 8 stamps a program unchecked: a short, mistyped or strided buffer is
+    # refused on the host.
+    from cp_modules.kernels.paged_decode_mla_gluon_config import check_trace_buffer
+
+    cpu = torch.device("cpu")
+    check_trace_buffer(torch.zeros(48, dtype=torch.int64), cpu, 6)
+    for bad in (torch.zeros(47, dtype=torch.int64), torch.zeros(48, dtype=torch.int32),
+                torch.zeros(96, dtype=torch.int64)[::2]):  # fmt: skip
+        with pytest.raises(ValueError, match="at least 48 elements"):
+            check_trace_buffer(bad, cpu, 6)
+
+
 def test_gluon_mla_config_is_validated():
     from cp_modules.kernels.paged_decode_mla_gluon_config import (
         GluonMLAConfig,

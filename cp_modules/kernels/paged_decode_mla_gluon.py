@@ -63,6 +63,7 @@ from cp_modules.kernels.paged_decode_mla_gluon_config import (
     _TILE,
     GLUON_MLA_VARIANTS,
     GluonMLAConfig,
+    check_trace_buffer,
     choose_gluon_mla_num_splits,
     default_gluon_mla_config,
     gluon_mla_supported,
@@ -108,7 +109,7 @@ if HAS_GLUON:
         _wg1_spread,
     )
     from cp_modules.kernels.paged_decode_mla_gluon_parts import (
-        _ASYNC_THREADS,
+        _ASYNC_WARPS,
         _BC,
         _BH,
         _BN,
@@ -267,7 +268,7 @@ if HAS_GLUON:
                        NUM_HEAD_TILES, OWN_REGS, mma)  # fmt: skip
         if SPREAD:
             _wg0_spread(COUNTER, num_splits, k_ready, OUT, out_row, stride_oh, stride_os, LSE,
-                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES, mma)  # fmt: skip
+                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES)  # fmt: skip
 
     @gluon.jit
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
@@ -369,7 +370,7 @@ if HAS_GLUON:
                        HALF_COL, H, NUM_HEAD_TILES, OWN_REGS, mma)  # fmt: skip
         if SPREAD:
             _wg1_spread(COUNTER, num_splits, k_ready, OUT, out_row, stride_oh, stride_os, LSE,
-                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES, mma)  # fmt: skip
+                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _paged_mla_gluon_kernel(q_desc, c_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER, TRACE_BUF,
@@ -421,7 +422,7 @@ if HAS_GLUON:
             for c in gl.static_range(_LAT + 1):
                 # cpasync: each producer thread arrives once its copies of the piece land.
                 mbarrier.init(k_ready.index(b * 16 + c),
-                              count=_ASYNC_THREADS if ISSUE == _ISSUE_ASYNC else 1)  # fmt: skip
+                              count=_ASYNC_WARPS * 32 if ISSUE == _ISSUE_ASYNC else 1)  # fmt: skip
             # With the producer warp a buffer is free once both warp groups are done with it.
             if EARLY:
                 # Early release: each part of a buffer is freed by the one warp group that
@@ -481,7 +482,7 @@ if HAS_GLUON:
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC)),
                 ],
-                [4, 4 if ISSUE == _ISSUE_ASYNC else 1],
+                [4, _ASYNC_WARPS if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],
             )  # fmt: skip
         else:
@@ -529,8 +530,9 @@ def paged_mla_attention_gluon(
     :func:`default_gluon_mla_config` of the block size); all compute the same attention. A
     schedule with ``fused_merge`` merges the KV splits inside the kernel (arrival counters
     from :func:`merge_counters`); the others launch :func:`merge_splits_triton` after it.
-    ``trace`` (int64, 8 per program, at (row * S + split) * 8): each program's timeline for
-    a probe (:func:`~cp_modules.kernels.paged_decode_mla_gluon_parts._stamp`).
+    ``trace`` (int64, 8 per program, at (row * S + split) * 8; :func:`check_trace_buffer`):
+    each program's timeline for a probe
+    (:func:`~cp_modules.kernels.paged_decode_mla_gluon_parts._stamp`).
 
     Raises:
         ValueError: when the kernel cannot serve these inputs (:func:`gluon_mla_supported`).
@@ -554,6 +556,8 @@ def paged_mla_attention_gluon(
         num_splits = choose_gluon_mla_num_splits(config, t * head_tiles, max_kv_len,
                                                  _num_sms(q.device))  # fmt: skip
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    if trace is not None:
+        check_trace_buffer(trace, q.device, t * head_tiles * num_splits)
     fused = config.fuses_merge(num_splits)
     spread = config.spreads_merge(num_splits, t * head_tiles * num_splits, _num_sms(q.device))
     # Without an in-kernel merge the kernel never touches the counters (any int32 tensor will do).
@@ -568,8 +572,8 @@ def paged_mla_attention_gluon(
     c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], layout)
     _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
         q_desc, c_desc, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
-        counters, block_table if trace is None else trace, scale * _LOG2E, *so[:2], so[2], *sl[:2], sl[2], block_table.stride(0),
-        max_kv_len, num_splits,
+        counters, block_table if trace is None else trace, scale * _LOG2E, *so[:2], so[2],
+        *sl[:2], sl[2], block_table.stride(0), max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,
         PARTIAL=num_splits > 1, **config.constexprs(num_splits, spread),
         TRACE=trace is not None, num_warps=4, launch_cooperative_grid=spread,

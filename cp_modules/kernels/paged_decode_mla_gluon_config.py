@@ -23,6 +23,7 @@ __all__ = [
     "GLUON_MLA_VARIANTS",
     "HAS_GLUON",
     "GluonMLAConfig",
+    "check_trace_buffer",
     "choose_gluon_mla_num_splits",
     "default_gluon_mla_config",
     "gluon_mla_supported",
@@ -252,6 +253,20 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
     if cache.data_ptr() % 16:
         return "the Gluon MLA kernel needs a 16-byte aligned cache"
     return None
+
+
+def check_trace_buffer(trace: torch.Tensor, device: torch.device, num_programs: int) -> None:
+    """Raise ValueError unless ``trace`` can take the kernel's stamps of ``num_programs``
+    programs (rows x splits): a contiguous int64 tensor on ``device`` of at least 8 per
+    program (the kernel writes 8 slots a program and checks nothing)."""
+    need = 8 * num_programs
+    if (trace.dtype != torch.int64 or trace.device != device or not trace.is_contiguous()
+            or trace.numel() < need):  # fmt: skip
+        raise ValueError(
+            f"trace must be a contiguous int64 tensor on {device} of at least {need} elements "
+            f"(8 per program, {num_programs} programs); got {trace.dtype} {tuple(trace.shape)} "
+            f"on {trace.device}"
+        )
 
 
 # The fused merge's arrival counters, one int32 per (query, head tile), per device and stream.

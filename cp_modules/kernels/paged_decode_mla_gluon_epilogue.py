@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 __all__: list[str] = []
 
 if HAS_GLUON:
+    from cp_modules.kernels.paged_decode_mla_gluon_config import _SPREAD_MAX_SPLITS
     from cp_modules.kernels.paged_decode_mla_gluon_parts import _BC, _BH, _LAT, _sync_warp_group
 
     @gluon.jit
@@ -51,7 +52,7 @@ if HAS_GLUON:
         while n < num_splits:
             n = gl.atomic_add(COUNTER + pid, 0, sem="acquire", scope="gpu")
 
-    _SPREAD_SPLITS = gl.constexpr(8)  # splits the spread merge serves at most
+    _SPREAD_SPLITS = gl.constexpr(_SPREAD_MAX_SPLITS)  # splits the spread merge serves at most
 
     @gluon.jit
     def _merge_block(PO, po_row, stride_oh, stride_os, PL, pl_row, stride_lh, stride_ls,
@@ -91,7 +92,7 @@ if HAS_GLUON:
     @gluon.jit
     def _spread_merge(COUNTER, num_splits, lo: gl.constexpr, PO, out_row, stride_oh, stride_os,
                       PL, lse_row, stride_lh, stride_ls, FOUT, FLSE, H: gl.constexpr,
-                      NUM_HEAD_TILES: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+                      NUM_HEAD_TILES: gl.constexpr):  # fmt: skip
         # This warp group's blocks of the merge: c in [lo, lo + 4) with c = split (mod S),
         # after waiting for every split (only if it has one). Block 0 also writes the LSE.
         pid = gl.program_id(0)
@@ -110,7 +111,7 @@ if HAS_GLUON:
     @gluon.jit
     def _wg0_spread(COUNTER, num_splits, k_ready, PO, out_row, stride_oh, stride_os, PL, lse_row,
                     stride_lh, stride_ls, FOUT, FLSE, H: gl.constexpr,
-                    NUM_HEAD_TILES: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+                    NUM_HEAD_TILES: gl.constexpr):  # fmt: skip
         # Warp group 0 takes the program's ticket once both halves are stored (acq_rel), merges
         # its blocks, then (warp group 1 past its wait too) takes a second ticket: the row's
         # last one resets the counter to 0 for the next launch, every wait being over.
@@ -119,7 +120,7 @@ if HAS_GLUON:
         pid = gl.program_id(0)
         gl.atomic_add(COUNTER + pid, 1, sem="acq_rel", scope="gpu")
         _spread_merge(COUNTER, num_splits, 0, PO, out_row, stride_oh, stride_os, PL, lse_row,
-                      stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES, mma)  # fmt: skip
+                      stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES)  # fmt: skip
         mbarrier.wait(k_ready.index(_SPUN), 0)
         ticket = gl.atomic_add(COUNTER + pid, 1, sem="relaxed", scope="gpu")
         if ticket == 2 * num_splits - 1:
@@ -128,11 +129,11 @@ if HAS_GLUON:
     @gluon.jit
     def _wg1_spread(COUNTER, num_splits, k_ready, PO, out_row, stride_oh, stride_os, PL, lse_row,
                     stride_lh, stride_ls, FOUT, FLSE, H: gl.constexpr,
-                    NUM_HEAD_TILES: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+                    NUM_HEAD_TILES: gl.constexpr):  # fmt: skip
         _sync_warp_group()
         mbarrier.arrive(k_ready.index(_HALF_STORED))
         _spread_merge(COUNTER, num_splits, _LAT // 2, PO, out_row, stride_oh, stride_os, PL,
-                      lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES, mma)  # fmt: skip
+                      lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES)  # fmt: skip
         _sync_warp_group()
         mbarrier.arrive(k_ready.index(_SPUN))
 

@@ -42,8 +42,8 @@ if HAS_GLUON:
     # 3: two producer warps, each issuing its share of every tile (loader2).
     # 4: a producer warp group copying the tiles row by row (cp.async, 16 bytes a thread).
     _ISSUE_ASYNC = gl.constexpr(4)
-    _ASYNC_THREADS = gl.constexpr(128)
-    _ROW = gl.constexpr((8 + 1) * 64)  # elements of one cache row: latent and rope
+    _ASYNC_WARPS = gl.constexpr(4)  # its producer warp group; piece barriers count 128
+    _ROW = gl.constexpr((_LAT + 1) * _BC)  # elements of one cache row: latent and rope
 
     @gluon.jit
     def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
