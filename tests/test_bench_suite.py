@@ -86,8 +86,12 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # decode run (the early-release note; the report reads that day's full MLA decode run),
     # and the MLA decode run of the Gluon schedules' note that it supersedes; the copy and
     # merge schedules' sweeps, the spread-merge probe and the timeline probe of the note on
-    # those (variants that are not the default, and per-program stamps).
+    # those (variants that are not the default, and per-program stamps); the sweep of the
+    # programmatic-dependent merge and the staggered scores and the fixed-cost probe of the
+    # note on B=8 at 4k (variants not kept, and probes).
     assert read == kept - {
+        "mla-decode-gluon-pdl-stagger-2026-12-02.json",
+        "mla-decode-fixed-costs-2026-12-02.json",
         "mla-decode-gluon-copies-merges-2026-12-02.json",
         "spread-merge-probe-2026-12-02.json",
         "mla-timeline-probe-2026-12-02.json",

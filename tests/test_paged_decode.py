@@ -3,7 +3,6 @@ Triton kernel vs reference (interpreter on CPU, dtype matrix on the GPU), ops, c
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -782,53 +781,6 @@ def test_gpu_gluon_mla_trace_stamps_each_program_in_order():
     assert (t[:, 1] <= t[:, 4]).all() and (t[:, 4] <= t[:, 5]).all()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert ((t[:, 6] >= 0) & (t[:, 6] < sms)).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["loader2-r232-early-pdl", "loader2-r232-early-stagger-pdl"])
-def test_gpu_gluon_mla_pdl_merge_back_to_back(variant):
-    # The merge launched as a programmatic dependent of the kernel may be resident before the
-    # kernel ends: it must still read every split's finished partial. Eight launches with
-    # different queries queued without a sync (each kernel starts while the previous merge may
-    # still run), then each result against the reference, and bit-equal to the launch with
-    # the ordinary merge.
-    _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import (
-        GLUON_MLA_VARIANTS,
-        paged_mla_attention_gluon,
-    )
-
-    q, cache, bt, rows, kv_len, scale, rk = _gluon_mla_shard_args(64, 1, 128, seed=7)
-    config = GLUON_MLA_VARIANTS[variant]
-    plain = dataclasses.replace(config, pdl=False)
-    assert config.pdl_merge(7) and not plain.pdl_merge(7)
-    qs = [torch.randn_like(q) for _ in range(8)]
-    got = [paged_mla_attention_gluon(x, cache, bt, rows, kv_len, scale, rk, 7, config=config)
-           for x in qs]  # fmt: skip
-    torch.cuda.synchronize()
-    for x, (out, lse) in zip(qs, got):
-        ref = paged_mla_attention_ref(x, cache, bt, rows, kv_len, scale, rk)
-        same = paged_mla_attention_ref(x, cache, bt, rows, kv_len, scale, rk, upcast=False)
-        check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-{variant}")
-        want = paged_mla_attention_gluon(x, cache, bt, rows, kv_len, scale, rk, 7, config=plain)
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-
-
-def test_gluon_mla_pdl_and_stagger_configs():
-    # PDL applies to the separate split merge only (not one split, not the in-kernel merges);
-    # the staggered scores are a plain switch of the kernel.
-    from cp_modules.kernels.paged_decode_mla_gluon_config import GLUON_MLA_VARIANTS
-
-    pdl = GLUON_MLA_VARIANTS["loader2-r232-early-pdl"]
-    assert [pdl.pdl_merge(s) for s in (1, 2, 64)] == [False, True, True]
-    assert pdl.constexprs(8)["PDL"] and not pdl.constexprs(1)["PDL"]
-    assert not pdl.pdl_merge(8, spread=True)
-    fused = dataclasses.replace(GLUON_MLA_VARIANTS["loader-r232-fused"], pdl=True)
-    assert not fused.pdl_merge(8) and fused.pdl_merge(fused.fused_max_splits + 1)
-    assert not GLUON_MLA_VARIANTS["loader2-r232-early"].constexprs(8)["PDL"]
-    stagger = GLUON_MLA_VARIANTS["loader2-r232-early-stagger"]
-    assert stagger.constexprs(1)["STAGGER"] and not stagger.constexprs(8)["PDL"]
-    assert not GLUON_MLA_VARIANTS["loader2-r232-early"].constexprs(1)["STAGGER"]
 
 
 def test_gluon_mla_trace_buffer_is_checked_before_the_launch():

@@ -36,11 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3 on CUDA
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # pragma: no cover - an older Triton or another backend
-    gdc_wait = None
-
 from cp_modules.reference.lse_merge import merge_partials_reference
 
 __all__ = [
@@ -268,13 +263,7 @@ def _merge_splits_kernel(
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    # PDL: launched as a programmatic dependent of the kernel that wrote the partials, so this
-    # grid may be resident before that kernel ends; nothing is read until it has (and its
-    # writes are visible).
-    if PDL:
-        gdc_wait()
     # One program: BLOCK_DV output columns of BLOCK_R (query, head) rows, r = t * H + h. Rows
     # of few splits are taken several at a time and long split lists by several programs
     # (column blocks), so every program reads tens of KB whatever the split count. The split
@@ -537,15 +526,11 @@ def merge_splits_triton(
     out: torch.Tensor,
     lse: torch.Tensor,
     config: tuple[int, int, int, int] | None = None,
-    pdl: bool = False,
 ) -> None:
     """Merge split-KV partials ``o_buf`` [T, H, S, Dv] fp32 with base-2 LSEs ``l_buf``
     [T, H, S] into ``out`` [T, H, Dv] and natural-log ``lse`` [T, H] fp32 (written in place).
     ``config``: (rows, columns, splits per load, warps) per program instead of
-    :func:`merge_splits_launch_config`'s (powers of two; for tuning). ``pdl``: launch as a
-    programmatic dependent launch (CUDA, sm_90+): the grid may start while the kernel before
-    it on the stream runs, and waits (``griddepcontrol.wait``) before reading anything; the
-    kernel before it should signal ``griddepcontrol.launch_dependents`` early for a gain."""
+    :func:`merge_splits_launch_config`'s (powers of two; for tuning)."""
     t, hq, num_splits, dv = o_buf.shape
     if o_buf.stride(3) != 1 or l_buf.stride(2) != 1:
         raise ValueError("merge_splits_triton needs contiguous columns and split LSEs")
@@ -558,6 +543,6 @@ def merge_splits_triton(
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
         CHUNK_S=min(chunk_s, triton.next_power_of_2(num_splits)),
-        DV=dv, BLOCK_DV=block_dv, BLOCK_R=block_r, PDL=pdl,
-        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_R=block_r,
+        num_warps=warps,
     )  # fmt: skip

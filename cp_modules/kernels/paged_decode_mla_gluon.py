@@ -119,7 +119,6 @@ if HAS_GLUON:
         _ISSUE_ASYNC,
         _ISSUE_LOADER,
         _LAT,
-        _SA_DONE,
         _issue_q,
         _issue_tile_by,
         _mla_loader,
@@ -135,8 +134,7 @@ if HAS_GLUON:
     def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
                   k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
                   last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
-                  STAGGER: gl.constexpr = False):  # fmt: skip
+                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         # Warp group 0's share of pair k (tiles A = 2k in buffer 0, B = 2k + 1 in buffer 1).
         # MASK: the pair may reach past the range (the last pair); else no masks, no zeroing.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -152,10 +150,6 @@ if HAS_GLUON:
                 _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, n0 + _BN,
                                last_page, PAGE, BOX_ROWS)  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s,))
-        if STAGGER:
-            # S_A is done: warp group 1 may start S_B (its products now overlap this
-            # warp group's softmax instead of competing with S_A for the tensor cores).
-            mbarrier.arrive(k_ready.index(_SA_DONE))
         if EARLY:
             mbarrier.arrive(k_free.index(_FREE_ROPE))
         if MASK:
@@ -222,7 +216,7 @@ if HAS_GLUON:
                  PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                  ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
                  OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr,
-                 TRACE: gl.constexpr, TRACE_BUF, STAGGER: gl.constexpr = False):  # fmt: skip
+                 TRACE: gl.constexpr, TRACE_BUF):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -253,12 +247,12 @@ if HAS_GLUON:
                 m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                     k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
                     k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
-                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY, STAGGER)  # fmt: skip
+                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY)  # fmt: skip
         for k in range(n_full, n_pairs):
             m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                 k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
                 k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
-                last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY, STAGGER)  # fmt: skip
+                last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY)  # fmt: skip
         _stamp(TRACE_BUF, 2, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
         nonempty = l_i > 0.0
@@ -279,16 +273,13 @@ if HAS_GLUON:
     @gluon.jit
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
                   vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
-                  STAGGER: gl.constexpr = False):  # fmt: skip
+                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         # Warp group 1's share of pair k; MASK as in _wg0_pair.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         dt: gl.constexpr = q_lat.dtype
         phase = k & 1
         n0 = start + (2 * k + 1) * _BN
-        if STAGGER:
-            mbarrier.wait(k_ready.index(_SA_DONE), phase)
         s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma, EARLY)
         # Tile A with warp group 0's probabilities while S_B is in flight.
         mbarrier.wait(pa_bar, phase)
@@ -348,7 +339,7 @@ if HAS_GLUON:
                  H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
                  PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
                  EARLY: gl.constexpr, SPREAD: gl.constexpr, TRACE: gl.constexpr,
-                 TRACE_BUF, STAGGER: gl.constexpr = False):  # fmt: skip
+                 TRACE_BUF):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -365,11 +356,11 @@ if HAS_GLUON:
             for k in range(n_full):
                 l_i, o0, o1, o2, o3 = _wg1_pair(
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY, STAGGER)  # fmt: skip
+                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY)  # fmt: skip
         for k in range(n_full, n_pairs):
             l_i, o0, o1, o2, o3 = _wg1_pair(
                 k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
-                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY, STAGGER)  # fmt: skip
+                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY)  # fmt: skip
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
         _stamp(TRACE_BUF, 5, num_splits, TRACE)
@@ -392,14 +383,7 @@ if HAS_GLUON:
                                 FUSED: gl.constexpr = False,
                                 OWN_REGS: gl.constexpr = False,
                                 EARLY: gl.constexpr = False,
-                                SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False,
-                                PDL: gl.constexpr = False,
-                                STAGGER: gl.constexpr = False):  # fmt: skip
-        if PDL:
-            # The split merge after this kernel may be launched now (it waits on the device
-            # for this grid's end before reading the partials).
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+                                SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -447,8 +431,6 @@ if HAS_GLUON:
                     mbarrier.init(k_free.index(b * 16 + slot * (_LAT // 2)), count=1)
             else:
                 mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
-        if STAGGER:
-            mbarrier.init(k_ready.index(_SA_DONE), count=1)
         if FUSED or SPREAD:
             mbarrier.init(k_ready.index(_HALF_STORED), count=1)
             mbarrier.init(k_ready.index(_SPUN if SPREAD else _TICKET), count=1)
@@ -464,13 +446,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, STAGGER)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, STAGGER)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    2, EARLY)),
@@ -489,13 +471,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, STAGGER)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, STAGGER)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC)),
@@ -511,13 +493,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, STAGGER)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, STAGGER)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
                 ],
                 [4],
                 [WG1_REGS],
@@ -597,5 +579,5 @@ def paged_mla_attention_gluon(
         TRACE=trace is not None, num_warps=4, launch_cooperative_grid=spread,
     )  # fmt: skip
     if num_splits > 1 and not (fused or spread):
-        merge_splits_triton(o_buf, l_buf, out, lse, pdl=config.pdl_merge(num_splits, spread))
+        merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse

@@ -89,13 +89,6 @@ class GluonMLAConfig:
             256-column latent half after its P @ V; the producers refill each part as soon as
             it is free and the scores take the pieces in that order (rope, then the half freed
             first). Off: a buffer is refilled once both warp groups are done with all of it.
-        pdl: with the separate split merge, each program signals
-            ``griddepcontrol.launch_dependents`` as it starts and the merge is a programmatic
-            dependent launch: its grid is launched while the kernel runs and waits on the
-            device for the kernel's end instead of being launched after it.
-        stagger_scores: warp group 1 starts the scores of tile B only once warp group 0's
-            scores of tile A are done, so that S_A runs alone on the tensor cores and S_B
-            overlaps warp group 0's softmax (off: both score products start together).
     """
 
     issue: str = "inline"
@@ -110,8 +103,6 @@ class GluonMLAConfig:
     merge_tiles_per_split: float = 0.0
     max_box_rows: int = 64
     early_release: bool = False
-    pdl: bool = False
-    stagger_scores: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -163,13 +154,7 @@ class GluonMLAConfig:
                 "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs,
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
-                "EARLY": self.early_release, "SPREAD": spread,
-                "PDL": self.pdl_merge(num_splits, spread), "STAGGER": self.stagger_scores}  # fmt: skip
-
-    def pdl_merge(self, num_splits: int, spread: bool = False) -> bool:
-        """Whether a launch with ``num_splits`` splits hands its partials to the separate
-        merge as a programmatic dependent launch."""
-        return self.pdl and num_splits > 1 and not (self.fuses_merge(num_splits) or spread)
+                "EARLY": self.early_release, "SPREAD": spread}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -197,17 +182,6 @@ GLUON_MLA_VARIANTS = {
     # Each buffer refilled in three parts as each is freed (rope, then the latent halves).
     "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
     "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
-    # The separate split merge launched as a programmatic dependent of the kernel.
-    "loader2-r232-early-pdl": GluonMLAConfig(
-        issue="loader2", wg1_regs=232, early_release=True, pdl=True
-    ),
-    # Tile B's scores wait for tile A's (S_B overlaps warp group 0's softmax).
-    "loader2-r232-early-stagger": GluonMLAConfig(
-        issue="loader2", wg1_regs=232, early_release=True, stagger_scores=True
-    ),
-    "loader2-r232-early-stagger-pdl": GluonMLAConfig(
-        issue="loader2", wg1_regs=232, early_release=True, stagger_scores=True, pdl=True
-    ),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
     # block size 16 as fast as 64 with it, but +1 % at 16 and -6 % at 64 against the default

@@ -44,9 +44,6 @@ if HAS_GLUON:
     _ISSUE_ASYNC = gl.constexpr(4)
     _ASYNC_WARPS = gl.constexpr(4)  # its producer warp group; piece barriers count 128
     _ROW = gl.constexpr((_LAT + 1) * _BC)  # elements of one cache row: latent and rope
-    # k_ready slot of the staggered scores (warp group 0 -> 1: S_A of the pair is done); the
-    # epilogues use slots _LAT + 1 to _LAT + 3.
-    _SA_DONE = gl.constexpr(_LAT + 4)
 
     @gluon.jit
     def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
