@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # variant -> warp-specialized partitions besides warp group 0 (warp group 1, producer warps)
 SCHEDULES = {"base": 1, "hoist": 1, "loader-r232": 2, "loader2-r232": 3, "loader-r232-fused": 2,
              "loader-r232-early": 2, "loader2-r232-early": 3, "cpasync-r232-early": 2,
-             "loader2-r232-early-spread": 3}  # fmt: skip
+             "loader2-r232-early-spread": 3, "loader2-r232-early-pz": 3}  # fmt: skip
 # The split path (partial results) where the schedule runs it: the in-kernel merges, and the
 # default (loader2-r232-early) both ways.
 CASES = [

@@ -783,6 +783,38 @@ def test_gpu_gluon_mla_trace_stamps_each_program_in_order():
     assert ((t[:, 6] >= 0) & (t[:, 6] < sms)).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize("variant", ["loader2-r232-early-pz", "loader-r232-early-pz"])
+def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
+    # The rows past the range zeroed by the producers give the very bits of the default
+    # schedule (the same products on the same tiles): lengths that end mid-tile, on a tile
+    # boundary, one row into a tile, with an odd tile count per split (a phantom tile B) and
+    # splits left empty, with NaN in every unwritten slot; then the reference's 2x rule.
+    _require_gluon()
+    from cp_modules.kernels.paged_decode_mla_gluon import (
+        GLUON_MLA_VARIANTS,
+        paged_mla_attention_gluon,
+    )
+
+    lengths = [1, 63, 64, 65, 127, 640, 1000, 4033]
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    shard = build_shard(lengths, bs=bs, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
+                        device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    assert shard.caches[0].isnan().any()
+    rows = torch.arange(len(lengths), device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    q = torch.randn(len(lengths), 128, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    base = GLUON_MLA_VARIANTS["loader2-r232-early"]
+    for splits in (None, 1, 3, 7, 40):
+        out, lse = paged_mla_attention_gluon(*args, splits, config=GLUON_MLA_VARIANTS[variant])
+        want = paged_mla_attention_gluon(*args, splits, config=base)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), f"splits={splits}"
+        check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-{variant}")
+
+
 def test_gluon_mla_trace_buffer_is_checked_before_the_launch():
     # The kernel writes 8 stamps a program unchecked: a short, mistyped or strided buffer is
     # refused on the host.
@@ -816,6 +848,12 @@ def test_gluon_mla_config_is_validated():
     assert [spread.spreads_merge(s, 128, 132) for s in (1, 2, 8, 9)] == [False, True, True, False]
     assert not spread.spreads_merge(8, 133, 132)  # not all resident: the separate merge
     assert spread.constexprs(8, spread=True)["SPREAD"] and not spread.constexprs(8)["SPREAD"]
+    with pytest.raises(ValueError, match="producer_zeroing needs TMA producer warps"):
+        GluonMLAConfig(issue="loader2", producer_zeroing=True)
+    with pytest.raises(ValueError, match="producer_zeroing needs TMA producer warps"):
+        GluonMLAConfig(issue="cpasync", early_release=True, producer_zeroing=True)
+    pz = GluonMLAConfig(issue="loader2", early_release=True, producer_zeroing=True)
+    assert pz.constexprs()["PZERO"] and not GluonMLAConfig().constexprs()["PZERO"]
     with pytest.raises(ValueError, match="'cpasync' is built with early_release=True only"):
         GluonMLAConfig(issue="cpasync")
     assert GluonMLAConfig(issue="cpasync", early_release=True).constexprs()["ISSUE"] == 4

@@ -118,6 +118,7 @@ if HAS_GLUON:
         _FREE_ROPE,
         _ISSUE_ASYNC,
         _ISSUE_LOADER,
+        _LANDED,
         _LAT,
         _issue_q,
         _issue_tile_by,
@@ -134,7 +135,8 @@ if HAS_GLUON:
     def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
                   k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
                   last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
+                  PZERO: gl.constexpr = False):  # fmt: skip
         # Warp group 0's share of pair k (tiles A = 2k in buffer 0, B = 2k + 1 in buffer 1).
         # MASK: the pair may reach past the range (the last pair); else no masks, no zeroing.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -172,7 +174,7 @@ if HAS_GLUON:
         fence_async_shared()
         _sync_warp_group()
         mbarrier.arrive(pa_bar)
-        if MASK:
+        if MASK and not PZERO:
             if n0 + _BN > end:
                 _zero_rows_past(k_lat, 0, 4, end - n0)
         o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, 0,
@@ -194,7 +196,7 @@ if HAS_GLUON:
         alpha_b = vec_smem.slice(3 * _BH, _BH).load(row_l)
         m_i = vec_smem.slice(4 * _BH, _BH).load(row_l)
         l_i = l_i * alpha_b + vec_smem.slice(5 * _BH, _BH).load(row_l)
-        if MASK:
+        if MASK and not PZERO:
             if n0 + 2 * _BN > end:
                 _zero_rows_past(k_lat, _LAT, 4, end - n0 - _BN)
         o0, o1, o2, o3 = _pv4(p_smem, k_lat, _LAT,
@@ -216,7 +218,7 @@ if HAS_GLUON:
                  PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                  ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
                  OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr,
-                 TRACE: gl.constexpr, TRACE_BUF):  # fmt: skip
+                 TRACE: gl.constexpr, TRACE_BUF, PZERO: gl.constexpr = False):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -247,12 +249,12 @@ if HAS_GLUON:
                 m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                     k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
                     k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
-                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY)  # fmt: skip
+                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
         for k in range(n_full, n_pairs):
             m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                 k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
                 k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
-                last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY)  # fmt: skip
+                last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY, PZERO)  # fmt: skip
         _stamp(TRACE_BUF, 2, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
         nonempty = l_i > 0.0
@@ -273,7 +275,8 @@ if HAS_GLUON:
     @gluon.jit
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
                   vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
+                  PZERO: gl.constexpr = False):  # fmt: skip
         # Warp group 1's share of pair k; MASK as in _wg0_pair.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -286,7 +289,7 @@ if HAS_GLUON:
         alpha_a = vec_smem.slice(0 * _BH, _BH).load(row_l)
         m_a = vec_smem.slice(1 * _BH, _BH).load(row_l)
         l_i = l_i * alpha_a + vec_smem.slice(2 * _BH, _BH).load(row_l)
-        if MASK:
+        if MASK and not PZERO:
             if n0 > end:
                 _zero_rows_past(k_lat, 4, 4, end - n0 + _BN)
         o0, o1, o2, o3 = _pv4(p_smem, k_lat, 4,
@@ -319,7 +322,7 @@ if HAS_GLUON:
         fence_async_shared()
         _sync_warp_group()
         mbarrier.arrive(pb_bar)
-        if MASK:
+        if MASK and not PZERO:
             if n0 + _BN > end:
                 _zero_rows_past(k_lat, _LAT + 4, 4, end - n0)
         o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, _LAT + 4,
@@ -339,7 +342,7 @@ if HAS_GLUON:
                  H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
                  PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
                  EARLY: gl.constexpr, SPREAD: gl.constexpr, TRACE: gl.constexpr,
-                 TRACE_BUF):  # fmt: skip
+                 TRACE_BUF, PZERO: gl.constexpr = False):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -356,11 +359,11 @@ if HAS_GLUON:
             for k in range(n_full):
                 l_i, o0, o1, o2, o3 = _wg1_pair(
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY)  # fmt: skip
+                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
         for k in range(n_full, n_pairs):
             l_i, o0, o1, o2, o3 = _wg1_pair(
                 k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
-                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY)  # fmt: skip
+                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY, PZERO)  # fmt: skip
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
         _stamp(TRACE_BUF, 5, num_splits, TRACE)
@@ -383,7 +386,8 @@ if HAS_GLUON:
                                 FUSED: gl.constexpr = False,
                                 OWN_REGS: gl.constexpr = False,
                                 EARLY: gl.constexpr = False,
-                                SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False):  # fmt: skip
+                                SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False,
+                                PZERO: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -413,7 +417,9 @@ if HAS_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         pa_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         pb_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [32, 1], bar_layout)
+        # PZERO: 16 more barriers, on which the latent pieces of a tile reaching past the
+        # range land (_LANDED + buf * 8 + c).
+        k_ready = gl.allocate_shared_memory(gl.int64, [48 if PZERO else 32, 1], bar_layout)
         k_free = gl.allocate_shared_memory(gl.int64, [32 if EARLY else 2, 1], bar_layout)
         mbarrier.init(q_bar, count=1)
         mbarrier.init(pa_bar, count=1)
@@ -431,6 +437,9 @@ if HAS_GLUON:
                     mbarrier.init(k_free.index(b * 16 + slot * (_LAT // 2)), count=1)
             else:
                 mbarrier.init(k_free.index(b), count=2 if ISSUE >= _ISSUE_LOADER else 1)
+        if PZERO:
+            for b in gl.static_range(2 * _LAT):
+                mbarrier.init(k_ready.index(_LANDED + b), count=1)
         if FUSED or SPREAD:
             mbarrier.init(k_ready.index(_HALF_STORED), count=1)
             mbarrier.init(k_ready.index(_SPUN if SPREAD else _TICKET), count=1)
@@ -446,19 +455,19 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   2, EARLY)),
+                                   2, EARLY, None, False, PZERO)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 1,
-                                   2, EARLY)),
+                                   2, EARLY, None, False, PZERO)),
                 ],
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
@@ -471,16 +480,16 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC)),
+                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO)),
                 ],
                 [4, _ASYNC_WARPS if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],
@@ -493,13 +502,13 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
                 ],
                 [4],
                 [WG1_REGS],

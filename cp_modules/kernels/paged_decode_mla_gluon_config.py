@@ -89,6 +89,11 @@ class GluonMLAConfig:
             256-column latent half after its P @ V; the producers refill each part as soon as
             it is free and the scores take the pieces in that order (rope, then the half freed
             first). Off: a buffer is refilled once both warp groups are done with all of it.
+        producer_zeroing: (TMA producer warps with ``early_release``) the rows past the
+            range in a split's last tiles are zeroed by the producer warps once the tile has
+            landed, before the consumers are told it is ready; the consumer warp groups then
+            never branch on the range (off: each warp group zeroes the rows before its P @ V,
+            behind a branch in every pair).
     """
 
     issue: str = "inline"
@@ -103,6 +108,7 @@ class GluonMLAConfig:
     merge_tiles_per_split: float = 0.0
     max_box_rows: int = 64
     early_release: bool = False
+    producer_zeroing: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -126,6 +132,14 @@ class GluonMLAConfig:
             raise ValueError(
                 "GluonMLAConfig.early_release needs producer warps (issue 'loader', 'loader2' "
                 f"or 'cpasync'), got issue={self.issue!r}"
+            )
+        if self.producer_zeroing and not (
+            self.early_release and self.issue in ("loader", "loader2")
+        ):
+            raise ValueError(
+                "GluonMLAConfig.producer_zeroing needs TMA producer warps with early_release "
+                f"(issue 'loader' or 'loader2'), got issue={self.issue!r}, "
+                f"early_release={self.early_release}"
             )
         if self.issue == "cpasync" and not self.early_release:
             raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
@@ -154,7 +168,8 @@ class GluonMLAConfig:
                 "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs,
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
-                "EARLY": self.early_release, "SPREAD": spread}  # fmt: skip
+                "EARLY": self.early_release, "SPREAD": spread,
+                "PZERO": self.producer_zeroing}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -182,6 +197,13 @@ GLUON_MLA_VARIANTS = {
     # Each buffer refilled in three parts as each is freed (rope, then the latent halves).
     "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
     "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
+    # The rows past the range zeroed by the producers: no branch in the consumers' pairs.
+    "loader2-r232-early-pz": GluonMLAConfig(
+        issue="loader2", wg1_regs=232, early_release=True, producer_zeroing=True
+    ),
+    "loader-r232-early-pz": GluonMLAConfig(
+        issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True
+    ),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
     # block size 16 as fast as 64 with it, but +1 % at 16 and -6 % at 64 against the default

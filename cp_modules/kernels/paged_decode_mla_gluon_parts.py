@@ -44,6 +44,10 @@ if HAS_GLUON:
     _ISSUE_ASYNC = gl.constexpr(4)
     _ASYNC_WARPS = gl.constexpr(4)  # its producer warp group; piece barriers count 128
     _ROW = gl.constexpr((_LAT + 1) * _BC)  # elements of one cache row: latent and rope
+    # With producer zeroing (PZERO), the latent pieces of a tile that reaches past the range
+    # land on barrier _LANDED + buf * _LAT + c of k_ready; the producer zeroes the rows past
+    # the range and then completes the piece's own barrier (buf * 16 + c) itself.
+    _LANDED = gl.constexpr(32)
 
     @gluon.jit
     def _zero_rows_past(bufs, first: gl.constexpr, count: gl.constexpr, valid):
@@ -131,11 +135,13 @@ if HAS_GLUON:
     @gluon.jit
     def _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
                           BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr, PART: gl.constexpr,
-                          PARTS: gl.constexpr):  # fmt: skip
+                          PARTS: gl.constexpr, valid=_BN, PZERO: gl.constexpr = False):  # fmt: skip
         # A tile's pieces that producer PART of PARTS owns (the rope piece: the first one;
         # latent piece c: producer (c % 4) * PARTS // 4), in the order its scores take them
         # (_scores with EARLY). WAIT: each once its part's free barrier says the previous tile
         # is done with it (a half's barrier before the producer's first piece in that half).
+        # PZERO: when only ``valid`` < 64 of the tile's rows lie in the range, its latent
+        # pieces land on their _LANDED barriers (_zero_tail_pieces completes them).
         if PART == 0:
             if WAIT:
                 mbarrier.wait(k_free.index(buf * 16 + _FREE_ROPE), phase)
@@ -144,54 +150,104 @@ if HAS_GLUON:
         second: gl.constexpr = _LAT // 2 - first
         for c in gl.static_range(first, first + _LAT // 2):
             _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf, rows, BOX_ROWS, phase,
-                               WAIT, PART, PARTS, c)  # fmt: skip
+                               WAIT, PART, PARTS, c, valid, PZERO)  # fmt: skip
         for c in gl.static_range(second, second + _LAT // 2):
             _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf, rows, BOX_ROWS, phase,
-                               WAIT, PART, PARTS, c)  # fmt: skip
+                               WAIT, PART, PARTS, c, valid, PZERO)  # fmt: skip
 
     @gluon.jit
     def _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
                            BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr,
-                           PART: gl.constexpr, PARTS: gl.constexpr, c: gl.constexpr):  # fmt: skip
+                           PART: gl.constexpr, PARTS: gl.constexpr, c: gl.constexpr,
+                           valid=_BN, PZERO: gl.constexpr = False):  # fmt: skip
         if (c % 4) * PARTS // 4 == PART:
             if WAIT:
                 if c % 4 == PART * 4 // PARTS:
                     mbarrier.wait(k_free.index(buf * 16 + c - c % 4), phase)
-            _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c, c + 1)
+            if PZERO:
+                if valid < _BN:
+                    _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c, c + 1,
+                                True)  # fmt: skip
+                else:
+                    _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c, c + 1)
+            else:
+                _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c, c + 1)
+
+    @gluon.jit
+    def _zero_tail_pieces(k_lat, k_ready, buf: gl.constexpr, valid, PART: gl.constexpr,
+                          PARTS: gl.constexpr):  # fmt: skip
+        # PZERO, for a tile with only ``valid`` < 64 rows in the range: once each latent piece
+        # this producer owns has landed, its rows >= valid become 0 (unwritten cache slots may
+        # hold NaN, and P = 0 does not cancel NaN in P @ V), 8 rows at a time by generic-proxy
+        # stores; then a proxy fence, and the piece's own barrier completes, so the consumers
+        # never branch on the range. The rope piece only meets the scores, whose columns past
+        # the range are masked. Runtime loops: this runs once a split at most.
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        # The pieces as 8-row groups (one 128-byte swizzle atom each: 1 KB, contiguous).
+        groups = k_lat._reinterpret(k_lat.dtype, [2 * _LAT * (_BN // 8), 8, _BC], k_lat.layout)
+        first_g = gl.maximum(valid, 0) // 8
+        r = gl.arange(0, 8, layout=gl.SliceLayout(1, lay))
+        for i in range(_LAT // PARTS):
+            # Producer PART's latent pieces: c % 4 in [PART * 4 // PARTS, (PART + 1) * 4 // PARTS).
+            c = (i // (4 // PARTS)) * 4 + PART * (4 // PARTS) + i % (4 // PARTS)
+            mbarrier.wait(k_ready.index(_LANDED + buf * _LAT + c), 0)
+            for g in range(first_g, _BN // 8):
+                rows8 = groups.index((buf * _LAT + c) * (_BN // 8) + g)
+                x = rows8.load(lay)
+                rows8.store(gl.where((g * 8 + r < valid)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        _sync_warp_group()
+        for i in range(_LAT // PARTS):
+            c = (i // (4 // PARTS)) * 4 + PART * (4 // PARTS) + i % (4 // PARTS)
+            mbarrier.arrive(k_ready.index(buf * 16 + c))
 
     @gluon.jit
     def _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
                           q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
                           BOX_ROWS: gl.constexpr, PART: gl.constexpr = 0,
-                          PARTS: gl.constexpr = 1):  # fmt: skip
+                          PARTS: gl.constexpr = 1, PZERO: gl.constexpr = False):  # fmt: skip
         # _mla_loader with EARLY release: tile 2k + 2's parts go into buffer 0 as tile 2k's
-        # are freed, then tile 2k + 3's into buffer 1.
+        # are freed, then tile 2k + 3's into buffer 1. PZERO: a tile reaching past the range
+        # (only the last pair's) is zeroed past it once both tiles of its pair are issued.
         if PART == 0:
             _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
         last_page = gl.maximum(end - 1, 0) // PAGE
         if n_pairs > 0:
             rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows, BOX_ROWS, 0, False,
-                              PART, PARTS)  # fmt: skip
+                              PART, PARTS, end - start, PZERO)  # fmt: skip
             rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows, BOX_ROWS, 0, False,
-                              PART, PARTS)  # fmt: skip
+                              PART, PARTS, end - start - _BN, PZERO)  # fmt: skip
+            if PZERO:
+                _zero_tail_pair(k_lat, k_ready, end - start, PART, PARTS)
         for k in range(1, n_pairs):
             n0 = start + 2 * k * _BN
             phase = (k - 1) & 1
             rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
             rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS, phase,
-                              True, PART, PARTS)  # fmt: skip
+                              True, PART, PARTS, end - n0, PZERO)  # fmt: skip
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS, phase,
-                              True, PART, PARTS)  # fmt: skip
+                              True, PART, PARTS, end - n0 - _BN, PZERO)  # fmt: skip
+            if PZERO:
+                _zero_tail_pair(k_lat, k_ready, end - n0, PART, PARTS)
+
+    @gluon.jit
+    def _zero_tail_pair(k_lat, k_ready, valid_a, PART: gl.constexpr, PARTS: gl.constexpr):
+        # PZERO: the pair's tiles A (``valid_a`` rows in the range) and B (64 fewer) that
+        # reach past the range (_zero_tail_pieces).
+        if valid_a < _BN:
+            _zero_tail_pieces(k_lat, k_ready, 0, valid_a, PART, PARTS)
+        if valid_a - _BN < _BN:
+            _zero_tail_pieces(k_lat, k_ready, 1, valid_a - _BN, PART, PARTS)
 
     @gluon.jit
     def _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs, q_desc,
                     c_desc, BT, bt_row, q_row, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr,
                     PART: gl.constexpr = 0, PARTS: gl.constexpr = 1,
                     EARLY: gl.constexpr = False, CACHE=None,
-                    ASYNC: gl.constexpr = False):  # fmt: skip
+                    ASYNC: gl.constexpr = False, PZERO: gl.constexpr = False):  # fmt: skip
         # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
         # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
@@ -204,7 +260,7 @@ if HAS_GLUON:
         elif EARLY:
             _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
-                              PARTS)  # fmt: skip
+                              PARTS, PZERO)  # fmt: skip
         else:
             _mla_loader_tiles(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
@@ -374,11 +430,14 @@ if HAS_GLUON:
     @gluon.jit
     def _issue_rows(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows,
                     BOX_ROWS: gl.constexpr, c_lo: gl.constexpr = 0,
-                    c_hi: gl.constexpr = _LAT + 1):  # fmt: skip
+                    c_hi: gl.constexpr = _LAT + 1, LANDED: gl.constexpr = False):  # fmt: skip
         # The copies of pieces [c_lo, c_hi) of one tile whose box rows are already known
-        # (_tile_rows).
+        # (_tile_rows); LANDED: onto the latent pieces' _LANDED barriers (PZERO).
         for c in gl.static_range(c_lo, c_hi):
-            bar = k_ready.index(buf * 16 + c)
+            if LANDED:
+                bar = k_ready.index(_LANDED + buf * _LAT + c)
+            else:
+                bar = k_ready.index(buf * 16 + c)
             mbarrier.expect(bar, _BN * _BC * 2)
             for g in gl.static_range(_BN // BOX_ROWS):
                 dst = _piece_dst(k_lat, k_pe, buf, c, g, BOX_ROWS)
