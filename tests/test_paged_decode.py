@@ -857,10 +857,12 @@ def test_gluon_mla_config_is_validated():
     with pytest.raises(ValueError, match="'cpasync' is built with early_release=True only"):
         GluonMLAConfig(issue="cpasync")
     assert GluonMLAConfig(issue="cpasync", early_release=True).constexprs()["ISSUE"] == 4
-    # Two producer warps refilling each buffer in parts (measured fastest at both sizes).
+    # One producer warp refilling each buffer in parts and zeroing the rows past the range
+    # (measured fastest at both sizes).
     for bs in (16, 64):
-        assert default_gluon_mla_config(bs).issue == "loader2"
+        assert default_gluon_mla_config(bs).issue == "loader"
         assert default_gluon_mla_config(bs).early_release
+        assert default_gluon_mla_config(bs).producer_zeroing
     for bs in (8, 16, 64, 128):
         assert isinstance(default_gluon_mla_config(bs), GluonMLAConfig)
 

@@ -243,9 +243,12 @@ GLUON_MLA_VARIANTS = {
 # to 8 % slower, so large blocks keep loader-r232. Then loader2-r232-early for both (2026-12-02,
 # benchmarks/results/mla-decode-gluon-early-2026-12-02.json: geometric mean of the medians
 # 414 -> 444 at block size 16, 446 -> 468 at 64; no shape's median below the former default's;
-# docs/experiments/2026-12-02-mla-decode-early-release.md).
-_DEFAULT_SMALL_PAGE = "loader2-r232-early"
-_DEFAULT_LARGE_PAGE = "loader2-r232-early"
+# docs/experiments/2026-12-02-mla-decode-early-release.md). Then loader-r232-early-pz for both
+# (2026-12-02, benchmarks/results/mla-decode-gluon-pz-2026-12-02.json: the rows past the range
+# zeroed by one producer warp; geometric mean over the ten 128-head shapes 429-435 -> 443-451 at
+# block size 16 and 457 -> 473-476 at 64 in two sweeps; docs/experiments/2026-12-02-mla-decode-fixed-costs.md).
+_DEFAULT_SMALL_PAGE = "loader-r232-early-pz"
+_DEFAULT_LARGE_PAGE = "loader-r232-early-pz"
 
 
 def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:
