@@ -87,11 +87,16 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # and the MLA decode run of the Gluon schedules' note that it supersedes; the copy and
     # merge schedules' sweeps, the spread-merge probe and the timeline probe of the note on
     # those (variants that are not the default, and per-program stamps); the sweep of the
-    # programmatic-dependent merge and the staggered scores and the fixed-cost probe of the
-    # note on B=8 at 4k (variants not kept, and probes).
+    # programmatic-dependent merge and the staggered scores, the fixed-cost probe, the probe
+    # without the row zeroing and the producer-zeroing sweeps of the fixed-cost note, and the
+    # full MLA decode run of the early-release note (superseded by the run with producer
+    # zeroing, which the report reads).
     assert read == kept - {
         "mla-decode-gluon-pdl-stagger-2026-12-02.json",
         "mla-decode-fixed-costs-2026-12-02.json",
+        "mla-decode-gluon-nozero-probe-2026-12-02.json",
+        "mla-decode-gluon-pz-2026-12-02.json",
+        "mla-decode-early-release-2026-12-02.json",
         "mla-decode-gluon-copies-merges-2026-12-02.json",
         "spread-merge-probe-2026-12-02.json",
         "mla-timeline-probe-2026-12-02.json",

@@ -22,7 +22,10 @@ through L2). Two warp groups (``gl.warp_specialize``, 256 threads, 256 registers
 The values are the first R columns of the latent tile already in shared memory. A split with
 an odd tile count ends with a phantom tile B (read from the last real block, every key
 masked). Rows past the range are zeroed in shared memory before they meet P @ V (unwritten
-cache slots may hold NaN). Splits and their merge as in :mod:`cp_modules.kernels.paged_decode`.
+cache slots may hold NaN): by each warp group before its P @ V, or (``producer_zeroing``, the
+default) by the producer warps once such a tile has landed and before its pieces are signalled
+ready, so the warp groups never branch on the range. Splits and their merge as in
+:mod:`cp_modules.kernels.paged_decode`.
 
 Fused split merge (``GluonMLAConfig.fused_merge``): after a program has stored its fp32 partial
 and base-2 LSE, warp group 0 (once warp group 1 has stored its half) increments an int32
@@ -45,8 +48,9 @@ each block id looked up next to its copy; warp group 0 with a tile's ids looked 
 producer warps in a third partition; or a producer warp group copying each row with cp.async
 instead of TMA), when a tile buffer is free for its refill (once both warp
 groups are done with all of it, or in parts: the rope piece after the tile's scores, each
-latent half after its P @ V, with the scores taking the pieces in that order), and whether the
-last pair of a split is peeled off so that the others run without masks.
+latent half after its P @ V, with the scores taking the pieces in that order), who zeroes the
+rows past the range (the warp groups or the producer warps), and whether the last pair of a
+split is peeled off so that the others run without masks.
 
 Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 only.
 """

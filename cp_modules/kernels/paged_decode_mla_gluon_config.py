@@ -245,8 +245,12 @@ GLUON_MLA_VARIANTS = {
 # 414 -> 444 at block size 16, 446 -> 468 at 64; no shape's median below the former default's;
 # docs/experiments/2026-12-02-mla-decode-early-release.md). Then loader-r232-early-pz for both
 # (2026-12-02, benchmarks/results/mla-decode-gluon-pz-2026-12-02.json: the rows past the range
-# zeroed by one producer warp; geometric mean over the ten 128-head shapes 429-435 -> 443-451 at
-# block size 16 and 457 -> 473-476 at 64 in two sweeps; docs/experiments/2026-12-02-mla-decode-fixed-costs.md).
+# zeroed by one producer warp, so the consumers never branch on it; geometric mean over the
+# ten 128-head shapes, three sweeps against loader2-r232-early in the same runs: 451 / 443 /
+# 440 against 435 / 429 / 443 at block size 16, 476 / 473 / 477 against 457 / 457 / 467 at 64;
+# per-shape medians +0.1 to +9.9 %, except B=64 4k / 32k at 16 (-0.9 / -1.5 %) and B=256 4k at
+# 16: -3.7 % (435 against 452; that row spans 414-487 across runs of one schedule; with each
+# schedule's full MLA decode run added, 452 against 455); docs/experiments/2026-12-02-mla-decode-fixed-costs.md).
 _DEFAULT_SMALL_PAGE = "loader-r232-early-pz"
 _DEFAULT_LARGE_PAGE = "loader-r232-early-pz"
 
