@@ -1,4 +1,5 @@
-"""What every benchmark shares: the results file (figures with the date, GPU and versions)."""
+"""What every benchmark shares: the results file (figures with the date, GPU and versions), and
+the CUDA-graph replay time of a callable."""
 
 from __future__ import annotations
 
@@ -29,3 +30,18 @@ def write_results(kind: str, metrics: dict, out: str | pathlib.Path, **extra) ->
     path = out / f"{kind}-{report['date']}.json"
     path.write_text(json.dumps(report, indent=2, default=str))
     return path
+
+
+def graph_replay_us(fn, rep: int = 40) -> float:
+    """Median µs of ``do_bench`` (L2 flushed before each replay) over a CUDA graph of ``fn``,
+    after one eager call (compilation, allocations)."""
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = float(do_bench(graph.replay, warmup=10, rep=rep, return_mode="median"))
+    del graph
+    return ms * 1e3

@@ -36,6 +36,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
+from benchmarks.common import graph_replay_us  # noqa: E402
 from cp_modules.kernels import paged_decode_mla_gluon as gluon  # noqa: E402
 
 
@@ -64,15 +65,6 @@ def flush_modes(fn, reps: int = 50) -> dict:
             times.append(s.elapsed_time(e) * 1e3)
         res[name + "_us"] = statistics.median(times)
     return res
-
-
-def _graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return float(do_bench(graph.replay, warmup=10, rep=50, return_mode="median")) * 1e3
 
 
 @triton.jit
@@ -106,7 +98,7 @@ def ctx_sweep(a, ctxs: list[int]) -> list[dict]:
                      "tiles_per_program": triton.cdiv(triton.cdiv(ctx, splits), 64)}  # fmt: skip
         if ctx:
             row.update(bm.check(*fn(), bm.reference(pool, q, bt, seq, lens)))
-        row["us"] = _graph_us(fn)
+        row["us"] = graph_replay_us(fn, rep=50)
         print(json.dumps(row), flush=True)
         lines.append(row)
     pts = [(r["tiles_per_program"], r["us"]) for r in lines if r["ctx"]]
@@ -134,7 +126,7 @@ def ctx_sweep(a, ctxs: list[int]) -> list[dict]:
         "split merge alone": lambda: merge_splits_triton(o_buf, l_buf, out, lse),
     }
     for name, f in floors.items():
-        row = {"what": "floor", "name": name, "us": _graph_us(f)}
+        row = {"what": "floor", "name": name, "us": graph_replay_us(f, rep=50)}
         print(json.dumps(row), flush=True)
         lines.append(row)
     return lines

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
+from benchmarks.common import graph_replay_us  # noqa: E402
 from cp_modules.kernels import paged_decode_mla_gluon as gluon  # noqa: E402
 from cp_modules.kernels.lse_merge import (  # noqa: E402
     merge_splits_launch_config,
@@ -39,17 +39,6 @@ MERGE_SHAPES = [  # (T, H, S, Dv): MLA at B = 8 / 1 / 64, GQA (32 heads) at seve
     (8, 128, 8, 512), (1, 128, 64, 512), (1, 128, 63, 512), (64, 128, 2, 512),
     (8, 128, 16, 512), (256, 32, 2, 128), (8, 32, 33, 128), (1, 32, 64, 128), (16, 32, 8, 128),
 ]  # fmt: skip
-
-
-def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = float(do_bench(graph.replay, warmup=10, rep=40, return_mode="median"))
-    del graph
-    return ms * 1e3
 
 
 def merge_buffers(t, h, s, d):
@@ -78,12 +67,14 @@ def breakdown() -> dict:
 
                 out, lse = fn()
                 ok = bm.check(out, lse, ref)["ok"]
-                whole = graph_us(fn)
+                whole = graph_replay_us(fn)
                 gluon.merge_splits_triton = lambda *a: None
-                kernel = graph_us(fn)
+                kernel = graph_replay_us(fn)
                 gluon.merge_splits_triton = real_merge
                 bufs = merge_buffers(b, 128, s, 512) if s > 1 else None
-                merge = graph_us(lambda bufs=bufs: merge_splits_triton(*bufs)) if bufs else 0.0
+                merge = (
+                    graph_replay_us(lambda bufs=bufs: merge_splits_triton(*bufs)) if bufs else 0.0
+                )
                 row[s] = dict(ok=ok, us=whole, kernel_us=kernel, merge_us=merge,
                               tflops=bm.tflops(128, b, c, whole / 1e3))  # fmt: skip
                 print(f"bs {bs} B={b} ctx={c} S={s}: {row[s]}", flush=True)
@@ -114,7 +105,7 @@ def merge_sweep() -> dict:
         for name, cfg in configs.items():
             merge_splits_triton(*bufs, cfg)
             ok = bool((bufs[2].float() - want.float()).abs().max().item() <= 1e-2)
-            us = graph_us(lambda cfg=cfg, bufs=bufs: merge_splits_triton(*bufs, cfg))
+            us = graph_replay_us(lambda cfg=cfg, bufs=bufs: merge_splits_triton(*bufs, cfg))
             row[name] = {"us": us, "GBps": nbytes / us / 1e3, "ok": ok}
         timed = [k for k in row if k != "default_config"]
         best = min(timed, key=lambda k: row[k]["us"])
