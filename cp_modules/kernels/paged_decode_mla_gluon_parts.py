@@ -188,8 +188,7 @@ if HAS_GLUON:
         first_g = gl.maximum(valid, 0) // 8
         r = gl.arange(0, 8, layout=gl.SliceLayout(1, lay))
         for i in range(_LAT // PARTS):
-            # Producer PART's latent pieces: c % 4 in [PART * 4 // PARTS, (PART + 1) * 4 // PARTS).
-            c = (i // (4 // PARTS)) * 4 + PART * (4 // PARTS) + i % (4 // PARTS)
+            c = _owned_piece(i, PART, PARTS)
             mbarrier.wait(k_ready.index(_LANDED + buf * _LAT + c), 0)
             for g in range(first_g, _BN // 8):
                 rows8 = groups.index((buf * _LAT + c) * (_BN // 8) + g)
@@ -198,8 +197,15 @@ if HAS_GLUON:
         fence_async_shared()
         _sync_warp_group()
         for i in range(_LAT // PARTS):
-            c = (i // (4 // PARTS)) * 4 + PART * (4 // PARTS) + i % (4 // PARTS)
-            mbarrier.arrive(k_ready.index(buf * 16 + c))
+            mbarrier.arrive(k_ready.index(buf * 16 + _owned_piece(i, PART, PARTS)))
+
+    @gluon.jit
+    def _owned_piece(i, PART: gl.constexpr, PARTS: gl.constexpr):
+        # The i-th latent piece that producer PART of PARTS owns under _issue_piece_early's
+        # rule ((c % 4) * PARTS // 4 == PART): all 8 for one producer; for two,
+        # {0, 1, 4, 5} and {2, 3, 6, 7}.
+        per: gl.constexpr = 4 // PARTS
+        return (i // per) * 4 + PART * per + i % per
 
     @gluon.jit
     def _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
