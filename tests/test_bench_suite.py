@@ -88,14 +88,15 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # merge schedules' sweeps, the spread-merge probe and the timeline probe of the note on
     # those (variants that are not the default, and per-program stamps); the sweep of the
     # programmatic-dependent merge and the staggered scores, the fixed-cost probe, the probe
-    # without the row zeroing and the producer-zeroing sweeps of the fixed-cost note, and the
-    # full MLA decode run of the early-release note (superseded by the run with producer
-    # zeroing, which the report reads).
+    # without the row zeroing, the producer-zeroing sweeps and the probe of a decode step's
+    # layers of the fixed-cost note, and the full MLA decode run of the early-release note
+    # (superseded by the run with producer zeroing, which the report reads).
     assert read == kept - {
         "mla-decode-gluon-pdl-stagger-2026-12-02.json",
         "mla-decode-fixed-costs-2026-12-02.json",
         "mla-decode-gluon-nozero-probe-2026-12-02.json",
         "mla-decode-gluon-pz-2026-12-02.json",
+        "mla-decode-layers-probe-2026-12-02.json",
         "mla-decode-early-release-2026-12-02.json",
         "mla-decode-gluon-copies-merges-2026-12-02.json",
         "spread-merge-probe-2026-12-02.json",

@@ -8,6 +8,7 @@ Run from the repository root on a CUDA machine:
     python tools/probe_mla_costs.py ... --replay-s 3   # CUDA-graph replays for 3 s (clocks)
     python tools/probe_mla_costs.py ... --flush-modes  # after a dirty, clean or no L2 flush
     python tools/probe_mla_costs.py --batch 8 --splits 8 --ctx-sweep 0,512,1024,2048,4096,8192
+    python tools/probe_mla_costs.py --batch 8 --ctx 4096 --layers 8  # per layer, in a step's graph
 
 The op is checked against the reference first (a failed check exits with status 1). Then it is
 launched ``--launches`` times eagerly (under ``ncu``, profile the last with ``--launch-skip``),
@@ -17,6 +18,11 @@ as the benchmark does) at a fixed split count over several context lengths, 0 in
 program launched, Q loaded, its empty partial stored and merged: the fixed cost), fits time =
 fixed + per-tile cost x tiles per program, and times the floors beside it: a graph of one empty
 kernel, the zero-fill of a buffer the size of the fp32 partials, and the split merge alone.
+``--layers N`` builds N layers, each with its own cache, query and block table (every one
+checked), and times one CUDA graph that runs the op once per layer back to back, as a decode
+step's graph does (``do_bench``: the L2 flushed once before each replay; the graph's time / N
+is the cost a layer), next to the one-op graph that the benchmark times; ``--no-merge`` adds
+the same graph with the split merge replaced by a no-op (the kernel alone).
 Writes one JSON line per measurement; ``--out`` also writes them to a file.
 """
 
@@ -132,6 +138,45 @@ def ctx_sweep(a, ctxs: list[int]) -> list[dict]:
     return lines
 
 
+def layers(a, n: int) -> list[dict]:
+    """The op once per layer for ``n`` layers (each its own cache) in one CUDA graph: µs a
+    layer, against the benchmark's graph of one op."""
+    config = gluon.GLUON_MLA_VARIANTS[a.variant] if a.variant else None
+    fns, lines = [], []
+    for layer in range(n):
+        pool = bm.make_pool(a.block_size, a.batch * a.ctx, seed=layer)
+        q, bt, seq, lens = bm.make_inputs(pool, a.heads, a.batch, a.ctx, seed=layer)
+
+        def fn(args=(q, pool, bt, seq, lens)):
+            return gluon.paged_mla_attention_gluon(*args, bm.SCALE, bm.RK, config=config)
+
+        got = bm.check(*fn(), bm.reference(pool, q, bt, seq, lens))
+        if not got["ok"]:
+            lines.append({"what": "check", "layer": layer, **got})
+            return lines
+        fns.append(fn)
+    one = graph_replay_us(fns[0], rep=50)
+    step = graph_replay_us(lambda: [f() for f in fns], rep=50)
+    timed = [("one op a graph (the benchmark)", one), (f"{n} layers a graph", step / n)]
+    if a.no_merge:
+        # The kernel alone: the split merge replaced by a no-op (after the checks above), so
+        # the time is what any merge, however fast, would add to.
+        real_merge = gluon.merge_splits_triton
+        gluon.merge_splits_triton = lambda *args, **kw: None  # type: ignore[assignment]
+        try:
+            step = graph_replay_us(lambda: [f() for f in fns], rep=50)
+        finally:
+            gluon.merge_splits_triton = real_merge
+        timed.append((f"{n} layers a graph, the split merge a no-op", step / n))
+    for what, us in timed:
+        row = {"what": what, "batch": a.batch, "ctx": a.ctx, "block_size": a.block_size,
+               "layers": n, "us_per_layer": us,
+               "tflops": bm.tflops(a.heads, a.batch, a.ctx, us / 1e3), "ok": True}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        lines.append(row)
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--block-size", type=int, default=64)
@@ -144,14 +189,23 @@ def main() -> int:
     ap.add_argument("--splits", type=int, default=0, help="KV splits (0: the kernel's choice)")
     ap.add_argument("--ctx-sweep", default="", help="comma-separated context lengths")
     ap.add_argument("--out", default="", help="also write the JSON lines to this file")
+    ap.add_argument("--layers", type=int, default=0, help="time N layers in one graph")
+    ap.add_argument(
+        "--no-merge",
+        action="store_true",
+        help="with --layers: also time the layers with the split merge a no-op",
+    )
     ap.add_argument(
         "--flush-modes",
         action="store_true",
         help="time the graph replay after each kind of L2 flush",
     )
     a = ap.parse_args()
-    if a.ctx_sweep:
-        lines = ctx_sweep(a, [int(c) for c in a.ctx_sweep.split(",")])
+    if a.ctx_sweep or a.layers:
+        if a.ctx_sweep:
+            lines = ctx_sweep(a, [int(c) for c in a.ctx_sweep.split(",")])
+        else:
+            lines = layers(a, a.layers)
         if a.out:
             Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
         return 0 if all(x.get("ok", True) for x in lines) else 1
