@@ -235,14 +235,21 @@ class CPMLAAttention(nn.Module):
         w = w.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
+    def up_projection_weight(self) -> torch.Tensor:
+        """This rank's heads of kv_b_proj as one ``w_kv [H, Dn + Dv, Rk]`` (a view)."""
+        w = self.kv_b_proj.weight
+        if isinstance(w, DTensor):
+            w = w.to_local()
+        return w.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+
     def attend(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """Attention core: q [T, H, Dn + Dr], latent [T, Rk + Dr] -> [T, H, Dv]."""
-        w_uk, w_uv = self.up_projection_weights()
+        """Attention core: q [T, H, Dn + Dr], latent [T, Rk + Dr] -> [T, H, Dv]. The
+        up-projection runs as one GEMM with kv_b_proj's whole weight (as HF runs it)."""
         return mla_attention(
             q.contiguous(),
             latent.contiguous(),
-            w_uk.contiguous(),
-            w_uv.contiguous(),
+            self.up_projection_weight(),
+            None,
             self.kv_cache,
             scale=self.scaling,
             kv_lora_rank=self.kv_lora_rank,
