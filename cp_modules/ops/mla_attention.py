@@ -317,7 +317,11 @@ _mla_attention.register_autograd(_mla_backward, setup_context=_mla_setup)
 
 
 def _mla_local(
-    q: torch.Tensor, latent: torch.Tensor, w_kv: torch.Tensor, scale: float, rk: int
+    q: torch.Tensor,
+    latent: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    w_kv: torch.Tensor,
+    scale: float,
+    rk: int,
 ) -> torch.Tensor:
     """Cache-less MLA of an eager step at pcp = 1 (nothing to gather): the up-projection as
     HF's DeepSeek attention runs it (one GEMM, its K / V saved by autograd, so the backward
@@ -326,8 +330,11 @@ def _mla_local(
     Hkv = H)."""
     from cp_modules.ops.cp_attention import gqa_attention
 
-    kv_c, k_pe = latent.split([rk, latent.shape[-1] - rk], dim=-1)
-    h, dn = w_kv.shape[0], _nope_dim(q, latent, rk)
+    if isinstance(latent, tuple):
+        kv_c, k_pe = latent
+    else:
+        kv_c, k_pe = latent.split([rk, latent.shape[-1] - rk], dim=-1)
+    h, dn = w_kv.shape[0], q.shape[-1] - k_pe.shape[-1]
     kv = torch.nn.functional.linear(kv_c, w_kv.reshape(-1, rk)).view(-1, h, w_kv.shape[1])
     k_nope, v = kv.split([dn, w_kv.shape[1] - dn], dim=-1)
     k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
@@ -348,7 +355,7 @@ def _takes_local_path(meta: CPStepMetadata | None) -> bool:
 
 def mla_attention(
     q: torch.Tensor,
-    latent: torch.Tensor,
+    latent: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     w_uk: torch.Tensor,
     w_uv: torch.Tensor | None = None,
     cache: torch.Tensor | None = None,
@@ -368,7 +375,9 @@ def mla_attention(
 
     Args:
         q: [T, H, Dn + Dr] local queries (rope part rotated).
-        latent: [T, Rk + Dr] local compressed KV (normalised) and rotated rope key.
+        latent: [T, Rk + Dr] local compressed KV (normalised) and rotated rope key, or
+            the pair of them (kv_c [T, Rk], k_pe [T, Dr]): joined only where the op needs
+            the latent rows (the local path up-projects kv_c as it is).
         w_uk: [H, Dn, Rk] and w_uv: [H, Dv, Rk] this rank's heads of the KV up-projection;
             or, with ``w_uv`` None, the whole up-projection ``w_kv`` [H, Dn + Dv, Rk]
             (kv_b_proj's weight viewed per head: nothing is copied).
@@ -386,12 +395,15 @@ def mla_attention(
             f"{tuple(w_kv.shape)}"
         )
     w_kv = w_kv.contiguous()
+    local = cache is None and not torch.compiler.is_compiling()
+    if local and _takes_local_path(_active_step()):
+        return _mla_local(q, latent, w_kv, scale, kv_lora_rank)
+    if isinstance(latent, tuple):
+        latent = torch.cat(latent, dim=-1)
     if cache is None:
         differentiable = torch.is_grad_enabled() and any(
             t.requires_grad for t in (q, latent, w_kv)
         )
-        if not torch.compiler.is_compiling() and _takes_local_path(_active_step()):
-            return _mla_local(q, latent, w_kv, scale, kv_lora_rank)
         out, _, _ = torch.ops.cp.mla_attention(
             q, latent, w_kv, scale, kv_lora_rank, differentiable
         )
