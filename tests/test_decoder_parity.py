@@ -69,7 +69,9 @@ class _Count(TorchDispatchMode):
 def test_mla_training_runs_no_more_gemms_or_copies_than_deepseek():
     hf = build_tiny("deepseek_v3", dtype=torch.float64, num_hidden_layers=1)
     cp = swap_attention(copy.deepcopy(hf))
-    ids = torch.randint(0, hf.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(0)
+    )
     attn_hf = hf.model.layers[0].self_attn
     attn_cp = cp.model.layers[0].self_attn
     meta = build_step_metadata(CPRuntime.single(), [ids.shape[1]])
@@ -77,6 +79,7 @@ def test_mla_training_runs_no_more_gemms_or_copies_than_deepseek():
     def counted(model, attn, call):
         # Counts inside the attention module only (forward and its backward).
         hidden = {}
+
         def keep(module, args, kwargs):
             hidden.setdefault("x", kwargs.get("hidden_states", args[0] if args else None))
 
@@ -96,7 +99,9 @@ def test_mla_training_runs_no_more_gemms_or_copies_than_deepseek():
             y.square().sum().backward()
         return h, counts
 
-    h_hf, n_hf = counted(hf, attn_hf, lambda: hf.model(input_ids=ids, use_cache=False).last_hidden_state)
+    h_hf, n_hf = counted(
+        hf, attn_hf, lambda: hf.model(input_ids=ids, use_cache=False).last_hidden_state
+    )
 
     def cp_forward():
         with cp_step(meta):

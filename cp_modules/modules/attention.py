@@ -227,7 +227,7 @@ class CPMLAAttention(nn.Module):
         if self.tp_group[1] > 1:
             # The latent is shared by every head: each TP rank's heads add to its gradient
             # (one sum for both parts).
-            latent = copy_to_group(torch.cat(latent, dim=-1), *self.tp_group)
+            latent = copy_to_group(torch.cat((kv_c, k_pe), dim=-1), *self.tp_group)
         out = self.attend(torch.cat((q_nope, q_pe), dim=-1), latent)
         return self.o_proj(out.reshape(t, -1))
 

@@ -217,9 +217,7 @@ def _gqa_attention(
     empty = q.new_empty(0)
     meta = current_step()
     check_trainable(meta)
-    out, lse = _gqa_forward(
-        q, k, v, empty, empty, scale, sinks, window, softcap, differentiable
-    )
+    out, lse = _gqa_forward(q, k, v, empty, empty, scale, sinks, window, softcap, differentiable)
     return out, lse, step_handle(meta)
 
 

@@ -401,18 +401,12 @@ def mla_attention(
     if isinstance(latent, tuple):
         latent = torch.cat(latent, dim=-1)
     if cache is None:
-        differentiable = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, latent, w_kv)
-        )
-        out, _, _ = torch.ops.cp.mla_attention(
-            q, latent, w_kv, scale, kv_lora_rank, differentiable
-        )
+        differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_kv))
+        out, _, _ = torch.ops.cp.mla_attention(q, latent, w_kv, scale, kv_lora_rank, differentiable)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_kv)):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
-        out, _ = torch.ops.cp.mla_attention_with_cache(
-            q, latent, w_kv, cache, scale, kv_lora_rank
-        )
+        out, _ = torch.ops.cp.mla_attention_with_cache(q, latent, w_kv, cache, scale, kv_lora_rank)
     return out
 
 
