@@ -94,6 +94,7 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # training parity rows of their note (docs/experiments, not in the dated report yet).
     assert read == kept - {
         "decoder-parity-2026-12-02.json",
+        "decoder-parity-repeat-2026-12-02.json",
         "mla-decode-gluon-pdl-stagger-2026-12-02.json",
         "mla-decode-fixed-costs-2026-12-02.json",
         "mla-decode-gluon-nozero-probe-2026-12-02.json",
