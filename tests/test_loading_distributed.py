@@ -5,7 +5,8 @@ Each rank's peak RSS growth during the load must stay within ``checkpoint bytes 
 the largest tensor + 96 MiB`` (SPEC §8). Checkpoints: a random Llama (dense, ~230 MiB fp32,
 tied to nothing) and a random Qwen3-MoE (64 routed experts, ~200 MiB), written by
 ``save_pretrained`` (the MoE one per expert, as transformers writes it; the Llama one split
-into several files with an index). Logits of an 11-token prompt through a cp step must equal
+into several files with an index), and tiny DeepSeek-V3 (MLA), Mixtral, gpt-oss and GLM-4-MoE
+checkpoints whose experts are split too. Logits of an 11-token prompt through a cp step must equal
 HF's (fp32, 1e-4). One spawn per world size runs every layout of that size, and the bad
 checkpoints, which every rank must refuse with the same ``ValueError`` before any collective.
 """
@@ -54,11 +55,45 @@ def _write(config, path: Path, max_shard_size: str | None = None) -> None:
     model.save_pretrained(str(path), **kwargs)
 
 
+def _family_configs():
+    """Tiny MoE families whose experts are split over TP (logits only, no memory check)."""
+    from transformers import DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        "deepseek_v3": DeepseekV3Config(
+            **common, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1,
+        ),
+        "mixtral": MixtralConfig(
+            **common, intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "gpt_oss": GptOssConfig(
+            **common, intermediate_size=64, num_key_value_heads=2, head_dim=16,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "glm4_moe": Glm4MoeConfig(
+            **common, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=2,
+            n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, head_dim=16,
+            n_group=1, topk_group=1,
+        ),
+    }  # fmt: skip
+
+
+FAMILIES = ("deepseek_v3", "mixtral", "gpt_oss", "glm4_moe")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     _write(_llama_config(), root / "llama", max_shard_size="100MB")
     _write(_moe_config(), root / "moe")
+    for name, config in _family_configs().items():
+        _write(config, root / name)
     _bad_checkpoints(root)
     return root
 
@@ -94,7 +129,7 @@ def _hf_logits(path: Path) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.no_grad():
-        return model(torch.arange(PROMPT)[None] * 7 % 4096).logits[0]
+        return model(torch.arange(PROMPT)[None] * 7 % 128).logits[0]
 
 
 def _checkpoint_bytes(path: Path) -> tuple[int, int]:
@@ -105,6 +140,9 @@ def _checkpoint_bytes(path: Path) -> tuple[int, int]:
 
 
 def _rank(rank, world_size, root, layouts, bad):
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imports outside the measure
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+
     import cp_modules
     from cp_modules import ParallelConfig
     from cp_modules.distributed.groups import init_cp_groups
@@ -112,22 +150,17 @@ def _rank(rank, world_size, root, layouts, bad):
     from cp_modules.step import build_step_metadata, cp_step, restore_tokens
     from cp_modules.testing import peak_rss_growth
 
-    import transformers.models.llama.modeling_llama  # noqa: F401 - imports outside the measure
-    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
-
     out = {}
     for name, tp, pcp in layouts:
         groups = init_cp_groups(
             ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp)
         )
-        model, grew = peak_rss_growth(
-            cp_modules.load_pretrained, root / name, groups, device="cpu"
-        )
+        model, grew = peak_rss_growth(cp_modules.load_pretrained, root / name, groups, device="cpu")
         local = sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
             for p in model.parameters()
         )
-        ids = torch.arange(PROMPT) * 7 % 4096
+        ids = torch.arange(PROMPT) * 7 % 128
         meta = build_step_metadata(
             CPRuntime.from_groups(groups), num_new_tokens=[PROMPT], num_computed_tokens=[0]
         )
@@ -158,17 +191,20 @@ def _check(root, results, layouts):
         ref = _hf_logits(root / name)
         for rank, (out, _) in enumerate(results):
             grew, local, logits = out[(name, tp, pcp)]
+            torch.testing.assert_close(torch.tensor(logits), ref, atol=1e-4, rtol=1e-4)
+            if name in FAMILIES:
+                assert local <= total / tp * 1.1 + largest / tp, (name, local, total)
+                continue
             print(
                 f"{name} tp={tp} pcp={pcp} rank {rank}: checkpoint {total / MIB:.0f} MiB, local "
                 f"{local / MIB:.0f} MiB, RSS growth {grew / MIB:.0f} MiB, limit {limit / MIB:.0f} MiB"
             )
             assert grew <= limit, (name, tp, pcp, rank, grew / MIB, limit / MIB)
             assert local <= total / tp * 1.1 + largest / tp
-            torch.testing.assert_close(torch.tensor(logits), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_load_pretrained_two_ranks(checkpoints):
-    layouts = [("llama", 2, 1), ("moe", 2, 1)]
+    layouts = [("llama", 2, 1), ("moe", 2, 1), *((f, 2, 1) for f in FAMILIES)]
     bad = [("bad_shape", 2), ("missing", 2), ("nowhere", 2)]
     results = run_distributed(_rank, 2, checkpoints, layouts, bad, timeout_s=600)
     _check(checkpoints, results, layouts)

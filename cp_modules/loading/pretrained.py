@@ -19,6 +19,10 @@ from cp_modules.loading.sources import plan_sources
 
 __all__ = ["load_pretrained"]
 
+# What the sharded path passes to ``AutoConfig.from_pretrained`` (and trust_remote_code to
+# ``from_config``); anything else would be a from_pretrained option it does not apply.
+_CONFIG_KWARGS = ("trust_remote_code", "revision", "local_files_only", "token", "cache_dir")
+
 
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
@@ -57,8 +61,9 @@ def load_pretrained(
             :class:`~cp_modules.distributed.groups.CPGroups` (``None``: one process).
         dtype: parameter dtype (default: the config's ``dtype``, else the checkpoint's).
         device: where the shards go (default: the current CUDA device, else the CPU).
-        hf_kwargs: passed to ``AutoConfig.from_pretrained`` / ``from_pretrained``
-            (``trust_remote_code``, ``revision``, ``attn_implementation`` is set by cp).
+        hf_kwargs: passed to ``from_pretrained`` at ``tensor_parallel_size == 1``; with TP,
+            only ``trust_remote_code``, ``revision``, ``local_files_only``, ``token`` and
+            ``cache_dir`` are taken (others raise ``ValueError``).
 
     Raises:
         ValueError: before any rank allocates the model or joins a collective: a missing
@@ -78,14 +83,21 @@ def load_pretrained(
     gguf = hf_kwargs.get("gguf_file")
     if gguf is not None or config.tp == 1:
         return _load_whole(root, parallel, dtype=dtype, device=device, **hf_kwargs)
-    config_kwargs = {k: hf_kwargs[k] for k in ("trust_remote_code", "revision") if k in hf_kwargs}
-    hf_config = AutoConfig.from_pretrained(str(root), **config_kwargs)
+    unknown = sorted(set(hf_kwargs) - set(_CONFIG_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"load_pretrained with tensor_parallel_size={config.tp} builds the model from its "
+            f"config and reads the shards itself: {unknown} are not taken (accepted: "
+            f"{list(_CONFIG_KWARGS)})"
+        )
+    hf_config = AutoConfig.from_pretrained(str(root), **hf_kwargs)
+    model_kwargs = {k: v for k, v in hf_kwargs.items() if k == "trust_remote_code"}
     index = CheckpointIndex(root)
     try:
         if dtype is None:
             dtype = _config_dtype(hf_config) or _checkpoint_dtype(index)
         _check_layout(hf_config, config)
-        model = meta_causal_lm(hf_config, dtype=dtype, **config_kwargs)
+        model = meta_causal_lm(hf_config, dtype=dtype, **model_kwargs)
         # Checked against the config before anything is sharded or allocated: every rank reads
         # the same headers, so every rank raises the same error, before any collective.
         sources = plan_sources(model, index, global_shapes(model))

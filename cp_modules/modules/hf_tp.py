@@ -255,14 +255,18 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _sentinel_routing(mod: nn.Module) -> bool:
-    """Whether ``mod``'s forward skips the expert index ``num_experts`` (transformers' EP
-    sentinel): its grouped / batched implementations do, and eager loops that one-hot over
-    ``num_experts + 1`` classes."""
+    """Whether ``mod``'s forward can skip the expert index ``num_experts`` (transformers' EP
+    sentinel), and if so switch it on: its grouped / batched implementations skip it once
+    ``_is_expert_parallel`` is set, eager loops that one-hot over ``num_experts + 1`` classes
+    always do. Otherwise the others' slots go to a local expert with a zero weight."""
     impl = getattr(getattr(mod, "config", None), "_experts_implementation", None)
     if impl in ("grouped_mm", "batched_mm"):
+        if not hasattr(mod, "_is_expert_parallel"):
+            return False
+        cast(Any, mod)._is_expert_parallel = True
         return True
     try:
-        src = inspect.getsource(type(mod).forward)
+        src = inspect.getsource(inspect.unwrap(type(mod).forward))
     except (OSError, TypeError):
         return False
     return "num_experts + 1" in src and "== self.num_experts" in src
