@@ -17,7 +17,7 @@ from cp_modules.loading.materialize import (
 )
 from cp_modules.loading.sources import plan_sources
 
-__all__ = ["load_pretrained"]
+__all__ = ["load_pretrained", "load_sharded"]
 
 # What the sharded path passes to ``AutoConfig.from_pretrained`` (and trust_remote_code to
 # ``from_config``); anything else would be a from_pretrained option it does not apply.
@@ -71,9 +71,7 @@ def load_pretrained(
             than the config gives (naming the file and tensor), head counts the layout cannot
             split, or routed experts the TP size does not divide.
     """
-    from transformers import AutoConfig
-
-    from cp_modules.modules.hf_swap import _parallel_args, swap_attention
+    from cp_modules.modules.hf_swap import _parallel_args
 
     config, groups = _parallel_args(parallel)
     root = Path(path)
@@ -83,6 +81,24 @@ def load_pretrained(
     gguf = hf_kwargs.get("gguf_file")
     if gguf is not None or config.tp == 1:
         return _load_whole(root, parallel, dtype=dtype, device=device, **hf_kwargs)
+    return load_sharded(root, config, groups, dtype=dtype, device=device, **hf_kwargs)
+
+
+def load_sharded(
+    root: str | os.PathLike,
+    config: Any,
+    groups: Any,
+    *,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    **hf_kwargs: Any,
+) -> nn.Module:
+    """The sharded path of :func:`load_pretrained` at any TP size (1 included: the whole model
+    read by cp's reader instead of transformers'): meta build, checks, swap, shard reads."""
+    from transformers import AutoConfig
+
+    from cp_modules.modules.hf_swap import swap_attention
+
     unknown = sorted(set(hf_kwargs) - set(_CONFIG_KWARGS))
     if unknown:
         raise ValueError(
