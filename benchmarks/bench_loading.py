@@ -14,6 +14,7 @@ tensor), the host RSS growth, the time, and the logits of both loads compared.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import time
 from pathlib import Path
@@ -52,6 +53,7 @@ def measure(name: str, load, ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
     from cp_modules.step import build_step_metadata, cp_step
     from cp_modules.testing import peak_rss_growth
 
+    gc.collect()  # the previous model (reference cycles) is gone before the base is read
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -63,11 +65,12 @@ def measure(name: str, load, ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     meta = build_step_metadata(
-        CPRuntime.single(), num_new_tokens=[ids.numel()], num_computed_tokens=[0]
+        CPRuntime.single(), num_new_tokens=[ids.numel()], num_computed_tokens=[0], device=ids.device
     )
     with cp_step(meta), torch.no_grad():
         logits = model(input_ids=ids[None], position_ids=meta.positions[None]).logits[0].float()
     row = {
+        "allocated_before_GiB": base / 2**30,
         "max_memory_allocated_GiB": peak / 2**30,
         "parameters_GiB": params / 2**30,
         "largest_tensor_GiB": largest / 2**30,
