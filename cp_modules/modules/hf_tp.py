@@ -19,6 +19,7 @@ from cp_modules.modules.attention import CPMLAAttention
 __all__ = [
     "attention_tp_plan",
     "expert_modules",
+    "full_expert_tensor",
     "module_name",
     "parallelize_attention",
     "parallelize_non_attention",
@@ -356,7 +357,28 @@ def shard_experts(model: nn.Module, tp_mesh) -> list[str]:
         mod.register_forward_hook(lambda _m, _a, out, g=group: _SumOverTP.apply(out, *g))
         done.append(name)
     setattr(model, SHARD_BOXES_ATTR, boxes)
+    if done:
+        cast(Any, model)._cp_expert_group = group
     return done
+
+
+def full_expert_tensor(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a split expert parameter ``name`` (or its gradient ``t``): the TP
+    ranks' experts gathered along dim 0 (a collective over TP). Other tensors are returned as
+    they are."""
+    from cp_modules.loading.materialize import SHARD_BOXES_ATTR
+
+    boxes = getattr(model, SHARD_BOXES_ATTR, None) or {}
+    if name not in boxes:
+        return t
+    import torch.distributed as dist
+
+    from cp_modules.distributed.collectives import resolve_group
+
+    group_name, size = cast(Any, model)._cp_expert_group
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=resolve_group(group_name))
+    return torch.cat(parts, dim=0)
 
 
 def _route_locally(e0: int, local: int, group: tuple[str, int], sentinel: bool):
