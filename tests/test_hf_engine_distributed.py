@@ -109,6 +109,7 @@ def _train_grads(model, groups, runtime):
 
     from cp_modules.distributed.collectives import resolve_group
     from cp_modules.modules import build_step_metadata, cp_step, restore_tokens
+    from cp_modules.modules.hf_tp import full_expert_tensor
 
     flat = torch.tensor([t for p in _prompts(TRAIN_LENS, seed=5) for t in p])
     meta = build_step_metadata(runtime, list(TRAIN_LENS))
@@ -127,6 +128,7 @@ def _train_grads(model, groups, runtime):
         g = p.grad
         g = g.full_tensor() if isinstance(g, DTensor) else g
         g = torch.zeros(p.shape, dtype=p.dtype) if g is None else g.clone()
+        g = full_expert_tensor(model, name, g)  # routed experts split over TP
         if runtime.pcp_size > 1:
             dist.all_reduce(g, group=resolve_group(groups.pcp_name))
         grads[name] = g.numpy()  # by value: tensors would travel as shared memory of a dead process
@@ -241,7 +243,7 @@ WORLD2 = [
     # DCP over both TP positions: they must share their KV head (one, replicated).
     *(Case(f, 2, 1, 2, "a2a", num_kv_heads=1) for f in ("llama", "qwen3", "glm4")),
     Case("phi3", 2, 1, 1),  # heads gathered over TP: DCP may span only PCP ranks
-    *(Case(f, 2, 1, 1, train=True) for f in ("llama", "qwen3")),
+    *(Case(f, 2, 1, 1, train=True) for f in ("llama", "qwen3", "deepseek_v3")),
     Case("qwen3", 1, 2, 1, train=True),
 ]
 
