@@ -109,7 +109,6 @@ def _train_grads(model, groups, runtime):
 
     from cp_modules.distributed.collectives import resolve_group
     from cp_modules.modules import build_step_metadata, cp_step, restore_tokens
-    from cp_modules.modules.hf_tp import full_expert_tensor
 
     flat = torch.tensor([t for p in _prompts(TRAIN_LENS, seed=5) for t in p])
     meta = build_step_metadata(runtime, list(TRAIN_LENS))
@@ -128,7 +127,6 @@ def _train_grads(model, groups, runtime):
         g = p.grad
         g = g.full_tensor() if isinstance(g, DTensor) else g
         g = torch.zeros(p.shape, dtype=p.dtype) if g is None else g.clone()
-        g = full_expert_tensor(model, name, g)  # routed experts split over TP
         if runtime.pcp_size > 1:
             dist.all_reduce(g, group=resolve_group(groups.pcp_name))
         grads[name] = g.numpy()  # by value: tensors would travel as shared memory of a dead process
