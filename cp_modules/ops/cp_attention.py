@@ -16,7 +16,7 @@ Shape letters: T = local tokens, N = new tokens of the batch, H = local query he
 Hkv = local KV heads, D = head dim, Dv = value head dim; MLA: Rk = kv_lora_rank, Dr = rope
 dim, Dn = nope dim, L = Rk + Dr (latent row).
 
-Training: both ops are differentiable w.r.t. their inputs (q, k, v; q, latent, w_uk, w_uv).
+Training: both ops are differentiable w.r.t. their inputs (q, k, v; q, latent, w_kv).
 The backward re-gathers the local K/V (or latent) over PCP instead of saving the gathered
 copy (a P-fold smaller activation footprint per layer), runs the head/tail attention backward
 with the saved output and LSE, and reduce-scatters the K/V gradients back to their ranks.
