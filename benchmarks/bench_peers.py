@@ -595,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"subset of {list(SECTIONS)}")
     ap.add_argument("--site", default=None, help="peers' install folder (default $CP_PEERS_SITE)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--kind", default="peers", help="results file name: <kind>-<date>.json")
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="skip the rows that would start after this many seconds")  # fmt: skip
     a = ap.parse_args(argv)
@@ -621,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         metrics, errors = build_metrics(sections), collect_errors(sections)
-        path = write_results("peers", metrics, a.out, peers=versions, sections=sections,
+        path = write_results(a.kind, metrics, a.out, peers=versions, sections=sections,
                              errors=errors)  # fmt: skip
         path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
         return path, metrics, errors

@@ -86,8 +86,43 @@ def unpack(peers: Path, name: str, dest: Path) -> Path | None:
     return dest / name
 
 
-def build_flashmla(src: Path, site: Path, jobs: int, log) -> None:
-    """Compile FlashMLA's SM90 dense decode from ``src`` and install ``site/flash_mla``."""
+def _flashmla_includes(src: Path) -> list[Path]:
+    csrc = src / "csrc"
+    # CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which nvcc finds and g++ does not.
+    cuda_home = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    cccl = [p for p in [cuda_home / "include" / "cccl"] if p.is_dir()]
+    return cccl + [csrc, csrc / "api", csrc / "kerutils" / "include", csrc / "sm90",
+                   csrc / "cutlass" / "include", csrc / "cutlass" / "tools" / "util" / "include"]  # fmt: skip
+
+
+def compile_flashmla_objects(src: Path, out: Path, jobs: int, log) -> list[Path]:
+    """nvcc FlashMLA's CUDA sources into ``out/<name>.o`` (no GPU and no torch needed), with
+    the flags ``torch.utils.cpp_extension`` gives them in :func:`build_flashmla`; the slow part
+    of the build (``bf16.cu``, ~90 s), done ahead on any machine with the same nvcc."""
+    out.mkdir(parents=True, exist_ok=True)
+    inc = [f"-I{p}" for p in _flashmla_includes(src)]
+    torch_like = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                  "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+                  "--expt-relaxed-constexpr", "--compiler-options", "-fPIC"]  # fmt: skip
+    procs, objs = [], []
+    for s in FLASHMLA_SOURCES:
+        obj = out / (Path(s).stem + ".o")
+        cmd = ["nvcc", *inc, *torch_like, *FLASHMLA_NVCC, "-c", str(src / s), "-o", str(obj)]
+        procs.append((obj, subprocess.Popen(cmd)))
+        objs.append(obj)
+    t0 = time.time()
+    for obj, p in procs:
+        if p.wait():
+            raise RuntimeError(f"nvcc failed on {obj.stem}.cu")
+    (out / "NVCC_VERSION").write_text(subprocess.check_output(["nvcc", "--version"], text=True))
+    log(f"flashmla: objects in {out} after {time.time() - t0:.0f} s")
+    return objs
+
+
+def build_flashmla(src: Path, site: Path, jobs: int, log, objects: Path | None = None) -> None:
+    """Compile FlashMLA's SM90 dense decode from ``src`` and install ``site/flash_mla``. With
+    ``objects`` (a folder from :func:`compile_flashmla_objects`, same nvcc), only the binding is
+    compiled here and linked with them."""
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     os.environ["MAX_JOBS"] = str(jobs)
     from torch.utils.cpp_extension import load
@@ -96,24 +131,23 @@ def build_flashmla(src: Path, site: Path, jobs: int, log) -> None:
     build.mkdir(parents=True, exist_ok=True)
     binding = build / "dense_decode_api.cpp"
     binding.write_text(FLASHMLA_BINDING)
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    csrc = src / "csrc"
-    # CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which nvcc finds and g++ does not.
-    cccl = [Path(CUDA_HOME or "/usr/local/cuda") / "include" / "cccl"]
-    includes = [p for p in cccl if p.is_dir()] + [csrc, csrc / "api", csrc / "kerutils" / "include", csrc / "sm90",
-                csrc / "cutlass" / "include", csrc / "cutlass" / "tools" / "util" / "include"]  # fmt: skip
+    objs = [objects.resolve() / (Path(s).stem + ".o") for s in FLASHMLA_SOURCES] if objects else []
     t0 = time.time()
     load(
         name="cuda",  # imported as flash_mla.cuda by FlashMLA's interface
-        sources=[str(binding)] + [str(src / s) for s in FLASHMLA_SOURCES],
+        sources=[str(binding)] + ([] if objs else [str(src / s) for s in FLASHMLA_SOURCES]),
         extra_cflags=FLASHMLA_CXX,
         extra_cuda_cflags=FLASHMLA_NVCC,
-        extra_include_paths=[str(p) for p in includes],
+        extra_ldflags=[str(o) for o in objs],
+        extra_include_paths=[str(p) for p in _flashmla_includes(src)],
         build_directory=str(build),
+        with_cuda=True,
         verbose=True,
     )
-    log(f"flashmla: built in {time.time() - t0:.0f} s")
+    log(
+        f"flashmla: built in {time.time() - t0:.0f} s"
+        + (f" (objects from {objects})" if objs else "")
+    )
     pkg = site / "flash_mla"
     shutil.rmtree(pkg, ignore_errors=True)
     shutil.copytree(src / "flash_mla", pkg)
@@ -149,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--warm", action="store_true", help="JIT-compile FlashInfer's kernels too")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: flashmla,flashinfer")
+    ap.add_argument("--objects-only", type=Path, default=None,
+                    help="only nvcc FlashMLA's CUDA sources into this folder (no GPU needed)")  # fmt: skip
     a = ap.parse_args(argv)
     a.site.mkdir(parents=True, exist_ok=True)
     a.logs.mkdir(parents=True, exist_ok=True)
@@ -164,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     env.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     procs = {}
+    if a.objects_only:
+        src = unpack(a.peers, "flashmla", Path("/tmp/peers_src"))
+        if src is None:
+            log(f"flashmla: no flashmla/ or flashmla-*.tar.xz in {a.peers}")
+            return 1
+        compile_flashmla_objects(src, a.objects_only, a.jobs, log)
+        return 0
     if "flashmla" not in skip:
         src = unpack(a.peers, "flashmla", Path("/tmp/peers_src"))
         if src is None:
@@ -171,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # In a child process, so FlashInfer's install and warm-up run beside its nvcc.
             here = str(Path(__file__).parent)
+            # Objects compiled ahead (--objects-only) travel as PEERS_DIR/flashmla-obj/.
+            objects = a.peers / "flashmla-obj" if (a.peers / "flashmla-obj").is_dir() else ""
             code = (
                 f"import sys; from pathlib import Path; sys.path.insert(0, {here!r})\n"
                 "import build_peers as b\n"
-                f"b.build_flashmla(Path({str(src)!r}), Path({str(a.site)!r}), {a.jobs}, print)\n"
+                f"b.build_flashmla(Path({str(src)!r}), Path({str(a.site)!r}), {a.jobs}, print,"
+                f" {str(objects)!r} and Path({str(objects)!r}))\n"
             )
             out = open(a.logs / "build-flashmla.log", "w")
             procs["flashmla"] = subprocess.Popen(
