@@ -19,7 +19,7 @@ LAYERS = {
     "step": 5,
     "ops": 6,
     "modules": 7, "compile": 7,
-    "models": 8, "training": 8, "testing": 8,
+    "models": 8, "training": 8, "testing": 8, "loading": 8,
     "engine": 9, "integrations": 9, "verify": 9, "plan": 9,
     "__init__": 10,
 }  # fmt: skip
