@@ -145,20 +145,72 @@ class _Entry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def gather(self) -> torch.Tensor:
-        """The full tensor (a collective for sharded tensors: every rank calls it in turn)."""
+    def gather(self, writer: bool) -> torch.Tensor | None:
+        """The full tensor on the writer (rank 0), ``None`` elsewhere; every rank calls it in
+        turn for every entry (sharded tensors communicate)."""
         from torch.distributed.tensor import DTensor
 
         t = self.tensor.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
         if self.experts is not None:
+            # Routed experts split over TP: gathered whole on every rank of the TP group.
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
             group, size = self.experts
             parts = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts)
-            del parts
-        return t
+            return torch.cat(parts) if writer else None
+        if isinstance(t, DTensor):
+            return _gather_to_rank0(self.name, t, writer)
+        return t if writer else None
+
+
+def _gather_to_rank0(name: str, t: Any, writer: bool) -> torch.Tensor | None:
+    """A DTensor's full tensor assembled on rank 0 from its shards, one shard at a time.
+
+    The ranks of rank 0's mesh that own a distinct shard (coordinate 0 on every axis the tensor
+    is replicated over) send it to rank 0 (point to point), which writes each into place; the
+    other ranks send nothing and hold nothing more than their shard.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, t.placements
+    if any(p.is_partial() for p in placements):
+        raise ValueError(f"export_hf: {name!r} is a partial sum ({placements}), not a shard")
+    replicated = [i for i, p in enumerate(placements) if p.is_replicate()]
+    ranks = mesh.mesh  # global ranks, indexed by mesh coordinate
+    rank = dist.get_rank()
+
+    def owner(coord) -> bool:
+        return all(coord[i] == 0 for i in replicated)
+
+    local = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    if not writer:
+        coord = mesh.get_coordinate()
+        if 0 in ranks.flatten().tolist() and coord is not None and owner(coord):
+            meta = torch.tensor([*offset, *shape], dtype=torch.int64, device=local.device)
+            dist.send(meta, dst=0)
+            if local.numel():
+                dist.send(local.contiguous(), dst=0)
+        return None
+    full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    full[tuple(slice(o, o + s) for o, s in zip(offset, shape))].copy_(local)
+    for coord in torch.cartesian_prod(*(torch.arange(n) for n in ranks.shape)).reshape(
+        -1, ranks.dim()
+    ):
+        src = int(ranks[tuple(coord.tolist())])
+        if src == rank or not owner(coord.tolist()):
+            continue
+        meta = torch.empty(2 * t.dim(), dtype=torch.int64, device=local.device)
+        dist.recv(meta, src=src)
+        offs, sizes = meta[: t.dim()].tolist(), meta[t.dim() :].tolist()
+        if 0 in sizes:
+            continue
+        buf = torch.empty(sizes, dtype=t.dtype, device=local.device)
+        dist.recv(buf, src=src)
+        full[tuple(slice(o, o + s) for o, s in zip(offs, sizes))].copy_(buf)
+        del buf
+    return full
 
 
 def _split_experts(model: nn.Module) -> dict[str, tuple[Any, int]]:
@@ -232,8 +284,8 @@ def _write_file(file: Path, entries: list[tuple[str, _Entry]], writer: bool) -> 
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
         for _name, e in entries:
-            full = e.gather()
-            if f is not None:
+            full = e.gather(writer)
+            if f is not None and full is not None:
                 data = full.to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 f.write(memoryview(data.numpy()))
                 del data
