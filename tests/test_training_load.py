@@ -1,14 +1,15 @@
 """Shard-only training loads and the streaming export on gloo ranks, against one process.
 
 A random Llama (~250 MiB fp32, untied) written by ``save_pretrained`` is loaded by
-``load_for_training`` under dp=2 (FSDP2 over 2 ranks) and dp=2 x tp=2 (FSDP2 x TP, 4 shards),
-one SGD step is taken and the model is exported by ``export_hf`` (several files with an index).
-Each rank's peak RSS growth during the load and during the export must stay within
-``checkpoint bytes / shards x 1.3 + the largest tensor + 96 MiB`` (shards = FSDP x TP); the
-logits before the step and the step's loss must equal the one-process transformers model's
-(fp32, 1e-4), and the export must load with ``from_pretrained`` and hold the one-process
-model's weights after the same step. Bad checkpoints raise the same ``ValueError`` on every
-rank before any collective.
+``load_for_training`` on 4 ranks under dp=2 x tp=2 (FSDP2 x TP) and dp=4 (FSDP2 alone), 4 shards
+each, and exported by ``export_hf`` (several files with an index). Each rank's peak RSS growth
+during the load and during the export must stay within ``checkpoint bytes / shards x 1.3 + the
+largest tensor + 96 MiB`` (shards = FSDP x TP). Under dp=2 x tp=2 the logits before a step and
+the step's loss must equal the one-process transformers model's (fp32, 1e-4), and the export
+after one SGD step must load with ``from_pretrained`` and hold the one-process model's weights
+after the same step; the dp=4 export must hold the checkpoint's. A checkpoint that does not
+match its config raises the same ``ValueError`` (file, tensor, shapes) on every rank before any
+collective; so does a missing directory.
 """
 
 from __future__ import annotations
@@ -59,11 +60,14 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def _rank(rank, world_size, root, dp, tp, out_dir):
+LAYOUTS = ((2, 2), (4, 1))  # (dp, tp) on 4 ranks: FSDP2 x TP, then FSDP2 alone; 4 shards each
+
+
+def _rank(rank, world_size, root, out_root):
     import transformers.models.llama.modeling_llama  # noqa: F401 - imports outside the measure
 
     from cp_modules import ParallelConfig
-    from cp_modules.step import restore_tokens
+    from cp_modules.step import cp_step, restore_tokens
     from cp_modules.testing import peak_rss_growth
     from cp_modules.training import (
         export_hf,
@@ -71,7 +75,6 @@ def _rank(rank, world_size, root, dp, tp, out_dir):
         lm_cross_entropy,
         load_for_training,
     )
-    from cp_modules.step import cp_step
 
     errors = {}
     for bad in ("missing", "bad"):
@@ -79,35 +82,40 @@ def _rank(rank, world_size, root, dp, tp, out_dir):
             load_for_training(root / bad, ParallelConfig(), device="cpu")
         except ValueError as e:
             errors[bad] = str(e)
-    ctx = init_cp_training(ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp), "cpu")
-    try:
-        load_for_training(root / "bad", ctx, device="cpu")
-    except ValueError as e:
-        errors["bad_distributed"] = str(e)
-    model, load_growth = peak_rss_growth(load_for_training, root / "llama", ctx, device="cpu")
-    rows = _batch(dp)[ctx.dp_rank * ROWS : (ctx.dp_rank + 1) * ROWS]
-    cb = ctx.shard_batch({"input_ids": rows})
+    out = {"errors": errors}
+    for dp, tp in LAYOUTS:
+        ctx = init_cp_training(
+            ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp), "cpu"
+        )
+        try:
+            load_for_training(root / "bad", ctx, device="cpu")
+        except ValueError as e:
+            errors[f"bad dp={dp} tp={tp}"] = str(e)
+        model, load_growth = peak_rss_growth(load_for_training, root / "llama", ctx, device="cpu")
+        r = {"load": load_growth}
+        if tp > 1:  # the full check under FSDP2 x TP: logits, the step's loss, the export after
+            rows = _batch(dp)[ctx.dp_rank * ROWS : (ctx.dp_rank + 1) * ROWS]
+            cb = ctx.shard_batch({"input_ids": rows})
 
-    def forward():
-        with cp_step(cb.meta):
-            return model(input_ids=cb.input_ids[None], position_ids=cb.positions[None]).logits[0]
+            def forward(cb=cb, model=model):
+                with cp_step(cb.meta):
+                    ids, pos = cb.input_ids[None], cb.positions[None]
+                    return model(input_ids=ids, position_ids=pos).logits[0]
 
-    with torch.no_grad():
-        logits = restore_tokens(forward(), cb.meta)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loss = lm_cross_entropy(forward(), cb)
-    loss.backward()
-    optimizer.step()
-    global_loss = ctx.reduce_loss(loss).item()
-    _, export_growth = peak_rss_growth(export_hf, model, out_dir, max_shard_size="100MB")
-    return {
-        "errors": errors,
-        "load": load_growth,
-        "export": export_growth,
-        "loss": global_loss,
-        # Plain lists: a tensor would travel to the parent by a file descriptor of this process.
-        "logits": logits.tolist() if ctx.dp_rank == 0 and ctx.groups.tp_rank == 0 else None,
-    }
+            with torch.no_grad():
+                logits = restore_tokens(forward(), cb.meta)
+            loss = lm_cross_entropy(forward(), cb)
+            loss.backward()
+            torch.optim.SGD(model.parameters(), lr=LR).step()
+            r["loss"] = ctx.reduce_loss(loss).item()
+            # Plain lists: a tensor would travel to the parent by a file descriptor.
+            r["logits"] = logits.tolist() if ctx.dp_rank == 0 and ctx.groups.tp_rank == 0 else None
+        _, r["export"] = peak_rss_growth(
+            export_hf, model, out_root / f"dp{dp}tp{tp}", max_shard_size="100MB"
+        )
+        out[(dp, tp)] = r
+        del model
+    return out
 
 
 def _reference(root: Path, dp: int):
@@ -115,6 +123,7 @@ def _reference(root: Path, dp: int):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(root / "llama"), dtype=torch.float32)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
     ids = _batch(dp)
     with torch.no_grad():
         logits = model(ids[:ROWS]).logits.reshape(ROWS * SEQ, -1)
@@ -123,44 +132,54 @@ def _reference(root: Path, dp: int):
     with torch.no_grad():
         for p in model.parameters():
             p -= LR * p.grad
-    return logits, out.loss.item(), model.state_dict()
+    return logits, out.loss.item(), start, model.state_dict()
 
 
-@pytest.mark.parametrize("dp,tp", [(2, 1), (2, 2)])
-def test_training_load_and_export_stay_within_the_memory_contract(checkpoints, tmp_path, dp, tp):
+def _assert_export_holds(directory: Path, state: dict) -> None:
     from transformers import AutoModelForCausalLM
 
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    got = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).state_dict()
+    assert set(got) == set(state)
+    for name, value in state.items():
+        torch.testing.assert_close(got[name], value, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_training_load_and_export_stay_within_the_memory_contract(checkpoints, tmp_path):
     from cp_modules.loading import CheckpointIndex
 
     root = checkpoints
-    out_dir = tmp_path / "export"
-    results = run_distributed(_rank, dp * tp, root, dp, tp, out_dir, timeout_s=600)
+    results = run_distributed(_rank, 4, root, tmp_path, timeout_s=600)
     with CheckpointIndex(root / "llama") as index:
         total, largest = index.total_bytes, index.largest_tensor_bytes
-    limit = total / (dp * tp) * 1.3 + largest + 96 * MIB
-    for rank, r in enumerate(results):
-        print(
-            f"dp={dp} tp={tp} rank {rank}: checkpoint {total / MIB:.0f} MiB, largest "
-            f"{largest / MIB:.0f} MiB; RSS growth: load {r['load'] / MIB:.0f} MiB, export "
-            f"{r['export'] / MIB:.0f} MiB; limit {limit / MIB:.0f} MiB"
-        )
-    for r in results:
-        assert r["load"] <= limit, (r["load"] / MIB, limit / MIB)
-        assert r["export"] <= limit, (r["export"] / MIB, limit / MIB)
-        assert "does not exist" in r["errors"]["missing"]
-        for key in ("bad", "bad_distributed"):
-            assert "mlp.gate_proj.weight" in r["errors"][key], r["errors"][key]
-            assert "model-0000" not in r["errors"][key] or ".safetensors" in r["errors"][key]
-    ref_logits, ref_loss, ref_state = _reference(root, dp)
+    limit = total / 4 * 1.3 + largest + 96 * MIB  # 4 shards in both layouts
+    for dp, tp in LAYOUTS:
+        for rank, out in enumerate(results):
+            r = out[(dp, tp)]
+            print(
+                f"dp={dp} tp={tp} rank {rank}: checkpoint {total / MIB:.0f} MiB, largest "
+                f"{largest / MIB:.0f} MiB; RSS growth: load {r['load'] / MIB:.0f} MiB, export "
+                f"{r['export'] / MIB:.0f} MiB; limit {limit / MIB:.0f} MiB"
+            )
+    for out in results:
+        errors = out["errors"]
+        assert "does not exist" in errors["missing"], errors
+        bad = [v for k, v in errors.items() if k.startswith("bad")]
+        assert len(bad) == 1 + len(LAYOUTS), errors
+        for e in bad:  # the file, the tensor, its shape and the config's
+            assert "model.safetensors" in e and "mlp.gate_proj.weight" in e, e
+            assert "(2048, 1024)" in e and "(2816, 1024)" in e, e
+        for layout in LAYOUTS:
+            r = out[layout]
+            assert r["load"] <= limit, (layout, r["load"] / MIB, limit / MIB)
+            assert r["export"] <= limit, (layout, r["export"] / MIB, limit / MIB)
+    dp = LAYOUTS[0][0]
+    ref_logits, ref_loss, start, stepped = _reference(root, dp)
     torch.testing.assert_close(
-        torch.tensor(results[0]["logits"]), ref_logits, atol=1e-4, rtol=1e-4
+        torch.tensor(results[0][LAYOUTS[0]]["logits"]), ref_logits, atol=1e-4, rtol=1e-4
     )
-    for r in results:
-        assert abs(r["loss"] - ref_loss) < 1e-4, (r["loss"], ref_loss)
-    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1
-    exported = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
-    got = exported.state_dict()
-    assert set(got) == set(ref_state)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(got[name], value, atol=1e-4, rtol=1e-4, msg=name)
+    for out in results:
+        assert abs(out[LAYOUTS[0]]["loss"] - ref_loss) < 1e-4, (out[LAYOUTS[0]]["loss"], ref_loss)
+    _assert_export_holds(tmp_path / f"dp{dp}tp{LAYOUTS[0][1]}", stepped)
+    _assert_export_holds(tmp_path / "dp4tp1", start)  # exported as loaded
