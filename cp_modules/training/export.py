@@ -287,7 +287,7 @@ def _write_file(file: Path, entries: list[tuple[str, _Entry]], writer: bool) -> 
             full = e.gather(writer)
             if f is not None and full is not None:
                 data = full.to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))
+                f.write(data.numpy().data)
                 del data
             del full
     finally:
