@@ -9,7 +9,8 @@ the step's loss must equal the one-process transformers model's (fp32, 1e-4), an
 after one SGD step must load with ``from_pretrained`` and hold the one-process model's weights
 after the same step; the dp=4 export must hold the checkpoint's. A checkpoint that does not
 match its config raises the same ``ValueError`` (file, tensor, shapes) on every rank before any
-collective; so does a missing directory.
+collective; so does a missing directory. A tiny Qwen3-MoE (experts split over TP, then FSDP2)
+loads under dp=2 x tp=2 with the one-process loss and exports its checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -43,12 +44,29 @@ def _batch(dp: int) -> torch.Tensor:
     return torch.randint(0, 8192, (dp * ROWS, SEQ), generator=g)
 
 
+def _moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+
+
+MOE_IDS = (torch.arange(2 * SEQ).reshape(2, SEQ) * 7) % 128  # one row per dp replica
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("train_load")
     torch.manual_seed(0)
+    # Tiny Qwen3-MoE (per-expert checkpoint tensors): experts split over TP, then FSDP2.
+    AutoModelForCausalLM.from_config(_moe_config(), dtype=torch.float32).save_pretrained(
+        str(root / "moe")
+    )
     model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
     model.save_pretrained(str(root / "llama"), max_shard_size="100MB")
     # A checkpoint whose tensor does not match its config.json.
@@ -115,6 +133,14 @@ def _rank(rank, world_size, root, out_root):
         )
         out[(dp, tp)] = r
         del model
+    ctx = init_cp_training(ParallelConfig(data_parallel_size=2, tensor_parallel_size=2), "cpu")
+    model = load_for_training(root / "moe", ctx, device="cpu")
+    cb = ctx.shard_batch({"input_ids": MOE_IDS[ctx.dp_rank : ctx.dp_rank + 1]})
+    with cp_step(cb.meta):
+        ids, pos = cb.input_ids[None], cb.positions[None]
+        loss = lm_cross_entropy(model(input_ids=ids, position_ids=pos).logits[0], cb)
+    out["moe_loss"] = ctx.reduce_loss(loss.detach()).item()
+    export_hf(model, out_root / "moe")
     return out
 
 
@@ -183,3 +209,13 @@ def test_training_load_and_export_stay_within_the_memory_contract(checkpoints, t
         assert abs(out[LAYOUTS[0]]["loss"] - ref_loss) < 1e-4, (out[LAYOUTS[0]]["loss"], ref_loss)
     _assert_export_holds(tmp_path / f"dp{dp}tp{LAYOUTS[0][1]}", stepped)
     _assert_export_holds(tmp_path / "dp4tp1", start)  # exported as loaded
+    from transformers import AutoModelForCausalLM
+
+    moe = AutoModelForCausalLM.from_pretrained(str(root / "moe"), dtype=torch.float32)
+    with torch.no_grad():
+        ref = moe(MOE_IDS, labels=MOE_IDS).loss.item()
+    for out in results:
+        assert abs(out["moe_loss"] - ref) < 1e-5, (out["moe_loss"], ref)
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "moe"), dtype=torch.float32)
+    for name, value in moe.state_dict().items():
+        assert torch.equal(got.state_dict()[name], value), name
