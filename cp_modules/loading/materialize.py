@@ -23,12 +23,7 @@ __all__ = [
     "local_box",
     "materialize_from_checkpoint",
     "meta_causal_lm",
-    "SHARD_BOXES_ATTR",
 ]
-
-# model attribute: {parameter name: (global shape, box)} for parameters that are plain local
-# tensors holding a box of a larger checkpoint tensor (the expert split over TP).
-SHARD_BOXES_ATTR = "_cp_shard_boxes"
 
 
 def meta_causal_lm(hf_config: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> nn.Module:
@@ -45,10 +40,6 @@ def meta_causal_lm(hf_config: Any, *, dtype: torch.dtype | None = None, **kwargs
     return model
 
 
-def _shard_boxes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[slice, ...]]]:
-    return getattr(model, SHARD_BOXES_ATTR, None) or {}
-
-
 def local_box(
     model: nn.Module, name: str, t: torch.Tensor
 ) -> tuple[tuple[slice, ...], torch.Tensor]:
@@ -63,19 +54,14 @@ def local_box(
         local = t.to_local()
         assert tuple(local.shape) == tuple(shape), (name, tuple(local.shape), shape)
         return tuple(slice(o, o + s) for o, s in zip(offset, shape)), local
-    boxes = _shard_boxes(model)
-    if name in boxes:
-        return boxes[name][1], t
     return tuple(slice(0, s) for s in t.shape), t
 
 
 def global_shapes(model: nn.Module, names: list[str] | None = None) -> dict[str, tuple[int, ...]]:
-    """Every parameter's (and persistent buffer's) global shape, by name (DTensors and split
-    experts count whole)."""
-    boxes = _shard_boxes(model)
+    """Every parameter's (and persistent buffer's) global shape, by name (DTensors whole)."""
     out: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters():
-        out[name] = boxes[name][0] if name in boxes else tuple(p.shape)
+        out[name] = tuple(p.shape)
     for name in _persistent_buffers(model):
         out[name] = tuple(model.get_buffer(name).shape)
     if names is not None:

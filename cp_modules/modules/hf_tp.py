@@ -306,23 +306,25 @@ def shard_experts(model: nn.Module, tp_mesh) -> list[str]:
     experts ``[r E/tp, (r+1) E/tp)`` (expert parallelism over the TP group); return the names
     of the split modules.
 
-    The router stays replicated, so every rank routes every token the same way; a rank runs
-    its own experts on the tokens routed to them (the others' slots get transformers' skip
-    index ``num_experts``, or a zero weight where the module's forward has no skip index) and
-    the partial outputs are summed over TP (one all-reduce of ``[T, hidden]`` per MoE layer,
-    as a row-wise MLP's). Gradients of the inputs and routing weights are summed over TP.
-    Meta parameters stay meta with the local shape (``materialize_from_checkpoint`` reads the
-    local experts); real ones are cut to the local experts (the rest is freed).
+    Each expert tensor becomes a DTensor sharded on dim 0 (experts) over TP, so FSDP2,
+    checkpoints and exports see it as they see TP-sharded linears; the module's own forward
+    runs on the local experts. The router stays replicated, so every rank routes every token
+    the same way; a rank runs its experts on the tokens routed to them (the others' slots get
+    transformers' skip index ``num_experts``, or a zero weight where the module's forward has
+    no skip index) and the partial outputs are summed over TP (one all-reduce of
+    ``[T, hidden]`` per MoE layer, as a row-wise MLP's). Gradients of the inputs and routing
+    weights are summed over TP. On a meta model the shards stay meta
+    (``materialize_from_checkpoint`` reads each rank's experts); real tensors are cut to the
+    local experts (the rest is freed).
 
     Raises:
         ValueError: an expert count the TP size does not divide, or an experts module whose
             forward is not ``(hidden_states, expert indices, routing weights)``.
     """
-    from cp_modules.loading.materialize import SHARD_BOXES_ATTR
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     group = (tp_mesh.get_group().group_name, tp)
-    boxes = getattr(model, SHARD_BOXES_ATTR, None) or {}
     done = []
     for name, mod in expert_modules(model):
         num = int(cast(Any, mod).num_experts)
@@ -331,39 +333,59 @@ def shard_experts(model: nn.Module, tp_mesh) -> list[str]:
                 f"{type(model).__name__} {name!r}: {num} routed experts cannot be split over "
                 f"tensor_parallel_size={tp}: use a TP size that divides {num}"
             )
-        args = list(inspect.signature(mod.forward).parameters)
+        args = _forward_args(mod)
         if len(args) != 3:
             raise ValueError(
                 f"{type(model).__name__} {name!r}: {type(mod).__name__}.forward{tuple(args)} is not "
                 "(hidden_states, expert indices, routing weights), which cp's expert split serves"
             )
         local = num // tp
-        e0 = rank * local
-        prefix = f"{name}." if name else ""
         for pname, p in list(mod.named_parameters(recurse=False)):
             if p.dim() < 1 or p.shape[0] != num:
                 continue
-            full = tuple(p.shape)
-            box = (slice(e0, e0 + local), *(slice(0, s) for s in full[1:]))
-            piece = p.detach()[e0 : e0 + local]
-            new = nn.Parameter(piece if p.is_meta else piece.clone(), requires_grad=p.requires_grad)
-            setattr(mod, pname, new)
-            boxes[prefix + pname] = (full, box)
-        mod.num_experts = local
+            # Every rank holds the same tensor (or a meta one): its chunk, no communication.
+            dt = distribute_tensor(p.detach(), tp_mesh, [Shard(0)], src_data_rank=None)
+            setattr(mod, pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+        sentinel = _sentinel_routing(mod)
+        cast(Any, mod).num_experts = local
+        mod.forward = _on_local_experts(mod)
         mod.register_forward_pre_hook(
-            _route_locally(e0, local, group, _sentinel_routing(mod)), with_kwargs=True
+            _route_locally(rank * local, local, group, sentinel, args), with_kwargs=True
         )
         mod.register_forward_hook(lambda _m, _a, out, g=group: _SumOverTP.apply(out, *g))
         done.append(name)
-    setattr(model, SHARD_BOXES_ATTR, boxes)
     return done
 
 
-def _route_locally(e0: int, local: int, group: tuple[str, int], sentinel: bool):
+def _forward_args(mod: nn.Module) -> list[str]:
+    """The argument names of the experts class's forward (without ``self``)."""
+    return list(inspect.signature(type(mod).forward).parameters)[1:]
+
+
+def _on_local_experts(mod: nn.Module):
+    """``mod``'s own forward run on the local tensors of its DTensor experts (differentiable:
+    the gradients arrive on the DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    forward = type(mod).forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        params = cast(dict, mod._parameters)
+        sharded = {n: p for n, p in params.items() if isinstance(p, DTensor)}
+        try:
+            for n, p in sharded.items():
+                params[n] = p.to_local()
+            return forward(mod, *args, **kwargs)
+        finally:
+            params.update(sharded)
+
+    return run
+
+
+def _route_locally(e0: int, local: int, group: tuple[str, int], sentinel: bool, names: list[str]):
     """A forward pre-hook mapping global expert indices to this rank's experts."""
 
     def hook(mod, args, kwargs):
-        names = list(inspect.signature(mod.forward).parameters)
         bound = dict(zip(names, args))
         bound.update(kwargs)
         x, idx, w = (bound[n] for n in names)

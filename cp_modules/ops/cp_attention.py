@@ -16,7 +16,7 @@ Shape letters: T = local tokens, N = new tokens of the batch, H = local query he
 Hkv = local KV heads, D = head dim, Dv = value head dim; MLA: Rk = kv_lora_rank, Dr = rope
 dim, Dn = nope dim, L = Rk + Dr (latent row).
 
-Training: both ops are differentiable w.r.t. their inputs (q, k, v; q, latent, w_uk, w_uv).
+Training: both ops are differentiable w.r.t. their inputs (q, k, v; q, latent, w_kv).
 The backward re-gathers the local K/V (or latent) over PCP instead of saving the gathered
 copy (a P-fold smaller activation footprint per layer), runs the head/tail attention backward
 with the saved output and LSE, and reduce-scatters the K/V gradients back to their ranks.
@@ -62,7 +62,9 @@ __all__ = ["gqa_attention", "mla_attention"]
 # ----------------------------------------------------------------------------- GQA / MHA
 
 
-def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap=0.0):
+def _gqa_forward(
+    q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap=0.0, differentiable=False
+):
     # A windowed layer's cache may be its layer group's own (it keeps only its window).
     meta = current_step().for_window(window)
     check_local(meta, q, k, v)
@@ -112,7 +114,8 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
         if xplan is None:
             out, lse = pcp_prefill_attention(
                 q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy,
-                sliding_window=window or None, softcap=softcap or None, **prefix,
+                sliding_window=window or None, softcap=softcap or None,
+                differentiable=differentiable, **prefix,
             )  # fmt: skip
         else:
             # The wrapper's checks hold for the plan's restored K/V; the exchanged rows come
@@ -120,7 +123,10 @@ def _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap
             out, lse = torch.ops.cp.pcp_prefill_attention(
                 q, k_full, v_full, xplan.segments_host, prefix.get("prefix_k"),
                 prefix.get("prefix_v"), prefix.get("prefix_cu_seqlens"), scale,
-                *pcp_policy_args(meta.runtime.policy, q.shape[2], v.shape[2]), window, softcap,
+                *pcp_policy_args(
+                    meta.runtime.policy, q.shape[2], v.shape[2], differentiable=differentiable
+                ),
+                window, softcap,
             )  # fmt: skip
         lse = lse.to(lse_dtype_of(q))
     elif not only_decode:
@@ -202,13 +208,16 @@ def _gqa_attention(
     scale: float,
     window: int,
     softcap: float,
+    differentiable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`);
-    with ``sinks`` [H], ``out`` and ``lse`` include the sink (see :func:`_apply_sinks`)."""
+    with ``sinks`` [H], ``out`` and ``lse`` include the sink (see :func:`_apply_sinks`).
+    ``differentiable``: autograd will differentiate ``out`` (training: the forward runs on
+    cuDNN at once, :func:`~cp_modules.ops.pcp_policy.pcp_policy_args`)."""
     empty = q.new_empty(0)
     meta = current_step()
     check_trainable(meta)
-    out, lse = _gqa_forward(q, k, v, empty, empty, scale, sinks, window, softcap)
+    out, lse = _gqa_forward(q, k, v, empty, empty, scale, sinks, window, softcap, differentiable)
     return out, lse, step_handle(meta)
 
 
@@ -365,7 +374,7 @@ def _(dout, q, k, v, out, lse, handle, sinks, scale, window, softcap):
 
 
 def _gqa_setup(ctx, inputs, output):
-    q, k, v, sinks, scale, window, softcap = inputs
+    q, k, v, sinks, scale, window, softcap, *_ = inputs
     out, lse, handle = output
     ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
     ctx.has_sinks = sinks is not None
@@ -377,7 +386,7 @@ def _gqa_setup(ctx, inputs, output):
 
 def _gqa_backward(ctx, dout, _dlse, _dhandle):
     if dout is None:  # the output took no part in the loss
-        return (None,) * 7
+        return (None,) * 8
     q, k, v, out, lse, handle, sinks = ctx.saved_tensors
     sinks = sinks if ctx.has_sinks else None
     meta = eager_step_of(handle)
@@ -392,7 +401,7 @@ def _gqa_backward(ctx, dout, _dlse, _dhandle):
             dout, q, k, v, out, lse, handle, sinks, ctx.scale, ctx.window, ctx.softcap
         )
         dk, dv = dkv[0], dkv[1]
-    return dq, dk, dv, dsinks if ctx.has_sinks else None, None, None, None
+    return dq, dk, dv, dsinks if ctx.has_sinks else None, None, None, None, None
 
 
 _gqa_attention.register_autograd(_gqa_backward, setup_context=_gqa_setup)
@@ -442,7 +451,8 @@ def gqa_attention(
     if kv_cache is None:
         # Dense rows for the forward and for the backward, which gets the saved inputs.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, sinks, scale, *masking)
+        differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in grads)
+        out, _, _ = torch.ops.cp.gqa_attention(q, k, v, sinks, scale, *masking, differentiable)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:

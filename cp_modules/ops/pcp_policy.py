@@ -5,7 +5,7 @@ tokens, S = segments (``cp_modules.partition.plan.SEGMENT_FIELDS``), Hq / Hkv = 
 Dqk / Dv = head dims.
 
 Both paths give the same attention; they differ in speed. The kernels (launchers) live in
-:mod:`cp_modules.kernels.pcp_blocks` and :mod:`cp_modules.kernels.pcp_varlen`; this module
+:mod:`cp_modules.kernels.prefill.pcp_blocks` and :mod:`cp_modules.kernels.prefill.pcp_varlen`; this module
 holds the choice between them, made per call from a :class:`~cp_modules.policy.CPPolicy`:
 
 * ``pcp_varlen`` ``"always"`` / ``"never"`` forces a path;
@@ -14,7 +14,11 @@ holds the choice between them, made per call from a :class:`~cp_modules.policy.C
   the blocks there); larger segments take the blocks, except that a forward whose blocks
   would run on cuDNN for shapes no earlier plan had *rents* the varlen call until its
   estimated extra time adds up to ``cudnn_build_s`` (cuDNN builds an execution plan per new
-  shape, which pays off only over enough calls). The backward builds at once.
+  shape, which pays off only over enough calls). The backward builds at once, and so does a
+  forward whose output autograd will differentiate (training), unless
+  ``CPPolicy.training_rents_cudnn``: its backward builds plans for the same shapes anyway,
+  and training meets them over many steps (:func:`pcp_policy_args` passes such a call a
+  ``cudnn_build_s`` of 0).
 
 Measurements behind the defaults: ``docs/switch-points.md``.
 
@@ -33,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cp_modules.kernels.attention_blocks import (
+from cp_modules.kernels.masked.pack import MaskedPack
+from cp_modules.kernels.prefill.attention_blocks import (
     BlockBackward,
     BlockForward,
     attention_block_backward,
@@ -41,10 +46,13 @@ from cp_modules.kernels.attention_blocks import (
     flash_serves,
     select_block_backend,
 )
-from cp_modules.kernels.grad_assembly import sum_pieces_into
-from cp_modules.kernels.masked_pack import MaskedPack
-from cp_modules.kernels.pcp_blocks import host_segments, pcp_blocks_backward, pcp_blocks_forward
-from cp_modules.kernels.pcp_varlen import (
+from cp_modules.kernels.prefill.grad_assembly import sum_pieces_into
+from cp_modules.kernels.prefill.pcp_blocks import (
+    host_segments,
+    pcp_blocks_backward,
+    pcp_blocks_forward,
+)
+from cp_modules.kernels.prefill.pcp_varlen import (
     VarlenPack,
     pcp_prefill_attention_varlen,
     pcp_prefill_attention_varlen_backward,
@@ -113,7 +121,7 @@ class PlanState:
     def varlen_pack(
         self, segments: torch.Tensor, device: torch.device, prefix_cu: list[int] | None, rows: int
     ) -> VarlenPack:
-        """:func:`~cp_modules.kernels.pcp_varlen.varlen_pack` of the plan, built once."""
+        """:func:`~cp_modules.kernels.prefill.pcp_varlen.varlen_pack` of the plan, built once."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (str(device), None if prefix_cu is None else tuple(prefix_cu), rows)
@@ -243,16 +251,21 @@ def choose_varlen(
     return not ready
 
 
-def pcp_policy_args(policy: CPPolicy, d_qk: int, d_v: int) -> tuple:
+def pcp_policy_args(
+    policy: CPPolicy, d_qk: int, d_v: int, *, differentiable: bool = False
+) -> tuple:
     """The policy as the scalar arguments of the ``cp::pcp_prefill_attention*`` ops, for
     head dims ``d_qk`` / ``d_v``: (varlen, forward limit, backward limit, cudnn_build_s,
     causal_pairs_min_rows, overlap_gradient_sums, masked); :func:`policy_from_args` inverts
-    it."""
+    it. ``differentiable``: the call's output will be differentiated (training); unless
+    ``policy.training_rents_cudnn``, its forward then rents nothing (``cudnn_build_s`` 0):
+    it runs on cuDNN at once, as HF's ``sdpa`` does."""
+    rents = policy.training_rents_cudnn or not differentiable
     return (
         policy.pcp_varlen,
         policy.varlen_limit("forward", d_qk, d_v),
         policy.varlen_limit("backward", d_qk, d_v),
-        float(policy.cudnn_build_s),
+        float(policy.cudnn_build_s) if rents else 0.0,
         int(policy.causal_pairs_min_rows),
         bool(policy.overlap_gradient_sums),
         policy.pcp_masked,
@@ -344,7 +357,7 @@ def pcp_prefill_attention_backward_cuda(
     ``dout``: [T, Hq, Dv] gradient of the output; ``out``, ``lse``: the forward's results;
     ``inputs``: as in the forward.
     ``dk_into`` / ``dv_into``: targets tiling the N rows of dK / dV
-    (:func:`~cp_modules.kernels.grad_assembly.sum_pieces_into`) that receive the gradient
+    (:func:`~cp_modules.kernels.prefill.grad_assembly.sum_pieces_into`) that receive the gradient
     instead of a fresh tensor; that result is then None.
 
     Returns:
