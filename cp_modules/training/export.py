@@ -6,9 +6,9 @@ past ``max_shard_size``, ``model-00001-of-0000N.safetensors`` files and
 ``AutoModelForCausalLM.from_pretrained(directory)`` loads it on one process, without
 cp_modules, whatever (dp, pcp, tp) layout and FSDP2 sharding the model was trained under.
 
-The export streams: tensors are gathered one at a time (a DTensor's ``full_tensor()``), and the
-writing rank (rank 0) writes each into its file at once and frees it, so no rank ever holds more
-than one full tensor beside its own shards. The files' headers are written first, from the
+The export streams: tensors are gathered one at a time, a DTensor's shards sent point to
+point to the writing rank (rank 0), which writes each tensor into its file at once and frees
+it, so no rank ever holds more than one full tensor beside its own shards. The files' headers are written first, from the
 global shapes and dtypes every rank knows without communication.
 """
 
@@ -59,9 +59,9 @@ def export_hf(
     """Write ``model``'s full weights and ``config`` to ``directory`` as transformers saves them.
 
     A collective: call on every rank. Tensors are gathered one at a time (TP and FSDP2 shards,
-    and routed experts split over TP) and rank 0 writes each straight into its safetensors file,
-    so a rank's memory grows by at most about the largest tensor; then every rank waits for the
-    files. Weights larger than ``max_shard_size`` in all are split into
+    routed experts split over TP included) to rank 0, which writes each straight into its
+    safetensors file, so a rank's memory grows by at most about the largest tensor; then every
+    rank waits for the files. Weights larger than ``max_shard_size`` in all are split into
     ``model-0000K-of-0000N.safetensors`` files with ``model.safetensors.index.json``, as
     ``save_pretrained`` splits them; weight files of an earlier export in ``directory`` that
     the new one does not use are removed.
@@ -124,16 +124,10 @@ def export_hf(
 class _Entry:
     """One exported tensor: its global shape and dtype, and how to gather it whole."""
 
-    def __init__(self, name: str, tensor: torch.Tensor, experts: tuple[Any, int] | None):
+    def __init__(self, name: str, tensor: torch.Tensor):
         self.name = name
         self.tensor = tensor
-        # Routed experts split over TP (plain local tensors, experts on dim 0): the TP group
-        # and its size; the full tensor has tp x the local experts.
-        self.experts = experts
-        shape = list(tensor.shape)
-        if experts is not None:
-            shape[0] *= experts[1]
-        self.shape = tuple(shape)
+        self.shape = tuple(tensor.shape)  # a DTensor's is global
         self.dtype = tensor.dtype
         if self.dtype not in _SAFETENSORS_NAMES:
             raise ValueError(
@@ -151,14 +145,6 @@ class _Entry:
         from torch.distributed.tensor import DTensor
 
         t = self.tensor.detach()
-        if self.experts is not None:
-            # Routed experts split over TP: gathered whole on every rank of the TP group.
-            if isinstance(t, DTensor):
-                t = t.full_tensor()
-            group, size = self.experts
-            parts = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            return torch.cat(parts) if writer else None
         if isinstance(t, DTensor):
             return _gather_to_rank0(self.name, t, writer)
         return t if writer else None
@@ -213,35 +199,13 @@ def _gather_to_rank0(name: str, t: Any, writer: bool) -> torch.Tensor | None:
     return full
 
 
-def _split_experts(model: nn.Module) -> dict[str, tuple[Any, int]]:
-    """State-dict names of routed-expert tensors split over TP, with the TP group and size."""
-    from cp_modules.loading.materialize import SHARD_BOXES_ATTR
-
-    out: dict[str, tuple[Any, int]] = {}
-    for prefix, mod in model.named_modules():
-        boxes = getattr(mod, SHARD_BOXES_ATTR, None)
-        if not boxes:
-            continue
-        groups = getattr(mod, "cp_groups", None)
-        if groups is None:
-            raise ValueError(
-                f"export_hf: {type(mod).__name__} {prefix!r} holds routed experts split over TP "
-                "but no cp_groups to gather them over"
-            )
-        tp = dist.get_world_size(groups.tp)
-        for name in boxes:
-            out[f"{prefix}.{name}" if prefix else name] = (groups.tp, tp)
-    return out
-
-
 def _entries(
     model: nn.Module, rename: Callable[[str], str] | None, *, tied: bool
 ) -> dict[str, _Entry]:
-    experts = _split_experts(model)
     out: dict[str, _Entry] = {}
     for key, value in model.state_dict().items():
         name = rename(key) if rename is not None else key
-        out[name] = _Entry(name, value, experts.get(key))
+        out[name] = _Entry(name, value)
     if tied:
         # transformers ties the head to the embedding on load; the file holds it once.
         out.pop("lm_head.weight", None)

@@ -116,38 +116,8 @@ def load_for_training(
             )
         # In place: FSDP2's sharded parameters stay the ones it registered.
         materialize_from_checkpoint(model, index, device=device, sources=sources)
-        _read_split_experts(model, index, sources)
     _tie_check(model)
     return model.train()
-
-
-def _read_split_experts(model: nn.Module, index: Any, sources: dict) -> None:
-    """Routed experts split over TP and then sharded by FSDP2: read each rank's box again.
-
-    Such a parameter is a DTensor over ``dp_pcp`` of the TP rank's experts; its box in the
-    checkpoint tensor is the DTensor's box within those experts, offset by the TP rank's first
-    expert (which :func:`~cp_modules.loading.local_box` does not add for a DTensor).
-    """
-    from torch.distributed.tensor import DTensor
-
-    from cp_modules.loading import local_box
-    from cp_modules.loading.materialize import SHARD_BOXES_ATTR
-
-    boxes = getattr(model, SHARD_BOXES_ATTR, None) or {}
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, (_full, box) in boxes.items():
-            t = params.get(name)
-            if not isinstance(t, DTensor):
-                continue
-            inner, local = local_box(model, name, t)
-            if inner[0].stop > t.shape[0]:
-                continue  # a box in the checkpoint tensor's coordinates already
-            shifted = tuple(
-                slice((b.start or 0) + (i.start or 0), (b.start or 0) + i.stop)
-                for b, i in zip(box, inner)
-            )
-            sources[name].read(index, shifted, local)
 
 
 def _tie_check(model: nn.Module) -> None:
