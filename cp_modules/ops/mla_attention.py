@@ -328,7 +328,7 @@ def _mla_local(
     runs one GEMM for the latent's gradient and one for the weight's and never up-projects
     again), then the attention of the up-projected heads (:func:`gqa_attention` with
     Hkv = H)."""
-    from cp_modules.ops.cp_attention import gqa_attention
+    from cp_modules.ops.gqa_attention import gqa_attention
 
     if isinstance(latent, tuple):
         kv_c, k_pe = latent
