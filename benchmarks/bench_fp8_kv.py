@@ -36,6 +36,7 @@ from triton.testing import do_bench
 
 from benchmarks.common import RESULTS, write_results
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
+from cp_modules.kernels.paged_decode import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
 
@@ -48,6 +49,9 @@ GQA_SHAPES = [(1, 131072), (8, 131072), (64, 16384), (256, 4096), (32, 32768)]
 MLA_128_SHAPES = [(1, 131072)] + [(b, c) for b in (8, 64, 256) for c in (4096, 32768, 131072)]
 MLA_16_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (64, 32768)]
 MAX_CACHE_BYTES = 40e9  # of the bf16 cache
+SWEEP_SHAPE = (8, 131072)
+SWEEP_CONFIGS = [(16, 64, 4, 1), (16, 64, 4, 4), (16, 128, 8, 2), (16, 128, 4, 3), (16, 32, 4, 4),
+                 (16, 256, 8, 2)]  # fmt: skip
 
 
 def graph_ms(fn) -> float:
@@ -95,7 +99,7 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
         shape = (nb, BS, GQA_HKV, GQA_D)
         kb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
         vb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
-        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)
+        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)  # noqa: F841 (used below)
         q, bt, seq, lens = _inputs(b, c, GQA_HQ, GQA_D, nb)
         sc = GQA_D**-0.5
 
@@ -129,6 +133,25 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
         print(f"gqa {key}: bf16 {t16:.4f} ms fp8 {t8:.4f} ms x{t16 / t8:.2f} "
               f"{read8 / t8 / 1e9:.2f} TB/s", flush=True)  # fmt: skip
+        if (b, c) == SWEEP_SHAPE:
+            # Other tiles for the fp8 cache (checked like the default): where the time goes.
+            for bh, bn, w, st in SWEEP_CONFIGS:
+                cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st)
+
+                def run(q, bt, seq, lens, cfg=cfg):
+                    return paged_attention_kernel(q, k8, v8, bt, seq, lens, sc, config=cfg,
+                                                  k_scale=ones, v_scale=ones)  # fmt: skip
+
+                name = f"fp8 tiles H{bh} N{bn} W{w} S{st} {key}"
+                try:
+                    chk = _check(run, ref8, q, bt, seq, lens)
+                    tms = graph_ms(lambda run=run: run(q, bt, seq, lens)) if chk["ok"] else None
+                except Exception as e:  # a tile the compiler refuses
+                    chk, tms = {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}, None
+                checks[name] = chk
+                if tms is not None:
+                    rows[f"sweep gqa {name} TB/s"] = read8 / tms / 1e9
+                    print(f"  {name}: {tms:.4f} ms {read8 / tms / 1e9:.2f} TB/s", flush=True)
         del kb, vb, k8, v8
         torch.cuda.empty_cache()
     return ok_all
@@ -143,7 +166,9 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             continue
         cb = torch.empty((nb, BS, MLA_RK + MLA_ROPE), dtype=torch.bfloat16, device=DEVICE)
         cb.normal_()
-        c8 = quantize_fp8(cb, one)
+        c8 = torch.empty(cb.shape, dtype=FP8_DTYPE, device=DEVICE)
+        for i in range(0, nb, 8192):  # in pieces: an fp32 copy of the whole cache does not fit
+            c8[i : i + 8192] = quantize_fp8(cb[i : i + 8192], one)
         q, bt, seq, lens = _inputs(b, c, heads, MLA_RK + MLA_ROPE, nb)
 
         def bf16(q, bt, seq, lens):

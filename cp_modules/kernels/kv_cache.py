@@ -79,7 +79,9 @@ def _write_cache_kernel(
         dst0 = DST0 + blk * stride_d0b + off * stride_d0s + h[:, None] * stride_d0h + COL0
         if QUANT:
             sc0 = tl.load(SCALE0 + h * stride_sc0, mask=h < NUM_H, other=1.0)
-            x0 = _round_to_e4m3(tl.clamp(x0.to(tl.float32) / sc0[:, None], -448.0, 448.0))
+            # IEEE division (``/`` is approximate on the GPU): the reference's quotient.
+            x0 = tl.div_rn(x0.to(tl.float32), tl.broadcast_to(sc0[:, None], x0.shape))
+            x0 = _round_to_e4m3(tl.clamp(x0, -448.0, 448.0))
         tl.store(dst0 + d0[None, :], x0.to(DST0.dtype.element_ty), mask=m0)
         d1 = tl.arange(0, BLOCK_D1)
         m1 = (h[:, None] < NUM_H) & (d1[None, :] < D1)
@@ -87,7 +89,8 @@ def _write_cache_kernel(
         dst1 = DST1 + blk * stride_d1b + off * stride_d1s + h[:, None] * stride_d1h + COL1
         if QUANT:
             sc1 = tl.load(SCALE1 + h * stride_sc1, mask=h < NUM_H, other=1.0)
-            x1 = _round_to_e4m3(tl.clamp(x1.to(tl.float32) / sc1[:, None], -448.0, 448.0))
+            x1 = tl.div_rn(x1.to(tl.float32), tl.broadcast_to(sc1[:, None], x1.shape))
+            x1 = _round_to_e4m3(tl.clamp(x1, -448.0, 448.0))
         tl.store(dst1 + d1[None, :], x1.to(DST1.dtype.element_ty), mask=m1)
 
 
