@@ -36,6 +36,8 @@ from triton.testing import do_bench
 
 from benchmarks.common import RESULTS, write_results
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
+import cp_modules.kernels.paged_decode as gqa_kernels
+import cp_modules.kernels.paged_decode_mla as mla_kernels
 from cp_modules.kernels.paged_decode import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
@@ -91,6 +93,26 @@ def _check(run, ref, q, bt, seq, lens) -> dict:
     return {"ok": bool(ok), "err_out": e_out, "err_lse": e_lse, "same_dtype_err_out": b_out}
 
 
+def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks) -> None:
+    """The fp8 kernel with the other key-tile load (``FP8_K_TRANSPOSED`` flipped): checked
+    against the reference, then timed; rows ``variant ... K^T load`` (speed-up, TB/s)."""
+    default = module.FP8_K_TRANSPOSED
+    module.FP8_K_TRANSPOSED = not default
+    try:
+        chk = _check(fp8, ref8, *args)
+        checks[f"{key} variant K_T={not default}"] = chk
+        if chk["ok"]:
+            t = graph_ms(lambda: fp8(*args))
+            rows[f"variant K_T={not default} fp8 KV speed-up over bf16 {key}"] = t16 / t
+            rows[f"variant K_T={not default} fp8 KV TB/s {key}"] = read8 / t / 1e9
+            print(f"  {key} variant K_T={not default}: {t:.4f} ms x{t16 / t:.2f} "
+                  f"{read8 / t / 1e9:.2f} TB/s", flush=True)  # fmt: skip
+        else:
+            print(f"  {key} variant K_T={not default}: FAILED check {chk}", flush=True)
+    finally:
+        module.FP8_K_TRANSPOSED = default
+
+
 def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
     ok_all = True
     ones = kv_scale(1.0, GQA_HKV, device=DEVICE)
@@ -128,6 +150,8 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
         t16 = graph_ms(lambda: bf16(q, bt, seq, lens))
         t8 = graph_ms(lambda: fp8(q, bt, seq, lens))
         read8 = float(lens.double().sum()) * GQA_HKV * GQA_D * 2  # bytes: K and V, 1 byte each
+        _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
+                 checks)  # fmt: skip
         rows[f"paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) {key}"] = t16 / t8
         rows[f"paged decode gqa fp8 KV TB/s (CUDA graph) {key}"] = read8 / t8 / 1e9
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
@@ -197,6 +221,8 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             continue
         t16 = graph_ms(lambda: bf16(q, bt, seq, lens))
         t8 = graph_ms(lambda: fp8(q, bt, seq, lens))
+        _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
+                 float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks)  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9

@@ -252,9 +252,15 @@ def _outputs(a: VerifyArgs, kv_cache_dtype: str):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k_transposed", [False, True], ids=["K-NxD", "K-DxN"])
 @pytest.mark.parametrize("window_softcap", [False, True])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-def test_gpu_fp8_kernels_match_reference(window_softcap, splits):
+def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, monkeypatch):
+    import cp_modules.kernels.paged_decode as gqa_kernels
+    import cp_modules.kernels.paged_decode_mla as mla_kernels
+
+    monkeypatch.setattr(gqa_kernels, "FP8_K_TRANSPOSED", k_transposed)
+    monkeypatch.setattr(mla_kernels, "FP8_K_TRANSPOSED", k_transposed)
     torch.manual_seed(0)
     dev = "cuda"
     hkv, d, bs, hq = 8, 128, 64, 32

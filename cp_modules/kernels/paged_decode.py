@@ -55,6 +55,9 @@ _LOG2E = 1.0 / _LN2
 # they win in parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
+# fp8 caches: load each key tile as [Dk, N] (vLLM's Triton decode does) instead of [N, Dk] and
+# a transpose; chosen by measurement (bench_fp8_kv), read at every launch.
+FP8_K_TRANSPOSED = False
 
 
 @triton.jit
@@ -117,6 +120,7 @@ def _paged_attn_kernel(
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    K_T: tl.constexpr = False,
 ):
     # Axis 0 enumerates (query, KV head, head tile) with head tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -181,11 +185,19 @@ def _paged_attn_kernel(
             in_page = (offs_n % PAGE).to(tl.int64)
             k_tok = blk * stride_kb + in_page * stride_ks
             v_tok = blk * stride_vb + in_page * stride_vs
-        k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
-        k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if K_T:
+            # The key tile loaded as [Dk, N] (the product's B operand as it is, no transpose).
+            kt_ptrs = K + k_tok[None, :] + kvh * stride_kh + offs_dk[:, None]
+            kt = tl.load(kt_ptrs, mask=n_mask[None, :] & dk_mask[:, None], other=0.0)
+            if KV_FP8:
+                kt = kt.to(q.dtype)
+            s = tl.dot(q, kt, input_precision=PRECISION)
+        else:
+            k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
+            k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DPE > 0:
             k_pe = tl.load(
                 K + k_tok[:, None] + kvh * stride_kh + DK + offs_pe[None, :],
@@ -360,6 +372,7 @@ def _launch(
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     has_start = query_kv_start is not None
     kv_fp8 = k.dtype == torch.float8_e4m3fn
+    k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
     ks, vs, sks, svs = fp8_scale_args(k, k_scale, v_scale)
     _paged_attn_kernel[grid](
         q, k, v, block_table, query_seq_idx, query_kv_len,
@@ -377,7 +390,7 @@ def _launch(
         BLOCK_DK=_pow2(dk), BLOCK_DPE=_pow2(dpe) if dpe else 1, BLOCK_DV=_pow2(dv),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
-        KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_fp8, K_T=k_t, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)

@@ -42,6 +42,9 @@ _MLA_MAX_SPLITS = 256
 # Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
 # output), in units of one 64-token latent tile.
 _SPLIT_COST_TILES = 5
+# fp8 caches: load the latent tile a second time as [R, N] for the scores (no transpose);
+# chosen by measurement (bench_fp8_kv), read at every launch.
+FP8_K_TRANSPOSED = False
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -81,6 +84,7 @@ def _paged_mla_kernel(
     SPLIT_SCORES: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    K_T: tl.constexpr = False,
 ):
     # One program: BLOCK_H heads of one query over one split of its KV range. A latent tile
     # [BLOCK_N, R + P] is loaded once and serves as the keys of both score products
@@ -134,14 +138,22 @@ def _paged_mla_kernel(
         if KV_FP8:
             kv = kv.to(q.dtype)
             k_pe = k_pe.to(q.dtype)
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
+        if K_T:
+            # The scores' keys loaded again as [R, N] (from L1/L2): no transpose of the tile.
+            kvt = tl.load(
+                C + tok[None, :] + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0
+            ).to(q.dtype)
+            k_pe = tl.trans(k_pe)
+            s = tl.dot(q, kvt, input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
         if SPLIT_SCORES:
             # Two separate products (not one accumulating into the other) so that neither
             # score product feeds a later product directly; see below.
-            s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+            s_pe = tl.dot(q_pe, k_pe if K_T else tl.trans(k_pe), input_precision=PRECISION)
             s = s * qk_scale + s_pe * qk_scale
         else:
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+            s = tl.dot(q_pe, k_pe if K_T else tl.trans(k_pe), s, input_precision=PRECISION)
             s = s * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -278,6 +290,7 @@ def paged_mla_attention_kernel(
         SPLIT_SCORES=bool(split_scores),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=cache.dtype == torch.float8_e4m3fn,
+        K_T=cache.dtype == torch.float8_e4m3fn and FP8_K_TRANSPOSED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
