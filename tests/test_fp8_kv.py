@@ -82,9 +82,9 @@ def test_write_kernel_quantizes_like_the_reference_interpreted():
     slots[5] = -1
     write_kv_cache(k, v, caches[0], caches[1], slots, ks, vs)  # CPU: the reference
     write_kv_cache_kernel(k, v, caches[2], caches[3], slots, ks, vs)
-    # Values equal (the interpreter stores -0 as +0; the GPU test compares bytes).
-    assert torch.equal(caches[0].float(), caches[2].float())
-    assert torch.equal(caches[1].float(), caches[3].float())
+    # The same bytes (-0 included).
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
     flat = caches[0].flatten(0, 1)
     assert torch.equal(flat[slots[0]].float(), quantize_fp8(k[0], ks).float())
     assert flat[slots[0]].float().abs().max() <= 448
@@ -94,7 +94,7 @@ def test_write_kernel_quantizes_like_the_reference_interpreted():
     sc = kv_scale(0.25, 1)
     write_mla_cache(kv_c, k_pe, c_ref, slots, sc)
     write_mla_cache_kernel(kv_c, k_pe, c_ker, slots, sc)
-    assert torch.equal(c_ref.float(), c_ker.float())
+    assert torch.equal(c_ref.view(torch.uint8), c_ker.view(torch.uint8))
 
 
 def test_quantization_error_is_e4m3_rounding():

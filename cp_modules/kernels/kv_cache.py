@@ -32,7 +32,10 @@ def _round_to_e4m3(x):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     magic = (((e - 3 + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
     r = (tl.abs(x) + magic) - magic
-    return tl.where(bits < 0, -r, r)  # the sign bit, so that -0 and tiny negatives stay -0
+    # The sign bit put back as a bit (``-r`` is ``0 - r``, which turns -0 into +0), so that
+    # tiny negatives round to -0 as torch's conversion does.
+    r_bits = r.to(tl.int32, bitcast=True) | (bits & -2147483648)
+    return r_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

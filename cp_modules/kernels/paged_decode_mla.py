@@ -290,7 +290,8 @@ def paged_mla_attention_kernel(
         SPLIT_SCORES=bool(split_scores),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=cache.dtype == torch.float8_e4m3fn,
-        K_T=cache.dtype == torch.float8_e4m3fn and FP8_K_TRANSPOSED,
+        # (The second, transposed tile does not fit shared memory beside a 64-head tile.)
+        K_T=cache.dtype == torch.float8_e4m3fn and FP8_K_TRANSPOSED and cfg.block_h < 64,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
