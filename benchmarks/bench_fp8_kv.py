@@ -36,9 +36,9 @@ from triton.testing import do_bench
 
 from benchmarks.common import RESULTS, write_results
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
-import cp_modules.kernels.paged_decode as gqa_kernels
-import cp_modules.kernels.paged_decode_mla as mla_kernels
-from cp_modules.kernels.paged_decode import DecodeConfig, paged_attention_kernel
+import cp_modules.kernels.decode.paged as gqa_kernels
+import cp_modules.kernels.decode.mla as mla_kernels
+from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
 

@@ -15,9 +15,9 @@ from cp_modules.cache.kv_dtype import (
     kv_scale,
     quantize_fp8,
 )
-from cp_modules.kernels.kv_cache import write_kv_cache_kernel, write_mla_cache_kernel
-from cp_modules.kernels.paged_decode import DecodeConfig, paged_attention_kernel
-from cp_modules.kernels.paged_decode_mla import paged_mla_attention_kernel
+from cp_modules.kernels.cache import write_kv_cache_kernel, write_mla_cache_kernel
+from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
+from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
@@ -256,8 +256,8 @@ def _outputs(a: VerifyArgs, kv_cache_dtype: str):
 @pytest.mark.parametrize("window_softcap", [False, True])
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, monkeypatch):
-    import cp_modules.kernels.paged_decode as gqa_kernels
-    import cp_modules.kernels.paged_decode_mla as mla_kernels
+    import cp_modules.kernels.decode.paged as gqa_kernels
+    import cp_modules.kernels.decode.mla as mla_kernels
 
     monkeypatch.setattr(gqa_kernels, "FP8_K_TRANSPOSED", k_transposed)
     monkeypatch.setattr(mla_kernels, "FP8_K_TRANSPOSED", k_transposed)
