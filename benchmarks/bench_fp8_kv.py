@@ -34,10 +34,10 @@ import torch
 import triton
 from triton.testing import do_bench
 
+import cp_modules.kernels.decode.mla as mla_kernels
+import cp_modules.kernels.decode.paged as gqa_kernels
 from benchmarks.common import RESULTS, write_results
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
-import cp_modules.kernels.decode.paged as gqa_kernels
-import cp_modules.kernels.decode.mla as mla_kernels
 from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
@@ -45,6 +45,7 @@ from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_att
 DEVICE = "cuda"
 BS = 64
 GQA_HQ, GQA_HKV, GQA_D = 32, 8, 128
+GQA_SCALE = GQA_D**-0.5
 MLA_RK, MLA_ROPE = 512, 64
 MLA_SCALE = (128 + MLA_ROPE) ** -0.5
 GQA_SHAPES = [(1, 131072), (8, 131072), (64, 16384), (256, 4096), (32, 32768)]
@@ -124,22 +125,23 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
         shape = (nb, BS, GQA_HKV, GQA_D)
         kb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
         vb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
-        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)  # noqa: F841 (used below)
+        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)
         q, bt, seq, lens = _inputs(b, c, GQA_HQ, GQA_D, nb)
-        sc = GQA_D**-0.5
 
-        def bf16(q, bt, seq, lens):
-            return paged_attention(q, kb, vb, bt, seq, lens, scale=sc)
+        def bf16(q, bt, seq, lens, kb=kb, vb=vb):
+            return paged_attention(q, kb, vb, bt, seq, lens, scale=GQA_SCALE)
 
-        def fp8(q, bt, seq, lens):
-            return paged_attention(q, k8, v8, bt, seq, lens, scale=sc, k_scale=ones, v_scale=ones)
+        def fp8(q, bt, seq, lens, k8=k8, v8=v8):
+            return paged_attention(
+                q, k8, v8, bt, seq, lens, scale=GQA_SCALE, k_scale=ones, v_scale=ones
+            )
 
-        def ref16(q, bt, seq, lens, upcast):
-            return paged_attention_ref(q, kb, vb, bt, seq, lens, sc, upcast=upcast)
+        def ref16(q, bt, seq, lens, upcast, kb=kb, vb=vb):
+            return paged_attention_ref(q, kb, vb, bt, seq, lens, GQA_SCALE, upcast=upcast)
 
-        def ref8(q, bt, seq, lens, upcast):
+        def ref8(q, bt, seq, lens, upcast, k8=k8, v8=v8):
             return paged_attention_ref(
-                q, k8, v8, bt, seq, lens, sc, upcast=upcast, k_scale=ones, v_scale=ones
+                q, k8, v8, bt, seq, lens, GQA_SCALE, upcast=upcast, k_scale=ones, v_scale=ones
             )
 
         key = f"B={b} ctx={c}"
@@ -150,8 +152,9 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
             ok_all = False
             print(f"gqa {key}: FAILED check {ch16} {ch8}", flush=True)
             continue
-        t16 = graph_ms(lambda: bf16(q, bt, seq, lens))
-        t8 = graph_ms(lambda: fp8(q, bt, seq, lens))
+        args = (q, bt, seq, lens)
+        t16 = graph_ms(lambda f=bf16, a=args: f(*a))
+        t8 = graph_ms(lambda f=fp8, a=args: f(*a))
         read8 = float(lens.double().sum()) * GQA_HKV * GQA_D * 2  # bytes: K and V, 1 byte each
         _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
                  checks)  # fmt: skip
@@ -165,21 +168,21 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
             for bh, bn, w, st in SWEEP_CONFIGS:
                 cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st)
 
-                def run(q, bt, seq, lens, cfg=cfg):
-                    return paged_attention_kernel(q, k8, v8, bt, seq, lens, sc, config=cfg,
+                def run(q, bt, seq, lens, cfg=cfg, k8=k8, v8=v8):
+                    return paged_attention_kernel(q, k8, v8, bt, seq, lens, GQA_SCALE, config=cfg,
                                                   k_scale=ones, v_scale=ones)  # fmt: skip
 
                 name = f"fp8 tiles H{bh} N{bn} W{w} S{st} {key}"
                 try:
                     chk = _check(run, ref8, q, bt, seq, lens)
-                    tms = graph_ms(lambda run=run: run(q, bt, seq, lens)) if chk["ok"] else None
+                    tms = graph_ms(lambda f=run, a=args: f(*a)) if chk["ok"] else None
                 except Exception as e:  # a tile the compiler refuses
                     chk, tms = {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}, None
                 checks[name] = chk
                 if tms is not None:
                     rows[f"sweep gqa {name} TB/s"] = read8 / tms / 1e9
                     print(f"  {name}: {tms:.4f} ms {read8 / tms / 1e9:.2f} TB/s", flush=True)
-        del kb, vb, k8, v8
+        del bf16, fp8, ref16, ref8, kb, vb, k8, v8
         torch.cuda.empty_cache()
     return ok_all
 
@@ -198,18 +201,18 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             c8[i : i + 8192] = quantize_fp8(cb[i : i + 8192], one)
         q, bt, seq, lens = _inputs(b, c, heads, MLA_RK + MLA_ROPE, nb)
 
-        def bf16(q, bt, seq, lens):
+        def bf16(q, bt, seq, lens, cb=cb):
             return paged_mla_attention(q, cb, bt, seq, lens, scale=MLA_SCALE, kv_lora_rank=MLA_RK)
 
-        def fp8(q, bt, seq, lens):
+        def fp8(q, bt, seq, lens, c8=c8):
             return paged_mla_attention(
                 q, c8, bt, seq, lens, scale=MLA_SCALE, kv_lora_rank=MLA_RK, kv_scale=one
             )
 
-        def ref16(q, bt, seq, lens, upcast):
+        def ref16(q, bt, seq, lens, upcast, cb=cb):
             return paged_mla_attention_ref(q, cb, bt, seq, lens, MLA_SCALE, MLA_RK, upcast=upcast)
 
-        def ref8(q, bt, seq, lens, upcast):
+        def ref8(q, bt, seq, lens, upcast, c8=c8):
             return paged_mla_attention_ref(
                 q, c8, bt, seq, lens, MLA_SCALE, MLA_RK, upcast=upcast, kv_scale=one
             )
@@ -222,8 +225,9 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             ok_all = False
             print(f"mla {heads} heads {key}: FAILED check {ch16} {ch8}", flush=True)
             continue
-        t16 = graph_ms(lambda: bf16(q, bt, seq, lens))
-        t8 = graph_ms(lambda: fp8(q, bt, seq, lens))
+        args = (q, bt, seq, lens)
+        t16 = graph_ms(lambda f=bf16, a=args: f(*a))
+        t8 = graph_ms(lambda f=fp8, a=args: f(*a))
         _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
                  float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks)  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
@@ -239,7 +243,7 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
         print(f"mla {heads} heads {key}: bf16 {t16:.4f} ms ({flops / t16 / 1e9:.0f} TFLOP/s) "
               f"fp8 {t8:.4f} ms ({flops / t8 / 1e9:.0f} TFLOP/s) x{t16 / t8:.2f}",
               flush=True)  # fmt: skip
-        del cb, c8
+        del bf16, fp8, ref16, ref8, cb, c8
         torch.cuda.empty_cache()
     return ok_all
 

@@ -16,8 +16,8 @@ from cp_modules.cache.kv_dtype import (
     quantize_fp8,
 )
 from cp_modules.kernels.cache import write_kv_cache_kernel, write_mla_cache_kernel
-from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
+from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
@@ -38,7 +38,9 @@ def test_bad_options_raise_naming_the_option():
     for bad in (0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, 0.0])):
         with pytest.raises(ValueError, match="layers.3.k_scale must hold positive finite"):
             kv_scale(bad, 2, name="layers.3.k_scale")
-    with pytest.raises(ValueError, match=r"v_scale must be a scalar or one value per KV head \(\[4\]\)"):
+    with pytest.raises(
+        ValueError, match=r"v_scale must be a scalar or one value per KV head \(\[4\]\)"
+    ):
         kv_scale(torch.ones(3), 4, name="v_scale")
     with pytest.raises(ValueError, match="k_scale must be a number or a tensor"):
         kv_scale("1.0", 4)  # type: ignore[arg-type]
@@ -190,8 +192,15 @@ def _fp8_cases():
     cases = [
         VerifyArgs(**base, dcp_comm_backend="ag_rs", attention="gqa"),
         VerifyArgs(**base, dcp_comm_backend="a2a", attention="gqa", packed_a2a=False),
-        VerifyArgs(**base, dcp_comm_backend="a2a", attention="gqa", sinks=True,
-                   sliding_window=5, softcap=3.0, interleave=2),  # fmt: skip
+        VerifyArgs(
+            **base,
+            dcp_comm_backend="a2a",
+            attention="gqa",
+            sinks=True,
+            sliding_window=5,
+            softcap=3.0,
+            interleave=2,
+        ),  # fmt: skip
         VerifyArgs(**base, dcp_comm_backend="ag_rs", attention="mla"),
         VerifyArgs(**base, dcp_comm_backend="a2a", attention="mla"),
     ]
@@ -256,8 +265,8 @@ def _outputs(a: VerifyArgs, kv_cache_dtype: str):
 @pytest.mark.parametrize("window_softcap", [False, True])
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, monkeypatch):
-    import cp_modules.kernels.decode.paged as gqa_kernels
     import cp_modules.kernels.decode.mla as mla_kernels
+    import cp_modules.kernels.decode.paged as gqa_kernels
 
     monkeypatch.setattr(gqa_kernels, "FP8_K_TRANSPOSED", k_transposed)
     monkeypatch.setattr(mla_kernels, "FP8_K_TRANSPOSED", k_transposed)

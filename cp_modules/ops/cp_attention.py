@@ -229,9 +229,7 @@ def _gqa_attention_with_cache(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gqa_forward(
-        q, k, v, k_cache, v_cache, scale, sinks, window, softcap, k_scale, v_scale
-    )
+    return _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks, window, softcap, k_scale, v_scale)
 
 
 def _gqa_fake(q, k, v, *args):

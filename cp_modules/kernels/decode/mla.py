@@ -27,9 +27,9 @@ from cp_modules.kernels.decode.paged import (
     _MIN_SPLIT_TOKENS,
     DecodeConfig,
     _num_sms,
-    fp8_scale_args,
     _pow2,
     _split_buffers,
+    fp8_scale_args,
     mla_default_config,
 )
 from cp_modules.kernels.merge import merge_splits_triton
@@ -141,7 +141,9 @@ def _paged_mla_kernel(
         if K_T:
             # The scores' keys loaded again as [R, N] (from L1/L2): no transpose of the tile.
             kvt = tl.load(
-                C + tok[None, :] + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0
+                C + tok[None, :] + offs_r[:, None],
+                mask=n_mask[None, :] & r_mask[:, None],
+                other=0.0,
             ).to(q.dtype)
             k_pe = tl.trans(k_pe)
             s = tl.dot(q, kvt, input_precision=PRECISION)
