@@ -137,8 +137,19 @@ def _fp8_gqa_shard(hkv=2, d=32, bs=16, lengths=(1, 70, 130), seed=0):
     return kc, vc, ks, vs, bt, torch.tensor(rows, dtype=torch.int32), torch.tensor(lengths)
 
 
+@pytest.fixture(params=[False, True], ids=["K-NxD", "K-DxN"])
+def k_transposed(request, monkeypatch):
+    """Both key-tile loads of the fp8 decode kernels (FP8_K_TRANSPOSED)."""
+    import cp_modules.kernels.decode.mla as mla_kernels
+    import cp_modules.kernels.decode.paged as gqa_kernels
+
+    monkeypatch.setattr(gqa_kernels, "FP8_K_TRANSPOSED", request.param)
+    monkeypatch.setattr(mla_kernels, "FP8_K_TRANSPOSED", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("window_softcap", [False, True], ids=["plain", "window-softcap"])
-def test_gqa_kernel_on_fp8_cache_matches_reference_interpreted(window_softcap):
+def test_gqa_kernel_on_fp8_cache_matches_reference_interpreted(window_softcap, k_transposed):
     kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard()
     q = torch.randn(rows.numel(), 8, 32)
     extra = {}
@@ -157,7 +168,7 @@ def test_gqa_kernel_on_fp8_cache_matches_reference_interpreted(window_softcap):
     torch.testing.assert_close(ref_out, f_out, atol=1e-6, rtol=0)
 
 
-def test_mla_kernel_on_fp8_cache_matches_reference_interpreted():
+def test_mla_kernel_on_fp8_cache_matches_reference_interpreted(k_transposed):
     g = torch.Generator().manual_seed(1)
     bs, rk, rope = 16, 64, 16
     cache = torch.full((6, bs, rk + rope), float("nan")).to(FP8_DTYPE)
@@ -318,3 +329,17 @@ def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, m
         assert (l_ - r_l).abs().max().item() <= 2 * (s_l - r_l).abs().max().item() + 1e-4
     with pytest.raises(ValueError, match="takes bf16/fp16 caches, not fp8"):
         paged_mla_attention(*margs, scale=0.07, kv_lora_rank=512, kernel="gluon", kv_scale=sc)
+
+
+def test_fp8_on_a_gpu_without_fp8_and_bad_recipe_option_raise(monkeypatch):
+    from recipe_configs import BackendConf
+
+    from cp_modules.cache import kv_dtype
+
+    monkeypatch.setattr(kv_dtype.torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(kv_dtype.torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' needs a GPU with fp8.*A100"):
+        kv_cache_storage_dtype("fp8_e4m3", torch.bfloat16, "cuda")
+    assert kv_cache_storage_dtype("bf16", torch.bfloat16, "cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="backend.kv_cache_dtype must be one of"):
+        BackendConf(kv_cache_dtype="fp8")

@@ -56,8 +56,9 @@ _LOG2E = 1.0 / _LN2
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
 # fp8 caches: load each key tile as [Dk, N] (vLLM's Triton decode does) instead of [N, Dk] and
-# a transpose; chosen by measurement (bench_fp8_kv), read at every launch.
-FP8_K_TRANSPOSED = False
+# a transpose; read at every launch. On by measurement: 1-6 % faster on the H200 on all five
+# bench_fp8_kv shapes (benchmarks/results/fp8-kv-2026-12-02.txt).
+FP8_K_TRANSPOSED = True
 
 
 @triton.jit
