@@ -197,25 +197,33 @@ def test_mla_kernel_on_fp8_cache_matches_reference_interpreted(k_transposed):
 # DCP (ag_rs, a2a, packed a2a) with fp8 == one process with fp8, through the layers
 
 
+def _layout(backend, interleave=1, world=2):
+    from cp_modules.config import ParallelConfig
+
+    if world == 1:
+        return ParallelConfig()
+    return ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2,
+                          dcp_comm_backend=backend,
+                          dcp_kv_cache_interleave_size=interleave)  # fmt: skip
+
+
 def _fp8_cases():
-    base = dict(world_size=2, tp=1, pcp=2, dcp=2, mode="mixed", seq_lens=[19, 3, 8],
-                decode_steps=2, block_size=4, kv_cache_dtype="fp8_e4m3")  # fmt: skip
-    cases = [
-        VerifyArgs(**base, dcp_comm_backend="ag_rs", attention="gqa"),
-        VerifyArgs(**base, dcp_comm_backend="a2a", attention="gqa", packed_a2a=False),
+    base = dict(mode="mixed", seq_lens=[19, 3, 8], decode_steps=2, block_size=4,
+                kv_cache_dtype="fp8_e4m3")  # fmt: skip
+    return [
+        VerifyArgs(parallel=_layout("ag_rs"), attention="gqa", **base),
+        VerifyArgs(parallel=_layout("a2a"), attention="gqa", packed_a2a=False, **base),
         VerifyArgs(
-            **base,
-            dcp_comm_backend="a2a",
+            parallel=_layout("a2a", interleave=2),
             attention="gqa",
             sinks=True,
             sliding_window=5,
             softcap=3.0,
-            interleave=2,
+            **base,
         ),  # fmt: skip
-        VerifyArgs(**base, dcp_comm_backend="ag_rs", attention="mla"),
-        VerifyArgs(**base, dcp_comm_backend="a2a", attention="mla"),
+        VerifyArgs(parallel=_layout("ag_rs"), attention="mla", **base),
+        VerifyArgs(parallel=_layout("a2a"), attention="mla", **base),
     ]
-    return cases
 
 
 def _fp8_rank(rank, world_size, cases):
@@ -235,7 +243,7 @@ def test_dcp_fp8_equals_one_process_fp8():
 def test_fp8_cache_changes_the_decode_result_one_process():
     # The fp8 run is not silently a float one: its outputs differ from the fp32 cache's by
     # about the e4m3 rounding, and not by more.
-    a = VerifyArgs(world_size=1, tp=1, pcp=1, dcp=1, attention="gqa", mode="decode",
+    a = VerifyArgs(parallel=_layout("ag_rs", world=1), attention="gqa", mode="decode",
                    seq_lens=[12, 5], decode_steps=1, block_size=4)  # fmt: skip
     r8 = _outputs(a, "fp8_e4m3")
     r32 = _outputs(a, "bf16")
