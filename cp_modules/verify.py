@@ -54,6 +54,9 @@ class VerifyArgs:
     sinks: bool = False
     sliding_window: int | None = None
     softcap: float | None = None
+    # "fp8_e4m3": both runs keep an fp8 KV cache (static scales 0.5 for K / the latent, 2.0 for
+    # V), so the sharded run is compared with the single process's fp8 run.
+    kv_cache_dtype: str = "bf16"
 
     @property
     def world_size(self) -> int:
@@ -152,9 +155,14 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     return layer.to(dtype)
 
 
-def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device):
+def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device, kv_cache_dtype="bf16"):
+    from cp_modules.cache.kv_dtype import kv_cache_storage_dtype, kv_scale
     from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
     from cp_modules.modules import CPFlashAttention
+
+    store = kv_cache_storage_dtype(kv_cache_dtype, dtype, device)
+    fp8 = store != dtype
+    dtype = store
 
     if isinstance(layer, CPFlashAttention):
         kv = layer.num_kv_heads if layer.kv_replica_index is None else 1
@@ -163,9 +171,13 @@ def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device):
             0
         ] // layer.head_dim
         kv = min(kv, local_kv)
+        if fp8:
+            layer.kv_scales = (kv_scale(0.5, kv, device=device), kv_scale(2.0, kv, device=device))
         return allocate_kv_cache(
             num_blocks, block_size, kv, layer.head_dim, dtype=dtype, device=device
         )
+    if fp8:
+        layer.kv_cache_scale = kv_scale(0.5, 1, device=device)
     return allocate_mla_cache(
         num_blocks,
         block_size,
@@ -277,7 +289,9 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
         else:
             rt = CPRuntime.single(policy=a.policy())
         if not train:
-            layer.kv_cache = _allocate_cache(layer, num_blocks, a.block_size, run_dtype, device)
+            layer.kv_cache = _allocate_cache(
+                layer, num_blocks, a.block_size, run_dtype, device, a.kv_cache_dtype
+            )
         fn = layer
         if a.compile and label == "parallel":
             torch._dynamo.reset()

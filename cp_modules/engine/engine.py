@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_modules.cache.dcp import dcp_num_blocks
+from cp_modules.cache.kv_dtype import check_kv_cache_dtype, kv_cache_storage_dtype
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
 from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph_width
 from cp_modules.engine.prompts import check_prompts
@@ -34,7 +35,12 @@ from cp_modules.engine.results import GenerationResult, GenerationStats
 from cp_modules.engine.rows import gather_rows as _gather_rows
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
-from cp_modules.modules.hf_swap import allocate_kv_caches, cp_attention_layers, kv_cache_tensors
+from cp_modules.modules.hf_swap import (
+    allocate_kv_caches,
+    cp_attention_layers,
+    kv_cache_bytes_per_block_of,
+    kv_cache_tensors,
+)
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
 __all__ = ["GenerationEngine", "GenerationResult", "GenerationStats"]
@@ -71,6 +77,13 @@ class GenerationEngine:
             each step. A model whose forward cannot be captured (e.g. a host synchronisation in
             its MoE routing): with None the engine warns once and decodes eagerly; with True the
             capture's error is raised.
+        kv_cache_dtype: ``"bf16"`` (the model's own dtype) or ``"fp8_e4m3"`` (half the bytes
+            of a bf16 cache: written quantized with the layers' static scales, read
+            dequantized by the decode and prefix kernels; :mod:`cp_modules.cache.kv_dtype`).
+        kv_cache_memory: bytes of KV cache per rank: the pool then holds
+            ``kv_cache_memory // bytes per block`` blocks (over all layers), so an fp8 cache
+            holds twice the tokens of a bf16 one in the same memory; it replaces
+            ``num_blocks`` (give one of them).
 
     Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
     model's ``generation_config.eos_token_id`` (one id or a list), unless
@@ -78,8 +91,9 @@ class GenerationEngine:
 
     Raises:
         ValueError: for a model without swapped attention, a dtype the decode kernels do not
-            take, a layout with dp or pp > 1, sizes out of range, or an LM head whose logits
-            the model post-processes in a way the engine does not know.
+            take, a layout with dp or pp > 1, sizes out of range, an unknown
+            ``kv_cache_dtype`` or fp8 on a GPU without fp8 conversions, or an LM head whose
+            logits the model post-processes in a way the engine does not know.
     """
 
     def __init__(
@@ -96,8 +110,11 @@ class GenerationEngine:
         progress: bool = True,
         packed_a2a: bool = True,
         decode_graphs: bool | None = None,
+        kv_cache_dtype: str = "bf16",
+        kv_cache_memory: int | None = None,
     ) -> None:
         self.model = model
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.layers = cp_attention_layers(model)
         if not self.layers:
             raise ValueError(
@@ -146,6 +163,21 @@ class GenerationEngine:
                 f"the model's dtype is {self.dtype}; the paged decode kernels take float32, "
                 "bfloat16 or float16: convert the model with model.to(dtype)"
             )
+        self.kv_storage_dtype = kv_cache_storage_dtype(kv_cache_dtype, self.dtype, self.device)
+        self.kv_bytes_per_block = kv_cache_bytes_per_block_of(
+            model, block_size, self.kv_storage_dtype
+        )
+        if kv_cache_memory is not None:
+            if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int):
+                raise ValueError(f"kv_cache_memory must be an integer, got {kv_cache_memory!r}")
+            if num_blocks is not None:
+                raise ValueError("give num_blocks or kv_cache_memory, not both")
+            if kv_cache_memory < self.kv_bytes_per_block:
+                raise ValueError(
+                    f"kv_cache_memory={kv_cache_memory} bytes holds no block: one block takes "
+                    f"{self.kv_bytes_per_block} bytes over all layers ({kv_cache_dtype})"
+                )
+            self.num_blocks = kv_cache_memory // self.kv_bytes_per_block
         self.vocab_size = _text_config(model).vocab_size
         self._logits_fn = _logits_postprocess(model)
         self._cache_blocks = 0
@@ -198,7 +230,7 @@ class GenerationEngine:
         }
         allocate_kv_caches(
             self.model, num_blocks, self.block_size, dtype=self.dtype, device=self.device,
-            window_num_blocks=self._window_blocks,
+            window_num_blocks=self._window_blocks, kv_cache_dtype=self.kv_cache_dtype,
         )  # fmt: skip
         self._graphs.clear()  # captured graphs hold the old caches' addresses
         if self._compiled:
@@ -327,6 +359,8 @@ class GenerationEngine:
             peak_window_blocks_per_decode={
                 w: g.peak_decode_blocks_per_request for w, g in sched.window_groups.items()
             },
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_bytes_per_token=self.kv_bytes_per_block // self.block_size,
         )
         return GenerationResult(
             outputs=[r.output for r in requests],
