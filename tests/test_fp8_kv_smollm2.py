@@ -96,6 +96,7 @@ def _run(model, prompts, kv_cache_dtype, forced=None):
     return torch.stack(tops, 1)  # [R, NEW_TOKENS]
 
 
+@pytest.mark.measure
 @pytest.mark.xfail(
     strict=True,
     reason="goal not met: 0.9545 agreement measured on 2026-12-02 (e4m3 with static scales); "
@@ -121,10 +122,10 @@ def test_engine_greedy_answers_with_fp8_and_bf16_kv(smollm2):
     for dt in ("bf16", "fp8_e4m3"):
         engine = GenerationEngine(model, block_size=BS, max_num_tokens=64, progress=False,
                                   kv_cache_dtype=dt, kv_cache_memory=memory)  # fmt: skip
-        res = engine.generate(prompts[: len(MAIN_JOB)], SamplingParams(max_new_tokens=12))
+        res = engine.generate(prompts[:1], SamplingParams(max_new_tokens=9))
         texts[dt] = [tok.decode(o) for o in res.outputs]
         stats[dt] = (res.stats.kv_cache_dtype, res.stats.kv_bytes_per_token, engine.num_blocks)
-        for q, t in zip(MAIN_JOB, texts[dt]):
+        for q, t in zip(MAIN_JOB[:1], texts[dt]):
             print(f"\n[{dt}] {q!r} -> {t!r}")
     assert "Paris" in texts["fp8_e4m3"][0]
     (d16, b16, n16), (d8, b8, n8) = stats["bf16"], stats["fp8_e4m3"]
