@@ -32,6 +32,7 @@ from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph
 from cp_modules.engine.results import GenerationResult, GenerationStats
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
+from cp_modules.engine.speculative import SpeculativeStats, make_drafter, verify_step
 from cp_modules.modules.hf_swap import allocate_kv_caches, cp_attention_layers, kv_cache_tensors
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
@@ -254,6 +255,8 @@ class GenerationEngine:
                 f"tokens, more than the model's max_position_embeddings={limit}"
             )
         requests = [Request(i, p, params.max_new_tokens) for i, p in enumerate(prompts)]
+        drafter = self._speculative_drafter(params)
+        query_len = params.num_speculative_tokens + 1  # new tokens of a decode at most
         dcp = self.runtime.dcp_size
         need = self.num_blocks or sum(
             dcp_num_blocks(r.max_len, self.block_size, dcp) for r in requests
@@ -266,6 +269,7 @@ class GenerationEngine:
             max_num_tokens=self.max_num_tokens,
             max_num_seqs=self.max_num_seqs,
             limit=self.num_blocks,
+            max_query_len=query_len,
         )
         num_blocks = self._ensure_cache(need, window_need)
         sched = Scheduler(
@@ -276,7 +280,9 @@ class GenerationEngine:
             max_num_tokens=self.max_num_tokens,
             max_num_seqs=self.max_num_seqs,
             window_num_blocks=self._window_blocks,
+            max_query_len=query_len,
         )
+        spec = SpeculativeStats()
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         stop_ids = self.stop_ids(params)
         bar = _progress_bar(len(requests) * params.max_new_tokens, self.progress and self.rank == 0)
@@ -295,6 +301,16 @@ class GenerationEngine:
             while not sched.done:
                 batch = sched.schedule()
                 t_step = time.perf_counter()
+                if drafter is not None and steps and batch.num_prefill_tokens == 0:
+                    verified = verify_step(self, sched, batch, params, generator, drafter, spec)
+                    n = sched.update_verified(
+                        batch.requests, verified, stop_ids, time.perf_counter() - t0
+                    )
+                    bar.update(n)
+                    decode_s += time.perf_counter() - t_step
+                    decode_tokens += n
+                    steps += 1
+                    continue
                 graph = self._serving_graph(batch) if steps else None
                 if graph is not None:
                     n_steps, n_tokens = self._decode_run(
@@ -334,12 +350,35 @@ class GenerationEngine:
             peak_window_blocks_per_decode={
                 w: g.peak_decode_blocks_per_request for w, g in sched.window_groups.items()
             },
+            spec_steps=spec.steps,
+            spec_rows=spec.rows,
+            spec_draft_tokens=spec.drafted,
+            spec_accepted_tokens=spec.accepted,
+            spec_emitted_tokens=spec.emitted,
+            spec_draft_s=spec.draft_s,
+            spec_verify_s=spec.verify_s,
         )
         return GenerationResult(
             outputs=[r.output for r in requests],
             finish_reasons=[r.finish_reason for r in requests],
             stats=stats,
         )
+
+    def _speculative_drafter(self, params: SamplingParams):
+        """The drafter of ``params.speculative`` (None without speculation), checked."""
+        if params.speculative is None:
+            return None
+        k = params.num_speculative_tokens
+        if k + 1 > self.max_num_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={k}: a verification step holds k + 1 = {k + 1} "
+                f"tokens of a request, more than the step budget max_num_tokens="
+                f"{self.max_num_tokens}: lower num_speculative_tokens or raise max_num_tokens"
+            )
+        drafter = make_drafter(params.speculative)
+        drafter.check(self)
+        drafter.begin()
+        return drafter
 
     @property
     def cache_blocks(self) -> int:
