@@ -37,6 +37,7 @@ vocabulary, D = drafted tokens of the step (``sum(n_r)``).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ class DraftModelDrafter:
         self.seed = seed
         self._state: dict[int, tuple[object, list[int]]] = {}
         self._generator: torch.Generator | None = None
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @property
     def vocab_size(self) -> int:
@@ -213,8 +216,8 @@ class DraftModelDrafter:
             common = min(common, len(tokens) - 1)  # one token to feed at least
             if cache is None or common == 0:
                 cache, common = DynamicCache(), 0
-            else:
-                cache.crop(common)
+            elif cache.get_seq_length() > common:
+                cache.crop(common - cache.get_seq_length())  # drop the tokens past ``common``
             fed = tokens[:common]
             draft: list[int] = []
             qs: list[torch.Tensor] = []
@@ -222,9 +225,8 @@ class DraftModelDrafter:
             for _ in range(k):
                 ids = torch.tensor([feed], device=dev)
                 pos = torch.arange(len(fed), len(fed) + len(feed), device=dev)[None]
-                out = self.model(
-                    input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True
-                )
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
+                                 **{self._cache_kw: cache})  # fmt: skip
                 fed = fed + feed
                 logits = out.logits[0, -1:].float()
                 q = token_probs(logits, params)
