@@ -85,10 +85,15 @@ def test_ngram_draft_proposes_what_followed_the_latest_match():
     assert ngram_draft([1, 2, 1], 0) == []
 
 
-@pytest.mark.parametrize(("family", "k"), [("llama", 4), ("deepseek_v3", 3), ("gpt_oss", 5)])
-def test_greedy_speculation_equals_plain_decoding(family, k):
-    # GQA, MLA, and a 6-token sliding window with sinks (k + 1 = 6 tokens verified at once).
-    engine = _engine(_model(family))
+@pytest.mark.parametrize(
+    ("family", "k", "graphs"),
+    [("llama", 4, False), ("deepseek_v3", 3, False), ("gpt_oss", 5, False),
+     ("llama", 4, True), ("gpt_oss", 3, True)],
+)  # fmt: skip
+def test_greedy_speculation_equals_plain_decoding(family, k, graphs):
+    # GQA, MLA, and a 6-token sliding window with sinks (k + 1 = 6 tokens verified at once);
+    # graphs: verification on the static buffers of the CUDA-graph path (eager on CPU).
+    engine = _engine(_model(family), decode_graphs=graphs)
     prompts = repeated_prompts()
     plain = engine.generate(prompts, SamplingParams(max_new_tokens=14))
     spec = engine.generate(
