@@ -7,7 +7,8 @@
 Runs each part, ``python -m benchmarks.bench_<part>`` from the repository root, in its own
 process (a failure or a hang in one does not lose the others), in this order: ceilings (copy
 and matmul roofs, dense prefill kernels per shape), lse_combine, pcp, masked (windows and
-soft-cap), decode, mla_decode (the 128-head MLA sweep), modules, parity (one GPU against HF). Every
+soft-cap), decode, mla_decode (the 128-head MLA sweep), modules, parity (one GPU against HF),
+speculative (speculative decoding against the plain engine). Every
 part checks its kernels against their references on the benchmark shapes first and reports no
 speed for a wrong kernel (exit status 1). Then ``benchmarks.report`` merges the newest results
 into ``benchmarks/<date>-<gpu>.{json,md}`` and plots. Exit status: 0 only if every part passed
@@ -25,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ORDER = (
     "ceilings", "lse_combine", "pcp", "masked", "decode", "mla_decode", "modules", "parity",
+    "speculative",
 )  # fmt: skip
 
 

@@ -106,6 +106,7 @@ def _smollm2_body(rank: int, world_size: int, prompt: list[int], max_new: int):
     return plain.outputs, spec.outputs, s.tokens_per_verify, s.acceptance_rate, s.spec_rows
 
 
+@pytest.mark.slow
 def test_smollm2_repeating_a_passage_at_pcp2_dcp2():
     from recipe_models import load_tokenizer, model_dir
 
