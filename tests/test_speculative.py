@@ -28,7 +28,6 @@ from cp_modules.modules.hf_swap import swap_attention
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 def chi2_critical(df: int, z: float = 3.0902) -> float:
     """The chi-square quantile of ``df`` degrees of freedom at the normal quantile ``z``
     (3.09: p = 1e-3, a correct sampler fails one run in 1000), by Wilson-Hilferty (within 1%

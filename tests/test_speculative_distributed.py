@@ -99,8 +99,9 @@ def _smollm2_body(rank: int, world_size: int, prompt: list[int], max_new: int):
     plain = engine.generate([prompt], SamplingParams(max_new_tokens=max_new, ignore_eos=True))
     spec = engine.generate(
         [prompt],
-        SamplingParams(max_new_tokens=max_new, ignore_eos=True, speculative="ngram",
-                       num_speculative_tokens=4),  # fmt: skip
+        SamplingParams(
+            max_new_tokens=max_new, ignore_eos=True, speculative="ngram", num_speculative_tokens=4
+        ),  # fmt: skip
     )
     s = spec.stats
     return plain.outputs, spec.outputs, s.tokens_per_verify, s.acceptance_rate, s.spec_rows

@@ -179,9 +179,7 @@ class WindowBlockGroup:
         """Entries of ``row`` that hold a block: entry index -> physical block id (a copy)."""
         return dict(self._rows[row])
 
-    def prepare(
-        self, row: int, num_computed: int, num_new: int, decode_threshold: int = 1
-    ) -> None:
+    def prepare(self, row: int, num_computed: int, num_new: int, decode_threshold: int = 1) -> None:
         """Give ``row`` the blocks its next step writes into (``decode_threshold``: the step
         metadata's, ``k + 1`` for a speculative verification)."""
         vb = self.block_size * self.dcp_size

@@ -341,9 +341,7 @@ def accept_drafts(
     return [list(d[:a]) + [t] for d, a, t in zip(drafts, accepted, last)]
 
 
-def draft_counts(
-    requests: Sequence[Request], k: int, max_num_tokens: int
-) -> list[int]:
+def draft_counts(requests: Sequence[Request], k: int, max_num_tokens: int) -> list[int]:
     """Drafts per request: at most ``k``, no position past the request's last
     (``prompt + max_new_tokens - 1``: the last emitted token is never cached), and at most
     ``max_num_tokens`` query tokens in the step (shared evenly)."""
