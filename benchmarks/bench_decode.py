@@ -68,16 +68,16 @@ from cp_modules.cache import (
     kv_cache_bytes_per_block,
     local_seq_len,
 )
-from cp_modules.kernels.paged_decode import (
+from cp_modules.kernels.decode.mla import (
+    choose_mla_num_splits,
+    mla_programs_per_sm,
+    paged_mla_attention_kernel,
+)
+from cp_modules.kernels.decode.paged import (
     DecodeConfig,
     choose_num_splits,
     default_config,
     paged_attention_kernel,
-)
-from cp_modules.kernels.paged_decode_mla import (
-    choose_mla_num_splits,
-    mla_programs_per_sm,
-    paged_mla_attention_kernel,
 )
 from cp_modules.reference.paged_decode import (
     paged_attention_ref,

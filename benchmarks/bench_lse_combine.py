@@ -32,7 +32,7 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.common import RESULTS
-from cp_modules.kernels.lse_merge import (
+from cp_modules.kernels.merge import (
     correct_attn_out_triton,
     lse_combine_launch_config,
     lse_combine_triton,

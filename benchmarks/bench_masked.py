@@ -42,8 +42,8 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, write_results
-from cp_modules.kernels.masked_flash import flash_window_backward, flash_window_forward
-from cp_modules.kernels.masked_prefill import (
+from cp_modules.kernels.masked.flash import flash_window_backward, flash_window_forward
+from cp_modules.kernels.masked.prefill import (
     SOFTCAP_SM90_BLOCKS,
     flex_block_options,
     flex_compile_config,

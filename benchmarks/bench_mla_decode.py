@@ -18,7 +18,7 @@ What it does:
   Variants: ``triton`` (the shipped kernel with its default tiles), ``triton-N<n>-S<s>-W8[-split]``
   (plain-Triton 64-head tiles on 8 warps, other token tiles and pipeline depths; the two head
   halves of a query are neighbours in the grid and read the same split through L2) and
-  ``gluon`` (:mod:`cp_modules.kernels.paged_decode_mla_gluon` with its default schedule; 128
+  ``gluon`` (:mod:`cp_modules.kernels.decode.mla_gluon` with its default schedule; 128
   and 64 heads only) and ``gluon-<name>`` for each schedule named in ``--variants`` (keys of
   ``GLUON_MLA_VARIANTS``: who issues the tile copies, peeled last pair, register split, the
   split merge fused into the kernel, e.g. ``--variants loader-r232-fused,loader-r232-fused16``).
@@ -49,8 +49,8 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.common import RESULTS, write_results
-from cp_modules.kernels.paged_decode import DecodeConfig
-from cp_modules.kernels.paged_decode_mla import paged_mla_attention_kernel
+from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
+from cp_modules.kernels.decode.paged import DecodeConfig
 from cp_modules.reference.paged_decode import paged_mla_attention_ref
 
 DTYPE = torch.bfloat16
@@ -160,7 +160,7 @@ def triton_fn(config):
 
 
 def gluon_fn(pool, q, bt, seq, lens):
-    from cp_modules.kernels.paged_decode_mla_gluon import paged_mla_attention_gluon
+    from cp_modules.kernels.decode.mla_gluon import paged_mla_attention_gluon
 
     return paged_mla_attention_gluon(q, pool, bt, seq, lens, SCALE, RK)
 
@@ -169,7 +169,7 @@ def gluon_variant_fn(name: str):
     """The Gluon kernel with the schedule ``GLUON_MLA_VARIANTS[name]``."""
 
     def fn(pool, q, bt, seq, lens):
-        from cp_modules.kernels.paged_decode_mla_gluon import (
+        from cp_modules.kernels.decode.mla_gluon import (
             GLUON_MLA_VARIANTS,
             paged_mla_attention_gluon,
         )
@@ -308,7 +308,7 @@ def main() -> int:
         got = sweep(gluon_variants(names or ["default"]), rows, args.budget_s, log)
         print("GLUON_ROWS " + json.dumps(got, default=str))
         return 0
-    from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
+    from cp_modules.kernels.decode.mla_gluon import GLUON_MLA_VARIANTS
 
     unknown = [n for n in names if n not in GLUON_MLA_VARIANTS]
     if unknown:

@@ -59,12 +59,12 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.common import RESULTS, write_results
-from cp_modules.kernels.attention_blocks import (
+from cp_modules.kernels.prefill.attention_blocks import (
     attention_block_backward,
     attention_block_forward,
     select_block_backend,
 )
-from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
+from cp_modules.kernels.prefill.pcp_key_major import pcp_key_major_backward
 from cp_modules.ops.cp_attention import _gathered_targets
 from cp_modules.ops.pcp_policy import (
     pcp_prefill_attention_backward_cuda,
@@ -332,7 +332,7 @@ def bench_shape(name, pcps, check_only=False):
     return res, True
 
 
-# --- key-major: MLA's training backward by key chunks (cp_modules.kernels.pcp_key_major) ------
+# --- key-major: MLA's training backward by key chunks (cp_modules.kernels.prefill.pcp_key_major) ------
 # Rank j keeps its own key chunks and takes for each every query at or after it, in one tall
 # top-left causal call; the chunks' dK / dV come out complete and the dQ pieces go back to the
 # queries' owners by a reduce-scatter, after all-gathering Q, O, dO and the LSE. Checked like the
@@ -548,7 +548,7 @@ def grad_layout_shape(name, rounds):
 
 # --- varlen: many requests, the block path against one varlen call per rank -----------------
 # The block path runs each request's head and tail chunk as separate kernel calls (and sums their
-# gradients row run by row); cp_modules.kernels.pcp_varlen runs every segment in one
+# gradients row run by row); cp_modules.kernels.prefill.pcp_varlen runs every segment in one
 # FlashAttention-2 varlen call. For R requests of L tokens (+ C cached: chunked prefill, forward
 # and backward over the prefix too) the first and last rank are timed both ways (do_bench
 # medians, alternating; a host-bound path is timed at its launch rate), with the host time of

@@ -1,6 +1,7 @@
 """cp_modules: context-parallel attention (PCP prefill, DCP decode) for PyTorch."""
 
 from cp_modules.config import ParallelConfig
+from cp_modules.loading import load_pretrained
 from cp_modules.modules import (
     CPFlashAttention,
     CPMLAAttention,
@@ -28,6 +29,7 @@ __all__ = [
     "cp_step",
     "restore_tokens",
     "swap_attention",
+    "load_pretrained",
     "DCPCommSpec",
     "PCPPlan",
     "ParallelConfig",

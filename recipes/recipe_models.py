@@ -12,7 +12,15 @@ import torch
 from recipe_configs import Family, ModelConf
 from torch import nn
 
-__all__ = ["DTYPES", "build_model", "hf_config", "load_tokenizer", "model_dir", "model_name"]
+__all__ = [
+    "DTYPES",
+    "build_cp_model",
+    "build_model",
+    "hf_config",
+    "load_tokenizer",
+    "model_dir",
+    "model_name",
+]
 
 DTYPES = {
     "float32": torch.float32,
@@ -137,3 +145,28 @@ def build_model(conf: ModelConf, device: torch.device | str | None = None) -> nn
         # from_config keeps the config object it is given: build_tiny copies it.
         model = build_tiny(family, seed=conf.seed, dtype=dtype, config=hf_config(conf))
     return model.to(device).eval() if device is not None else model.eval()
+
+
+def build_cp_model(
+    conf: ModelConf, parallel, device: torch.device | str | None = None
+) -> nn.Module:
+    """The causal LM of ``conf``, context-parallel on ``parallel`` (CPGroups or a
+    ParallelConfig), in eval mode on ``device``.
+
+    A ``model.checkpoint`` directory of safetensors is loaded with
+    :func:`cp_modules.load_pretrained`: each rank reads only its own shard, straight to
+    ``device``. GGUF files and tiny models are built whole, moved, then swapped.
+    """
+    from cp_modules import load_pretrained, swap_attention
+
+    if conf.checkpoint and not conf.gguf_file:
+        if conf.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {conf.dtype!r}")
+        return load_pretrained(
+            conf.checkpoint,
+            parallel,
+            dtype=DTYPES[conf.dtype],
+            device=device if device is not None else "cpu",
+            local_files_only=True,
+        ).eval()
+    return swap_attention(build_model(conf, device), parallel)

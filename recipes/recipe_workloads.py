@@ -17,7 +17,7 @@ from recipe_configs import (
     GenerateWorkload,
     ModelConf,
 )
-from recipe_models import build_model, load_tokenizer, model_dir
+from recipe_models import build_cp_model, load_tokenizer, model_dir
 
 from cp_modules.config import ParallelConfig
 from cp_modules.engine.engine import GenerationEngine, GenerationResult
@@ -104,14 +104,12 @@ def build_engine(
 ) -> GenerationEngine:
     """The model of ``model_conf`` with CP attention on this rank's groups, in an engine."""
     from cp_modules.distributed.groups import init_cp_groups
-    from cp_modules.modules.hf_swap import swap_attention
 
     if backend.num_threads:
         torch.set_num_threads(backend.num_threads)
     config = parallel
     groups = init_cp_groups(config) if config.world_size > 1 else None
-    model = build_model(model_conf, _device(backend))
-    swap_attention(model, groups if groups is not None else config)
+    model = build_cp_model(model_conf, groups if groups is not None else config, _device(backend))
     return GenerationEngine(
         model,
         groups,

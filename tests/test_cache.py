@@ -25,7 +25,7 @@ from cp_modules.cache import (
     local_seq_len,
     num_blocks_for_memory,
 )
-from cp_modules.kernels.kv_cache import write_kv_cache_kernel, write_mla_cache_kernel
+from cp_modules.kernels.cache import write_kv_cache_kernel, write_mla_cache_kernel
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.reference.kv_cache import write_kv_cache_ref, write_mla_cache_ref
 

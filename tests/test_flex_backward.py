@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from cp_modules.kernels.flex_backward import flex_backward_supported, recomputed_grads
-from cp_modules.kernels.masked_prefill import (
+from cp_modules.kernels.masked.flex_backward import flex_backward_supported, recomputed_grads
+from cp_modules.kernels.masked.prefill import (
     dense_twin_attention,
     flex_attention_call,
     flex_backward,
@@ -91,7 +91,7 @@ def test_flex_backward_with_split_rows_equals_the_whole_rows(feature, monkeypatc
     # the same gradients as the whole rows and the dense twin, fp64. The "long" pack's second
     # request spans up to 490 keys per 128-row block; with the key floor lifted, blocks over
     # 1.5 x the mean run are cut.
-    from cp_modules.kernels import masked_pack as mp
+    from cp_modules.kernels.masked import pack as mp
 
     monkeypatch.setattr(mp, "SPLIT_MIN_KEYS", 0)
     window, softcap = FEATURES[feature]
@@ -128,7 +128,7 @@ def test_flex_backward_with_split_rows_equals_the_whole_rows(feature, monkeypatc
 def test_row_split_leaves_short_and_even_runs_whole():
     # Windowed rows (every run about W keys) and short packs are never cut; neither is the
     # "long" pack under the default floor of 4096 keys.
-    from cp_modules.kernels import masked_pack as mp
+    from cp_modules.kernels.masked import pack as mp
 
     for name, window in (("long", None), ("long", 64), ("no-prefix", None)):
         pack, _ = _packed(name, window, (4, 2), 6, torch.float64, "cpu")
@@ -218,7 +218,7 @@ def test_block_sizes_are_set_only_where_they_were_measured():
     # The soft-cap block sizes apply on sm_90 at head dim 128 in 16-bit only; under 128
     # queries (FlexAttention's decoding kernel forward, which sizes its own query block) only
     # the backward's are set.
-    from cp_modules.kernels.masked_prefill import (
+    from cp_modules.kernels.masked.prefill import (
         SOFTCAP_SM90_BLOCKS,
         block_options_for,
         flex_block_options,
@@ -267,7 +267,7 @@ def _two_x(got, same, want, name):
 def _backward_variants() -> int:
     # Compiled variants of the backward entry (its own code object: forward compiles and
     # other frames are not counted).
-    from cp_modules.kernels import flex_backward as fb
+    from cp_modules.kernels.masked import flex_backward as fb
 
     code = fb._backward_entry.__code__
     return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code))
@@ -279,7 +279,7 @@ def test_gpu_flex_backward_follows_the_two_x_rule(monkeypatch):
     # recompute it replaces, and the kernel over split rows (long key runs cut in pieces),
     # each within twice the error of the bf16 dense attention against the fp64 dense twin;
     # GQA, soft-cap with and without a window, cached prefixes.
-    from cp_modules.kernels import masked_pack as mp
+    from cp_modules.kernels.masked import pack as mp
 
     assert flex_backward_supported()
     mp_floor, splits = mp.SPLIT_MIN_KEYS, 0

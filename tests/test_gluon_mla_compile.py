@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from cp_modules.kernels.paged_decode_mla_gluon_config import (  # noqa: E402
+from cp_modules.kernels.decode.mla_gluon_config import (  # noqa: E402
     GLUON_MLA_VARIANTS,
     default_gluon_mla_config,
 )

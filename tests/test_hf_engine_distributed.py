@@ -241,7 +241,7 @@ WORLD2 = [
     # DCP over both TP positions: they must share their KV head (one, replicated).
     *(Case(f, 2, 1, 2, "a2a", num_kv_heads=1) for f in ("llama", "qwen3", "glm4")),
     Case("phi3", 2, 1, 1),  # heads gathered over TP: DCP may span only PCP ranks
-    *(Case(f, 2, 1, 1, train=True) for f in ("llama", "qwen3")),
+    *(Case(f, 2, 1, 1, train=True) for f in ("llama", "qwen3", "deepseek_v3")),
     Case("qwen3", 1, 2, 1, train=True),
 ]
 

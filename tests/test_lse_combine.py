@@ -338,7 +338,7 @@ kernel_test = pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs CUDA or TR
     ids=["N1-B3-H2-D16", "N3-B4-H2-D24", "N8-B2-H3-D16-base2", "N4-B3-H2-D40-default"],
 )
 def test_combine_kernel_matches_reference(dtype, n, b, h, d, block_rows, block_d, base2):
-    from cp_modules.kernels.lse_merge import lse_combine_triton
+    from cp_modules.kernels.merge import lse_combine_triton
 
     out, lse = _with_empty_shards(*_partials(n, b, h, d, dtype, KERNEL_DEVICE, seed=n))
     got, got_lse = lse_combine_triton(out, lse, base2=base2, block_rows=block_rows, block_d=block_d)
@@ -352,7 +352,7 @@ def test_combine_kernel_matches_reference(dtype, n, b, h, d, block_rows, block_d
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_combine_kernel_reads_packed_views(dtype):
-    from cp_modules.kernels.lse_merge import lse_combine_triton
+    from cp_modules.kernels.merge import lse_combine_triton
 
     out, lse = _with_empty_shards(*_partials(4, 3, 3, 8, dtype, KERNEL_DEVICE))
     packed = pack_partials(out, lse)
@@ -367,7 +367,7 @@ def test_combine_kernel_reads_packed_views(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_blocks, base2", [(1, False), (2, True)], ids=["K1", "K2-base2"])
 def test_correction_kernel_matches_reference(dtype, num_blocks, base2):
-    from cp_modules.kernels.lse_merge import correct_attn_out_triton
+    from cp_modules.kernels.merge import correct_attn_out_triton
 
     out, lse = _with_empty_shards(*_partials(3, 4, 2, 24, dtype, KERNEL_DEVICE))
     for rank in range(3):
@@ -477,7 +477,7 @@ def test_gpu_public_functions_compile_fullgraph():
     ids=["T2-H3-S5-D24-default", "T3-H2-S8-R4", "T1-H2-S33-D40-R1", "S1"],
 )
 def test_split_merge_kernel_matches_reference(t, h, s, d, config):
-    from cp_modules.kernels.lse_merge import merge_splits_triton
+    from cp_modules.kernels.merge import merge_splits_triton
     from cp_modules.reference.lse_merge import merge_partials_reference
 
     g = torch.Generator().manual_seed(s)
@@ -502,7 +502,7 @@ def test_split_merge_kernel_matches_reference(t, h, s, d, config):
 
 
 def test_split_merge_launch_config_reads_about_16_kb_per_program():
-    from cp_modules.kernels.lse_merge import merge_splits_launch_config
+    from cp_modules.kernels.merge import merge_splits_launch_config
 
     for splits, dv in [(2, 512), (8, 512), (64, 512), (33, 128), (2, 128), (256, 512)]:
         rows, cols, chunk, _ = merge_splits_launch_config(splits, dv)

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from cp_modules.kernels.masked_pack import masked_pack
-from cp_modules.kernels.masked_prefill import masked_prefill_backward, masked_prefill_forward
+from cp_modules.kernels.masked.pack import masked_pack
+from cp_modules.kernels.masked.prefill import masked_prefill_backward, masked_prefill_forward
 from cp_modules.partition import plan_pcp
 from cp_modules.reference.pcp_attention import PrefillInputs
 
@@ -106,7 +106,7 @@ def test_gpu_runs_layout_follows_the_two_x_rule_on_flex_kernels(lens):
     # Compiled FlexAttention on the runs layout (in-place keys; lengths multiples of 128 in the
     # first case, so the divisibility flag is set), forward and backward, against an fp64
     # dense twin: its error at most twice the error of the varlen layout on the same kernels.
-    from cp_modules.kernels.masked_prefill import dense_twin_attention
+    from cp_modules.kernels.masked.prefill import dense_twin_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for pcp, window, softcap in ((1, None, 30.0), (2, 100, 30.0), (2, 64, None)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_modules.kernels.masked_prefill import masked_pack
+from cp_modules.kernels.masked.prefill import masked_pack
 from cp_modules.ops.cp_attention import gqa_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
 from cp_modules.ops.pcp_masked import choose_masked_path
@@ -234,7 +234,7 @@ def test_flex_block_tables_equal_the_mask(window):
     # Small blocks, so that sequences straddle blocks and full blocks occur.
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cp_modules.kernels.masked_prefill import flex_block_tables
+    from cp_modules.kernels.masked.prefill import flex_block_tables
 
     new, cached = [230, 4, 90, 61], [0, 50, 3, 0]
     num_full = 0
@@ -429,7 +429,7 @@ def test_gpu_masked_refusals_and_fp64():
     half = q.to(torch.bfloat16)
     # Windows: FlexAttention both ways where its backward takes the given output and LSE,
     # else FlashAttention-2's backward (FlexAttention's would recompute the forward).
-    from cp_modules.kernels.flex_backward import flex_backward_supported
+    from cp_modules.kernels.masked.flex_backward import flex_backward_supported
 
     assert choose_masked_path("auto", half, half, 4, None) == "flex"
     want_bwd = "flex" if flex_backward_supported() else "flash"
@@ -493,7 +493,7 @@ def test_pack_slices_and_single_contribution_sums_equal_the_gathers(kernel):
     import dataclasses
     import itertools
 
-    from cp_modules.kernels.masked_prefill import masked_prefill_backward, masked_prefill_forward
+    from cp_modules.kernels.masked.prefill import masked_prefill_backward, masked_prefill_forward
     from cp_modules.reference.pcp_attention import PrefillInputs
 
     gen = torch.Generator().manual_seed(0)
@@ -543,7 +543,7 @@ def test_compiled_flex_keeps_many_variants_compiled_and_refuses_an_eager_fallbac
     # FLEX_RECOMPILE_LIMIT, and past it compiling raises.
     import torch._dynamo
 
-    import cp_modules.kernels.masked_prefill as mp
+    import cp_modules.kernels.masked.prefill as mp
 
     pack = masked_pack(torch.tensor([[0, 0, 24, 0, 24]]), 24, None, 8, "cpu")
     gen = torch.Generator().manual_seed(0)
@@ -580,11 +580,11 @@ def test_flash_window_twins_equal_the_dense_mask_grid():
     # FlexAttention path's dense twin (the pack's mask evaluated on the whole score grid): two
     # independent forms of the same windowed attention over a pack with several sequences,
     # output, LSE and gradients (fp64).
-    from cp_modules.kernels.masked_flash import (
+    from cp_modules.kernels.masked.flash import (
         flash_window_backward_twin,
         flash_window_forward_twin,
     )
-    from cp_modules.kernels.masked_prefill import dense_twin_attention
+    from cp_modules.kernels.masked.prefill import dense_twin_attention
 
     segments = torch.tensor([[0, 0, 9, 0, 9], [1, 9, 5, 9, 12]])  # two requests, one a tail
     pack = masked_pack(segments, 21, None, 4, "cpu")

@@ -15,17 +15,17 @@ from cp_modules.cache import (
     dcp_slot_mapping,
     local_seq_len,
 )
-from cp_modules.kernels.paged_decode import (
+from cp_modules.kernels.decode.mla import (
+    choose_mla_num_splits,
+    mla_programs_per_sm,
+    paged_mla_attention_kernel,
+)
+from cp_modules.kernels.decode.paged import (
     DecodeConfig,
     choose_num_splits,
     default_config,
     mla_default_config,
     paged_attention_kernel,
-)
-from cp_modules.kernels.paged_decode_mla import (
-    choose_mla_num_splits,
-    mla_programs_per_sm,
-    paged_mla_attention_kernel,
 )
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
@@ -688,7 +688,7 @@ def test_gpu_gqa_window_and_softcap_two_x_rule(bs, window, softcap, splits):
 
 
 def _require_gluon():
-    from cp_modules.kernels.paged_decode_mla_gluon import HAS_GLUON
+    from cp_modules.kernels.decode.mla_gluon import HAS_GLUON
 
     if not HAS_GLUON or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA kernel needs Triton's Gluon and an sm_90 GPU")
@@ -703,7 +703,7 @@ def test_gpu_gluon_mla_matches_reference(bs, heads, splits, interleave):
     # Ragged lengths on a DCP shard (rank 1 of 2: the 1-token request leaves it empty), three
     # tokens per request (multi-token queries), NaN in every unwritten slot: the 2x rule.
     _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import paged_mla_attention_gluon
+    from cp_modules.kernels.decode.mla_gluon import paged_mla_attention_gluon
 
     args = _gluon_mla_shard_args(bs, interleave, heads, seed=2)
     out, lse = paged_mla_attention_gluon(*args, splits)
@@ -712,7 +712,7 @@ def test_gpu_gluon_mla_matches_reference(bs, heads, splits, interleave):
 
 
 def _gluon_variant_names():
-    from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
+    from cp_modules.kernels.decode.mla_gluon import GLUON_MLA_VARIANTS
 
     return list(GLUON_MLA_VARIANTS)
 
@@ -726,7 +726,7 @@ def test_gpu_gluon_mla_variants_match_reference(variant, bs, splits):
     # 16: an empty shard, ragged ends, odd tile counts; 3 tokens per request; NaN in every
     # unwritten slot; 130 splits leave most splits empty): the 2x rule.
     _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import (
+    from cp_modules.kernels.decode.mla_gluon import (
         GLUON_MLA_VARIANTS,
         paged_mla_attention_gluon,
     )
@@ -751,7 +751,7 @@ def test_gpu_gluon_mla_cpasync_other_block_sizes(bs, splits):
     # The cp.async copies find each row's page themselves: pages of 8 (eight to a tile), 32
     # and 128 tokens (a tile in half a page) on the ragged DCP shard, NaN in unwritten slots.
     _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import (
+    from cp_modules.kernels.decode.mla_gluon import (
         GLUON_MLA_VARIANTS,
         paged_mla_attention_gluon,
     )
@@ -768,7 +768,7 @@ def test_gpu_gluon_mla_trace_stamps_each_program_in_order():
     # The probe's trace: every program stamps its points in program order, on its own SM
     # slot, and tracing does not change the result.
     _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import paged_mla_attention_gluon
+    from cp_modules.kernels.decode.mla_gluon import paged_mla_attention_gluon
 
     args = _gluon_mla_shard_args(64, 16, 128, seed=6)
     trace = torch.zeros(args[0].shape[0] * 2 * 3 * 8, dtype=torch.int64, device="cuda")
@@ -792,7 +792,7 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
     # boundary, one row into a tile, with an odd tile count per split (a phantom tile B) and
     # splits left empty, with NaN in every unwritten slot; then the reference's 2x rule.
     _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import (
+    from cp_modules.kernels.decode.mla_gluon import (
         GLUON_MLA_VARIANTS,
         paged_mla_attention_gluon,
     )
@@ -818,7 +818,7 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
 def test_gluon_mla_trace_buffer_is_checked_before_the_launch():
     # The kernel writes 8 stamps a program unchecked: a short, mistyped or strided buffer is
     # refused on the host.
-    from cp_modules.kernels.paged_decode_mla_gluon_config import check_trace_buffer
+    from cp_modules.kernels.decode.mla_gluon_config import check_trace_buffer
 
     cpu = torch.device("cpu")
     check_trace_buffer(torch.zeros(48, dtype=torch.int64), cpu, 6)
@@ -829,7 +829,7 @@ def test_gluon_mla_trace_buffer_is_checked_before_the_launch():
 
 
 def test_gluon_mla_config_is_validated():
-    from cp_modules.kernels.paged_decode_mla_gluon_config import (
+    from cp_modules.kernels.decode.mla_gluon_config import (
         GluonMLAConfig,
         default_gluon_mla_config,
     )
@@ -884,7 +884,7 @@ def _three_request_mla_case(bs):
 @pytest.mark.parametrize("variant", _gluon_variant_names())
 def test_gpu_gluon_mla_cuda_graph_replay_and_refusals(variant):
     _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import (
+    from cp_modules.kernels.decode.mla_gluon import (
         GLUON_MLA_VARIANTS,
         gluon_mla_supported,
         paged_mla_attention_gluon,
@@ -917,11 +917,11 @@ def test_gpu_gluon_mla_cuda_graph_replay_and_refusals(variant):
 
 
 def test_gluon_mla_fused_merge_config_and_split_counts():
-    from cp_modules.kernels.paged_decode_mla_gluon import (
+    from cp_modules.kernels.decode.mla_gluon import (
         GLUON_MLA_VARIANTS,
         choose_gluon_mla_num_splits,
     )
-    from cp_modules.kernels.paged_decode_mla_gluon_config import GluonMLAConfig
+    from cp_modules.kernels.decode.mla_gluon_config import GluonMLAConfig
 
     for bad in ({"fused_max_splits": 1}, {"fused_max_splits": 257}, {"split_cost_tiles": -1},
                 {"merge_tiles_per_split": -0.5}):  # fmt: skip
@@ -963,7 +963,7 @@ def test_gluon_mla_fused_merge_config_and_split_counts():
 
 
 def test_merge_counters_are_zeroed_grown_and_kept():
-    from cp_modules.kernels import paged_decode_mla_gluon_config as g
+    from cp_modules.kernels.decode import mla_gluon_config as g
 
     cpu = torch.device("cpu")
     old = g._counters.pop((cpu, 0), None)
@@ -980,7 +980,7 @@ def test_merge_counters_are_zeroed_grown_and_kept():
 
 
 def _fused_variant_names():
-    from cp_modules.kernels.paged_decode_mla_gluon import GLUON_MLA_VARIANTS
+    from cp_modules.kernels.decode.mla_gluon import GLUON_MLA_VARIANTS
 
     return [n for n, c in GLUON_MLA_VARIANTS.items() if c.fused_merge or c.spread_merge]
 
@@ -999,7 +999,7 @@ def test_gpu_gluon_mla_fused_merge_matches_reference(variant, bs, interleave, sp
     # the launch, and a second launch on them gives the same result (the same bits unless the
     # own split comes from registers).
     _require_gluon()
-    from cp_modules.kernels.paged_decode_mla_gluon import (
+    from cp_modules.kernels.decode.mla_gluon import (
         GLUON_MLA_VARIANTS,
         merge_counters,
         paged_mla_attention_gluon,
@@ -1037,8 +1037,8 @@ def test_gpu_gluon_mla_fused_merge_cuda_graph_replays(variant, reserved):
     # beforehand (nothing allocated during the capture) or has none yet (allocated once into
     # the graph's pool and kept). Another stream gets counters of its own.
     _require_gluon()
-    from cp_modules.kernels import paged_decode_mla_gluon as g
-    from cp_modules.kernels import paged_decode_mla_gluon_config as gc
+    from cp_modules.kernels.decode import mla_gluon as g
+    from cp_modules.kernels.decode import mla_gluon_config as gc
 
     config = g.GLUON_MLA_VARIANTS[variant]
     shard, cache, q, rows, kv_len = _three_request_mla_case(bs=16)

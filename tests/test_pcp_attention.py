@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cp_modules.kernels.attention_blocks import (
+from cp_modules.kernels.merge import merge_partials_triton
+from cp_modules.kernels.prefill.attention_blocks import (
     BLOCK_BACKENDS,
     CUDNN_GQA,
     attention_block_backward,
     attention_block_forward,
 )
-from cp_modules.kernels.grad_assembly import sum_pieces_into, sum_rows_triton
-from cp_modules.kernels.lse_merge import merge_partials_triton
-from cp_modules.kernels.pcp_blocks import (
+from cp_modules.kernels.prefill.grad_assembly import sum_pieces_into, sum_rows_triton
+from cp_modules.kernels.prefill.pcp_blocks import (
     _rows,
     _square_groups,
     _still_needed,

@@ -1,4 +1,4 @@
-"""Key-major PCP backward (``cp_modules.kernels.pcp_key_major``) against dense causal attention.
+"""Key-major PCP backward (``cp_modules.kernels.prefill.pcp_key_major``) against dense causal attention.
 
 Every rank's own key chunks against the queries at or after them, on ragged batches: summed
 over ranks the queries' gradients, and gathered from their owners the keys' gradients, equal
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cp_modules.kernels.pcp_key_major import (
+from cp_modules.kernels.prefill.pcp_key_major import (
     pcp_key_major_backward,
     request_ends,
     tall_causal_backward,
@@ -126,7 +126,7 @@ def test_request_ends():
 def test_gpu_kernels_equal_reference(pcp, dims):
     # cuDNN's tall causal calls (bf16) against the fp32 reference: within twice the error of the
     # dense bf16 backward of the same kernels, plus 1e-5.
-    from cp_modules.kernels.attention_blocks import (
+    from cp_modules.kernels.prefill.attention_blocks import (
         attention_block_backward,
         attention_block_forward,
     )

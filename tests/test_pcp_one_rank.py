@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_modules.kernels.attention_blocks import attention_block_backward
-from cp_modules.kernels.pcp_blocks import pcp_blocks_backward, pcp_blocks_forward
-from cp_modules.kernels.pcp_varlen import (
+from cp_modules.kernels.prefill.attention_blocks import attention_block_backward
+from cp_modules.kernels.prefill.pcp_blocks import pcp_blocks_backward, pcp_blocks_forward
+from cp_modules.kernels.prefill.pcp_varlen import (
     pcp_prefill_attention_varlen,
     pcp_prefill_attention_varlen_backward,
     varlen_pack,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cp_modules.kernels.pcp_varlen import (
+from cp_modules.kernels.prefill.pcp_varlen import (
     pcp_prefill_attention_varlen,
     pcp_prefill_attention_varlen_backward,
     varlen_pack,
@@ -329,7 +329,7 @@ def test_gpu_varlen_flash_equals_reference(batch, shape, pcp, dtype):
 def test_cuda_entry_points_take_the_varlen_path_on_request(pcp):
     # A policy of pcp_varlen="always" routes pcp_prefill_attention_cuda and its backward
     # through the varlen call (reference kernels on CPU).
-    from cp_modules.kernels.attention_blocks import attention_block_backward
+    from cp_modules.kernels.prefill.attention_blocks import attention_block_backward
     from cp_modules.ops.pcp_policy import (
         pcp_prefill_attention_backward_cuda,
         pcp_prefill_attention_cuda,

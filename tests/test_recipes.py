@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from recipe_configs import (
     BackendConf,
     BenchmarkConf,
@@ -144,10 +145,20 @@ def test_the_readme_main_job_generates_real_text_and_matches_one_process():
 
 
 @pytest.mark.distributed
-def test_generate_recipe_runs_a_tiny_model_on_four_cpu_ranks_and_matches_one_process():
+def test_generate_recipe_runs_a_checkpoint_on_four_cpu_ranks_and_matches_one_process(tmp_path):
+    """``model.checkpoint`` goes through ``load_pretrained``: at tp=2 each rank reads its shard
+    of the safetensors files (the one-process reference loads them with from_pretrained)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "llama"))
     r = _run(
         "generate",
         "model=llama_tiny",
+        f"model.checkpoint={tmp_path / 'llama'}",
+        "model.dtype=float32",
         "parallel=tp2_pcp2_dcp2",
         "workload/generate@workload=tiny",
         "workload.prompt_lens=[21,6,2]",

@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cp_modules.kernels import paged_decode_mla_gluon as m  # noqa: E402
+from cp_modules.kernels.decode import mla_gluon as m  # noqa: E402
 
 
 def _signature(page: int, partial: bool, splits: int | None):

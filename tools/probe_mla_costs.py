@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
 from benchmarks.common import graph_replay_us  # noqa: E402
-from cp_modules.kernels import paged_decode_mla_gluon as gluon  # noqa: E402
+from cp_modules.kernels.decode import mla_gluon as gluon  # noqa: E402
 
 
 def flush_modes(fn, reps: int = 50) -> dict:
@@ -81,7 +81,7 @@ def _empty_kernel(X):
 def ctx_sweep(a, ctxs: list[int]) -> list[dict]:
     """The op at ``a.splits`` splits over ``ctxs``, the least-squares line through the
     nonzero lengths' times against tiles per program, and the floors."""
-    from cp_modules.kernels.lse_merge import merge_splits_triton
+    from cp_modules.kernels.merge import merge_splits_triton
 
     splits = a.splits or 8
     top = max(max(ctxs), 64)

@@ -24,7 +24,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
-from cp_modules.kernels import paged_decode_mla_gluon as gluon  # noqa: E402
+from cp_modules.kernels.decode import mla_gluon as gluon  # noqa: E402
 
 SHAPES = [(64, 8, 4096), (16, 8, 4096), (64, 8, 32768), (64, 64, 32768), (64, 256, 4096)]
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
 from benchmarks.common import graph_replay_us  # noqa: E402
-from cp_modules.kernels import paged_decode_mla_gluon as gluon  # noqa: E402
-from cp_modules.kernels.lse_merge import (  # noqa: E402
+from cp_modules.kernels.decode import mla_gluon as gluon  # noqa: E402
+from cp_modules.kernels.merge import (  # noqa: E402
     merge_splits_launch_config,
     merge_splits_triton,
 )

@@ -29,7 +29,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
-from cp_modules.kernels import paged_decode_mla_gluon as gluon  # noqa: E402
+from cp_modules.kernels.decode import mla_gluon as gluon  # noqa: E402
 from tools.probe_split_merge import graph_us  # noqa: E402
 
 

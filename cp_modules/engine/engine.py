@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_modules.cache.dcp import dcp_num_blocks
-from cp_modules.distributed.collectives import all_gather
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
 from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph_width
 from cp_modules.engine.results import GenerationResult, GenerationStats
+from cp_modules.engine.rows import gather_rows as _gather_rows
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.engine.speculative import SpeculativeStats, make_drafter, verify_step
@@ -428,7 +428,13 @@ class GenerationEngine:
             if capture and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = DecodeGraph(
-                self, bucket, width, capture=capture, pool=self._graph_pool, window_widths=windows
+                self,
+                self._decode_fn,
+                bucket,
+                width,
+                capture=capture,
+                pool=self._graph_pool,
+                window_widths=windows,
             )
             self._graphs[key] = graph
             self.num_graph_captures += int(capture)
@@ -528,22 +534,6 @@ class GenerationEngine:
             # choice identical even if a reduction order ever made logits differ in a last bit.
             dist.broadcast(tokens, src=0)
         return tokens.tolist()
-
-
-def _gather_rows(hidden: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` (batch order) of the step's hidden states: ``[T, H] -> [S, H]``.
-
-    What ``restore_tokens(hidden, meta)[rows]`` returns, but each PCP rank contributes only S
-    rows to the all-gather instead of its T: a long prompt's hidden states stay where they are.
-    """
-    rt = meta.runtime
-    src = meta.plan.gather_index.index_select(0, rows)  # position in the all-gathered [P*T]
-    if rt.pcp_size == 1:
-        return hidden.index_select(0, src)
-    t, s = hidden.shape[0], rows.shape[0]
-    # Every rank sends the local rows at the owners' offsets; only the owner's copy is kept.
-    picked = all_gather(hidden.index_select(0, src % t), rt.pcp_group, rt.pcp_size)  # [P*S, H]
-    return picked.index_select(0, src // t * s + torch.arange(s, device=src.device))
 
 
 def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -25,18 +25,17 @@ the CUDA graph captures, checked by the CPU tests.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping
+from cp_modules.engine.rows import gather_rows
 from cp_modules.engine.scheduler import Request, StepBatch
-from cp_modules.step import build_step_metadata, cp_step
+from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
-if TYPE_CHECKING:
-    from cp_modules.engine.engine import GenerationEngine
-
-__all__ = ["BUCKETS", "DecodeGraph", "bucket_of", "decode_batch", "graph_width"]
+__all__ = ["BUCKETS", "DecodeGraph", "DecodeServer", "bucket_of", "decode_batch", "graph_width"]
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
 
@@ -52,12 +51,31 @@ def graph_width(blocks: int) -> int:
     return 1 << max(blocks - 1, 0).bit_length()
 
 
+class DecodeServer(Protocol):
+    """What a decode graph reads from the engine that serves it (the
+    :class:`~cp_modules.engine.engine.GenerationEngine`): its runtime, device, cache sizes and
+    LM head."""
+
+    @property
+    def runtime(self) -> CPRuntime: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def cache_blocks(self) -> int: ...
+    @property
+    def window_cache_blocks(self) -> dict[int, int]: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class DecodeGraph:
     """One bucket's decode step on static buffers; captured as a CUDA graph when ``capture``.
 
     Args:
-        engine: the :class:`~cp_modules.engine.engine.GenerationEngine` (model, runtime, cache
-            and the decode forward it runs).
+        engine: the engine served (runtime, device, cache sizes and the LM head).
+        forward: the decode forward the engine runs: ``(ids [1, Bp], positions [1, Bp])`` ->
+            hidden states ``[1, Bp, H]``.
         bucket: Bp, decode rows of the graph.
         width: M, block-table entries per row.
         capture: capture a CUDA graph (CUDA only); else :meth:`replay` runs the step eagerly.
@@ -70,7 +88,8 @@ class DecodeGraph:
 
     def __init__(
         self,
-        engine: GenerationEngine,
+        engine: DecodeServer,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         bucket: int,
         width: int,
         *,
@@ -80,7 +99,7 @@ class DecodeGraph:
         query_len: int = 1,
     ) -> None:
         rt, dev = engine.runtime, engine.device
-        self.engine, self.bucket, self.width = engine, bucket, width
+        self.engine, self.forward, self.bucket, self.width = engine, forward, bucket, width
         self.query_len = q = query_len
         self.ids = torch.zeros(bucket * q, dtype=torch.long, device=dev)
         self.positions = torch.full((bucket * q,), -1, dtype=torch.long, device=dev)
@@ -158,13 +177,10 @@ class DecodeGraph:
             self.window_slots[w].copy_(slots)
 
     def _step(self) -> torch.Tensor:
-        from cp_modules.engine.engine import _gather_rows
-
         self._derive()
-        eng = self.engine
         with cp_step(self.meta):
-            hidden = eng._decode_fn(self.ids[None], self.positions[None])[0]
-        return eng.compute_logits(_gather_rows(hidden, self.meta, self.out_rows)).float()
+            hidden = self.forward(self.ids[None], self.positions[None])[0]
+        return self.engine.compute_logits(gather_rows(hidden, self.meta, self.out_rows)).float()
 
     def _capture(self, pool) -> None:
         # Warm up on a side stream (compilation, autotuning, kernel plans), then capture. The

@@ -42,19 +42,21 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cp_modules.engine.graphs import DecodeGraph, bucket_of, graph_width
+from cp_modules.engine.rows import gather_rows
 from cp_modules.engine.sampling import SamplingParams, token_probs
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.step import build_step_metadata, cp_step
 
-if TYPE_CHECKING:
-    from cp_modules.engine.engine import GenerationEngine
+# The engine served (a :class:`~cp_modules.engine.engine.GenerationEngine`; not imported:
+# engine.py imports this module).
+GenerationEngine = Any
 
 __all__ = [
     "DraftModelDrafter",
@@ -438,8 +440,8 @@ def _verify_graph(
     if capture and engine._graph_pool is None:
         engine._graph_pool = torch.cuda.graph_pool_handle()
     try:
-        graph = DecodeGraph(engine, bucket, width, capture=capture, pool=engine._graph_pool,
-                            window_widths=windows, query_len=q)  # fmt: skip
+        graph = DecodeGraph(engine, engine._decode_fn, bucket, width, capture=capture,
+                            pool=engine._graph_pool, window_widths=windows, query_len=q)  # fmt: skip
     except RuntimeError as err:
         if engine._graphs_requested:
             raise ValueError(
@@ -482,8 +484,6 @@ def _graph_logits(graph, sched, reqs, drafts, rows, q) -> torch.Tensor:
 
 
 def _eager_logits(engine, sched, reqs, num_new, num_comp, rows, ids, k) -> torch.Tensor:
-    from cp_modules.engine.engine import _gather_rows
-
     meta = build_step_metadata(
         engine.runtime,
         num_new,
@@ -503,4 +503,4 @@ def _eager_logits(engine, sched, reqs, num_new, num_comp, rows, ids, k) -> torch
     with cp_step(meta):
         hidden = engine._decode_fn(x, meta.positions[None].clone())[0]
     all_rows = torch.arange(len(ids), device=engine.device)
-    return engine.compute_logits(_gather_rows(hidden, meta, all_rows)).float()
+    return engine.compute_logits(gather_rows(hidden, meta, all_rows)).float()

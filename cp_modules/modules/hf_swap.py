@@ -53,6 +53,7 @@ from cp_modules.modules.hf_tp import (
     module_name,
     parallelize_attention,
     parallelize_non_attention,
+    shard_experts,
 )
 from cp_modules.modules.rope import RotaryEmbedding
 
@@ -142,11 +143,17 @@ class HFCPMLAAttention(CPMLAAttention):
             if mod is not None:
                 setattr(layer, name, mod)
         device = next(attn.parameters()).device
+        if device.type == "meta":  # a model built on meta: the frequencies are real buffers
+            device = torch.device("cpu")
         layer.rotary = RotaryEmbedding(attn.qk_rope_head_dim, _rope_theta(config)).to(device)
         layer.layer_idx = getattr(attn, "layer_idx", None)
         layer.where = f"{type(attn).__name__} (layer_idx={layer.layer_idx})"
         layer.train(attn.training)
-        left = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
+        left = [
+            n
+            for n, t in (*layer.named_parameters(), *layer.named_buffers())
+            if t.is_meta and not any(t is q for q in attn.parameters())
+        ]
         assert not left, f"adapter tensors not taken from the HF module: {left}"
         return layer
 
@@ -304,7 +311,8 @@ def swap_attention(
             (heads are validated against it; when its world size is > 1 the groups are built
             with ``init_cp_groups`` and kept as ``model.cp_groups``). ``None``: one process.
         parallelize_rest: with TP > 1, also shard the embeddings, MLPs (``gate/up/down_proj``)
-            and the LM head with ``parallelize_module``; routed MoE experts stay replicated.
+            and the LM head with ``parallelize_module``, and split routed MoE experts over the
+            TP ranks (:func:`~cp_modules.modules.hf_tp.shard_experts`).
 
     Raises:
         ValueError: naming the model class, the layer and the feature, for attention cp cannot
@@ -408,6 +416,7 @@ def swap_attention(
             apply_tensor_parallel(layer, tp_mesh)
         if parallelize_rest:
             parallelize_non_attention(model, tp_mesh)
+            shard_experts(model, tp_mesh)
     for _, attn, binding in bound:
         attn.cp_binding = binding
     hf_model.cp_kv_caches = caches

@@ -11,11 +11,19 @@ import textwrap
 import warnings
 from typing import Any, cast
 
+import torch
 from torch import nn
 
 from cp_modules.modules.attention import CPMLAAttention
 
-__all__ = ["attention_tp_plan", "module_name", "parallelize_attention", "parallelize_non_attention"]
+__all__ = [
+    "attention_tp_plan",
+    "expert_modules",
+    "module_name",
+    "parallelize_attention",
+    "parallelize_non_attention",
+    "shard_experts",
+]
 
 _DEFAULT_ATTENTION_PLAN = {
     "q_proj": "colwise",
@@ -227,3 +235,169 @@ def module_name(root: nn.Module, target: nn.Module | None) -> str | None:
         if mod is target:
             return name
     return None
+
+
+# ----------------------------------------------------------------------------- routed experts
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The routed-experts modules of a HF MoE model: an integer ``num_experts`` and 3-D
+    parameters whose dim 0 indexes the experts (transformers 5's fused expert tensors)."""
+    out = []
+    for name, mod in model.named_modules():
+        n = getattr(mod, "num_experts", None)
+        if not isinstance(n, int) or n < 1:
+            continue
+        own = list(mod.named_parameters(recurse=False))
+        if any(p.dim() == 3 and p.shape[0] == n for _, p in own):
+            out.append((name, mod))
+    return out
+
+
+def _sentinel_routing(mod: nn.Module) -> bool:
+    """Whether ``mod``'s forward can skip the expert index ``num_experts`` (transformers' EP
+    sentinel), and if so switch it on: its grouped / batched implementations skip it once
+    ``_is_expert_parallel`` is set, eager loops that one-hot over ``num_experts + 1`` classes
+    always do. Otherwise the others' slots go to a local expert with a zero weight."""
+    impl = getattr(getattr(mod, "config", None), "_experts_implementation", None)
+    if impl in ("grouped_mm", "batched_mm"):
+        if not hasattr(mod, "_is_expert_parallel"):
+            return False
+        cast(Any, mod)._is_expert_parallel = True
+        return True
+    try:
+        src = inspect.getsource(inspect.unwrap(type(mod).forward))
+    except (OSError, TypeError):
+        return False
+    return "num_experts + 1" in src and "== self.num_experts" in src
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; the gradient is summed over TP (each rank's experts give a part)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        from cp_modules.distributed.collectives import all_reduce
+
+        return all_reduce(g.contiguous(), ctx.group, ctx.size), None, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """Sum of the ranks' expert outputs; the gradient (replicated) passes through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+        from cp_modules.distributed.collectives import all_reduce
+
+        return all_reduce(x.contiguous(), group, size)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        return g, None, None
+
+
+def shard_experts(model: nn.Module, tp_mesh) -> list[str]:
+    """Split every routed-experts module of ``model`` over ``tp_mesh``: rank ``r`` keeps
+    experts ``[r E/tp, (r+1) E/tp)`` (expert parallelism over the TP group); return the names
+    of the split modules.
+
+    Each expert tensor becomes a DTensor sharded on dim 0 (experts) over TP, so FSDP2,
+    checkpoints and exports see it as they see TP-sharded linears; the module's own forward
+    runs on the local experts. The router stays replicated, so every rank routes every token
+    the same way; a rank runs its experts on the tokens routed to them (the others' slots get
+    transformers' skip index ``num_experts``, or a zero weight where the module's forward has
+    no skip index) and the partial outputs are summed over TP (one all-reduce of
+    ``[T, hidden]`` per MoE layer, as a row-wise MLP's). Gradients of the inputs and routing
+    weights are summed over TP. On a meta model the shards stay meta
+    (``materialize_from_checkpoint`` reads each rank's experts); real tensors are cut to the
+    local experts (the rest is freed).
+
+    Raises:
+        ValueError: an expert count the TP size does not divide, or an experts module whose
+            forward is not ``(hidden_states, expert indices, routing weights)``.
+    """
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    group = (tp_mesh.get_group().group_name, tp)
+    done = []
+    for name, mod in expert_modules(model):
+        num = int(cast(Any, mod).num_experts)
+        if num % tp:
+            raise ValueError(
+                f"{type(model).__name__} {name!r}: {num} routed experts cannot be split over "
+                f"tensor_parallel_size={tp}: use a TP size that divides {num}"
+            )
+        args = _forward_args(mod)
+        if len(args) != 3:
+            raise ValueError(
+                f"{type(model).__name__} {name!r}: {type(mod).__name__}.forward{tuple(args)} is not "
+                "(hidden_states, expert indices, routing weights), which cp's expert split serves"
+            )
+        local = num // tp
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if p.dim() < 1 or p.shape[0] != num:
+                continue
+            # Every rank holds the same tensor (or a meta one): its chunk, no communication.
+            dt = distribute_tensor(p.detach(), tp_mesh, [Shard(0)], src_data_rank=None)
+            setattr(mod, pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+        sentinel = _sentinel_routing(mod)
+        cast(Any, mod).num_experts = local
+        mod.forward = _on_local_experts(mod)
+        mod.register_forward_pre_hook(
+            _route_locally(rank * local, local, group, sentinel, args), with_kwargs=True
+        )
+        mod.register_forward_hook(lambda _m, _a, out, g=group: _SumOverTP.apply(out, *g))
+        done.append(name)
+    return done
+
+
+def _forward_args(mod: nn.Module) -> list[str]:
+    """The argument names of the experts class's forward (without ``self``)."""
+    return list(inspect.signature(type(mod).forward).parameters)[1:]
+
+
+def _on_local_experts(mod: nn.Module):
+    """``mod``'s own forward run on the local tensors of its DTensor experts (differentiable:
+    the gradients arrive on the DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    forward = type(mod).forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        params = cast(dict, mod._parameters)
+        sharded = {n: p for n, p in params.items() if isinstance(p, DTensor)}
+        try:
+            for n, p in sharded.items():
+                params[n] = p.to_local()
+            return forward(mod, *args, **kwargs)
+        finally:
+            params.update(sharded)
+
+    return run
+
+
+def _route_locally(e0: int, local: int, group: tuple[str, int], sentinel: bool, names: list[str]):
+    """A forward pre-hook mapping global expert indices to this rank's experts."""
+
+    def hook(mod, args, kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        x, idx, w = (bound[n] for n in names)
+        rel = idx - e0
+        mine = (rel >= 0) & (rel < local)
+        w = _CopyToTP.apply(w, *group)
+        if sentinel:
+            rel = torch.where(mine, rel, torch.full_like(rel, local))
+        else:
+            rel = torch.where(mine, rel, torch.zeros_like(rel))
+        w = torch.where(mine, w, torch.zeros_like(w))
+        x = _CopyToTP.apply(x, *group)
+        return (x, rel, w), {}
+
+    return hook

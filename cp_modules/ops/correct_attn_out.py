@@ -8,7 +8,7 @@ The ``ag_rs`` DCP combine all-gathers the LSEs, corrects every rank's output wit
 sums the results over the ranks with a reduce-scatter (output ``[K, B, H/K, D]``, block k goes
 to rank k) or an all-reduce (K = 1). On CPU it runs
 :mod:`cp_modules.reference.lse_merge`; on CUDA the Triton kernel of
-:mod:`cp_modules.kernels.lse_merge`. Not differentiable (decode only).
+:mod:`cp_modules.kernels.merge`. Not differentiable (decode only).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _correct_cpu(out, all_lse, rank, num_blocks=1, base2=False):
 
 
 def _correct_cuda(out, all_lse, rank, num_blocks=1, base2=False):
-    from cp_modules.kernels.lse_merge import correct_attn_out_triton
+    from cp_modules.kernels.merge import correct_attn_out_triton
 
     if out.stride(-1) != 1:
         out = out.contiguous()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_modules.kernels.kv_cache import write_kv_cache_kernel, write_mla_cache_kernel
+from cp_modules.kernels.cache import write_kv_cache_kernel, write_mla_cache_kernel
 from cp_modules.ops._lib import lib
 from cp_modules.reference.kv_cache import write_kv_cache_ref, write_mla_cache_ref
 

@@ -15,7 +15,7 @@ to 16 bytes so that every head row stays aligned for vectorised loads. The combi
 this buffer in place, through strided views.
 
 On CPU the ops run :mod:`cp_modules.reference.lse_merge`; on CUDA the Triton kernel of
-:mod:`cp_modules.kernels.lse_merge`. Neither op is differentiable (decode only).
+:mod:`cp_modules.kernels.merge`. Neither op is differentiable (decode only).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _combine_cpu(partial_out, partial_lse, base2=False):
 
 
 def _combine_cuda(partial_out, partial_lse, base2=False):
-    from cp_modules.kernels.lse_merge import lse_combine_triton
+    from cp_modules.kernels.merge import lse_combine_triton
 
     if partial_out.stride(-1) != 1:
         partial_out = partial_out.contiguous()
@@ -129,7 +129,7 @@ def _combine_packed_cpu(packed, num_heads, head_dim, base2=False):
 
 
 def _combine_packed_cuda(packed, num_heads, head_dim, base2=False):
-    from cp_modules.kernels.lse_merge import lse_combine_triton
+    from cp_modules.kernels.merge import lse_combine_triton
 
     out, lse = unpack_partials(packed.contiguous(), num_heads, head_dim)
     return lse_combine_triton(out, lse, base2=base2)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from cp_modules.distributed.collectives import reduce_scatter
-from cp_modules.kernels.attention_blocks import select_block_backend
-from cp_modules.kernels.pcp_key_major import pcp_key_major_backward
+from cp_modules.kernels.prefill.attention_blocks import select_block_backend
+from cp_modules.kernels.prefill.pcp_key_major import pcp_key_major_backward
 from cp_modules.ops.cp_common import (
     CACHE_NEEDS_NO_GRAD,
     check_cache,
@@ -162,7 +162,7 @@ _mla_attention_with_cache.register_fake(_mla_fake)
 #   K / V, whose gradients go back through the up-projection for all N rows and are
 #   reduce-scattered as latent gradients (Rk + Dr values a token);
 # - "key_major": each rank takes the gradients of its own keys from every later query
-#   (:mod:`cp_modules.kernels.pcp_key_major`); it all-gathers Q, O, dO and the LSE,
+#   (:mod:`cp_modules.kernels.prefill.pcp_key_major`); it all-gathers Q, O, dO and the LSE,
 #   reduce-scatters dQ, and up-projects and back-propagates only its own T rows.
 # "auto" takes key-major on CUDA where cuDNN serves the shape and the batch's chunks average
 # at least ``policy.key_major_min_rows`` rows; measurements in docs/switch-points.md.

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from cp_modules.kernels.paged_decode import paged_attention_kernel
-from cp_modules.kernels.paged_decode_mla import paged_mla_attention_kernel
-from cp_modules.kernels.paged_decode_mla_gluon import (
+from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
+from cp_modules.kernels.decode.mla_gluon import (
     gluon_mla_supported,
     paged_mla_attention_gluon,
 )
+from cp_modules.kernels.decode.paged import paged_attention_kernel
 from cp_modules.ops._lib import lib
 from cp_modules.policy import MLA_DECODE_KERNELS
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref

@@ -4,12 +4,12 @@ Shape letters: T = this rank's local queries, N = restored new tokens, C = cache
 tokens, Hq / Hkv = heads, Dqk / Dv = head dims.
 
 The kernels (one packed call for all segments of a step) live in
-:mod:`cp_modules.kernels.masked_prefill`; this module holds the choice, made per call from
+:mod:`cp_modules.kernels.masked.prefill`; this module holds the choice, made per call from
 :attr:`CPPolicy.pcp_masked <cp_modules.policy.CPPolicy>`:
 
 * ``"auto"``: on CUDA, FlexAttention (fp16 / bf16 / fp32: its kernels accumulate in fp32)
   forward and backward, its backward kernel taking the given output and LSE
-  (:mod:`cp_modules.kernels.flex_backward`); where torch lacks what that call needs (its
+  (:mod:`cp_modules.kernels.masked.flex_backward`); where torch lacks what that call needs (its
   backward would recompute the forward), windows without a soft-cap take FlashAttention-2's
   backward with its window arguments where it serves the queries (fp16 / bf16, equal
   query-key and value head dims up to 256). The pure-PyTorch reference for fp64 (exact; the
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import torch
 
-from cp_modules.kernels.attention_blocks import flash_serves
-from cp_modules.kernels.flex_backward import flex_backward_supported
-from cp_modules.kernels.masked_prefill import (
+from cp_modules.kernels.masked.flex_backward import flex_backward_supported
+from cp_modules.kernels.masked.prefill import (
     MaskedPack,
     masked_pack,
     masked_prefill_backward,
     masked_prefill_forward,
 )
+from cp_modules.kernels.prefill.attention_blocks import flash_serves
 from cp_modules.ops.pcp_policy import plan_state
 from cp_modules.policy import CPPolicy
 from cp_modules.reference.pcp_attention import (
@@ -138,7 +138,7 @@ def _prefix_cu(inputs: PrefillInputs) -> list[int] | None:
 
 
 def masked_pack_of(inputs: PrefillInputs, window: int | None, path: str = "flash") -> MaskedPack:
-    """:func:`~cp_modules.kernels.masked_pack.masked_pack` of the inputs' plan for ``window``
+    """:func:`~cp_modules.kernels.masked.pack.masked_pack` of the inputs' plan for ``window``
     in the layout of ``path``'s kernel (FlexAttention: ``"runs"``, FlashAttention-2:
     ``"varlen"``), built once per plan, window, layout, prefix lengths and device."""
     layout = "runs" if path == "flex" else "varlen"

@@ -5,7 +5,7 @@ tokens, S = segments (``cp_modules.partition.plan.SEGMENT_FIELDS``), Hq / Hkv = 
 Dqk / Dv = head dims.
 
 Both paths give the same attention; they differ in speed. The kernels (launchers) live in
-:mod:`cp_modules.kernels.pcp_blocks` and :mod:`cp_modules.kernels.pcp_varlen`; this module
+:mod:`cp_modules.kernels.prefill.pcp_blocks` and :mod:`cp_modules.kernels.prefill.pcp_varlen`; this module
 holds the choice between them, made per call from a :class:`~cp_modules.policy.CPPolicy`:
 
 * ``pcp_varlen`` ``"always"`` / ``"never"`` forces a path;
@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cp_modules.kernels.attention_blocks import (
+from cp_modules.kernels.masked.pack import MaskedPack
+from cp_modules.kernels.prefill.attention_blocks import (
     BlockBackward,
     BlockForward,
     attention_block_backward,
@@ -41,10 +42,13 @@ from cp_modules.kernels.attention_blocks import (
     flash_serves,
     select_block_backend,
 )
-from cp_modules.kernels.grad_assembly import sum_pieces_into
-from cp_modules.kernels.masked_pack import MaskedPack
-from cp_modules.kernels.pcp_blocks import host_segments, pcp_blocks_backward, pcp_blocks_forward
-from cp_modules.kernels.pcp_varlen import (
+from cp_modules.kernels.prefill.grad_assembly import sum_pieces_into
+from cp_modules.kernels.prefill.pcp_blocks import (
+    host_segments,
+    pcp_blocks_backward,
+    pcp_blocks_forward,
+)
+from cp_modules.kernels.prefill.pcp_varlen import (
     VarlenPack,
     pcp_prefill_attention_varlen,
     pcp_prefill_attention_varlen_backward,
@@ -113,7 +117,7 @@ class PlanState:
     def varlen_pack(
         self, segments: torch.Tensor, device: torch.device, prefix_cu: list[int] | None, rows: int
     ) -> VarlenPack:
-        """:func:`~cp_modules.kernels.pcp_varlen.varlen_pack` of the plan, built once."""
+        """:func:`~cp_modules.kernels.prefill.pcp_varlen.varlen_pack` of the plan, built once."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (str(device), None if prefix_cu is None else tuple(prefix_cu), rows)
@@ -344,7 +348,7 @@ def pcp_prefill_attention_backward_cuda(
     ``dout``: [T, Hq, Dv] gradient of the output; ``out``, ``lse``: the forward's results;
     ``inputs``: as in the forward.
     ``dk_into`` / ``dv_into``: targets tiling the N rows of dK / dV
-    (:func:`~cp_modules.kernels.grad_assembly.sum_pieces_into`) that receive the gradient
+    (:func:`~cp_modules.kernels.prefill.grad_assembly.sum_pieces_into`) that receive the gradient
     instead of a fresh tensor; that result is then None.
 
     Returns:

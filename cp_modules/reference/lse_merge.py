@@ -1,4 +1,4 @@
-"""Pure-PyTorch oracles of the LSE merge family (:mod:`cp_modules.kernels.lse_merge`).
+"""Pure-PyTorch oracles of the LSE merge family (:mod:`cp_modules.kernels.merge`).
 
 Shape legend:
     N: partial results (KV shards, ranks or blocks)    B / L: tokens    H: heads

@@ -1,0 +1,267 @@
+"""Triton absorbed MLA paged decode with LSE; launcher only.
+
+Shape letters: T = queries, H = query heads, R = latent width (kv_lora_rank), P = rope dim,
+NB = physical blocks, BS = tokens per block, S = KV splits.
+
+One program takes up to 64 of a query's heads over one split of its KV range. Each 64-token
+latent tile [64, R + P] is loaded once into shared memory and serves as the keys of two score
+products (R and P wide) and, through its first R columns, as the values; the split count
+accounts for how many programs an SM holds (:func:`mla_programs_per_sm`). Tiles and occupancy
+as measured: ``docs/switch-points.md``. Splits and their merge as in
+:mod:`cp_modules.kernels.decode.paged`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_modules.kernels.decode.paged import (
+    _LOG2E,
+    _MIN_SPLIT_TOKENS,
+    DecodeConfig,
+    _num_sms,
+    _pow2,
+    _split_buffers,
+    mla_default_config,
+)
+from cp_modules.kernels.merge import merge_splits_triton
+
+__all__ = ["choose_mla_num_splits", "mla_programs_per_sm", "paged_mla_attention_kernel"]
+
+# MLA with few heads per program is bandwidth-bound and wants every SM's program slots busy,
+# which at B = 1 takes more splits than GQA's cap (the merge reads the partials in chunks).
+_MLA_MAX_SPLITS = 256
+# Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
+# output), in units of one 64-token latent tile.
+_SPLIT_COST_TILES = 5
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_mla_kernel(
+    Q,
+    C,
+    BT,
+    SEQ_IDX,
+    KV_LEN,
+    OUT,
+    LSE,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_btr,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    max_kv_len,
+    num_splits,
+    H: tl.constexpr,
+    NUM_HEAD_TILES: tl.constexpr,
+    PAGE: tl.constexpr,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    SPLIT_SCORES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_H heads of one query over one split of its KV range. A latent tile
+    # [BLOCK_N, R + P] is loaded once and serves as the keys of both score products
+    # (R wide and P wide) and, through its first R columns, as the values.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    t = (pid // NUM_HEAD_TILES).to(tl.int64)
+    offs_h = (pid % NUM_HEAD_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+
+    row = tl.load(SEQ_IDX + t).to(tl.int64)
+    kv_len = tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len)
+    kv_len = tl.maximum(kv_len, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    r_mask = offs_r < R
+    p_mask = offs_p < P
+    q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    q_pe = tl.load(q_rows + R + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    bt_row = BT + row * stride_btr
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        if PAGE % BLOCK_N == 0:
+            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            tok = blk * stride_cb + (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_cs
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            tok = blk * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cs
+        # Rows past the range are zero-filled: their NaN/garbage must not reach P @ V.
+        kv = tl.load(
+            C + tok[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+        )
+        k_pe = tl.load(
+            C + tok[:, None] + R + offs_p[None, :],
+            mask=n_mask[:, None] & p_mask[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
+        if SPLIT_SCORES:
+            # Two separate products (not one accumulating into the other) so that neither
+            # score product feeds a later product directly; see below.
+            s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+            s = s * qk_scale + s_pe * qk_scale
+        else:
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+            s = s * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        if SPLIT_SCORES:
+            # The compiler gives a score product whose result flows into another product the
+            # layout with every warp along the heads; with 64 heads and 8 warps that computes
+            # the scores twice. Passing P and the rescale factor through a (never-false)
+            # branch hides the chain, so the score tile is split over the warps by columns.
+            if kv_len > 0:
+                alpha = tl.exp2(m_i - m_new)
+                pv = p.to(kv.dtype)
+            else:
+                alpha = tl.exp2(m_i - m_new)
+                pv = p.to(kv.dtype)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            pv = p.to(kv.dtype)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(pv, kv, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_ptrs = OUT + t * stride_ot + offs_h[:, None] * stride_oh + split * stride_os + offs_r[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
+    l_ptrs = LSE + t * stride_lt + offs_h * stride_lh + split * stride_ls
+    if PARTIAL:
+        tl.store(l_ptrs, lse2, mask=h_mask)  # base 2, for the merge
+    else:
+        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
+
+
+def mla_programs_per_sm(cfg: DecodeConfig) -> int:
+    """How many MLA programs of these tiles one SM runs at a time (shared memory, registers).
+
+    The default tiles: two of 16 or 32 heads on 4 warps fit in an H200's SM, one of 64 heads on
+    8 warps (shared memory and registers as measured: ``docs/switch-points.md``).
+    """
+    return 1 if cfg.block_h >= 64 or cfg.num_warps >= 8 else 2
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_mla_num_splits(
+    num_programs: int,
+    max_kv_len: int,
+    num_sms: int,
+    block_n: int = 64,
+    programs_per_sm: int = 1,
+    split_cost_tiles: float = _SPLIT_COST_TILES,
+    merge_tiles_per_split: float = 0.0,
+) -> int:
+    """KV splits for MLA's ``num_programs`` (query, head-tile) programs, static shapes only.
+
+    ``programs_per_sm`` MLA programs run per SM at a time (:func:`mla_programs_per_sm`). The
+    count is the fewest splits whose estimated makespan (waves x (tiles per split + a fixed
+    cost per program) + a merge tail) is within 2 % of the best, splits no shorter than
+    ``_MIN_SPLIT_TOKENS`` and at most ``_MLA_MAX_SPLITS``. The fixed cost per split program is
+    ``split_cost_tiles`` tiles (loading Q, writing its partial, the separate merge); a kernel
+    whose last program of a row merges the others' partials itself pays
+    ``merge_tiles_per_split`` tiles per extra split once per row (0 for the separate merge,
+    which spreads over the whole GPU). Memoised: it runs on every eager decode call.
+    """
+    if num_programs <= 0:
+        return 1
+    slots = num_sms * max(1, programs_per_sm)
+    tiles = triton.cdiv(max(1, max_kv_len), block_n)
+    cap = max(1, min(_MLA_MAX_SPLITS, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS)))
+    costs = []
+    for s in range(1, cap + 1):
+        waves = triton.cdiv(num_programs * s, slots)
+        fixed = split_cost_tiles if s > 1 else 1
+        costs.append(waves * (triton.cdiv(tiles, s) + fixed) + merge_tiles_per_split * (s - 1))
+    best = min(costs)
+    return next(s for s, c in enumerate(costs, 1) if c <= best * 1.02)
+
+
+def paged_mla_attention_kernel(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    *,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode: q [T, H, R + P] vs latent cache [NB, BS, R + P] -> (out [T, H, R], lse).
+
+    The value of a token is the first R elements of its latent row, which the kernel reuses
+    from the key tile it already loaded. ``num_splits`` None or 0 picks the split count from
+    static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles.
+    """
+    assert q.stride(-1) == 1 and cache.stride(-1) == 1
+    t, h, _ = q.shape
+    _, page, width = cache.shape
+    rope = width - kv_lora_rank
+    out = q.new_empty(t, h, kv_lora_rank)
+    lse = q.new_empty(t, h, dtype=torch.float32)
+    if t == 0:
+        return out, lse
+    cfg = config or mla_default_config(h)
+    if config is None and q.element_size() > 2:
+        # fp32 tiles take twice the shared memory: fewer heads and tokens per program.
+        cfg = DecodeConfig(block_h=min(cfg.block_h, 16), block_n=32, num_warps=4, num_stages=2)
+    split_scores = cfg.split_scores
+    if split_scores is None:
+        split_scores = cfg.block_h >= 64 and cfg.num_warps >= 8
+    head_tiles = triton.cdiv(h, cfg.block_h)
+    max_kv_len = block_table.shape[1] * page
+    if not num_splits:
+        num_splits = choose_mla_num_splits(
+            t * head_tiles, max_kv_len, _num_sms(q.device), cfg.block_n, mla_programs_per_sm(cfg)
+        )
+    o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    _paged_mla_kernel[(t * head_tiles, num_splits)](
+        q, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
+        *so, *sl,
+        max_kv_len, num_splits,
+        H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, R=kv_lora_rank, P=rope,
+        BLOCK_R=_pow2(kv_lora_rank), BLOCK_P=_pow2(rope),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PARTIAL=num_splits > 1,
+        SPLIT_SCORES=bool(split_scores),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_splits_triton(o_buf, l_buf, out, lse)
+    return out, lse

@@ -1,0 +1,365 @@
+"""Configuration of the Gluon MLA decode kernel: its schedule variants and what it serves.
+
+Kept apart from the kernel (:mod:`cp_modules.kernels.decode.mla_gluon`) so that the
+choice can be made, and validated, without Triton's Gluon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cp_modules.kernels.decode.mla import _MLA_MAX_SPLITS as _MAX_SPLITS
+
+try:
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    HAS_GLUON = False
+
+__all__ = [
+    "GLUON_MLA_VARIANTS",
+    "HAS_GLUON",
+    "GluonMLAConfig",
+    "check_trace_buffer",
+    "choose_gluon_mla_num_splits",
+    "default_gluon_mla_config",
+    "gluon_mla_supported",
+    "merge_counters",
+    "reserve_merge_counters",
+]
+
+_HEADS = 64  # heads per program: the wgmma tile height
+_TILE = 64  # tokens per latent tile
+_PIECE = 64  # columns per TMA piece (128 bytes of bf16: the swizzle width)
+_SPREAD_MAX_SPLITS = 8  # the spread merge hands out the 8 column blocks of 64
+_ISSUE_MODES = ("inline", "hoist", "loader", "loader2", "cpasync")
+
+
+@dataclass(frozen=True)
+class GluonMLAConfig:
+    """How the Gluon MLA kernel schedules its work (every variant computes the same thing).
+
+    Attributes:
+        issue: who issues the latent tile copies: ``"inline"`` (warp group 0, each block id
+            looked up next to its copy: 36 dependent lookups per tile at block size 16),
+            ``"hoist"`` (warp group 0, a tile's block ids looked up together before its
+            copies) or ``"loader"`` (a third partition, one producer warp, issues Q and every
+            tile as soon as both warp groups are done with its buffer; the compute warp groups
+            issue nothing); ``"loader2"``: two producer warps, each issuing about half of every
+            tile's pieces (the first also Q); ``"cpasync"``: a producer warp group (4 warps)
+            issues Q by TMA and copies the tiles with cp.async, each thread 16 bytes of 4 rows
+            per piece (9 copy instructions a thread per tile at any block size), with
+            ``early_release`` only.
+        peel: every pair of tiles but a split's last runs without the range mask and the
+            row zeroing (and the branches around them, which make ptxas wait for in-flight
+            products); the last pair runs the masked body.
+        wg1_regs: registers per thread of warp group 1 (``setmaxnreg``).
+        loader_regs: registers per thread of the producer warps (``loader``, ``loader2``,
+            ``cpasync``).
+        fused_merge: with several KV splits, the program that finishes last for a (query,
+            head tile) merges the splits' fp32 partials into the result itself (an arrival
+            counter per (query, head tile) in a per-device workspace), instead of a separate
+            merge launch.
+        merge_own_from_registers: with ``fused_merge``, the last program takes its own split
+            from its registers instead of reading back the partial it just wrote (1/S less of
+            the merge's reads) and adds it first; the result's last bits then depend on which
+            split finished last. Off: every split is read back in split order, and every run
+            gives the same bits.
+        fused_max_splits: the fused merge serves at most this many splits (the last program
+            reads every other split's partial alone, so its tail grows with the count); more
+            splits take the separate merge launch. Only with ``fused_merge``.
+        spread_merge: with 2 to 8 KV splits and every program resident at once (at most one
+            per SM: the launch is cooperative, so a grid that cannot all be resident fails
+            instead of waiting forever), the row's programs wait for each other after storing
+            their partials, and program s merges the 64-column blocks c = s (mod S) of its row
+            (reading every split's partial of them from L2), instead of a separate merge
+            launch. Every split is read in split order: the same bits on every run. Other
+            launches take the separate merge. Not with ``fused_merge``.
+        split_cost_tiles: the split chooser's fixed cost of one split program, in 64-token
+            tiles (``None``: the Triton kernel's, ``paged_decode_mla._SPLIT_COST_TILES``).
+        merge_tiles_per_split: the split chooser's cost of the last program's merge per extra
+            split, in tiles, added once per (query, head tile) (0: not modelled).
+        max_box_rows: rows of one TMA copy at most (a page's rows, up to a 64-token tile, by
+            default): 16 makes a 64-token page take the copies of block size 16.
+        early_release: (producer warps only) a tile buffer is freed in three parts, each by
+            the warp group that uses it last: the rope piece after the tile's scores, each
+            256-column latent half after its P @ V; the producers refill each part as soon as
+            it is free and the scores take the pieces in that order (rope, then the half freed
+            first). Off: a buffer is refilled once both warp groups are done with all of it.
+        producer_zeroing: (TMA producer warps with ``early_release``) the rows past the
+            range in a split's last tiles are zeroed by the producer warps once the tile has
+            landed, before the consumers are told it is ready; the consumer warp groups then
+            never branch on the range (off: each warp group zeroes the rows before its P @ V,
+            behind a branch in every pair).
+    """
+
+    issue: str = "inline"
+    peel: bool = False
+    wg1_regs: int = 256
+    loader_regs: int = 24
+    fused_merge: bool = False
+    fused_max_splits: int = _MAX_SPLITS
+    merge_own_from_registers: bool = False
+    spread_merge: bool = False
+    split_cost_tiles: float | None = None
+    merge_tiles_per_split: float = 0.0
+    max_box_rows: int = 64
+    early_release: bool = False
+    producer_zeroing: bool = False
+
+    def __post_init__(self):
+        if self.issue not in _ISSUE_MODES:
+            raise ValueError(
+                f"GluonMLAConfig.issue must be one of {_ISSUE_MODES}, got {self.issue!r}"
+            )
+        if not 2 <= self.fused_max_splits <= _MAX_SPLITS:
+            raise ValueError(
+                f"GluonMLAConfig.fused_max_splits must be in [2, {_MAX_SPLITS}], "
+                f"got {self.fused_max_splits}"
+            )
+        if self.split_cost_tiles is not None and not self.split_cost_tiles >= 0:
+            raise ValueError(
+                f"GluonMLAConfig.split_cost_tiles must be None or >= 0, got {self.split_cost_tiles}"
+            )
+        if self.max_box_rows not in (8, 16, 32, 64):
+            raise ValueError(
+                f"GluonMLAConfig.max_box_rows must be 8, 16, 32 or 64, got {self.max_box_rows}"
+            )
+        if self.early_release and self.issue not in ("loader", "loader2", "cpasync"):
+            raise ValueError(
+                "GluonMLAConfig.early_release needs producer warps (issue 'loader', 'loader2' "
+                f"or 'cpasync'), got issue={self.issue!r}"
+            )
+        if self.producer_zeroing and not (
+            self.early_release and self.issue in ("loader", "loader2")
+        ):
+            raise ValueError(
+                "GluonMLAConfig.producer_zeroing needs TMA producer warps with early_release "
+                f"(issue 'loader' or 'loader2'), got issue={self.issue!r}, "
+                f"early_release={self.early_release}"
+            )
+        if self.issue == "cpasync" and not self.early_release:
+            raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
+        if self.spread_merge and self.fused_merge:
+            raise ValueError("GluonMLAConfig.spread_merge and fused_merge exclude each other")
+        if not self.merge_tiles_per_split >= 0:
+            raise ValueError(
+                "GluonMLAConfig.merge_tiles_per_split must be >= 0, got "
+                f"{self.merge_tiles_per_split}"
+            )
+
+    def fuses_merge(self, num_splits: int) -> bool:
+        """Whether a launch with ``num_splits`` splits merges them in the kernel."""
+        return self.fused_merge and 1 < num_splits <= self.fused_max_splits
+
+    def spreads_merge(self, num_splits: int, num_programs: int, num_sms: int) -> bool:
+        """Whether a launch of ``num_programs`` programs (rows x splits) merges its splits
+        spread over the row's programs (all resident: one per SM at most)."""
+        return (self.spread_merge and 1 < num_splits <= _SPREAD_MAX_SPLITS
+                and num_programs <= num_sms)  # fmt: skip
+
+    def constexprs(self, num_splits: int = 1, spread: bool = False) -> dict:
+        """The kernel's compile-time arguments for this configuration and split count
+        (``spread``: :meth:`spreads_merge` holds for the launch)."""
+        return {"ISSUE": _ISSUE_MODES.index(self.issue), "PEEL": self.peel,
+                "WG1_REGS": self.wg1_regs, "LOADER_REGS": self.loader_regs,
+                "FUSED": self.fuses_merge(num_splits),
+                "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
+                "EARLY": self.early_release, "SPREAD": spread,
+                "PZERO": self.producer_zeroing}  # fmt: skip
+
+
+def _fused(**kw) -> GluonMLAConfig:
+    """``loader-r232`` with the split merge in the kernel (the fused variants' common base)."""
+    base = {"issue": "loader", "wg1_regs": 232, "fused_merge": True, "split_cost_tiles": 3,
+            "merge_tiles_per_split": 0.25}  # fmt: skip
+    return GluonMLAConfig(**{**base, **kw})
+
+
+# Named variants (the benchmark times each; the defaults below are picked from its sweep).
+# With the producer warp the three partitions share 64K registers: warp group 0 gets what
+# warp group 1 and the producer leave (wg1_regs 256 -> 224, 232 -> 248). The peeled variants
+# spill ~1.6 KB under Triton 3.6 (the two loop bodies) and are not in the benchmark's default
+# set.
+GLUON_MLA_VARIANTS = {
+    "base": GluonMLAConfig(),
+    "hoist": GluonMLAConfig(issue="hoist"),
+    "loader": GluonMLAConfig(issue="loader"),
+    "loader-r232": GluonMLAConfig(issue="loader", wg1_regs=232),
+    # Two producer warps share each tile's copies (36 per tile at block size 16). Three were
+    # no faster, four slower (more spills): docs/experiments/2026-12-01-mla-decode-gluon-schedules.md
+    "loader2-r232": GluonMLAConfig(issue="loader2", wg1_regs=232),
+    # loader-r232 with copies of 16 rows at any block size: what the copy count alone costs.
+    "loader-r232-box16": GluonMLAConfig(issue="loader", wg1_regs=232, max_box_rows=16),
+    # Each buffer refilled in three parts as each is freed (rope, then the latent halves).
+    "loader-r232-early": GluonMLAConfig(issue="loader", wg1_regs=232, early_release=True),
+    "loader2-r232-early": GluonMLAConfig(issue="loader2", wg1_regs=232, early_release=True),
+    # The rows past the range zeroed by the producers: no branch in the consumers' pairs.
+    "loader2-r232-early-pz": GluonMLAConfig(
+        issue="loader2", wg1_regs=232, early_release=True, producer_zeroing=True
+    ),
+    "loader-r232-early-pz": GluonMLAConfig(
+        issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True
+    ),
+    # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
+    # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
+    # block size 16 as fast as 64 with it, but +1 % at 16 and -6 % at 64 against the default
+    # (docs/experiments/2026-12-02-mla-decode-copies-and-merges.md).
+    "cpasync-r232-early": GluonMLAConfig(issue="cpasync", wg1_regs=232, early_release=True),
+    # The split merge spread over each row's programs (no merge launch). Measured slower at
+    # B=8 4k than the separate merge (same note).
+    "loader2-r232-early-spread": GluonMLAConfig(
+        issue="loader2", wg1_regs=232, early_release=True, spread_merge=True
+    ),
+    "cpasync-r232-early-spread": GluonMLAConfig(
+        issue="cpasync", wg1_regs=232, early_release=True, spread_merge=True
+    ),
+    "hoist-peel": GluonMLAConfig(issue="hoist", peel=True),
+    "loader-peel": GluonMLAConfig(issue="loader", peel=True),
+    # The split merge fused into the kernel (the last program of a row merges; no merge
+    # launch), with the split chooser's fixed cost per split lowered from 5 to 3 tiles and a
+    # merge tail of about a quarter tile per extra split (128 KB of fp32 partial per split,
+    # read by one SM). Every split read back in order: the same bits on every run.
+    "loader-r232-fused": _fused(),
+    # Its own split from the last program's registers (reads 1/S less; the last bits depend
+    # on which split finished last).
+    "loader-r232-fused-regs": _fused(merge_own_from_registers=True),
+    # Fused up to 16 splits (short contexts, where the merge launch is a large share); more
+    # splits (B = 1 at long contexts) keep the separate merge, spread over the whole GPU.
+    "loader-r232-fused16": _fused(fused_max_splits=16),
+}
+# The default variant for blocks smaller than a 64-token tile (several copies per piece) and
+# for the rest. Rule: from ``bench_mla_decode --gluon-only --variants ...``, per block size
+# the variant whose checked rates have the highest geometric mean over the 128-head rows
+# (none may be more than 3 % below the current default's on any row). The H200 sweep of
+# 2026-12-01 (`git show 1e352f6:benchmarks/results/mla-decode-gluon-2026-12-01.json`):
+# loader-r232 for both (geometric mean 398 against 274 TFLOP/s at block size 16, 439 against
+# 392 at 64). Then loader2-r232 for small blocks: 2.5-4 % above loader-r232 on the 128-head
+# shapes at block size 16 in two probes, +0.6 % geometric mean (-2.8 % to +3.3 % per shape) in
+# the sweep benchmarks/results/mla-decode-gluon-2026-12-01.json; at block size 64 equal or up
+# to 8 % slower, so large blocks keep loader-r232. Then loader2-r232-early for both (2026-12-02,
+# benchmarks/results/mla-decode-gluon-early-2026-12-02.json: geometric mean of the medians
+# 414 -> 444 at block size 16, 446 -> 468 at 64; no shape's median below the former default's;
+# docs/experiments/2026-12-02-mla-decode-early-release.md). Then loader-r232-early-pz for both
+# (2026-12-02, benchmarks/results/mla-decode-gluon-pz-2026-12-02.json: the rows past the range
+# zeroed by one producer warp, so the consumers never branch on it; geometric mean over the
+# ten 128-head shapes, three sweeps against loader2-r232-early in the same runs: 451 / 443 /
+# 440 against 435 / 429 / 443 at block size 16, 476 / 473 / 477 against 457 / 457 / 467 at 64;
+# per-shape medians +0.1 to +9.9 %, except B=64 4k / 32k at 16 (-0.9 / -1.5 %) and B=256 4k at
+# 16: -3.7 % (435 against 452; that row spans 414-487 across runs of one schedule; with each
+# schedule's full MLA decode run added, 452 against 455); docs/experiments/2026-12-02-mla-decode-fixed-costs.md).
+_DEFAULT_SMALL_PAGE = "loader-r232-early-pz"
+_DEFAULT_LARGE_PAGE = "loader-r232-early-pz"
+
+
+def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:
+    """The configuration the kernel runs with when the caller names none."""
+    return GLUON_MLA_VARIANTS[_DEFAULT_SMALL_PAGE if block_size < _TILE else _DEFAULT_LARGE_PAGE]
+
+
+def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """None when the Gluon kernel serves these inputs, else why not (for the caller to say)."""
+    if not HAS_GLUON:
+        return "this Triton has no Gluon"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon MLA kernel needs an sm_90 (Hopper) GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon MLA kernel takes bf16/fp16, got {q.dtype}"
+    h, width = q.shape[1], q.shape[2]
+    page = cache.shape[1]
+    if h % _HEADS or kv_lora_rank != 512 or width != 576:
+        return (
+            f"the Gluon MLA kernel serves DeepSeek's shape (heads a multiple of 64, latent 512, "
+            f"rope 64); got H={h}, R={kv_lora_rank}, row={width}"
+        )
+    if page & (page - 1) or not 8 <= page:
+        return f"the Gluon MLA kernel needs a power-of-two block size >= 8, got {page}"
+    if cache.stride(1) != width or cache.stride(0) != page * width:
+        return "the Gluon MLA kernel needs a contiguous cache"
+    if cache.data_ptr() % 16:
+        return "the Gluon MLA kernel needs a 16-byte aligned cache"
+    return None
+
+
+def check_trace_buffer(trace: torch.Tensor, device: torch.device, num_programs: int) -> None:
+    """Raise ValueError unless ``trace`` can take the kernel's stamps of ``num_programs``
+    programs (rows x splits): a contiguous int64 tensor on ``device`` of at least 8 per
+    program (the kernel writes 8 slots a program and checks nothing)."""
+    need = 8 * num_programs
+    if (trace.dtype != torch.int64 or trace.device != device or not trace.is_contiguous()
+            or trace.numel() < need):  # fmt: skip
+        raise ValueError(
+            f"trace must be a contiguous int64 tensor on {device} of at least {need} elements "
+            f"(8 per program, {num_programs} programs); got {trace.dtype} {tuple(trace.shape)} "
+            f"on {trace.device}"
+        )
+
+
+# The fused merge's arrival counters, one int32 per (query, head tile), per device and stream.
+# Every launch leaves them at 0 (the last program of a row resets its counter), so one buffer
+# serves every later launch on its stream, eager or replayed from a CUDA graph. Buffers are
+# never freed or shrunk: a captured graph keeps the address it was captured with.
+_MIN_COUNTERS = 1024
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
+
+
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+    if device.type != "cuda":
+        return device, 0
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.cuda.current_stream(device).cuda_stream
+
+
+def merge_counters(device: torch.device, num_rows: int) -> torch.Tensor:
+    """The fused merge's zeroed arrival counters (int32, at least ``num_rows``) for launches on
+    the current stream of ``device``.
+
+    Kept per device and stream: launches that run at the same time on different streams
+    never share counters (launches on one stream run one after another). Grown to the next
+    power of two (at least 1024 rows) when a launch needs more; an outgrown buffer is kept
+    alive, since a CUDA graph captured with it still uses its address. Nothing is allocated
+    while the stream captures a graph, unless this stream has no buffer that large yet: then
+    the buffer is allocated once into that graph's memory pool (zeroed by a memset captured
+    before the kernel), kept, and reused by later launches and captures on the stream. Run
+    one eager call of the largest size on the capture stream, or call
+    :func:`reserve_merge_counters` there, before capturing to avoid even that.
+    """
+    key = _stream_key(device)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < num_rows:
+        size = max(_MIN_COUNTERS, 1 << max(0, num_rows - 1).bit_length())
+        if buf is not None:
+            _retired_counters.append(buf)
+        buf = torch.zeros(size, dtype=torch.int32, device=key[0])
+        _counters[key] = buf
+    return buf
+
+
+def reserve_merge_counters(device: torch.device | str, num_rows: int) -> None:
+    """Allocate the fused merge's counters for ``num_rows`` (query, head tile) rows on the
+    current stream of ``device`` ahead of a CUDA-graph capture on that stream."""
+    merge_counters(torch.device(device), num_rows)
+
+
+def choose_gluon_mla_num_splits(
+    config: GluonMLAConfig, num_programs: int, max_kv_len: int, num_sms: int
+) -> int:
+    """KV splits for ``num_programs`` (query, head tile) programs under ``config``'s costs.
+
+    :func:`~cp_modules.kernels.decode.mla.choose_mla_num_splits` with the config's fixed
+    cost per split and merge tail; when that asks for more splits than the fused merge serves
+    (``fused_max_splits``), the count of the separate merge's costs (the Triton kernel's).
+    """
+    from cp_modules.kernels.decode.mla import _SPLIT_COST_TILES, choose_mla_num_splits
+
+    fixed = _SPLIT_COST_TILES if config.split_cost_tiles is None else config.split_cost_tiles
+    splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1, fixed,
+                                   config.merge_tiles_per_split)  # fmt: skip
+    if config.fused_merge and splits > config.fused_max_splits:
+        splits = choose_mla_num_splits(num_programs, max_kv_len, num_sms, _TILE, 1)
+    return splits

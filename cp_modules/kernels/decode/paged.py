@@ -1,0 +1,406 @@
+"""Triton paged decode attention for GQA/MHA with LSE, and the tiles and split counts that the
+decode kernels share; launchers only (absorbed MLA: :mod:`cp_modules.kernels.decode.mla`).
+
+Shape letters: T = queries, Hq = query heads, Hkv = KV heads, G = Hq // Hkv, Dk = key dim,
+Dpe = rope dim, Dv = value dim, NB = physical blocks, BS = tokens per block, R = block-table
+rows, M = entries per row, S = KV splits.
+
+One program serves one (KV head, head tile) pair of one query over one split of its KV range.
+All the query heads that share a KV head form the M dimension of ``tl.dot`` (padded to 16), so
+each K/V tile is read from HBM once for the whole group. Keys are read block-table-driven, tile
+by tile: 64 tokens when the KV range is split, 128 when it is not (:func:`default_config`).
+
+Query ``t`` sees the local tokens ``query_kv_start[t] <= j < query_kv_len[t]`` (the start is 0
+without a sliding window). The loop starts at the tile of the first visible key: tiles wholly
+before it are never read, nor are their block-table entries (a windowed cache may have returned
+those blocks). With a soft-cap ``c`` the scaled scores become ``c * tanh(s / c)`` before the
+softmax.
+
+Split-KV (flash-decoding): the split count S is chosen on the host from static shapes only
+(programs per split and the block table's capacity); each program takes an equal,
+tile-aligned share of its own query's visible range (read on the device). With S > 1 the
+programs write fp32 partials that the LSE merge family's split merge
+(:func:`~cp_modules.kernels.merge.merge_splits_triton`) combines in a second launch (not
+fused into this kernel). An empty range yields out = 0 and lse = -inf. Nothing here syncs with
+the host, so the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_modules.kernels.merge import merge_splits_triton
+
+__all__ = [
+    "DecodeConfig",
+    "choose_num_splits",
+    "default_config",
+    "mla_default_config",
+    "paged_attention_kernel",
+]
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+# Splits are never shorter than this many tokens: shorter ones cost more in the merge than
+# they win in parallelism.
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _tanh(x):
+    # Odd-symmetric through exp2 of a non-positive argument: no overflow, |error| ~ 1 ulp of 1
+    # (the interpreter has no libdevice, and tl.tanh is not in every Triton release).
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    y = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    SEQ_IDX,
+    KV_LEN,
+    KV_START,
+    OUT,
+    LSE,
+    qk_scale,
+    softcap,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_btr,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    max_kv_len,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_HEAD_TILES: tl.constexpr,
+    PAGE: tl.constexpr,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    V_IS_K: tl.constexpr,
+    HAS_START: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Axis 0 enumerates (query, KV head, head tile) with head tiles fastest, so the tiles that
+    # read the same K/V run side by side; it also has no 65535 limit on the query count.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles_per_query = NUM_KV_HEADS * NUM_HEAD_TILES
+    t = (pid // tiles_per_query).to(tl.int64)
+    pid_h = pid % tiles_per_query
+    kvh = pid_h // NUM_HEAD_TILES
+    offs_h = (pid_h % NUM_HEAD_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+
+    row = tl.load(SEQ_IDX + t).to(tl.int64)
+    kv_len = tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len)
+    kv_len = tl.maximum(kv_len, 0)
+    if HAS_START:
+        kv_start = tl.maximum(tl.load(KV_START + t).to(tl.int32), 0)
+    else:
+        kv_start = 0
+    # The loop starts at the tile of the first visible key; an empty range visits no tile
+    # (so every visited tile holds a visible key and no tile reads a block before the start).
+    lo = (kv_start // BLOCK_N) * BLOCK_N
+    hi = tl.where(kv_start < kv_len, kv_len, lo)
+    # Equal tile-aligned shares of this query's range; tiles never straddle a block when
+    # PAGE is a multiple of BLOCK_N because every tile start is a multiple of BLOCK_N.
+    chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, hi)
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    dk_mask = offs_dk < DK
+    q_rows = Q + t * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_dk[None, :], mask=h_mask[:, None] & dk_mask[None, :], other=0.0)
+    if DPE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        pe_mask = offs_pe < DPE
+        q_pe = tl.load(
+            q_rows + DK + offs_pe[None, :], mask=h_mask[:, None] & pe_mask[None, :], other=0.0
+        )
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    bt_row = BT + row * stride_btr
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = (offs_n < end) & (offs_n >= kv_start)
+        if PAGE % BLOCK_N == 0:
+            # The tile lies in one block, which holds a visible key.
+            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            in_page = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_tok = blk * stride_kb + in_page * stride_ks
+            v_tok = blk * stride_vb + in_page * stride_vs
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = (offs_n % PAGE).to(tl.int64)
+            k_tok = blk * stride_kb + in_page * stride_ks
+            v_tok = blk * stride_vb + in_page * stride_vs
+        k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
+        k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if DPE > 0:
+            k_pe = tl.load(
+                K + k_tok[:, None] + kvh * stride_kh + DK + offs_pe[None, :],
+                mask=n_mask[:, None] & pe_mask[None, :],
+                other=0.0,
+            )
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+        if SOFTCAP:
+            # qk_scale is scale / c here and softcap is c * log2(e): c * tanh(s / c) in base 2.
+            s = _tanh(s * qk_scale) * softcap
+        else:
+            s = s * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(
+                V + v_tok[:, None] + kvh * stride_vh + offs_dv[None, :],
+                mask=n_mask[:, None] & dv_mask[None, :],
+                other=0.0,
+            )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_ptrs = OUT + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+    l_ptrs = LSE + t * stride_lt + heads * stride_lh + split * stride_ls
+    if NUM_SPLITS == 1:
+        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
+    else:
+        tl.store(l_ptrs, lse2, mask=h_mask)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes and launch parameters of the split kernel.
+
+    ``split_scores`` (MLA only): spread the score tile over the warps by columns instead of
+    computing it in every warp group; None picks it from the tile (64 heads on 8 warps).
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_scores: bool | None = None
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+@functools.lru_cache(maxsize=256)
+def default_config(group: int, dk: int, dv: int, dpe: int, split: bool = True) -> DecodeConfig:
+    """Tiles for a head group of ``group`` query heads per KV head and these head dims.
+
+    A rope part (``dpe > 0``) means the MLA kernel: :func:`mla_default_config`. ``split``
+    says whether the KV range is cut into several splits (see :func:`choose_num_splits`); the
+    head tile does not depend on it, so the split count can be chosen first.
+
+    Why these tiles (measured): ``docs/switch-points.md``.
+    """
+    if dpe > 0:
+        return mla_default_config(group)
+    block_h = min(64, max(16, _pow2(group)))
+    if dk + dpe > 256 or dv > 256:
+        # Wide rows: a [BLOCK_H, Dv] fp32 accumulator lives in registers, so keep the head
+        # tile small and give it more warps.
+        return DecodeConfig(block_h=min(block_h, 32), block_n=32, num_warps=8, num_stages=2)
+    if max(dk, dv) > 128:
+        return DecodeConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3)
+    if not split:
+        return DecodeConfig(block_h=block_h, block_n=128, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=3)
+
+
+@functools.lru_cache(maxsize=64)
+def mla_default_config(heads: int) -> DecodeConfig:
+    """MLA tiles (latent 576 in / 512 out) for ``heads`` query heads.
+
+    The [BLOCK_H, 512] fp32 accumulator fills half the register file at 64 heads, so 64 heads
+    take 8 warps (two warp groups, each holding half of the output columns; the tensor-core
+    tile is 64 rows high). Q (72 KiB) and two 64-token latent tiles (2 x 72 KiB) fill shared
+    memory. Measurements: ``docs/switch-points.md``.
+    """
+    block_h = min(64, max(16, _pow2(heads)))
+    if block_h >= 64:
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=2)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
+    """KV splits for ``num_programs`` (query, head-tile) programs from static quantities only.
+
+    Aims at about two waves of programs over the SMs, never cuts the longest addressable range
+    (``max_kv_len``, from the block table's width) into pieces shorter than
+    ``_MIN_SPLIT_TOKENS``, and caps the count at ``_MAX_SPLITS``.
+    """
+    if num_programs <= 0 or num_programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, num_programs)
+    cap = max(1, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap, _MAX_SPLITS))
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    *,
+    num_kv_heads: int,
+    dk: int,
+    dpe: int,
+    dv: int,
+    page: int,
+    stride_k: tuple[int, int, int],
+    stride_v: tuple[int, int, int],
+    v_is_k: bool,
+    num_splits: int | None,
+    config: DecodeConfig | None,
+    query_kv_start: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t, hq, _ = q.shape
+    group = hq // num_kv_heads
+    out = q.new_empty(t, hq, dv)
+    lse = q.new_empty(t, hq, dtype=torch.float32)
+    if t == 0:
+        return out, lse
+    cfg = config or default_config(group, dk, dv, dpe)
+    head_tiles = triton.cdiv(group, cfg.block_h)
+    max_kv_len = block_table.shape[1] * page
+    if not num_splits:
+        num_splits = choose_num_splits(
+            t * num_kv_heads * head_tiles, max_kv_len, _num_sms(q.device)
+        )
+    if config is None and num_splits == 1:
+        cfg = default_config(group, dk, dv, dpe, split=False)  # same head tile
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (t * num_kv_heads * head_tiles, num_splits)
+    o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    has_start = query_kv_start is not None
+    _paged_attn_kernel[grid](
+        q, k, v, block_table, query_seq_idx, query_kv_len,
+        query_kv_start if has_start else query_kv_len, o_buf, l_buf,
+        scale / softcap if softcap else scale * _LOG2E,
+        softcap * _LOG2E if softcap else 1.0,
+        q.stride(0), q.stride(1),
+        *stride_k, *stride_v,
+        block_table.stride(0),
+        *so, *sl,
+        max_kv_len,
+        GROUP=group, NUM_KV_HEADS=num_kv_heads, NUM_HEAD_TILES=head_tiles, PAGE=page,
+        DK=dk, DPE=dpe, DV=dv,
+        BLOCK_DK=_pow2(dk), BLOCK_DPE=_pow2(dpe) if dpe else 1, BLOCK_DV=_pow2(dv),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_splits_triton(o_buf, l_buf, out, lse)
+    return out, lse
+
+
+def _split_buffers(
+    out: torch.Tensor, lse: torch.Tensor, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
+    """Where the split programs write: ``out``/``lse`` themselves, or fp32 partials."""
+    if num_splits == 1:
+        return out, lse, (out.stride(0), out.stride(1), 0), (lse.stride(0), lse.stride(1), 0)
+    t, hq, dv = out.shape
+    o_buf = torch.empty(t, hq, num_splits, dv, dtype=torch.float32, device=out.device)
+    l_buf = torch.empty(t, hq, num_splits, dtype=torch.float32, device=out.device)
+    so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
+    sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
+    return o_buf, l_buf, so, sl
+
+
+def paged_attention_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    config: DecodeConfig | None = None,
+    query_kv_start: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA/MHA paged attention: q [T, Hq, D] vs [NB, BS, Hkv, D] caches -> (out, lse fp32).
+
+    ``num_splits`` None or 0 picks the split count from static shapes; ``config`` overrides the
+    tiles (for tuning). ``query_kv_start`` [T] (int32/int64): the first local token each query
+    sees (a sliding window), None for 0; ``softcap`` c > 0: scores become ``c * tanh(s / c)``
+    after scaling, None or 0 for none. Last dims must be contiguous.
+    """
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _, page, hkv, d = k_cache.shape
+    return _launch(
+        q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
+        num_kv_heads=hkv, dk=d, dpe=0, dv=v_cache.shape[-1], page=page,
+        stride_k=(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+        stride_v=(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+        v_is_k=False, num_splits=num_splits, config=config,
+        query_kv_start=query_kv_start, softcap=softcap,
+    )  # fmt: skip
