@@ -263,3 +263,25 @@ def test_bad_speculative_options_are_refused():
                                                     vocab_size=128)))  # fmt: skip
     with pytest.raises(ValueError, match="speculative: the draft model's vocab_size=128"):
         engine.generate([[1, 2]], SamplingParams(speculative=other, num_speculative_tokens=2))
+
+
+def test_a_verification_step_that_cannot_be_captured_is_refused_when_graphs_are_required(
+    monkeypatch,
+):
+    # CPU cannot capture: a capture failure is simulated where the verification graph is built.
+    import cp_modules.engine.speculative as spec
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(spec, "DecodeGraph", fail)
+    params = SamplingParams(max_new_tokens=4, speculative="ngram", num_speculative_tokens=2)
+    engine = _engine(build_model(_conf("llama")), decode_graphs=True)
+    with pytest.raises(ValueError, match="speculative='ngram' with decode_graphs=True"):
+        engine.generate([[1, 2, 1, 2]], params)
+    # decode_graphs=None: a warning, then eager verification with the same tokens.
+    engine = _engine(build_model(_conf("llama")), decode_graphs=None)
+    engine.decode_graphs = True  # as on CUDA
+    with pytest.warns(UserWarning, match="verification steps run eagerly"):
+        got = engine.generate([[1, 2, 1, 2]], params).outputs
+    assert got == engine.generate([[1, 2, 1, 2]], SamplingParams(max_new_tokens=4)).outputs
