@@ -179,7 +179,7 @@ def _chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
 
 
 def test_sampled_speculation_keeps_the_target_distribution():
-    # 1200 requests of one prompt sample 3 tokens (temperature 1.5, top-k 3) with drafts of the
+    # 800 requests of one prompt sample 3 tokens (temperature 1.5, top-k 3) with drafts of the
     # most likely path (kept with probability p, else resampled): the joint of the 27 paths
     # must be the target's exact one (chi-square at p = 1e-3), as for plain sampling.
     model = build_model(_conf("llama"))
@@ -187,7 +187,7 @@ def test_sampled_speculation_keeps_the_target_distribution():
     params = SamplingParams(max_new_tokens=3, temperature=1.5, top_k=3, seed=11)
     exact = _exact_joint(model, prompt, params, 3)
     greedy = list(max(exact, key=exact.get))
-    n = 1200
+    n = 800
     engine = _engine(model, max_num_tokens=n * 4, max_num_seqs=n)
     drafter = ReplayDrafter([prompt + greedy] * n, vocab_size=256)
     for spec in (None, drafter):
