@@ -122,6 +122,9 @@ def main() -> None:
     print("wrote", out)
     if not args.keep:
         shutil.rmtree(path, ignore_errors=True)
+    # The gate: both loads hold the same weights (a wrong read would change the logits).
+    if not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

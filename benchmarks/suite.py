@@ -7,8 +7,10 @@
 Runs each part, ``python -m benchmarks.bench_<part>`` from the repository root, in its own
 process (a failure or a hang in one does not lose the others), in this order: ceilings (copy
 and matmul roofs, dense prefill kernels per shape), lse_combine, pcp, masked (windows and
-soft-cap), decode, mla_decode (the 128-head MLA sweep), modules, parity (one GPU against HF),
-speculative (speculative decoding against the plain engine). Every
+soft-cap), decode, mla_decode (the 128-head MLA sweep), modules, parity (one GPU against HF), decoder_parity (one GPU, decoder training
+against HF's sdpa), peers (FlashMLA and FlashInfer beside this project, when tools/build_peers.py
+has built them), loading (GPU memory of a Llama-3-8B-shaped load at world 1), speculative
+(speculative decoding against the plain engine). Every
 part checks its kernels against their references on the benchmark shapes first and reports no
 speed for a wrong kernel (exit status 1). Then ``benchmarks.report`` merges the newest results
 into ``benchmarks/<date>-<gpu>.{json,md}`` and plots. Exit status: 0 only if every part passed
@@ -26,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ORDER = (
     "ceilings", "lse_combine", "pcp", "masked", "decode", "mla_decode", "modules", "parity",
-    "speculative",
+    "decoder_parity", "peers", "loading", "speculative",
 )  # fmt: skip
 
 

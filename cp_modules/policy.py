@@ -62,6 +62,10 @@ class CPPolicy:
             from the other PCP ranks (one uneven all-to-all; at most ``2 * (c + W)`` tokens
             per request) instead of all-gathering every new token; False keeps the all-gather.
         cudnn_build_s: seconds of cuDNN plan builds a new shape is worth renting varlen for.
+        training_rents_cudnn: whether a forward that autograd will differentiate (training)
+            rents the varlen call for new shapes too; by default (False) it runs on cuDNN at
+            once, as HF's ``sdpa`` does: its backward builds cuDNN plans for the same shapes
+            at once anyway, and training meets its shapes over many steps.
         varlen_max_flop_per_segment: mean forward FLOPs per segment up to which a batch runs
             as one varlen call, per direction (``forward``, ``backward``; ``*_padded`` for
             values narrower than the queries, MLA). An empty mapping: never.
@@ -80,6 +84,7 @@ class CPPolicy:
     mla_decode: str = "auto"
     window_exchange: bool = True
     cudnn_build_s: float = 0.15
+    training_rents_cudnn: bool = False
     varlen_max_flop_per_segment: dict[str, float] = field(
         default_factory=lambda: dict(_DEFAULT_VARLEN_LIMITS)
     )
@@ -145,6 +150,7 @@ class CPPolicy:
                 self.mla_decode,
                 self.window_exchange,
                 self.cudnn_build_s,
+                self.training_rents_cudnn,
                 tuple(sorted(self.varlen_max_flop_per_segment.items())),
             )
         )

@@ -222,8 +222,12 @@ class CPMLAAttention(nn.Module):
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, interleaved=self.rope_interleave).squeeze(
             1
         )
-        # The latent is shared by every head: each TP rank's heads add to its gradient.
-        latent = copy_to_group(torch.cat((self.kv_a_layernorm(kv_c), k_pe), dim=-1), *self.tp_group)
+        kv_c = self.kv_a_layernorm(kv_c)
+        latent: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (kv_c, k_pe)
+        if self.tp_group[1] > 1:
+            # The latent is shared by every head: each TP rank's heads add to its gradient
+            # (one sum for both parts).
+            latent = copy_to_group(torch.cat((kv_c, k_pe), dim=-1), *self.tp_group)
         out = self.attend(torch.cat((q_nope, q_pe), dim=-1), latent)
         return self.o_proj(out.reshape(t, -1))
 
@@ -235,14 +239,24 @@ class CPMLAAttention(nn.Module):
         w = w.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
-    def attend(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """Attention core: q [T, H, Dn + Dr], latent [T, Rk + Dr] -> [T, H, Dv]."""
-        w_uk, w_uv = self.up_projection_weights()
+    def up_projection_weight(self) -> torch.Tensor:
+        """This rank's heads of kv_b_proj as one ``w_kv [H, Dn + Dv, Rk]`` (a view)."""
+        w = self.kv_b_proj.weight
+        if isinstance(w, DTensor):
+            w = w.to_local()
+        return w.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+
+    def attend(
+        self, q: torch.Tensor, latent: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Attention core: q [T, H, Dn + Dr], latent [T, Rk + Dr] (or its parts kv_c [T, Rk],
+        k_pe [T, Dr]) -> [T, H, Dv]. The up-projection runs as one GEMM with kv_b_proj's
+        whole weight (as HF runs it)."""
         return mla_attention(
             q.contiguous(),
-            latent.contiguous(),
-            w_uk.contiguous(),
-            w_uv.contiguous(),
+            latent if isinstance(latent, tuple) else latent.contiguous(),
+            self.up_projection_weight(),
+            None,
             self.kv_cache,
             scale=self.scaling,
             kv_lora_rank=self.kv_lora_rank,

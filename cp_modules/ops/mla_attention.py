@@ -26,6 +26,7 @@ from cp_modules.ops.cp_common import (
     gathered_rows_of,
     handle_fake,
     lse_dtype_of,
+    one_rank,
     read_prefix,
     scatter_grad,
 )
@@ -41,22 +42,27 @@ __all__ = ["mla_attention", "mla_backward_path"]
 # ----------------------------------------------------------------------------- MLA
 
 
-def _up_project(
-    latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rk: int, num_heads: int
-):
-    """Per-head K [N, H, Dn + Dr] and V [N, H, Dv] from latent rows [N, Rk + Dr]."""
+def _up_project(latent: torch.Tensor, w_kv: torch.Tensor, rk: int, dn: int):
+    """Per-head K [N, H, Dn + Dr] and V [N, H, Dv] from latent rows [N, Rk + Dr]: one GEMM
+    with the whole up-projection ``w_kv`` [H, Dn + Dv, Rk] (kv_b_proj's weight, as HF's
+    DeepSeek attention runs it), the shared rope key broadcast over the heads."""
     kv_c, k_pe = latent[:, :rk], latent[:, rk:]
-    k_nope = torch.einsum("nc,hdc->nhd", kv_c, w_uk)
-    v = torch.einsum("nc,hdc->nhd", kv_c, w_uv)
-    k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, num_heads, -1)), dim=-1)
-    return k.contiguous(), v.contiguous()
+    h = w_kv.shape[0]
+    kv = torch.mm(kv_c, w_kv.reshape(-1, rk).t()).view(-1, h, w_kv.shape[1])
+    k = torch.cat((kv[..., :dn], k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
+    return k, kv[..., dn:].contiguous()
 
 
-def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
+def _nope_dim(q: torch.Tensor, latent: torch.Tensor, rk: int) -> int:
+    """Dn: the query's head dim less the rope dim (the latent row's values past Rk)."""
+    return q.shape[-1] - (latent.shape[-1] - rk)
+
+
+def _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank, differentiable=False):
     meta = current_step()
     check_local(meta, q, latent)
-    rk, h, dn = kv_lora_rank, q.shape[1], w_uk.shape[1]
-    dv = w_uv.shape[1]
+    rk, h, dn = kv_lora_rank, q.shape[1], _nope_dim(q, latent, kv_lora_rank)
+    dv = w_kv.shape[1] - dn
     has_cache = cache.numel() > 0
     if has_cache:
         check_cache(meta, latent, cache)
@@ -73,15 +79,16 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             raise RuntimeError("a KV cache was given but the step has no block table")
         write_mla_cache(latent_full[:, :rk], latent_full[:, rk:], cache, meta.slot_mapping)
     if not meta.all_decode:
-        k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, h)
+        k_full, v_full = _up_project(latent_full, w_kv, rk, dn)
         prefix = {}
         if meta.has_prefix:
-            pk, pv = _up_project(read_prefix(cache, meta), w_uk, w_uv, rk, h)
+            pk, pv = _up_project(read_prefix(cache, meta), w_kv, rk, dn)
             prefix = dict(prefix_k=pk, prefix_v=pv, prefix_cu_seqlens=meta.prefix_cu_seqlens)
         # Fresh outputs of the prefill op: decode rows are written into them in place.
         out, lse = pcp_prefill_attention(
-            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy, **prefix
-        )
+            q, k_full, v_full, meta.plan, scale=scale, policy=meta.runtime.policy,
+            differentiable=differentiable, **prefix,
+        )  # fmt: skip
         lse = lse.to(lse_dtype_of(q))
     elif not only_decode:
         out = q.new_zeros(out_shape)
@@ -91,6 +98,7 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
             raise RuntimeError("decode requests need a KV cache")
         idx = meta.local_decode_idx
         q_dec = q if only_decode else q.index_select(0, idx)
+        w_uk, w_uv = w_kv[:, :dn].contiguous(), w_kv[:, dn:].contiguous()
         # Absorb W_UK into the query: attend the latent directly (q dim Rk + Dr).
         q_lat = torch.einsum("bhd,hdc->bhc", q_dec[..., :dn], w_uk)
         q_abs = torch.cat((q_lat, q_dec[..., dn:]), dim=-1).contiguous()
@@ -121,15 +129,17 @@ def _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank):
 def _mla_attention(
     q: torch.Tensor,
     latent: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    w_kv: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    differentiable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`)."""
+    """(out, lse, handle): ``handle`` names the step's plan for the backward (:func:`step_handle`).
+    ``differentiable``: autograd will differentiate ``out`` (training: the forward runs on
+    cuDNN at once, :func:`~cp_modules.ops.pcp_policy.pcp_policy_args`)."""
     meta = current_step()
     check_trainable(meta)
-    out, lse = _mla_forward(q, latent, w_uk, w_uv, q.new_empty(0), scale, kv_lora_rank)
+    out, lse = _mla_forward(q, latent, w_kv, q.new_empty(0), scale, kv_lora_rank, differentiable)
     return out, lse, step_handle(meta)
 
 
@@ -137,22 +147,24 @@ def _mla_attention(
 def _mla_attention_with_cache(
     q: torch.Tensor,
     latent: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    w_kv: torch.Tensor,
     cache: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mla_forward(q, latent, w_uk, w_uv, cache, scale, kv_lora_rank)
+    return _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank)
 
 
-def _mla_fake(q, latent, w_uk, w_uv, *args):
-    shape = (q.shape[0], q.shape[1], w_uv.shape[1])
+def _mla_fake(q, latent, w_kv, cache, scale, rk):
+    shape = (q.shape[0], q.shape[1], w_kv.shape[1] - _nope_dim(q, latent, rk))
     return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=lse_dtype_of(q))
 
 
 _mla_attention.register_fake(
-    lambda q, latent, w_uk, w_uv, scale, rk: (*_mla_fake(q, latent, w_uk, w_uv), handle_fake(q))
+    lambda q, latent, w_kv, scale, rk, *_: (
+        *_mla_fake(q, latent, w_kv, None, scale, rk),
+        handle_fake(q),
+    )
 )
 _mla_attention_with_cache.register_fake(_mla_fake)
 
@@ -191,24 +203,25 @@ def _long_chunks(plan, min_rows: int) -> bool:
     return plan.num_tokens >= min_rows * 2 * plan.pcp_size * max(plan.num_reqs, 1)
 
 
-def _up_project_backward(dk, dv, latent, w_uk, w_uv, rk):
-    """Backward of :func:`_up_project` (k_nope = kv_c W_UK^T, v = kv_c W_UV^T, k_pe shared by
-    heads) for the rows of ``latent``: (d_latent, dw_uk, dw_uv)."""
-    kv_c, dn = latent[:, :rk], w_uk.shape[1]
-    dk_nope = dk[..., :dn]
-    d_kv_c = torch.einsum("nhd,hdc->nc", dk_nope, w_uk) + torch.einsum("nhd,hdc->nc", dv, w_uv)
+def _up_project_backward(dk, dv, latent, w_kv, rk):
+    """Backward of :func:`_up_project` (kv = kv_c W_KV^T split into K's nope part and V, k_pe
+    shared by heads) for the rows of ``latent``: (d_latent, dw_kv), one GEMM each (as the
+    backward of HF's kv_b_proj)."""
+    kv_c, h = latent[:, :rk], w_kv.shape[0]
+    dn = w_kv.shape[1] - dv.shape[-1]
+    dkv = torch.cat((dk[..., :dn], dv), dim=-1).view(dk.shape[0], -1)  # [N, H (Dn + Dv)]
+    d_kv_c = torch.mm(dkv, w_kv.reshape(-1, rk))
     d_latent = torch.cat((d_kv_c, dk[..., dn:].sum(1)), dim=-1)
-    dw_uk = torch.einsum("nhd,nc->hdc", dk_nope, kv_c)
-    dw_uv = torch.einsum("nhd,nc->hdc", dv, kv_c)
-    return d_latent, dw_uk, dw_uv
+    dw_kv = torch.mm(dkv.t(), kv_c).view(h, -1, rk)
+    return d_latent, dw_kv
 
 
-def _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, rk):
-    """MLA's backward by key chunks (see :func:`mla_backward_path`): (dq, d_latent, dw_uk, dw_uv)."""
+def _mla_backward_key_major(meta, dout, q, latent, w_kv, out, lse, scale, rk):
+    """MLA's backward by key chunks (see :func:`mla_backward_path`): (dq, d_latent, dw_kv)."""
     q_all, out_all, dout_all, lse_all = (
         gather_rows(x.contiguous(), meta) for x in (q, out, dout, lse)
     )
-    k, v = _up_project(latent, w_uk, w_uv, rk, q.shape[1])
+    k, v = _up_project(latent, w_kv, rk, _nope_dim(q, latent, rk))
     args = (dout_all, q_all, out_all, lse_all, k, v, meta.plan.segments_host, scale)
     min_rows = meta.runtime.policy.direct_grad_min_rows_per_run
     if q_all.shape[0] >= min_rows * meta.plan.gather_runs_host.shape[0]:
@@ -230,8 +243,8 @@ def _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, 
         dq = scatter_grad(meta, dq_all)
     # The rank's own keys' gradients are complete: its latent rows' gradient needs no
     # collective; each rank's weight gradients cover its own keys (partial sums).
-    d_latent, dw_uk, dw_uv = _up_project_backward(dk, dv, latent, w_uk, w_uv, rk)
-    return dq, d_latent.contiguous(), dw_uk, dw_uv
+    d_latent, dw_kv = _up_project_backward(dk, dv, latent, w_kv, rk)
+    return dq, d_latent.contiguous(), dw_kv
 
 
 @torch.library.custom_op("cp::mla_attention_backward", mutates_args=())
@@ -239,20 +252,21 @@ def _mla_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     latent: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    w_kv: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     handle: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     meta = step_of(handle)
     rk = kv_lora_rank
     if mla_backward_path(meta, q, out) == "key_major":
-        return _mla_backward_key_major(meta, dout, q, latent, w_uk, w_uv, out, lse, scale, rk)
+        return _mla_backward_key_major(meta, dout, q, latent, w_kv, out, lse, scale, rk)
     latent_full = gather_rows(latent, meta)
-    k_full, v_full = _up_project(latent_full, w_uk, w_uv, rk, q.shape[1])
+    # The K / V are up-projected again (one GEMM) rather than saved: a P-fold smaller
+    # activation per layer (at pcp = 1 eager layers take _mla_local instead, which saves them).
+    k_full, v_full = _up_project(latent_full, w_kv, rk, _nope_dim(q, latent, rk))
     dq, dk_full, dv_full, _, _ = torch.ops.cp.pcp_prefill_attention_backward(
         dout.contiguous(),
         q,
@@ -267,53 +281,83 @@ def _mla_attention_backward(
         scale,
         *pcp_policy_args(meta.runtime.policy, q.shape[2], v_full.shape[2]),
     )
-    d_latent_full, dw_uk, dw_uv = _up_project_backward(
-        dk_full, dv_full, latent_full, w_uk, w_uv, rk
-    )
+    d_latent_full, dw_kv = _up_project_backward(dk_full, dv_full, latent_full, w_kv, rk)
     # Each rank's weight gradient covers its own queries' share of the keys' gradient; the
     # gathered latent is identical on every PCP rank, so the weight gradients are partial sums.
     d_latent = scatter_grad(meta, d_latent_full)
-    return dq, d_latent.contiguous(), dw_uk, dw_uv
+    return dq, d_latent.contiguous(), dw_kv
 
 
 @_mla_attention_backward.register_fake
-def _(dout, q, latent, w_uk, w_uv, out, lse, handle, scale, kv_lora_rank):
-    return (
-        torch.empty_like(q),
-        torch.empty_like(latent),
-        torch.empty_like(w_uk),
-        torch.empty_like(w_uv),
-    )
+def _(dout, q, latent, w_kv, out, lse, handle, scale, kv_lora_rank):
+    return torch.empty_like(q), torch.empty_like(latent), torch.empty_like(w_kv)
 
 
 def _mla_setup(ctx, inputs, output):
-    q, latent, w_uk, w_uv, scale, rk = inputs
+    q, latent, w_kv, scale, rk, *_ = inputs
     out, lse, handle = output
     ctx.scale, ctx.rk = scale, rk
     ctx.mark_non_differentiable(lse, handle)
     # No zero gradients are made for the LSE and the handle (they have none).
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, latent, w_uk, w_uv, out, lse, handle)
+    ctx.save_for_backward(q, latent, w_kv, out, lse, handle)
 
 
 def _mla_backward(ctx, dout, _dlse, _dhandle):
     if dout is None:  # the output took no part in the loss
         return (None,) * 6
-    q, latent, w_uk, w_uv, out, lse, handle = ctx.saved_tensors
-    dq, dlat, dwk, dwv = torch.ops.cp.mla_attention_backward(
-        dout, q, latent, w_uk, w_uv, out, lse, handle, ctx.scale, ctx.rk
+    q, latent, w_kv, out, lse, handle = ctx.saved_tensors
+    dq, dlat, dw = torch.ops.cp.mla_attention_backward(
+        dout, q, latent, w_kv, out, lse, handle, ctx.scale, ctx.rk
     )
-    return dq, dlat, dwk, dwv, None, None
+    return dq, dlat, dw, None, None, None
 
 
 _mla_attention.register_autograd(_mla_backward, setup_context=_mla_setup)
 
 
+def _mla_local(
+    q: torch.Tensor,
+    latent: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    w_kv: torch.Tensor,
+    scale: float,
+    rk: int,
+) -> torch.Tensor:
+    """Cache-less MLA of an eager step at pcp = 1 (nothing to gather): the up-projection as
+    HF's DeepSeek attention runs it (one GEMM, its K / V saved by autograd, so the backward
+    runs one GEMM for the latent's gradient and one for the weight's and never up-projects
+    again), then the attention of the up-projected heads (:func:`gqa_attention` with
+    Hkv = H)."""
+    from cp_modules.ops.gqa_attention import gqa_attention
+
+    if isinstance(latent, tuple):
+        kv_c, k_pe = latent
+    else:
+        kv_c, k_pe = latent.split([rk, latent.shape[-1] - rk], dim=-1)
+    h, dn = w_kv.shape[0], q.shape[-1] - k_pe.shape[-1]
+    kv = torch.nn.functional.linear(kv_c, w_kv.reshape(-1, rk)).view(-1, h, w_kv.shape[1])
+    k_nope, v = kv.split([dn, w_kv.shape[1] - dn], dim=-1)
+    k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
+    return gqa_attention(q, k, v, scale=scale)
+
+
+def _takes_local_path(meta: CPStepMetadata | None) -> bool:
+    # Eager only: traced code keeps to the op (one schema for every PCP size, no guard on the
+    # step), and a policy that forces the key-major backward keeps it too.
+    return (
+        meta is not None
+        and one_rank(meta)
+        and meta.runtime.policy.mla_backward != "key_major"
+        and not meta.has_prefix
+        and not meta.has_decode
+    )
+
+
 def mla_attention(
     q: torch.Tensor,
-    latent: torch.Tensor,
+    latent: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    w_uv: torch.Tensor | None = None,
     cache: torch.Tensor | None = None,
     *,
     scale: float,
@@ -322,13 +366,21 @@ def mla_attention(
     """Context-parallel MLA attention of this rank's local tokens for the current step.
 
     Prefill/training tokens gather the latent over PCP (not the up-projected K/V: 576 values a
-    token instead of H * 320) and up-project it; decode tokens absorb ``w_uk`` into the query
-    and attend the latent cache directly, then apply ``w_uv``.
+    token instead of H * 320) and up-project it with one GEMM; decode tokens absorb ``W_UK``
+    into the query and attend the latent cache directly, then apply ``W_UV``. An eager
+    cache-less step at pcp = 1 (nothing to gather) runs the up-projection outside the op, as
+    HF's DeepSeek attention does, so that autograd keeps its K / V and the backward does not
+    up-project again (:func:`_mla_local`); a policy forcing the key-major backward keeps the
+    op.
 
     Args:
         q: [T, H, Dn + Dr] local queries (rope part rotated).
-        latent: [T, Rk + Dr] local compressed KV (normalised) and rotated rope key.
-        w_uk: [H, Dn, Rk] and w_uv: [H, Dv, Rk] this rank's heads of the KV up-projection.
+        latent: [T, Rk + Dr] local compressed KV (normalised) and rotated rope key, or
+            the pair of them (kv_c [T, Rk], k_pe [T, Dr]): joined only where the op needs
+            the latent rows (the local path up-projects kv_c as it is).
+        w_uk: [H, Dn, Rk] and w_uv: [H, Dv, Rk] this rank's heads of the KV up-projection;
+            or, with ``w_uv`` None, the whole up-projection ``w_kv`` [H, Dn + Dv, Rk]
+            (kv_b_proj's weight viewed per head: nothing is copied).
         cache: [NB, BS, Rk + Dr] this layer's latent cache, written in place, or None.
         scale: softmax scale.
         kv_lora_rank: Rk.
@@ -336,12 +388,31 @@ def mla_attention(
     Returns:
         [T, H, Dv] attention output of the local tokens.
     """
+    w_kv = w_uk if w_uv is None else torch.cat((w_uk, w_uv), dim=1)
+    if w_kv.dim() != 3 or w_kv.shape[0] != q.shape[1] or w_kv.shape[2] != kv_lora_rank:
+        raise ValueError(
+            f"the up-projection must be [{q.shape[1]} heads, Dn + Dv, {kv_lora_rank}], got "
+            f"{tuple(w_kv.shape)}"
+        )
+    w_kv = w_kv.contiguous()
+    local = cache is None and not torch.compiler.is_compiling()
+    if local and _takes_local_path(_active_step()):
+        return _mla_local(q, latent, w_kv, scale, kv_lora_rank)
+    if isinstance(latent, tuple):
+        latent = torch.cat(latent, dim=-1)
     if cache is None:
-        out, _, _ = torch.ops.cp.mla_attention(q, latent, w_uk, w_uv, scale, kv_lora_rank)
-    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_uk, w_uv)):
+        differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_kv))
+        out, _, _ = torch.ops.cp.mla_attention(q, latent, w_kv, scale, kv_lora_rank, differentiable)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_kv)):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
-        out, _ = torch.ops.cp.mla_attention_with_cache(
-            q, latent, w_uk, w_uv, cache, scale, kv_lora_rank
-        )
+        out, _ = torch.ops.cp.mla_attention_with_cache(q, latent, w_kv, cache, scale, kv_lora_rank)
     return out
+
+
+def _active_step() -> CPStepMetadata | None:
+    """The current step, or None outside of one (the op then raises its own error)."""
+    try:
+        return current_step()
+    except RuntimeError:
+        return None

@@ -211,6 +211,7 @@ def pcp_prefill_attention(
     policy: CPPolicy | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    differentiable: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's DualChunkSwap queries over the gathered K/V, with LSE.
 
@@ -238,6 +239,10 @@ def pcp_prefill_attention(
         softcap: c > 0: scores become ``c * tanh(scores / c)`` before masking, or None.
             Either one takes the masked paths (:mod:`cp_modules.ops.pcp_masked`, chosen by
             ``policy.pcp_masked``).
+        differentiable: whether autograd will differentiate the result (training), which
+            changes the path choice only (:func:`~cp_modules.ops.pcp_policy.pcp_policy_args`:
+            such a forward runs on cuDNN at once); None: whether grad mode is on and an input
+            requires grad (callers inside an op, where grad mode is off, pass it).
 
     Returns:
         out [T, Hq, Dv] in q's dtype and lse [T, Hq] fp32 (fp64 for fp64 inputs; natural log);
@@ -315,12 +320,16 @@ def pcp_prefill_attention(
                 )
     check_masking(sliding_window, softcap)
     policy = _DEFAULT_POLICY if policy is None else policy
+    if differentiable is None:
+        differentiable = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_full, v_full, prefix_k, prefix_v)
+        )
     if sliding_window or softcap:
         # The path choice's errors before any kernel runs.
         choose_masked_path(policy.pcp_masked, q, v_full, sliding_window, softcap)
     return torch.ops.cp.pcp_prefill_attention(
         q, k_full, v_full, plan.segments_host, prefix_k, prefix_v, prefix_cu_seqlens, scale,
-        *pcp_policy_args(policy, q.shape[2], v_full.shape[2]),
+        *pcp_policy_args(policy, q.shape[2], v_full.shape[2], differentiable=differentiable),
         int(sliding_window or 0), float(softcap or 0.0),
     )  # fmt: skip
 

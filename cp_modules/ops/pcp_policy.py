@@ -14,7 +14,11 @@ holds the choice between them, made per call from a :class:`~cp_modules.policy.C
   the blocks there); larger segments take the blocks, except that a forward whose blocks
   would run on cuDNN for shapes no earlier plan had *rents* the varlen call until its
   estimated extra time adds up to ``cudnn_build_s`` (cuDNN builds an execution plan per new
-  shape, which pays off only over enough calls). The backward builds at once.
+  shape, which pays off only over enough calls). The backward builds at once, and so does a
+  forward whose output autograd will differentiate (training), unless
+  ``CPPolicy.training_rents_cudnn``: its backward builds plans for the same shapes anyway,
+  and training meets them over many steps (:func:`pcp_policy_args` passes such a call a
+  ``cudnn_build_s`` of 0).
 
 Measurements behind the defaults: ``docs/switch-points.md``.
 
@@ -247,16 +251,21 @@ def choose_varlen(
     return not ready
 
 
-def pcp_policy_args(policy: CPPolicy, d_qk: int, d_v: int) -> tuple:
+def pcp_policy_args(
+    policy: CPPolicy, d_qk: int, d_v: int, *, differentiable: bool = False
+) -> tuple:
     """The policy as the scalar arguments of the ``cp::pcp_prefill_attention*`` ops, for
     head dims ``d_qk`` / ``d_v``: (varlen, forward limit, backward limit, cudnn_build_s,
     causal_pairs_min_rows, overlap_gradient_sums, masked); :func:`policy_from_args` inverts
-    it."""
+    it. ``differentiable``: the call's output will be differentiated (training); unless
+    ``policy.training_rents_cudnn``, its forward then rents nothing (``cudnn_build_s`` 0):
+    it runs on cuDNN at once, as HF's ``sdpa`` does."""
+    rents = policy.training_rents_cudnn or not differentiable
     return (
         policy.pcp_varlen,
         policy.varlen_limit("forward", d_qk, d_v),
         policy.varlen_limit("backward", d_qk, d_v),
-        float(policy.cudnn_build_s),
+        float(policy.cudnn_build_s) if rents else 0.0,
         int(policy.causal_pairs_min_rows),
         bool(policy.overlap_gradient_sums),
         policy.pcp_masked,

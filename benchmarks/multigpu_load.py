@@ -2,10 +2,10 @@
 
 Two steps, so that one checkpoint serves every layout:
 
-    python -m benchmarks.bench_nccl_load write --model llama3_70b --dir /data/llama70b
-    torchrun --nproc-per-node 8 -m benchmarks.bench_nccl_load load --dir /data/llama70b --tp 8
-    torchrun --nproc-per-node 8 -m benchmarks.bench_nccl_load load --dir /data/llama70b --tp 4 --dcp 2
-    python -m benchmarks.bench_nccl_load compare benchmarks/results/nccl-load-*.json
+    python -m benchmarks.multigpu_load write --model llama3_70b --dir /data/llama70b
+    torchrun --nproc-per-node 8 -m benchmarks.multigpu_load load --dir /data/llama70b --tp 8
+    torchrun --nproc-per-node 8 -m benchmarks.multigpu_load load --dir /data/llama70b --tp 4 --dcp 2
+    python -m benchmarks.multigpu_load compare benchmarks/results/nccl-load-*.json
 
 ``write`` streams a random checkpoint of the model's shape to disk in transformers' checkpoint
 layout (names from transformers' own reverse conversion, so MoE experts are written one tensor
