@@ -194,8 +194,15 @@ def hf_cpu_rows(metrics: dict, *, new=32, reps=1) -> bool:
         return outs
 
     got = run_engine(spec)
+    got_plain = run_engine(plain)
     want = run_hf(True)
     want_plain = run_hf(False)
+    metrics["cpu smollm2: engine ngram k=4 tokens equal engine plain (requests)"] = sum(
+        r.outputs[0] == w.outputs[0] for r, w in zip(got, got_plain)
+    )
+    metrics["cpu smollm2: engine plain tokens equal HF plain (requests)"] = sum(
+        r.outputs[0] == w for r, w in zip(got_plain, want_plain)
+    )
     metrics["cpu smollm2: engine ngram k=4 tokens equal HF prompt lookup (requests)"] = sum(
         r.outputs[0] == w for r, w in zip(got, want)
     )
