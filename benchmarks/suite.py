@@ -7,7 +7,8 @@
 Runs each part, ``python -m benchmarks.bench_<part>`` from the repository root, in its own
 process (a failure or a hang in one does not lose the others), in this order: ceilings (copy
 and matmul roofs, dense prefill kernels per shape), lse_combine, pcp, masked (windows and
-soft-cap), decode, mla_decode (the 128-head MLA sweep), modules, parity (one GPU against HF), decoder_parity (one GPU, decoder training
+soft-cap), decode, mla_decode (the 128-head MLA sweep), fp8_kv (fp8 against bf16 KV caches),
+modules, parity (one GPU against HF), decoder_parity (one GPU, decoder training
 against HF's sdpa), peers (FlashMLA and FlashInfer beside this project, when tools/build_peers.py
 has built them), loading (GPU memory of a Llama-3-8B-shaped load at world 1), speculative
 (speculative decoding against the plain engine). Every
@@ -27,8 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ORDER = (
-    "ceilings", "lse_combine", "pcp", "masked", "decode", "mla_decode", "modules", "parity",
-    "decoder_parity", "peers", "loading", "speculative",
+    "ceilings", "lse_combine", "pcp", "masked", "decode", "mla_decode", "fp8_kv", "modules",
+    "parity", "decoder_parity", "peers", "loading", "speculative",
 )  # fmt: skip
 
 

@@ -17,27 +17,31 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 
+from cp_modules.config import ParallelConfig
+
 __all__ = ["VerifyArgs", "main", "run_verify", "verify_rank"]
+
+
+def _default_parallel() -> ParallelConfig:
+    return ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
+                          decode_context_parallel_size=2)  # fmt: skip
 
 
 @dataclass
 class VerifyArgs:
-    world_size: int = 4
-    tp: int = 2
-    pcp: int = 2
-    dcp: int = 2
-    dcp_comm_backend: str = "ag_rs"
+    """One check: the layout (``parallel``; dp = pp = 1) and the layer, steps and numerics."""
+
+    parallel: ParallelConfig = field(default_factory=_default_parallel)
     attention: str = "gqa"
     mode: str = "mixed"
     seq_lens: list[int] = field(default_factory=lambda: [37, 5, 12])
     decode_steps: int = 3
     dtype: str = "float32"
-    interleave: int = 1
     block_size: int = 16
     compile: bool = False
     seed: int = 0
@@ -50,6 +54,13 @@ class VerifyArgs:
     sinks: bool = False
     sliding_window: int | None = None
     softcap: float | None = None
+    # "fp8_e4m3": both runs keep an fp8 KV cache (static scales 0.5 for K / the latent, 2.0 for
+    # V), so the sharded run is compared with the single process's fp8 run.
+    kv_cache_dtype: str = "bf16"
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
 
     def policy(self):
         """The :class:`~cp_modules.policy.CPPolicy` of these choices (raises on bad values)."""
@@ -76,25 +87,11 @@ GQA_SHAPES = {
     "model": dict(hidden_size=1024, num_heads=8, head_dim=128),
 }
 MLA_SHAPES = {
-    "tiny": dict(
-        hidden_size=64,
-        num_heads=8,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
-    ),
-    "model": dict(
-        hidden_size=1024,
-        num_heads=8,
-        q_lora_rank=512,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-    ),
-}
+    "tiny": dict(hidden_size=64, num_heads=8, q_lora_rank=32, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+    "model": dict(hidden_size=1024, num_heads=8, q_lora_rank=512, kv_lora_rank=512,
+                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+}  # fmt: skip
 
 
 def _shape(a: VerifyArgs) -> dict:
@@ -103,9 +100,7 @@ def _shape(a: VerifyArgs) -> dict:
     return (GQA_SHAPES if a.attention == "gqa" else MLA_SHAPES)[a.widths]
 
 
-def _config(a: VerifyArgs):
-    from cp_modules.config import ParallelConfig
-
+def _config(a: VerifyArgs) -> ParallelConfig:
     _shape(a)
     if a.sinks and a.attention != "gqa":
         raise ValueError("--sinks applies to --attention gqa only (MLA models have no sinks)")
@@ -115,17 +110,13 @@ def _config(a: VerifyArgs):
         raise ValueError(f"--softcap must be > 0, got {a.softcap}")
     if (a.sliding_window or a.softcap) and a.attention != "gqa":
         raise ValueError("--sliding-window and --softcap apply to --attention gqa only")
-    if a.tp * a.pcp != a.world_size:
+    p = a.parallel
+    if p.dp != 1 or p.pp != 1:
         raise ValueError(
-            f"--world-size {a.world_size} must equal tp*pcp = {a.tp}*{a.pcp} (dp = pp = 1 here)"
+            f"verify checks one replica without pipeline stages: data_parallel_size={p.dp}, "
+            f"pipeline_parallel_size={p.pp} must be 1"
         )
-    return ParallelConfig(
-        tensor_parallel_size=a.tp,
-        prefill_context_parallel_size=a.pcp,
-        decode_context_parallel_size=a.dcp,
-        dcp_comm_backend=a.dcp_comm_backend,
-        dcp_kv_cache_interleave_size=a.interleave,
-    )
+    return p
 
 
 def _kv_heads(a: VerifyArgs, cfg) -> int:
@@ -164,9 +155,14 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     return layer.to(dtype)
 
 
-def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device):
+def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device, kv_cache_dtype="bf16"):
+    from cp_modules.cache.kv_dtype import kv_cache_storage_dtype, kv_scale
     from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
     from cp_modules.modules import CPFlashAttention
+
+    store = kv_cache_storage_dtype(kv_cache_dtype, dtype, device)
+    fp8 = store != dtype
+    dtype = store
 
     if isinstance(layer, CPFlashAttention):
         kv = layer.num_kv_heads if layer.kv_replica_index is None else 1
@@ -175,9 +171,13 @@ def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device):
             0
         ] // layer.head_dim
         kv = min(kv, local_kv)
+        if fp8:
+            layer.kv_scales = (kv_scale(0.5, kv, device=device), kv_scale(2.0, kv, device=device))
         return allocate_kv_cache(
             num_blocks, block_size, kv, layer.head_dim, dtype=dtype, device=device
         )
+    if fp8:
+        layer.kv_cache_scale = kv_scale(0.5, 1, device=device)
     return allocate_mla_cache(
         num_blocks,
         block_size,
@@ -289,7 +289,9 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
         else:
             rt = CPRuntime.single(policy=a.policy())
         if not train:
-            layer.kv_cache = _allocate_cache(layer, num_blocks, a.block_size, run_dtype, device)
+            layer.kv_cache = _allocate_cache(
+                layer, num_blocks, a.block_size, run_dtype, device, a.kv_cache_dtype
+            )
         fn = layer
         if a.compile and label == "parallel":
             torch._dynamo.reset()
@@ -393,9 +395,14 @@ def sweep_cases(a: VerifyArgs) -> list[VerifyArgs]:
         for dcp in valid_dcp_sizes(tp, pcp):
             for backend in ("ag_rs", "a2a") if dcp > 1 else ("ag_rs",):
                 for att in ("gqa", "mla"):
-                    base = replace(
-                        a, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend, attention=att
+                    layout = replace(
+                        a.parallel,
+                        tensor_parallel_size=tp,
+                        prefill_context_parallel_size=pcp,
+                        decode_context_parallel_size=dcp,
+                        dcp_comm_backend=backend,
                     )
+                    base = replace(a, parallel=layout, attention=att)
                     cases.append(base)
                     if pcp > 1 and dcp == 1 and backend == "ag_rs":
                         cases.append(replace(base, mode="train"))
@@ -406,7 +413,8 @@ def _sweep_rank(rank: int, world_size: int, cases: list[VerifyArgs]) -> list[dic
     out = []
     for c in cases:
         r = verify_rank(rank, world_size, c)
-        r["case"] = f"tp{c.tp}-pcp{c.pcp}-dcp{c.dcp}-{c.dcp_comm_backend}-{c.attention}-{c.mode}"
+        p = c.parallel
+        r["case"] = f"tp{p.tp}-pcp{p.pcp}-dcp{p.dcp}-{p.dcp_comm_backend}-{c.attention}-{c.mode}"
         out.append(r)
     return out
 
@@ -445,6 +453,16 @@ def _rule(a: VerifyArgs) -> str:
     return f"{a.dtype}: err vs fp32 run <= 2 x single-process {a.dtype} err + 1 ulp"
 
 
+def _args_record(a: VerifyArgs) -> dict:
+    # The arguments as the command line names them (the layout's sizes first).
+    record = asdict(a)
+    del record["parallel"]
+    p = a.parallel
+    layout = dict(world_size=p.world_size, tp=p.tp, pcp=p.pcp, dcp=p.dcp,
+                  dcp_comm_backend=p.dcp_comm_backend, interleave=p.interleave)  # fmt: skip
+    return {**layout, **record}
+
+
 def run_verify(a: VerifyArgs) -> dict:
     """Spawn the ranks, run :func:`verify_rank`, and summarise."""
     from cp_modules.testing.distributed import run_distributed
@@ -472,7 +490,7 @@ def run_verify(a: VerifyArgs) -> dict:
         "errors": errors,
         "bounds": bounds,
         "backend": backend,
-        "args": asdict(a),
+        "args": _args_record(a),
     }
     if a.compile:
         summary["graph_breaks"] = max(gb, default=0)
@@ -535,29 +553,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"--seq-lens must be comma-separated integers, got {ns.seq_lens!r}", file=sys.stderr)
         return 2
+    try:
+        if ns.tp * ns.pcp != ns.world_size:
+            raise ValueError(f"--world-size {ns.world_size} must equal tp*pcp = {ns.tp}*{ns.pcp} "
+                             "(dp = pp = 1 here)")  # fmt: skip
+        parallel = ParallelConfig(
+            tensor_parallel_size=ns.tp, prefill_context_parallel_size=ns.pcp,
+            decode_context_parallel_size=ns.dcp, dcp_comm_backend=ns.dcp_comm_backend,
+            dcp_kv_cache_interleave_size=ns.interleave,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"invalid arguments: {e}", file=sys.stderr)
+        return 2
+    # Every other option has its VerifyArgs field's name.
+    names = {f.name for f in fields(VerifyArgs)} - {"parallel", "seq_lens", "packed_a2a"}
     a = VerifyArgs(
-        world_size=ns.world_size,
-        tp=ns.tp,
-        pcp=ns.pcp,
-        dcp=ns.dcp,
-        dcp_comm_backend=ns.dcp_comm_backend,
-        attention=ns.attention,
-        mode=ns.mode,
+        parallel=parallel,
         seq_lens=seq_lens,
-        decode_steps=ns.decode_steps,
-        dtype=ns.dtype,
-        interleave=ns.interleave,
-        block_size=ns.block_size,
-        compile=ns.compile,
-        seed=ns.seed,
         packed_a2a=not ns.unpacked_a2a,
-        num_kv_heads=ns.num_kv_heads,
-        widths=ns.widths,
-        mla_backward=ns.mla_backward,
-        pcp_varlen=ns.pcp_varlen,
-        sinks=ns.sinks,
-        sliding_window=ns.sliding_window,
-        softcap=ns.softcap,
+        **{k: v for k, v in vars(ns).items() if k in names},
     )
     if ns.sweep:
         summary = run_sweep(a)

@@ -55,7 +55,8 @@ def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> 
     )
     print(
         f"KV cache per rank: {s.peak_blocks} blocks of {conf.backend.block_size} tokens in use at most "
-        f"({s.kv_cache_bytes / 2**20:.2f} MiB allocated)"
+        f"({s.kv_cache_bytes / 2**20:.2f} MiB allocated; {s.kv_cache_dtype}, "
+        f"{s.kv_bytes_per_token} bytes per token)"
     )
 
 

@@ -133,7 +133,8 @@ class BackendConf:
     ``dist_backend``: ``auto`` picks NCCL on CUDA, gloo on CPU. Spawned CPU runs rendezvous on
     ``master_addr`` (loopback unless told otherwise). ``compile``: ``torch.compile`` the prefill
     and decode forwards with ``compile_backend``. ``num_threads``: CPU threads per rank (0: torch's
-    default; 1 suits tiny models and several ranks sharing a few cores).
+    default; 1 suits tiny models and several ranks sharing a few cores). ``kv_cache_dtype``:
+    ``bf16`` (the model's own dtype) or ``fp8_e4m3`` (half a bf16 cache's bytes).
     """
 
     device: Device = Device.auto
@@ -145,8 +146,16 @@ class BackendConf:
     master_addr: str = "127.0.0.1"
     packed_a2a: bool = True  # the a2a DCP combine moves outputs and LSEs in one all-to-all
     collective_timeout_s: float = 300.0
+    kv_cache_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
+        from cp_modules.cache.kv_dtype import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"backend.kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(
                 f"backend.dist_backend must be one of ['auto', 'gloo', 'nccl'], got {self.dist_backend!r}"

@@ -120,6 +120,7 @@ def build_engine(
         compile_backend=backend.compile_backend,
         progress=progress,
         packed_a2a=backend.packed_a2a,
+        kv_cache_dtype=backend.kv_cache_dtype,
     )
 
 
@@ -191,6 +192,8 @@ def benchmark_on_rank(rank: int, world_size: int, conf: BenchmarkConf) -> dict |
     mine = {
         "peak_blocks": s.peak_blocks,
         "kv_cache_bytes": s.kv_cache_bytes,
+        "kv_cache_dtype": s.kv_cache_dtype,
+        "kv_bytes_per_token": s.kv_bytes_per_token,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(engine.device) if cuda else None,
     }
     per_rank = [mine]

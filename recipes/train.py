@@ -11,10 +11,11 @@
 Build: the composed config (``conf/train.yaml``), a byte-level dataset cut from the bundled
 text (``recipes/data/tiny_corpus.txt``) and a :class:`~cp_modules.models.TinyLM` of the model's
 family (``deepseek_v3`` -> MLA attention, the others -> GQA), or with ``model.hf`` the
-transformers model of the family (a local ``model.checkpoint`` directory, or built from the
-config's sizes) made context-parallel by :func:`cp_modules.swap_attention`. Run: Lightning Fabric or the
-Lightning Trainer with the CP strategy: every batch is split over PCP with DualChunkSwap, heads
-over TP, samples over dp. Report: the loss every ``log_every`` steps and the global tokens/s,
+transformers model of the family made context-parallel by :func:`cp_modules.swap_attention`,
+built from the config's sizes, or loaded from a local ``model.checkpoint`` directory by
+:func:`cp_modules.training.load_for_training` (each rank reads only its TP x FSDP2 shard).
+Run: Lightning Fabric or the Lightning Trainer with the CP strategy: every batch is split over
+PCP with DualChunkSwap, heads over TP, samples over dp. Report: the loss every ``log_every`` steps and the global tokens/s,
 then a summary line; ``workload.save`` writes a checkpoint that ``workload.resume`` loads under
 any layout: one safetensors file of full tensors for a path ending in ``.safetensors``, else a
 distributed checkpoint directory (``torch.distributed.checkpoint``). Gradients are summed over
@@ -166,16 +167,31 @@ class HFTokensLM(torch.nn.Module):
         return self.hf(input_ids=input_ids[None], position_ids=positions[None]).logits.squeeze(0)
 
 
-def _build_model(conf: TrainConf, groups=None) -> torch.nn.Module:
+def _build_model(conf: TrainConf, groups=None, device=None) -> torch.nn.Module:
     """TinyLM, or with ``model.hf`` the swapped transformers model (``groups``: the rank's
-    CPGroups, whose TP mesh shards it)."""
+    CPGroups, whose TP mesh shards it). A ``model.checkpoint`` directory of safetensors is
+    loaded with :func:`cp_modules.training.load_for_training`: built on the meta device, sharded
+    by TP and FSDP2 there, then each rank reads only its own shard onto ``device``."""
     if not conf.model.hf:
         torch.manual_seed(conf.model.seed)
         return TinyLM(tiny_lm_config(conf.model))
-    from recipe_models import build_model
+    from recipe_models import DTYPES, build_model
 
     from cp_modules import swap_attention
 
+    if conf.model.checkpoint and not conf.model.gguf_file:
+        from cp_modules.training import load_for_training
+
+        if conf.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {conf.model.dtype!r}")
+        model = load_for_training(
+            conf.model.checkpoint,
+            groups,
+            dtype=DTYPES[conf.model.dtype],
+            device=device,
+            local_files_only=True,
+        )
+        return HFTokensLM(model)
     model = build_model(conf.model).train()
     return HFTokensLM(swap_attention(model, groups))
 
@@ -234,7 +250,7 @@ def train_with_fabric(fabric: L.Fabric, conf: TrainConf) -> dict:
     """One rank's Fabric loop; returns the run's summary."""
     w = conf.workload
     strategy: CPFabricStrategy = fabric.strategy
-    model = fabric.setup_module(_build_model(conf, strategy.cp.groups))
+    model = fabric.setup_module(_build_model(conf, strategy.cp.groups, strategy.root_device))
     optimizer = fabric.setup_optimizers(
         torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=w.weight_decay)
     )
@@ -302,7 +318,8 @@ class LitTinyLM(L.LightningModule):
     def configure_model(self) -> None:
         # On the rank, once its process groups exist (the swap needs them for TP).
         if self.model is None:
-            self.model = _build_model(self.conf, self.trainer.strategy.cp.groups)
+            strategy = self.trainer.strategy
+            self.model = _build_model(self.conf, strategy.cp.groups, strategy.root_device)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._start = time.perf_counter()

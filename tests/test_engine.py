@@ -259,3 +259,35 @@ def test_engine_rejects_bad_inputs():
         _engine("llama", block_size=0)
     with pytest.raises(ValueError, match="float64"):
         GenerationEngine(swap_attention(build_model(_conf("llama")).double()))
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([[1.5, 2.0]], r"prompts\[0\]\[0\] is float 1\.5, not a token id"),
+        ([[1, 2], [3, 2.0]], r"prompts\[1\]\[1\] is float 2\.0, not a token id"),
+        (["hello"], r"prompts\[0\] is a string \('hello'\): tokenize it first"),
+        ("hello", r"prompts must be a list of prompts, .* got str"),
+        ([[[1, 2], [3]]], r"prompts\[0\]\[0\] is list \[1, 2\], not a token id"),
+        ([1, 2, 3], r"prompts\[0\] is int 1; a prompt is a list"),
+        ([[1, True]], r"prompts\[0\]\[1\] is bool True"),
+        ([torch.tensor([1.0, 2.0])], r"prompts\[0\] is a 1-D torch\.float32 tensor"),
+        ([torch.ones(1, 2, dtype=torch.long)], r"prompts\[0\] is a 2-D torch\.int64 tensor"),
+    ],
+)
+def test_engine_names_a_malformed_prompt(prompts, match):
+    # Float ids used to be truncated silently, strings and nested lists hit a TypeError.
+    engine = _engine("llama")
+    with pytest.raises(ValueError, match=match) as info:
+        engine.generate(prompts, SamplingParams(max_new_tokens=1))
+    assert "token ids in [0, 256)" in str(info.value)
+
+
+def test_engine_takes_prompts_as_lists_tuples_and_integer_tensors():
+    import numpy as np
+
+    engine = _engine("llama")
+    params = SamplingParams(max_new_tokens=2)
+    want = engine.generate([[5, 6, 7]], params).outputs
+    for prompt in ((5, 6, 7), torch.tensor([5, 6, 7]), np.array([5, 6, 7]), [np.int64(5), 6, 7]):
+        assert engine.generate([prompt], params).outputs == want

@@ -223,3 +223,28 @@ def test_load_pretrained_four_ranks(checkpoints):
     _check(checkpoints, results, layouts)
     for _, errors in results:
         assert "num_heads=6" in errors["six_heads"]
+
+
+def _one_rank_lacks_the_checkpoint(rank, world_size, root):
+    import cp_modules
+    from cp_modules import ParallelConfig
+
+    path = root / ("bad_shape" if rank == 1 else "mixtral")
+    cp_modules.load_pretrained(path, ParallelConfig(tensor_parallel_size=2), device="cpu")
+
+
+def test_a_rank_that_fails_alone_does_not_hang_the_others(checkpoints):
+    """Rank 1 refuses its checkpoint before any collective; rank 0, already in the groups'
+    set-up, fails within the collective timeout instead of waiting for it."""
+    import time
+
+    from cp_modules.testing import DistributedTestError
+
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(
+            _one_rank_lacks_the_checkpoint, 2, checkpoints, timeout_s=120, collective_timeout_s=5
+        )
+    msg = str(err.value)
+    assert "2 of 2 ranks failed" in msg and "model.layers.0.mlp.up_proj.weight" in msg
+    assert time.monotonic() - t0 < 60

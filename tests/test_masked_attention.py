@@ -21,6 +21,13 @@ H, HKV, D = 4, 2, 8
 NEW, CACHED = [23, 4, 9], [0, 5, 0]
 
 
+def _parallel(tp, pcp, dcp, backend="ag_rs"):
+    from cp_modules.config import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                          decode_context_parallel_size=dcp, dcp_comm_backend=backend)  # fmt: skip
+
+
 def _tensors(seed=0):
     g = torch.Generator().manual_seed(seed)
     total = [n + c for n, c in zip(NEW, CACHED)]
@@ -151,14 +158,15 @@ def test_windows_and_softcap_are_validated():
         (dict(attention="mla", sliding_window=4), "apply to --attention gqa only"),
     ):
         with pytest.raises(ValueError, match=match):
-            run_verify(VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, **bad))
+            run_verify(VerifyArgs(parallel=_parallel(1, 2, 1), **bad))
 
 
 def _run_cases(rank, world_size, cases):
     from cp_modules.verify import verify_rank
 
-    return [(repr((a.tp, a.pcp, a.dcp, a.dcp_comm_backend, a.mode, a.sliding_window, a.softcap,
-                   a.sinks)), verify_rank(rank, world_size, a)["errors"]) for a in cases]  # fmt: skip
+    return [(repr((a.parallel.tp, a.parallel.pcp, a.parallel.dcp, a.parallel.dcp_comm_backend,
+                   a.mode, a.sliding_window, a.softcap, a.sinks)),
+             verify_rank(rank, world_size, a)["errors"]) for a in cases]  # fmt: skip
 
 
 # Requests of 19, 3 and 8 tokens: at pcp 2 chunks of 5, 1 and 2 tokens, at pcp 4 of 3, 1, 1.
@@ -176,7 +184,7 @@ def _cases(world_size, layouts, modes, features=_FEATURES):
     from cp_modules.verify import VerifyArgs
 
     return [
-        VerifyArgs(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend,
+        VerifyArgs(parallel=_parallel(tp, pcp, dcp, backend),
                    mode=mode, seq_lens=[19, 3, 8], decode_steps=2, block_size=4, **f)
         for tp, pcp, dcp, backend in layouts
         for mode in modes

@@ -35,6 +35,13 @@ FEATURES = {
 }
 
 
+def _parallel(tp, pcp, dcp, backend="ag_rs"):
+    from cp_modules.config import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                          decode_context_parallel_size=dcp, dcp_comm_backend=backend)  # fmt: skip
+
+
 def _sequences(new, cached, h, hkv, d, seed=0):
     # q, k, v, dout per request over its whole sequence (prefix first), fp64.
     g = torch.Generator().manual_seed(seed)
@@ -471,7 +478,7 @@ def test_masked_paths_on_gloo_ranks_equal_one_process():
         ("flash", dict(sliding_window=2, sinks=True)),
     ]
     cases = [
-        VerifyArgs(world_size=2, tp=1, pcp=2, dcp=2, dcp_comm_backend="a2a", mode=mode,
+        VerifyArgs(parallel=_parallel(1, 2, 2, "a2a"), mode=mode,
                    seq_lens=[19, 3, 8], decode_steps=2, block_size=4,
                    policy_changes={"pcp_masked": path}, **f)
         for mode in ("mixed", "train")

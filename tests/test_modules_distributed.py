@@ -16,6 +16,14 @@ from cp_modules.verify import TOLERANCE, VerifyArgs, verify_rank
 pytestmark = pytest.mark.distributed
 
 
+def _parallel(tp, pcp, dcp, backend="ag_rs", interleave=1):
+    from cp_modules.config import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                          decode_context_parallel_size=dcp, dcp_comm_backend=backend,
+                          dcp_kv_cache_interleave_size=interleave)  # fmt: skip
+
+
 def _sweep(world_size, attention=("gqa", "mla"), interleave=(1,)):
     cases = []
     for pcp in (1, 2, 4):
@@ -30,16 +38,11 @@ def _sweep(world_size, attention=("gqa", "mla"), interleave=(1,)):
                     for inter in interleave:
                         cases.append(
                             VerifyArgs(
-                                world_size=world_size,
-                                tp=tp,
-                                pcp=pcp,
-                                dcp=dcp,
-                                dcp_comm_backend=backend,
+                                parallel=_parallel(tp, pcp, dcp, backend, inter),
                                 attention=att,
                                 mode="mixed",
                                 seq_lens=[19, 3, 8],
                                 decode_steps=2,
-                                interleave=inter,
                                 block_size=4,
                             )
                         )
@@ -50,9 +53,10 @@ def _run_cases(rank, world_size, cases):
     out = []
     for a in cases:
         r = verify_rank(rank, world_size, a)
+        p = a.parallel
         out.append(
             (
-                f"tp{a.tp}-pcp{a.pcp}-dcp{a.dcp}-{a.dcp_comm_backend}-{a.attention}-{a.mode}-I{a.interleave}",
+                f"tp{p.tp}-pcp{p.pcp}-dcp{p.dcp}-{p.dcp_comm_backend}-{a.attention}-{a.mode}-I{p.interleave}",
                 r["errors"],
             )
         )
@@ -76,7 +80,7 @@ def test_every_world4_configuration_mixed_schedule():
 
 def test_world2_configurations_and_training():
     cases = _sweep(2) + [
-        VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention=att, mode="train", seq_lens=lens)
+        VerifyArgs(parallel=_parallel(1, 2, 1), attention=att, mode="train", seq_lens=lens)
         for att in ("gqa", "mla")
         # Padded chunks, and lengths that are multiples of 2 * pcp (no padding row at all).
         for lens in ([21, 3, 9], [16, 8])
@@ -89,10 +93,7 @@ def test_varlen_path_world2_mixed_schedule_and_training():
     # training forward and backward into the reduce-scatter layout) runs the varlen packing.
     cases = [
         VerifyArgs(
-            world_size=2,
-            tp=1,
-            pcp=2,
-            dcp=1,
+            parallel=_parallel(1, 2, 1),
             attention=att,
             mode=mode,
             seq_lens=[21, 3, 9, 16],
@@ -111,10 +112,7 @@ def test_varlen_path_world4_pcp4():
     # As above with 4 PCP ranks: requests shorter than 2 * pcp leave ranks without queries.
     cases = [
         VerifyArgs(
-            world_size=4,
-            tp=1,
-            pcp=4,
-            dcp=1,
+            parallel=_parallel(1, 4, 1),
             attention=att,
             mode=mode,
             seq_lens=[37, 2, 11, 16],
@@ -132,10 +130,7 @@ def test_model_widths_world2():
     # The self-check's "model" widths (real head dims, 1024-wide projections), as run on GPUs.
     cases = [
         VerifyArgs(
-            world_size=2,
-            tp=tp,
-            pcp=pcp,
-            dcp=dcp,
+            parallel=_parallel(tp, pcp, dcp),
             attention=att,
             mode=mode,
             seq_lens=[21, 3, 9],
@@ -155,16 +150,13 @@ def test_unknown_widths_are_refused_before_spawning():
     with pytest.raises(
         ValueError, match=r"--widths must be one of \('tiny', 'model'\), got 'huge'"
     ):
-        run_verify(VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, widths="huge"))
+        run_verify(VerifyArgs(parallel=_parallel(1, 2, 1), widths="huge"))
 
 
 def test_training_pcp2_tp2_and_pcp4():
     cases = [
         VerifyArgs(
-            world_size=4,
-            tp=tp,
-            pcp=pcp,
-            dcp=1,
+            parallel=_parallel(tp, pcp, 1),
             attention=att,
             mode="train",
             seq_lens=[37, 2, 11, 16],
@@ -204,7 +196,7 @@ def test_mla_key_major_backward(world_size, direct):
     # LSE, dQ reduce-scattered; padded chunks, requests shorter than 2 * pcp, tp x pcp.
     layouts = {2: [(1, 2)], 4: [(1, 4), (2, 2)], 8: [(1, 8)]}[world_size]
     cases = [
-        VerifyArgs(world_size=world_size, tp=tp, pcp=pcp, dcp=1, attention="mla", mode="train",
+        VerifyArgs(parallel=_parallel(tp, pcp, 1), attention="mla", mode="train",
                    seq_lens=lens, mla_backward="key_major")
         for tp, pcp in layouts
         for lens in ([21, 3, 9], [16, 8], [37, 2, 11, 16])
@@ -250,7 +242,7 @@ def test_ranks_fed_different_batches_all_fail_clearly():
 
 
 def _unservable_heads(rank, world_size):
-    a = VerifyArgs(world_size=4, tp=4, pcp=1, dcp=4, num_kv_heads=4, mode="prefill")
+    a = VerifyArgs(parallel=_parallel(4, 1, 4), num_kv_heads=4, mode="prefill")
     verify_rank(rank, world_size, a)
 
 

@@ -17,6 +17,13 @@ LENS = [13, 1, 6]
 H, HKV, D = 4, 2, 8
 
 
+def _parallel(tp, pcp, dcp, backend="ag_rs"):
+    from cp_modules.config import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                          decode_context_parallel_size=dcp, dcp_comm_backend=backend)  # fmt: skip
+
+
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(LENS)
@@ -72,12 +79,15 @@ def test_sinks_must_be_one_logit_per_head():
 
 def test_verify_refuses_sinks_on_mla_before_spawning():
     with pytest.raises(ValueError, match="--sinks applies to --attention gqa only"):
-        run_verify(VerifyArgs(world_size=2, tp=1, pcp=2, dcp=1, attention="mla", sinks=True))
+        run_verify(VerifyArgs(parallel=_parallel(1, 2, 1), attention="mla", sinks=True))
 
 
 def _run_cases(rank, world_size, cases):
-    return [(f"{a.tp}-{a.pcp}-{a.dcp}-{a.dcp_comm_backend}-{a.mode}", verify_rank(rank, world_size, a)["errors"])
-            for a in cases]  # fmt: skip
+    def label(a):
+        p = a.parallel
+        return f"{p.tp}-{p.pcp}-{p.dcp}-{p.dcp_comm_backend}-{a.mode}"
+
+    return [(label(a), verify_rank(rank, world_size, a)["errors"]) for a in cases]
 
 
 @pytest.mark.distributed
@@ -91,7 +101,7 @@ def _run_cases(rank, world_size, cases):
 )
 def test_sinks_on_every_path_equal_one_process(world_size, layouts):
     cases = [
-        VerifyArgs(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dcp_comm_backend=backend,
+        VerifyArgs(parallel=_parallel(tp, pcp, dcp, backend),
                    mode=mode, seq_lens=[19, 3, 8], decode_steps=2, block_size=4, sinks=True)
         for tp, pcp, dcp, backend in layouts
         for mode in ("mixed", "train")

@@ -106,13 +106,24 @@ def test_recipe_trains_each_family_with_pcp_and_tp(tmp_path):
 
 
 @pytest.mark.distributed
-def test_recipe_fine_tunes_a_transformers_model():
-    # model=hf: a transformers Llama made context-parallel by swap_attention, under Fabric on
-    # tp=2 x pcp=2 and under the Trainer on one process: the same losses step by step.
-    out = _run(["model=hf", "workload.steps=3", "workload.log_every=1"])
-    assert "training llama (gqa, transformers model) with fabric on 4 rank(s): tp=2 pcp=2" in out
+def test_recipe_fine_tunes_a_transformers_model(tmp_path):
+    # model=hf: a transformers Llama made context-parallel by swap_attention. Its seeded weights
+    # saved by save_pretrained and fine-tuned from model.checkpoint (built on meta, sharded by
+    # TP x FSDP2, each rank reading its shard) under Fabric and the Trainer on tp=2 x pcp=2,
+    # and built from the config under the Trainer on one process: the same losses step by step.
+    recipe = _recipe_module()
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from recipe_models import build_model
+
+    conf = recipe.load_train_config(_compose(["model=hf"]))
+    build_model(conf.model).save_pretrained(str(tmp_path / "hf"))
+    steps = ["workload.steps=3", "workload.log_every=1"]
+    ckpt = ["model=hf", f"model.checkpoint={tmp_path / 'hf'}", *steps]
+    out = _run(ckpt)
+    assert "training llama (gqa, transformers model " in out and "with fabric on 4 rank(s)" in out
     parallel = _losses(out)
-    single = _losses(_run(["model=hf", "parallel=single", "workload.strategy=trainer",
-                           "workload.steps=3", "workload.log_every=1"]))  # fmt: skip
+    trainer = _losses(_run([*ckpt, "workload.strategy=trainer"]))
+    single = _losses(_run(["model=hf", "parallel=single", "workload.strategy=trainer", *steps]))
     assert len(parallel) == 3 and parallel[-1] < parallel[0], out[-2000:]
     assert parallel == single, (parallel, single)
+    assert trainer == single, (trainer, single)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -306,3 +307,52 @@ def test_export_hf_refuses_models_it_cannot_map(tmp_path):
     with pytest.raises(ValueError, match="qkv_bias=True"):
         export_hf(TinyLM(TinyLMConfig(qkv_bias=True, num_layers=1)), tmp_path / "bias")
     assert not (tmp_path / "mla").exists() and not (tmp_path / "bias").exists()
+
+
+def test_export_hf_splits_files_as_save_pretrained_and_loads(tmp_path):
+    # Past max_shard_size: save_pretrained's file names, split and index; a tied head is
+    # written once; an earlier export's files the new one does not use are removed.
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from cp_modules.training import export_hf
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    export_hf(model, tmp_path / "one")
+    export_hf(model, tmp_path / "one", max_shard_size="100KB")
+    model.save_pretrained(str(tmp_path / "sp"), max_shard_size="100KB")
+    ours = json.loads((tmp_path / "one" / "model.safetensors.index.json").read_text())
+    theirs = json.loads((tmp_path / "sp" / "model.safetensors.index.json").read_text())
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
+    assert "lm_head.weight" not in ours["weight_map"]
+    files = sorted(f for f in os.listdir(tmp_path / "one") if f.endswith(".safetensors"))
+    assert files == sorted(set(theirs["weight_map"].values())) and len(files) > 1
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "one", dtype=torch.float32)
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+    for name, value in model.state_dict().items():
+        assert torch.equal(got.state_dict()[name], value), name
+
+
+def test_export_hf_of_fused_experts_loads_in_transformers(tmp_path):
+    # The model's fused expert tensors are written as they are; from_pretrained loads them.
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from cp_modules.training import export_hf
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    export_hf(model, tmp_path / "moe")
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).state_dict()
+    assert any("experts" in name for name in got)
+    for name, value in model.state_dict().items():
+        assert torch.equal(got[name], value), name

@@ -3,6 +3,10 @@
 Every rank must create every group in the same order (torch.distributed's rule), so the
 builder walks the pure layout of :mod:`cp_modules.distributed.layout` and keeps the groups
 holding this rank. Ops receive groups by name (``CPGroups.dcp_name`` ...), never as objects.
+
+Every group takes the run's collective timeout (the default group's, unless the caller gives
+one): a rank waiting on a peer that hangs fails after it, whichever group it waits in
+(torch's own default for a new group is 30 minutes for gloo, 10 for NCCL).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cp_modules.config import ParallelConfig
 from cp_modules.distributed.layout import CommPlan, RankLayout, comm_plan, rank_layout
+from cp_modules.distributed.progress import progress_bars_on_rank_zero
 
-__all__ = ["CPGroups", "flatten_mesh_axes", "init_cp_groups", "init_distributed"]
+__all__ = ["CPGroups", "flatten_mesh_axes", "group_timeout", "init_cp_groups", "init_distributed"]
 
 
 @dataclass
@@ -95,7 +100,9 @@ def init_distributed(
     """Initialise the default process group from the environment if it is not yet up.
 
     ``backend`` defaults to NCCL when CUDA is available, else gloo. ``timeout_s`` bounds every
-    collective, so a rank whose peer died fails instead of waiting forever.
+    collective (of :func:`init_cp_groups`' groups too), so a rank whose peer died or hangs fails
+    instead of waiting forever. Ranks other than 0 turn their progress bars off
+    (:func:`~cp_modules.distributed.progress.progress_bars_on_rank_zero`).
     """
     if dist.is_initialized():
         return
@@ -106,9 +113,29 @@ def init_distributed(
     dist.init_process_group(
         backend, init_method=init_method, timeout=datetime.timedelta(seconds=timeout_s)
     )
+    progress_bars_on_rank_zero(dist.get_rank())
 
 
-def _new_groups(groups: list[list[int]], rank: int, timeout) -> dist.ProcessGroup:
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The collective timeout that ``group``'s backend holds (the default group's when None);
+    None where this torch does not expose it."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in pg._device_types:
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def _set_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
+    # DeviceMesh builds its groups with torch's default timeout; set the run's afterwards.
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def _new_groups(
+    groups: list[list[int]], rank: int, timeout: datetime.timedelta | None
+) -> dist.ProcessGroup:
     mine = None
     for ranks in groups:
         g = dist.new_group(ranks, timeout=timeout)
@@ -126,6 +153,14 @@ def init_cp_groups(
 ) -> CPGroups:
     """Build the mesh and every group of ``config`` on the initialised default group.
 
+    Args:
+        config: the parallel layout.
+        device_type: the mesh's device type (default: ``"cuda"`` under NCCL, else ``"cpu"``).
+        timeout_s: collective timeout of every group built (the mesh's and the DCP /
+            partial-TP / EP / replica groups); None: the default group's (the run's), so
+            ``launch(..., timeout_s=...)`` and :func:`init_distributed`'s timeout hold in every
+            group.
+
     Raises:
         ValueError: if the world size differs from ``config.world_size``.
     """
@@ -139,7 +174,7 @@ def init_cp_groups(
         )
     rank = dist.get_rank()
     layout = rank_layout(config)
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else group_timeout()
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(
@@ -147,6 +182,9 @@ def init_cp_groups(
         (config.dp, config.pp, config.pcp, config.tp),
         mesh_dim_names=("dp", "pp", "pcp", "tp"),
     )
+    if timeout is not None:
+        for dim in mesh.mesh_dim_names or ():
+            _set_timeout(mesh.get_group(dim), timeout)
     # The mesh's own tp/pcp/dp groups are the layout's rows and columns; reuse them.
     tp = mesh.get_group("tp")
     pcp = mesh.get_group("pcp")
@@ -197,4 +235,9 @@ def flatten_mesh_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> Dev
         flat = None
     if flat is not None:
         return flat
-    return mesh[axes]._flatten(name)
+    flat = mesh[axes]._flatten(name)
+    # The flattened group takes the timeout of the mesh's own groups (torch gives it its default).
+    timeout = group_timeout(mesh.get_group(axes[0]))
+    if timeout is not None:
+        _set_timeout(flat.get_group(), timeout)
+    return flat

@@ -20,20 +20,28 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cp_modules.cache.dcp import dcp_num_blocks
+from cp_modules.cache.kv_dtype import check_kv_cache_dtype, kv_cache_storage_dtype
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
 from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph_width
+from cp_modules.engine.prompts import check_prompts
 from cp_modules.engine.results import GenerationResult, GenerationStats
 from cp_modules.engine.rows import gather_rows as _gather_rows
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.engine.speculative import SpeculativeStats, make_drafter, verify_step
-from cp_modules.modules.hf_swap import allocate_kv_caches, cp_attention_layers, kv_cache_tensors
+from cp_modules.modules.hf_swap import (
+    allocate_kv_caches,
+    cp_attention_layers,
+    kv_cache_bytes_per_block_of,
+    kv_cache_tensors,
+)
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
 __all__ = ["GenerationEngine", "GenerationResult", "GenerationStats"]
@@ -70,6 +78,13 @@ class GenerationEngine:
             each step. A model whose forward cannot be captured (e.g. a host synchronisation in
             its MoE routing): with None the engine warns once and decodes eagerly; with True the
             capture's error is raised.
+        kv_cache_dtype: ``"bf16"`` (the model's own dtype) or ``"fp8_e4m3"`` (half the bytes
+            of a bf16 cache: written quantized with the layers' static scales, read
+            dequantized by the decode and prefix kernels; :mod:`cp_modules.cache.kv_dtype`).
+        kv_cache_memory: bytes of KV cache per rank: the pool then holds
+            ``kv_cache_memory // bytes per block`` blocks (over all layers), so an fp8 cache
+            holds twice the tokens of a bf16 one in the same memory; it replaces
+            ``num_blocks`` (give one of them).
 
     Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
     model's ``generation_config.eos_token_id`` (one id or a list), unless
@@ -77,8 +92,9 @@ class GenerationEngine:
 
     Raises:
         ValueError: for a model without swapped attention, a dtype the decode kernels do not
-            take, a layout with dp or pp > 1, sizes out of range, or an LM head whose logits
-            the model post-processes in a way the engine does not know.
+            take, a layout with dp or pp > 1, sizes out of range, an unknown
+            ``kv_cache_dtype`` or fp8 on a GPU without fp8 conversions, or an LM head whose
+            logits the model post-processes in a way the engine does not know.
     """
 
     def __init__(
@@ -95,17 +111,22 @@ class GenerationEngine:
         progress: bool = True,
         packed_a2a: bool = True,
         decode_graphs: bool | None = None,
+        kv_cache_dtype: str = "bf16",
+        kv_cache_memory: int | None = None,
     ) -> None:
         self.model = model
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.layers = cp_attention_layers(model)
         if not self.layers:
             raise ValueError(
                 "model has no context-parallel attention: call swap_attention(model, ...) first"
             )
-        self.base = model.base_model
-        self.lm_head = model.get_output_embeddings()
-        if self.lm_head is None or self.base is model:
+        hf: Any = model  # a transformers causal LM: its own attributes are not typed here
+        self.base: nn.Module = hf.base_model
+        lm_head: nn.Module | None = hf.get_output_embeddings()
+        if lm_head is None or self.base is model:
             raise ValueError(f"expected a causal LM with an LM head, got {type(model).__name__}")
+        self.lm_head: nn.Module = lm_head
         groups = groups if groups is not None else getattr(model, "cp_groups", None)
         self.runtime = (
             CPRuntime.from_groups(groups, packed_a2a=packed_a2a)
@@ -134,7 +155,8 @@ class GenerationEngine:
         self.progress = progress
         self.world_size = dist.get_world_size() if groups is not None else 1
         self.rank = dist.get_rank() if groups is not None else 0
-        weight = self.lm_head.weight
+        weight = lm_head.weight
+        assert isinstance(weight, torch.Tensor)
         self.device = weight.device
         self.dtype = weight.dtype
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -142,6 +164,21 @@ class GenerationEngine:
                 f"the model's dtype is {self.dtype}; the paged decode kernels take float32, "
                 "bfloat16 or float16: convert the model with model.to(dtype)"
             )
+        self.kv_storage_dtype = kv_cache_storage_dtype(kv_cache_dtype, self.dtype, self.device)
+        self.kv_bytes_per_block = kv_cache_bytes_per_block_of(
+            model, block_size, self.kv_storage_dtype
+        )
+        if kv_cache_memory is not None:
+            if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int):
+                raise ValueError(f"kv_cache_memory must be an integer, got {kv_cache_memory!r}")
+            if num_blocks is not None:
+                raise ValueError("give num_blocks or kv_cache_memory, not both")
+            if kv_cache_memory < self.kv_bytes_per_block:
+                raise ValueError(
+                    f"kv_cache_memory={kv_cache_memory} bytes holds no block: one block takes "
+                    f"{self.kv_bytes_per_block} bytes over all layers ({kv_cache_dtype})"
+                )
+            self.num_blocks = kv_cache_memory // self.kv_bytes_per_block
         self.vocab_size = _text_config(model).vocab_size
         self._logits_fn = _logits_postprocess(model)
         self._cache_blocks = 0
@@ -157,7 +194,7 @@ class GenerationEngine:
             self._graphs_requested = bool(decode_graphs)  # a capture failure is an error
         self.decode_graphs = bool(decode_graphs)
         self._graphs: dict[tuple, DecodeGraph] = {}
-        self._graph_pool = None
+        self._graph_pool: tuple[int, int] | None = None
         self.num_graph_captures = 0
         self._prefill_fn = self._prefill_forward
         self._decode_fn = self._decode_forward
@@ -194,7 +231,7 @@ class GenerationEngine:
         }
         allocate_kv_caches(
             self.model, num_blocks, self.block_size, dtype=self.dtype, device=self.device,
-            window_num_blocks=self._window_blocks,
+            window_num_blocks=self._window_blocks, kv_cache_dtype=self.kv_cache_dtype,
         )  # fmt: skip
         self._graphs.clear()  # captured graphs hold the old caches' addresses
         if self._compiled:
@@ -222,19 +259,7 @@ class GenerationEngine:
         return frozenset((eos,) if isinstance(eos, int) else (int(i) for i in eos))
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        if not prompts:
-            raise ValueError("prompts must hold at least one prompt")
-        out = []
-        for i, p in enumerate(prompts):
-            p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
-            if not p:
-                raise ValueError(f"prompts[{i}] is empty: every prompt needs >= 1 token")
-            if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(
-                    f"prompts[{i}] holds ids outside [0, vocab_size={self.vocab_size})"
-                )
-            out.append([int(t) for t in p])
-        return out
+        return check_prompts(prompts, self.vocab_size)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
@@ -336,7 +361,7 @@ class GenerationEngine:
             num_generated_tokens=sum(len(r.output) for r in requests),
             num_steps=steps,
             total_s=time.perf_counter() - t0,
-            ttft_s=sum(r.first_token_time for r in requests) / len(requests),
+            ttft_s=sum(_first_token_s(r) for r in requests) / len(requests),
             prefill_s=prefill_s,
             decode_s=decode_s,
             num_blocks=num_blocks,
@@ -357,10 +382,12 @@ class GenerationEngine:
             spec_emitted_tokens=spec.emitted,
             spec_draft_s=spec.draft_s,
             spec_verify_s=spec.verify_s,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_bytes_per_token=self.kv_bytes_per_block // self.block_size,
         )
         return GenerationResult(
             outputs=[r.output for r in requests],
-            finish_reasons=[r.finish_reason for r in requests],
+            finish_reasons=[_finish_reason(r) for r in requests],
             stats=stats,
         )
 
@@ -536,6 +563,16 @@ class GenerationEngine:
         return tokens.tolist()
 
 
+def _first_token_s(r: Request) -> float:
+    assert r.first_token_time is not None, f"request {r.index} finished without a token"
+    return r.first_token_time
+
+
+def _finish_reason(r: Request) -> str:
+    assert r.finish_reason is not None, f"request {r.index} has not finished"
+    return r.finish_reason
+
+
 def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the causal LM's forward does to ``lm_head``'s output, as a function.
 
@@ -552,7 +589,8 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
         for ln in src.splitlines()
         if re.match(r"\s*logits\s*=\s", ln)
     ]
-    steps = []
+    hf: Any = model  # a transformers causal LM: its config and scales are not typed here
+    steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
     # Gemma-style final soft-capping runs only when the config sets it (an `if` around it).
     final_softcap = getattr(_text_config(model), "final_logit_softcapping", None)
     for ln in lines[1:]:
@@ -560,15 +598,15 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
             if final_softcap is None:
                 continue
         if ln == "logits = logits * self.logit_scale":
-            steps.append(lambda x: x * model.logit_scale)
+            steps.append(lambda x: x * hf.logit_scale)
         elif ln == "logits = logits / self.config.logits_scaling":
-            steps.append(lambda x: x / model.config.logits_scaling)
+            steps.append(lambda x: x / hf.config.logits_scaling)
         elif ln == "logits = logits / self.config.final_logit_softcapping":
-            steps.append(lambda x: x / model.config.final_logit_softcapping)
+            steps.append(lambda x: x / hf.config.final_logit_softcapping)
         elif ln == "logits = torch.tanh(logits)":
             steps.append(torch.tanh)
         elif ln == "logits = logits * self.config.final_logit_softcapping":
-            steps.append(lambda x: x * model.config.final_logit_softcapping)
+            steps.append(lambda x: x * hf.config.final_logit_softcapping)
         else:
             raise ValueError(
                 f"{type(model).__name__}.forward post-processes its logits with {ln!r}, which "
@@ -587,9 +625,9 @@ def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tens
     return apply
 
 
-def _text_config(model: nn.Module):
+def _text_config(model: nn.Module) -> Any:
     """The config of ``model``'s language model (itself for a causal LM)."""
-    config = model.config
+    config: Any = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 

@@ -131,17 +131,14 @@ class DecodeGraph:
             w: torch.zeros(bucket, m, dtype=torch.int32, device=dev) for w, m in widths.items()
         }
         self.window_slots = {w: torch.zeros_like(self.slots) for w in widths}
-        shared = dict(
-            positions=self.positions,
-            decode_positions=self.positions,
-            decode_kv_len=self.kv_len,
-        )
         plan = dataclasses.replace(meta.plan, positions=self.positions)
         views = {
             w: dataclasses.replace(
                 meta.window_views[w],
                 plan=plan,
-                **shared,
+                positions=self.positions,
+                decode_positions=self.positions,
+                decode_kv_len=self.kv_len,
                 slot_mapping=self.window_slots[w],
                 block_table=self.window_tables[w],
                 max_block_id=engine.window_cache_blocks[w] - 1,
@@ -151,7 +148,9 @@ class DecodeGraph:
         self.meta = dataclasses.replace(
             meta,
             plan=plan,
-            **shared,
+            positions=self.positions,
+            decode_positions=self.positions,
+            decode_kv_len=self.kv_len,
             slot_mapping=self.slots,
             block_table=self.block_table,
             # Block ids come from the scheduler's tables: below every cache's block count.

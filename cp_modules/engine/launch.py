@@ -10,7 +10,10 @@ default process group is up:
   rank fails (with its traceback);
 - ``world_size == 1`` runs ``fn`` here without any process group.
 
-NCCL ranks use GPU ``LOCAL_RANK``.
+NCCL ranks use GPU ``LOCAL_RANK``. Only rank 0 shows progress bars
+(:func:`~cp_modules.distributed.progress.progress_bars_on_rank_zero`). Rank 0's result comes
+back pickled to bytes, so it arrives whatever it holds (a tensor is copied, not shared through
+a file descriptor of a process that has exited).
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from cp_modules.distributed.progress import progress_bars_on_rank_zero
 
 __all__ = ["LaunchError", "launch", "under_torchrun"]
 
@@ -61,6 +67,7 @@ def _init(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
 def _worker(fn, rank, world_size, args, backend, timeout_s, env, results) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    progress_bars_on_rank_zero(rank)
     try:
         import torch.distributed as dist
 
@@ -69,7 +76,9 @@ def _worker(fn, rank, world_size, args, backend, timeout_s, env, results) -> Non
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put(("ok", rank, out if rank == 0 else None))
+        # Plain pickle to bytes: the queue's own pickler would share a tensor's storage through
+        # a file descriptor that dies with this process.
+        results.put(("ok", rank, pickle.dumps(out if rank == 0 else None)))
     except BaseException:  # noqa: BLE001 - the traceback is what the parent reports
         results.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -108,6 +117,7 @@ def launch(
                 f"use torchrun --nproc-per-node {world_size}"
             )
         rank = int(os.environ["RANK"])
+        progress_bars_on_rank_zero(rank)
         if not dist.is_initialized():
             _init(backend, rank, world_size, timeout_s)
         try:
@@ -168,4 +178,4 @@ def _spawn(fn, world_size, args, backend, master_addr, timeout_s):
     missing = [r for r in range(world_size) if r not in outputs]
     if missing:
         raise LaunchError(f"ranks {missing} ended without a result")
-    return outputs[0]
+    return pickle.loads(outputs[0])

@@ -21,7 +21,9 @@ class GenerationStats:
     ``peak_window_blocks_per_request``: the most one request held there at any step, and
     ``peak_window_blocks_per_decode``: at its decode steps (at most
     ``ceil(W / (block_size * dcp)) + 1``, however long the request).
-    ``kv_cache_bytes``: every layer's cache on this rank.
+    ``kv_cache_bytes``: every layer's cache on this rank. ``kv_cache_dtype``: what the cache
+    stores (``"bf16"``: the model's dtype, ``"fp8_e4m3"``); ``kv_bytes_per_token``: cache bytes
+    one token takes on a rank that stores it, over all layers.
 
     Speculative decoding (``SamplingParams.speculative``): ``spec_steps`` verification steps
     verified ``spec_rows`` requests (one per decoding request and step) holding
@@ -55,6 +57,8 @@ class GenerationStats:
     peak_window_blocks: dict[int, int] = field(default_factory=dict)
     peak_window_blocks_per_request: dict[int, int] = field(default_factory=dict)
     peak_window_blocks_per_decode: dict[int, int] = field(default_factory=dict)
+    kv_cache_dtype: str = "bf16"
+    kv_bytes_per_token: int = 0
     spec_steps: int = 0
     spec_rows: int = 0
     spec_draft_tokens: int = 0

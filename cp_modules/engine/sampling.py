@@ -101,7 +101,10 @@ class SamplingParams:
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        return frozenset(self.eos_token_id or ())
+        eos = self.eos_token_id  # a tuple of ids or None after __post_init__
+        if eos is None:
+            return frozenset()
+        return frozenset((eos,) if isinstance(eos, int) else eos)
 
 
 def sample_tokens(

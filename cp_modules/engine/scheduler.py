@@ -46,6 +46,12 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def admitted_row(self) -> int:
+        """The request's block-table row (set when it is admitted)."""
+        assert self.row is not None, f"request {self.index} is not admitted"
+        return self.row
+
+    @property
     def max_len(self) -> int:
         return len(self.prompt) + self.max_new_tokens
 
@@ -212,7 +218,7 @@ class Scheduler:
         rows = torch.tensor([r.row for r, _ in chosen], dtype=torch.long)
         for g in self.window_groups.values():
             for r, n in chosen:
-                g.prepare(r.row, r.num_computed, n)
+                g.prepare(r.admitted_row, r.num_computed, n)
         return StepBatch(
             requests=[r for r, _ in chosen],
             num_new=[n for _, n in chosen],
@@ -236,8 +242,8 @@ class Scheduler:
         rows = torch.tensor([r.row for r in requests], dtype=torch.long)
         for g in self.window_groups.values():
             for r, c in zip(requests, num_computed):
-                g.release(r.row, c)
-                g.prepare(r.row, c, 1)
+                g.release(r.admitted_row, c)
+                g.prepare(r.admitted_row, c, 1)
         return {w: g.tensor.index_select(0, rows) for w, g in self.window_groups.items()}
 
     def update(
@@ -247,7 +253,7 @@ class Scheduler:
         for r, n in zip(batch.requests, batch.num_new):
             r.num_computed += n
             for g in self.window_groups.values():
-                g.release(r.row, r.num_computed)
+                g.release(r.admitted_row, r.num_computed)
         for r, t in zip(batch.sample_requests, tokens):
             self._append(r, t, stop_ids, now)
         self._retire()
@@ -296,8 +302,8 @@ class Scheduler:
     def _retire(self) -> None:
         for r in [r for r in self.running if r.finished]:
             self.running.remove(r)
-            self.table.free_row(r.row)
+            self.table.free_row(r.admitted_row)
             for g in self.window_groups.values():
-                g.finish(r.row)
-            self._free_rows.append(r.row)
+                g.finish(r.admitted_row)
+            self._free_rows.append(r.admitted_row)
             self._free_rows.sort()

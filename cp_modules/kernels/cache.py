@@ -4,6 +4,9 @@ Shape letters: T = new tokens, H = heads per token row, D = elements per head, B
 block. One program stores one token: two source rows [H, D0] and [H, D1] go to their cache
 rows at column offsets, which covers GQA (K into one cache, V into the other) and MLA (latent and
 rope key side by side in one cache row) with one launch. Slot -1 stores nothing.
+
+An fp8 cache (``torch.float8_e4m3fn``) stores ``x / scale`` saturated to +-448 and rounded to
+nearest even, ``scale`` one fp32 value per head row (a scalar scale: a stride of 0).
 """
 
 from __future__ import annotations
@@ -16,12 +19,36 @@ __all__ = ["write_kv_cache_kernel", "write_mla_cache_kernel"]
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """fp32 ``x`` (|x| <= 448) rounded to the nearest fp8 e4m3 value (ties to even), as fp32.
+
+    The rounding is done here, in fp32 arithmetic, so that the conversion to fp8 that follows is
+    exact: the same bits on every GPU and under the interpreter (whose fp8 conversion does not
+    carry a rounded-up mantissa into the exponent). e4m3 keeps 3 mantissa bits: the step of the
+    binade 2^e is 2^(e-3), and 2^-9 below 2^-6 (subnormals). Adding and subtracting
+    ``M = 1.5 * 2^23 * step`` to ``|x|`` rounds to a multiple of the step, ties to even.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = (((e - 3 + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (tl.abs(x) + magic) - magic
+    # The sign bit put back as a bit (``-r`` is ``0 - r``, which turns -0 into +0), so that
+    # tiny negatives round to -0 as torch's conversion does.
+    r_bits = r.to(tl.int32, bitcast=True) | (bits & -2147483648)
+    return r_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _write_cache_kernel(
     SRC0,
     SRC1,
     DST0,
     DST1,
     SLOTS,
+    SCALE0,
+    SCALE1,
+    stride_sc0,
+    stride_sc1,
     stride_s0t,
     stride_s0h,
     stride_s1t,
@@ -41,6 +68,7 @@ def _write_cache_kernel(
     BLOCK_D0: tl.constexpr,
     BLOCK_D1: tl.constexpr,
     PAGE: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -52,16 +80,41 @@ def _write_cache_kernel(
         m0 = (h[:, None] < NUM_H) & (d0[None, :] < D0)
         x0 = tl.load(SRC0 + t * stride_s0t + h[:, None] * stride_s0h + d0[None, :], mask=m0)
         dst0 = DST0 + blk * stride_d0b + off * stride_d0s + h[:, None] * stride_d0h + COL0
+        if QUANT:
+            sc0 = tl.load(SCALE0 + h * stride_sc0, mask=h < NUM_H, other=1.0)
+            # IEEE division (``/`` is approximate on the GPU): the reference's quotient.
+            x0 = tl.div_rn(x0.to(tl.float32), tl.broadcast_to(sc0[:, None], x0.shape))
+            x0 = _round_to_e4m3(tl.clamp(x0, -448.0, 448.0))
         tl.store(dst0 + d0[None, :], x0.to(DST0.dtype.element_ty), mask=m0)
         d1 = tl.arange(0, BLOCK_D1)
         m1 = (h[:, None] < NUM_H) & (d1[None, :] < D1)
         x1 = tl.load(SRC1 + t * stride_s1t + h[:, None] * stride_s1h + d1[None, :], mask=m1)
         dst1 = DST1 + blk * stride_d1b + off * stride_d1s + h[:, None] * stride_d1h + COL1
+        if QUANT:
+            sc1 = tl.load(SCALE1 + h * stride_sc1, mask=h < NUM_H, other=1.0)
+            x1 = tl.div_rn(x1.to(tl.float32), tl.broadcast_to(sc1[:, None], x1.shape))
+            x1 = _round_to_e4m3(tl.clamp(x1, -448.0, 448.0))
         tl.store(dst1 + d1[None, :], x1.to(DST1.dtype.element_ty), mask=m1)
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+def _scales(
+    cache: torch.Tensor, s0: torch.Tensor | None, s1: torch.Tensor | None
+) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """(quantize?, (scale0, scale1, head stride 0, head stride 1)); a 1-element scale has
+    stride 0 (one value for every head row); None stands for 1.0."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return False, (cache, cache, 0, 0)
+    one = None
+    if s0 is None or s1 is None:
+        one = torch.ones(1, dtype=torch.float32, device=cache.device)
+    a = s0 if s0 is not None else one
+    b = s1 if s1 is not None else one
+    assert a is not None and b is not None
+    return True, (a, b, int(a.numel() > 1), int(b.numel() > 1))
 
 
 def write_kv_cache_kernel(
@@ -70,39 +123,51 @@ def write_kv_cache_kernel(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store ``k, v`` [T, Hkv, D] (last dim contiguous) into [NB, BS, Hkv, D] caches."""
+    """Store ``k, v`` [T, Hkv, D] (last dim contiguous) into [NB, BS, Hkv, D] caches.
+
+    fp8 caches: ``k_scale``, ``v_scale`` fp32 [Hkv] or [1] (None: 1.0)."""
     t, h, d = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if t == 0:
         return
+    quant, (ks, vs, sk, sv) = _scales(k_cache, k_scale, v_scale)
     _write_cache_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, ks, vs, sk, sv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         COL0=0, COL1=0, NUM_H=h, D0=d, D1=v.shape[-1],
         BLOCK_H=_pow2(h), BLOCK_D0=_pow2(d), BLOCK_D1=_pow2(v.shape[-1]),
-        PAGE=k_cache.shape[1],
+        PAGE=k_cache.shape[1], QUANT=quant,
     )  # fmt: skip
 
 
 def write_mla_cache_kernel(
-    kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | None = None,
 ) -> None:
-    """Store ``kv_c`` [T, R] and ``k_pe`` [T, P] side by side into ``cache`` [NB, BS, R + P]."""
+    """Store ``kv_c`` [T, R] and ``k_pe`` [T, P] side by side into ``cache`` [NB, BS, R + P].
+
+    An fp8 cache: ``scale`` fp32 [1] (None: 1.0) for the whole row."""
     t, r = kv_c.shape
     p = k_pe.shape[-1]
     assert kv_c.stride(-1) == 1 and k_pe.stride(-1) == 1 and cache.stride(-1) == 1
     if t == 0:
         return
+    quant, (s0, s1, st0, st1) = _scales(cache, scale, scale)
     _write_cache_kernel[(t,)](
-        kv_c, k_pe, cache, cache, slot_mapping,
+        kv_c, k_pe, cache, cache, slot_mapping, s0, s1, st0, st1,
         kv_c.stride(0), 0, k_pe.stride(0), 0,
         cache.stride(0), cache.stride(1), 0,
         cache.stride(0), cache.stride(1), 0,
         COL0=0, COL1=r, NUM_H=1, D0=r, D1=p,
         BLOCK_H=1, BLOCK_D0=_pow2(r), BLOCK_D1=_pow2(p),
-        PAGE=cache.shape[1],
+        PAGE=cache.shape[1], QUANT=quant,
     )  # fmt: skip

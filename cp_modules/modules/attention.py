@@ -101,6 +101,8 @@ class CPFlashAttention(nn.Module):
         self.tp_group: tuple[str, int] = ("", 1)
         self.kv_replica_index: int | None = None
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # An fp8 kv_cache's (k_scale, v_scale), fp32 [Hkv_local] or [1]; None: 1.0.
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -138,6 +140,7 @@ class CPFlashAttention(nn.Module):
             sinks=sinks,
             sliding_window=self.sliding_window,
             softcap=self.softcap,
+            kv_scales=self.kv_scales,
         )
 
 
@@ -199,6 +202,8 @@ class CPMLAAttention(nn.Module):
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta)
         self.tp_group: tuple[str, int] = ("", 1)
         self.kv_cache: torch.Tensor | None = None
+        # An fp8 kv_cache's scale, fp32 [1]; None: 1.0.
+        self.kv_cache_scale: torch.Tensor | None = None
 
     def forward(
         self,
@@ -260,6 +265,7 @@ class CPMLAAttention(nn.Module):
             self.kv_cache,
             scale=self.scaling,
             kv_lora_rank=self.kv_lora_rank,
+            cache_scale=self.kv_cache_scale,
         )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cp_modules.cache.kv_dtype import is_fp8, kv_cache_storage_dtype, kv_scale
 from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache, kv_cache_bytes_per_block
 from cp_modules.config import ParallelConfig
 from cp_modules.modules.attention import CPMLAAttention, apply_tensor_parallel
@@ -61,6 +62,7 @@ __all__ = [
     "CP_ATTN_IMPLEMENTATION",
     "HFCPMLAAttention",
     "allocate_kv_caches",
+    "kv_cache_bytes_per_block_of",
     "cp_attention_layers",
     "free_kv_caches",
     "kv_cache_tensors",
@@ -469,9 +471,15 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str | None = None,
     window_num_blocks: dict[int, int] | None = None,
+    kv_cache_dtype: str = "bf16",
 ) -> int:
     """Give every cp layer of ``model`` a paged KV cache of ``num_blocks`` blocks on this rank;
     return the bytes one block takes over all layers.
+
+    ``kv_cache_dtype``: ``"bf16"`` stores ``dtype`` (the model's); ``"fp8_e4m3"`` stores
+    ``torch.float8_e4m3fn`` with static scales: the attention module's ``k_scale`` /
+    ``v_scale`` where it has them (quantized checkpoints ship them; a scalar or one value per
+    local KV head; MLA layers use ``k_scale`` for the latent), else 1.0.
 
     Interface-served layers get ``(k_cache, v_cache)`` ``[NB, BS, Hkv_local, D]`` in
     ``model.cp_kv_caches`` by ``layer_idx``; MLA layers a latent cache ``[NB, BS, Rk + Dr]``.
@@ -479,34 +487,52 @@ def allocate_kv_caches(
     instead (a layer group whose cache keeps only its window).
 
     Raises:
-        ValueError: for a model :func:`swap_attention` has not prepared.
+        ValueError: for a model :func:`swap_attention` has not prepared, an unknown
+            ``kv_cache_dtype``, fp8 on a GPU without fp8 conversions, or a module scale that is
+            not a positive finite scalar or per-head vector.
     """
     layers = cp_attention_layers(model)
     if not layers:
         raise ValueError(
             "model has no context-parallel attention: call swap_attention(model, ...) first"
         )
+    store = kv_cache_storage_dtype(kv_cache_dtype, dtype, device)
+    fp8 = is_fp8(store)
+    scales = [_module_scales(layer, fp8, device) for layer in layers]  # checked before allocating
     free_kv_caches(model)  # the old caches go before the new ones are allocated
-    per_block = 0
-    for layer in layers:
+    for layer, sc in zip(layers, scales):
         b = getattr(layer, "cp_binding", None)
         if b is not None:
             n = (window_num_blocks or {}).get(b.sliding_window, num_blocks)
             b.caches.caches[b.layer_idx] = allocate_kv_cache(
-                n, block_size, b.num_kv_heads, b.head_dim, dtype=dtype, device=device
+                n, block_size, b.num_kv_heads, b.head_dim, dtype=store, device=device
             )
-            per_block += kv_cache_bytes_per_block(
-                block_size, dtype=dtype, num_kv_heads=b.num_kv_heads, head_dim=b.head_dim
-            )
+            if sc is not None:
+                b.caches.scales[b.layer_idx] = sc
         else:
             layer.kv_cache = allocate_mla_cache(
                 num_blocks,
                 block_size,
                 layer.kv_lora_rank,
                 layer.qk_rope_head_dim,
-                dtype=dtype,
+                dtype=store,
                 device=device,
             )
+            layer.kv_cache_scale = None if sc is None else sc[0]
+    return kv_cache_bytes_per_block_of(model, block_size, store)
+
+
+def kv_cache_bytes_per_block_of(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV-cache block of ``block_size`` tokens in ``dtype`` takes over all the cp
+    layers of ``model`` on this rank (the unit the engine sizes its pool in)."""
+    per_block = 0
+    for layer in cp_attention_layers(model):
+        b = getattr(layer, "cp_binding", None)
+        if b is not None:
+            per_block += kv_cache_bytes_per_block(
+                block_size, dtype=dtype, num_kv_heads=b.num_kv_heads, head_dim=b.head_dim
+            )
+        else:
             per_block += kv_cache_bytes_per_block(
                 block_size,
                 dtype=dtype,
@@ -516,14 +542,30 @@ def allocate_kv_caches(
     return per_block
 
 
+def _module_scales(layer, fp8: bool, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An fp8 cache's checked (k_scale, v_scale) of one layer (the module's, else 1.0)."""
+    if not fp8:
+        return None
+    b = getattr(layer, "cp_binding", None)
+    heads = b.num_kv_heads if b is not None else 1
+    name = getattr(b, "layer_name", type(layer).__name__)
+    ks = kv_scale(getattr(layer, "k_scale", None), heads, name=f"{name}.k_scale", device=device)
+    if b is None:
+        return ks, ks  # one latent cache: one scale
+    vs = kv_scale(getattr(layer, "v_scale", None), heads, name=f"{name}.v_scale", device=device)
+    return ks, vs
+
+
 def free_kv_caches(model: nn.Module) -> None:
     """Drop every cp layer's KV cache (the layers then run cache-less, e.g. for training)."""
     for layer in cp_attention_layers(model):
         b = getattr(layer, "cp_binding", None)
         if b is not None:
             b.caches.caches.pop(b.layer_idx, None)
+            b.caches.scales.pop(b.layer_idx, None)
         else:
             layer.kv_cache = None
+            layer.kv_cache_scale = None
 
 
 def kv_cache_tensors(model: nn.Module) -> list[torch.Tensor]:

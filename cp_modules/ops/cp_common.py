@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_modules.cache.kv_dtype import dequantize_fp8, is_fp8
 from cp_modules.distributed.collectives import all_gather, reduce_scatter
 from cp_modules.ops.dcp_comm import dcp_combine, dcp_prepare_query
 from cp_modules.partition.window_exchange import (
@@ -146,15 +147,29 @@ def gathered_rows_of(meta: CPStepMetadata, buf: torch.Tensor) -> list[tuple[int,
     return [(first, buf[g : g + n]) for first, g, n in runs]
 
 
-def read_prefix(cache: torch.Tensor, meta: CPStepMetadata) -> torch.Tensor:
-    """Cached prefix rows of prefill requests, gathered from the DCP shards: [C, ...]."""
+def read_prefix(
+    cache: torch.Tensor,
+    meta: CPStepMetadata,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Cached prefix rows of prefill requests, gathered from the DCP shards: [C, ...].
+
+    An fp8 cache's rows travel as fp8 bytes and are dequantized (``* scale``, [heads] or [1])
+    to ``dtype`` after the gather; other caches come back as they are."""
     assert meta.prefix_read_slots is not None and meta.prefix_gather_index is not None
     flat = cache.flatten(0, 1)
     local = flat.index_select(0, meta.prefix_read_slots)
+    fp8 = is_fp8(cache.dtype)
     dcp = meta.runtime.dcp
     if dcp is not None:
-        local = all_gather(local, dcp.dcp_group, dcp.dcp_size)
-    return local.index_select(0, meta.prefix_gather_index)
+        # fp8 as bytes: every backend gathers uint8, not every one float8.
+        local = all_gather(local.view(torch.uint8) if fp8 else local, dcp.dcp_group, dcp.dcp_size)
+        local = local.view(cache.dtype) if fp8 else local
+    rows = local.index_select(0, meta.prefix_gather_index)
+    if fp8:
+        rows = dequantize_fp8(rows, scale, dtype or torch.bfloat16)
+    return rows
 
 
 def decode_combined(q_dec, meta: CPStepMetadata, attend):
@@ -169,9 +184,10 @@ def decode_combined(q_dec, meta: CPStepMetadata, attend):
 def check_cache(meta: CPStepMetadata, kv: torch.Tensor, *caches: torch.Tensor) -> None:
     """Host-side checks (no device sync) that every rank makes identically before any collective."""
     for c in caches:
-        if c.dtype != kv.dtype:
+        if c.dtype != kv.dtype and not is_fp8(c.dtype):
             raise ValueError(
-                f"KV cache dtype {c.dtype} differs from the layer's K/V dtype {kv.dtype}"
+                f"KV cache dtype {c.dtype} differs from the layer's K/V dtype {kv.dtype} "
+                "(and is not fp8: kv_cache_dtype='fp8_e4m3')"
             )
         if c.device != kv.device:
             raise ValueError(f"KV cache is on {c.device} but the layer runs on {kv.device}")

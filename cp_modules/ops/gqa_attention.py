@@ -62,8 +62,9 @@ __all__ = ["gqa_attention"]
 
 
 def _gqa_forward(
-    q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap=0.0, differentiable=False
-):
+    q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap=0.0, differentiable=False,
+    k_scale=None, v_scale=None,
+):  # fmt: skip
     # A windowed layer's cache may be its layer group's own (it keeps only its window).
     meta = current_step().for_window(window)
     check_local(meta, q, k, v)
@@ -100,13 +101,13 @@ def _gqa_forward(
         k_full, v_full = gather_kv(k, v, meta)
     if has_cache:
         assert slots is not None
-        write_kv_cache(k_full, v_full, k_cache, v_cache, slots)
+        write_kv_cache(k_full, v_full, k_cache, v_cache, slots, k_scale, v_scale)
     if not meta.all_decode:
         prefix = {}
         if meta.has_prefix:
             prefix = dict(
-                prefix_k=read_prefix(k_cache, meta),
-                prefix_v=read_prefix(v_cache, meta),
+                prefix_k=read_prefix(k_cache, meta, k_scale, q.dtype),
+                prefix_v=read_prefix(v_cache, meta, v_scale, q.dtype),
                 prefix_cu_seqlens=meta.prefix_cu_seqlens,
             )
         # Fresh outputs of the prefill op: decode rows are written into them in place.
@@ -149,6 +150,8 @@ def _gqa_forward(
                 scale=scale,
                 query_kv_start=kv_start,
                 softcap=softcap or None,
+                k_scale=k_scale,
+                v_scale=v_scale,
             ),
         )
         if only_decode:
@@ -231,8 +234,12 @@ def _gqa_attention_with_cache(
     scale: float,
     window: int,
     softcap: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gqa_forward(q, k, v, k_cache, v_cache, scale, sinks, window, softcap)
+    return _gqa_forward(
+        q, k, v, k_cache, v_cache, scale, sinks, window, softcap, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def _gqa_fake(q, k, v, *args):
@@ -416,6 +423,7 @@ def gqa_attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Context-parallel GQA/MHA attention of this rank's local tokens for the current step.
 
@@ -434,6 +442,9 @@ def gqa_attention(
             and softmax (Gemma 2), or None. Prefill and training serve both on every device
             (:mod:`cp_modules.ops.pcp_masked`); decode tokens through the paged decode
             kernel's per-query first key and soft-cap.
+        kv_scales: an fp8 (e4m3) ``kv_cache``: its ``(k_scale, v_scale)``, fp32 [Hkv] or [1]
+            (:func:`cp_modules.cache.kv_dtype.kv_scale`); None: 1.0. Written K/V are divided by
+            them and quantized, cached K/V read back times them.
 
     Returns:
         [T, H, D] attention output of the local tokens (padding rows are 0).
@@ -455,7 +466,8 @@ def gqa_attention(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
+        ks, vs = kv_scales if kv_scales is not None else (None, None)
         out, _ = torch.ops.cp.gqa_attention_with_cache(
-            q, k, v, kv_cache[0], kv_cache[1], sinks, scale, *masking
+            q, k, v, kv_cache[0], kv_cache[1], sinks, scale, *masking, ks, vs
         )
     return out

@@ -8,12 +8,17 @@ Both ops mutate their cache arguments (declared in the schema, so functionalizat
 which is how a DCP rank drops the tokens other ranks store (see
 :func:`cp_modules.cache.dcp_slot_mapping`). Two tokens with the same slot is undefined.
 CPU runs the reference, CUDA the Triton kernel; neither syncs with the host.
+
+An fp8 (``torch.float8_e4m3fn``) cache is written quantized: ``x / scale`` saturated to +-448,
+with the optional fp32 scales (``[Hkv]`` per head or ``[1]``; None: 1.0) of
+:mod:`cp_modules.cache.kv_dtype`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cp_modules.cache.kv_dtype import is_fp8
 from cp_modules.kernels.cache import write_kv_cache_kernel, write_mla_cache_kernel
 from cp_modules.ops._lib import lib
 from cp_modules.reference.kv_cache import write_kv_cache_ref, write_mla_cache_ref
@@ -22,9 +27,12 @@ __all__ = ["write_kv_cache", "write_mla_cache"]
 
 lib.define(
     "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor slot_mapping) -> ()"
+    "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
 )
-lib.define("write_mla_cache(Tensor kv_c, Tensor k_pe, Tensor(a!) cache, Tensor slot_mapping) -> ()")
+lib.define(
+    "write_mla_cache(Tensor kv_c, Tensor k_pe, Tensor(a!) cache, Tensor slot_mapping, "
+    "Tensor? scale=None) -> ()"
+)
 
 lib.impl("write_kv_cache", write_kv_cache_ref, "CPU")
 lib.impl("write_kv_cache", write_kv_cache_kernel, "CUDA")
@@ -33,12 +41,12 @@ lib.impl("write_mla_cache", write_mla_cache_kernel, "CUDA")
 
 
 @torch.library.register_fake("cp::write_kv_cache")
-def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     return None
 
 
 @torch.library.register_fake("cp::write_mla_cache")
-def _write_mla_cache_fake(kv_c, k_pe, cache, slot_mapping) -> None:
+def _write_mla_cache_fake(kv_c, k_pe, cache, slot_mapping, scale=None) -> None:
     return None
 
 
@@ -53,6 +61,29 @@ def _check_slots(slot_mapping: torch.Tensor, num_tokens: int, *tensors: torch.Te
         )
 
 
+def check_cache_scale(
+    scale: torch.Tensor | None, cache: torch.Tensor, num_heads: int, name: str
+) -> None:
+    """ValueError unless ``scale`` is None or an fp32 [1] / [num_heads] tensor on the cache's
+    device (the checked form :func:`cp_modules.cache.kv_dtype.kv_scale` makes); a scale only
+    goes with an fp8 cache."""
+    if scale is None:
+        return
+    if not is_fp8(cache.dtype):
+        raise ValueError(f"{name} is given but the cache is {cache.dtype}, not fp8")
+    if (
+        scale.dtype != torch.float32
+        or scale.dim() != 1
+        or scale.numel() not in (1, num_heads)
+        or scale.device != cache.device
+    ):
+        raise ValueError(
+            f"{name} must be an fp32 tensor of shape [1] or [{num_heads}] on {cache.device} "
+            f"(see cp_modules.cache.kv_dtype.kv_scale), got {scale.dtype} {tuple(scale.shape)} "
+            f"on {scale.device}"
+        )
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -63,16 +94,19 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each token's K/V at its cache slot, in place; tokens with slot -1 are skipped.
 
     Args:
-        k, v: [T, Hkv, D] (any float dtype; cast to the cache dtype).
+        k, v: [T, Hkv, D] (any float dtype; cast to the cache dtype, quantized for fp8).
         k_cache, v_cache: [NB, BS, Hkv, D], last dim contiguous; written in place.
         slot_mapping: [T] int32/int64, ``block_id * BS + offset`` or -1.
+        k_scale, v_scale: fp8 caches only: fp32 [Hkv] or [1] (None: 1.0).
 
     Raises:
-        ValueError: for mismatched shapes, slot dtype or devices.
+        ValueError: for mismatched shapes, slot dtype, devices or scales.
     """
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
@@ -91,13 +125,20 @@ def write_kv_cache(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must be contiguous in their last dim")
     _check_slots(slot_mapping, k.shape[0], k, v, k_cache, v_cache)
+    check_cache_scale(k_scale, k_cache, k_cache.shape[2], "k_scale")
+    check_cache_scale(v_scale, v_cache, v_cache.shape[2], "v_scale")
     torch.ops.cp.write_kv_cache(
-        _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, slot_mapping
-    )
+        _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, slot_mapping,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 def write_mla_cache(
-    kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """Store each token's latent and rope key in one cache row, in place; slot -1 is skipped.
 
@@ -106,9 +147,10 @@ def write_mla_cache(
         k_pe: [T, P] rope key (shared by all heads).
         cache: [NB, BS, R + P], last dim contiguous; written in place.
         slot_mapping: [T] int32/int64, ``block_id * BS + offset`` or -1.
+        scale: an fp8 cache only: fp32 [1] for the whole row (None: 1.0).
 
     Raises:
-        ValueError: for mismatched shapes, slot dtype or devices.
+        ValueError: for mismatched shapes, slot dtype, devices or scale.
     """
     if kv_c.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != kv_c.shape[0]:
         raise ValueError(
@@ -122,6 +164,7 @@ def write_mla_cache(
     if cache.stride(-1) != 1:
         raise ValueError("cache must be contiguous in its last dim")
     _check_slots(slot_mapping, kv_c.shape[0], kv_c, k_pe, cache)
+    check_cache_scale(scale, cache, 1, "scale")
     torch.ops.cp.write_mla_cache(
-        _last_dim_contiguous(kv_c), _last_dim_contiguous(k_pe), cache, slot_mapping
+        _last_dim_contiguous(kv_c), _last_dim_contiguous(k_pe), cache, slot_mapping, scale
     )

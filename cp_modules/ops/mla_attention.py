@@ -58,7 +58,9 @@ def _nope_dim(q: torch.Tensor, latent: torch.Tensor, rk: int) -> int:
     return q.shape[-1] - (latent.shape[-1] - rk)
 
 
-def _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank, differentiable=False):
+def _mla_forward(
+    q, latent, w_kv, cache, scale, kv_lora_rank, differentiable=False, cache_scale=None
+):
     meta = current_step()
     check_local(meta, q, latent)
     rk, h, dn = kv_lora_rank, q.shape[1], _nope_dim(q, latent, kv_lora_rank)
@@ -77,12 +79,15 @@ def _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank, differentiable=Fal
     if has_cache:
         if meta.slot_mapping is None:
             raise RuntimeError("a KV cache was given but the step has no block table")
-        write_mla_cache(latent_full[:, :rk], latent_full[:, rk:], cache, meta.slot_mapping)
+        write_mla_cache(
+            latent_full[:, :rk], latent_full[:, rk:], cache, meta.slot_mapping, cache_scale
+        )
     if not meta.all_decode:
         k_full, v_full = _up_project(latent_full, w_kv, rk, dn)
         prefix = {}
         if meta.has_prefix:
-            pk, pv = _up_project(read_prefix(cache, meta), w_kv, rk, dn)
+            rows = read_prefix(cache, meta, cache_scale, latent.dtype)
+            pk, pv = _up_project(rows, w_kv, rk, dn)
             prefix = dict(prefix_k=pk, prefix_v=pv, prefix_cu_seqlens=meta.prefix_cu_seqlens)
         # Fresh outputs of the prefill op: decode rows are written into them in place.
         out, lse = pcp_prefill_attention(
@@ -114,6 +119,7 @@ def _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank, differentiable=Fal
                 scale=scale,
                 kv_lora_rank=rk,
                 kernel=meta.runtime.policy.mla_decode,
+                kv_scale=cache_scale,
             ),
         )
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
@@ -151,11 +157,12 @@ def _mla_attention_with_cache(
     cache: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    cache_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank)
+    return _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale=cache_scale)
 
 
-def _mla_fake(q, latent, w_kv, cache, scale, rk):
+def _mla_fake(q, latent, w_kv, cache, scale, rk, cache_scale=None):
     shape = (q.shape[0], q.shape[1], w_kv.shape[1] - _nope_dim(q, latent, rk))
     return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=lse_dtype_of(q))
 
@@ -362,6 +369,7 @@ def mla_attention(
     *,
     scale: float,
     kv_lora_rank: int,
+    cache_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel MLA attention of this rank's local tokens for the current step.
 
@@ -384,6 +392,8 @@ def mla_attention(
         cache: [NB, BS, Rk + Dr] this layer's latent cache, written in place, or None.
         scale: softmax scale.
         kv_lora_rank: Rk.
+        cache_scale: an fp8 (e4m3) ``cache``: its fp32 [1] scale (None: 1.0); rows are stored
+            as ``latent / scale`` and read back as ``fp8 * scale``.
 
     Returns:
         [T, H, Dv] attention output of the local tokens.
@@ -406,7 +416,9 @@ def mla_attention(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_kv)):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
-        out, _ = torch.ops.cp.mla_attention_with_cache(q, latent, w_kv, cache, scale, kv_lora_rank)
+        out, _ = torch.ops.cp.mla_attention_with_cache(
+            q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale
+        )
     return out
 
 

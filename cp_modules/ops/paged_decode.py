@@ -14,6 +14,10 @@ empty local range gives ``out = 0``, ``lse = -inf``.
 ``paged_attention`` also takes a per-query first local token (``query_kv_start``: sliding
 windows) and a logit soft-cap; both run in the reference and the Triton kernel alike.
 
+An fp8 (e4m3) cache is dequantized in the kernels (``k_scale`` / ``v_scale``, MLA's
+``kv_scale``: fp32 [Hkv] or [1], None for 1.0); ``q`` and the outputs keep their dtype. fp8 MLA
+decode runs the Triton kernel (the Gluon kernel takes bf16/fp16 caches).
+
 CPU runs the pure-PyTorch reference, CUDA the Triton split-KV kernel. Lengths stay in device
 tensors and the split count is chosen from static shapes, so the ops are CUDA-graph safe.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_modules.cache.kv_dtype import is_fp8
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
 from cp_modules.kernels.decode.mla_gluon import (
     gluon_mla_supported,
@@ -29,6 +34,7 @@ from cp_modules.kernels.decode.mla_gluon import (
 )
 from cp_modules.kernels.decode.paged import paged_attention_kernel
 from cp_modules.ops._lib import lib
+from cp_modules.ops.kv_cache import check_cache_scale
 from cp_modules.policy import MLA_DECODE_KERNELS
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
 
@@ -37,49 +43,60 @@ __all__ = ["paged_attention", "paged_mla_attention"]
 lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
     "Tensor query_seq_idx, Tensor query_kv_len, float scale, int num_splits=0, "
-    "Tensor? query_kv_start=None, float softcap=0.0) -> (Tensor out, Tensor lse)"
+    "Tensor? query_kv_start=None, float softcap=0.0, Tensor? k_scale=None, "
+    "Tensor? v_scale=None) -> (Tensor out, Tensor lse)"
 )
 lib.define(
     "paged_mla_attention(Tensor q, Tensor cache, Tensor block_table, Tensor query_seq_idx, "
     "Tensor query_kv_len, float scale, int kv_lora_rank, int num_splits=0, "
-    "str impl='auto') -> (Tensor out, Tensor lse)"
+    "str impl='auto', Tensor? kv_scale=None) -> (Tensor out, Tensor lse)"
 )
 
 
 def _paged_attention_cpu(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
-                         num_splits=0, query_kv_start=None, softcap=0.0):  # fmt: skip
+                         num_splits=0, query_kv_start=None, softcap=0.0, k_scale=None,
+                         v_scale=None):  # fmt: skip
     return paged_attention_ref(
         q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
-        query_kv_start=query_kv_start, softcap=softcap or None,
+        query_kv_start=query_kv_start, softcap=softcap or None, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
 
 
 def _paged_attention_cuda(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
-                          num_splits=0, query_kv_start=None, softcap=0.0):  # fmt: skip
+                          num_splits=0, query_kv_start=None, softcap=0.0, k_scale=None,
+                          v_scale=None):  # fmt: skip
     return paged_attention_kernel(
         q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale, num_splits,
-        query_kv_start=query_kv_start, softcap=softcap or None,
+        query_kv_start=query_kv_start, softcap=softcap or None, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
 
 
 def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len, scale,
-                             kv_lora_rank, num_splits=0, impl="auto"):  # fmt: skip
+                             kv_lora_rank, num_splits=0, impl="auto", kv_scale=None):  # fmt: skip
     return paged_mla_attention_ref(
-        q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank
-    )
+        q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank,
+        kv_scale=kv_scale,
+    )  # fmt: skip
 
 
 def _paged_mla_attention_cuda(q, cache, block_table, query_seq_idx, query_kv_len, scale,
-                              kv_lora_rank, num_splits=0, impl="auto"):  # fmt: skip
-    # The Gluon kernel (two warp groups, TMA) where it serves the shape; else Triton.
+                              kv_lora_rank, num_splits=0, impl="auto", kv_scale=None):  # fmt: skip
+    # The Gluon kernel (two warp groups, TMA) where it serves the shape; else Triton (and
+    # always for an fp8 cache).
     args = (q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank)
     if impl != "triton":
-        why = gluon_mla_supported(q, cache, kv_lora_rank)
+        why = (
+            "the Gluon MLA kernel takes bf16/fp16 caches, not fp8"
+            if is_fp8(cache.dtype)
+            else gluon_mla_supported(q, cache, kv_lora_rank)
+        )
         if why is None:
             return paged_mla_attention_gluon(*args, num_splits or None)
         if impl == "gluon":
             raise ValueError(f"CPPolicy(mla_decode='gluon'): {why}; use 'auto' or 'triton'")
-    return paged_mla_attention_kernel(*args, num_splits)
+    return paged_mla_attention_kernel(*args, num_splits, kv_scale=kv_scale)
 
 
 lib.impl("paged_attention", _paged_attention_cpu, "CPU")
@@ -90,14 +107,15 @@ lib.impl("paged_mla_attention", _paged_mla_attention_cuda, "CUDA")
 
 @torch.library.register_fake("cp::paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
-                          num_splits=0, query_kv_start=None, softcap=0.0):  # fmt: skip
+                          num_splits=0, query_kv_start=None, softcap=0.0, k_scale=None,
+                          v_scale=None):  # fmt: skip
     t, hq, _ = q.shape
     return q.new_empty(t, hq, v_cache.shape[-1]), q.new_empty(t, hq, dtype=torch.float32)
 
 
 @torch.library.register_fake("cp::paged_mla_attention")
 def _paged_mla_attention_fake(q, cache, block_table, query_seq_idx, query_kv_len, scale,
-                              kv_lora_rank, num_splits=0, impl="auto"):  # fmt: skip
+                              kv_lora_rank, num_splits=0, impl="auto", kv_scale=None):  # fmt: skip
     t, h, _ = q.shape
     return q.new_empty(t, h, kv_lora_rank), q.new_empty(t, h, dtype=torch.float32)
 
@@ -120,8 +138,11 @@ def _check_common(
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
     for c in caches:
-        if c.dtype != q.dtype:
-            raise ValueError(f"cache dtype {c.dtype} must equal q's dtype {q.dtype}")
+        if c.dtype != q.dtype and not is_fp8(c.dtype):
+            raise ValueError(
+                f"cache dtype {c.dtype} must equal q's dtype {q.dtype} or be "
+                f"torch.float8_e4m3fn (an fp8 cache)"
+            )
         if c.stride(-1) != 1:
             raise ValueError("caches must be contiguous in their last dim")
     if block_table.dim() != 2 or block_table.dtype not in _INDEX_DTYPES:
@@ -157,12 +178,14 @@ def paged_attention(
     num_splits: int | None = None,
     query_kv_start: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query against its request's local paged K/V; returns ``(out, lse)``.
 
     Args:
         q: [T, Hq, D], fp16/bf16/fp32 (last dim contiguous).
-        k_cache, v_cache: [NB, BS, Hkv, D] in ``q``'s dtype; Hq must be a multiple of Hkv.
+        k_cache, v_cache: [NB, BS, Hkv, D] in ``q``'s dtype or fp8 e4m3; Hq a multiple of Hkv.
         block_table: [R, M] int32/int64 physical block ids.
         query_seq_idx: [T] int32/int64 row of ``block_table`` of each query.
         query_kv_len: [T] int32/int64 local tokens each query sees (at most M * BS).
@@ -170,6 +193,7 @@ def paged_attention(
         num_splits: KV splits of the CUDA kernel; None chooses from static shapes.
         query_kv_start: [T] first local token each query sees (a sliding window), or None.
         softcap: logit soft-cap ``c`` (scores become ``c * tanh(scores / c)``), or None.
+        k_scale, v_scale: fp8 caches: fp32 [Hkv] or [1] dequantization scales (None: 1.0).
 
     Returns:
         out [T, Hq, D] in ``q``'s dtype; lse [T, Hq] fp32, natural log (-inf when empty).
@@ -206,6 +230,8 @@ def paged_attention(
         )
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+    check_cache_scale(k_scale, k_cache, hkv, "k_scale")
+    check_cache_scale(v_scale, v_cache, hkv, "v_scale")
     return torch.ops.cp.paged_attention(
         q.contiguous() if q.stride(-1) != 1 else q,
         k_cache,
@@ -217,6 +243,8 @@ def paged_attention(
         num_splits or 0,
         query_kv_start,
         float(softcap or 0.0),
+        k_scale,
+        v_scale,
     )
 
 
@@ -231,6 +259,7 @@ def paged_mla_attention(
     kv_lora_rank: int,
     num_splits: int | None = None,
     kernel: str = "auto",
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode against the latent cache; returns ``(out [T, H, Rk], lse [T, H])``.
 
@@ -244,7 +273,9 @@ def paged_mla_attention(
             :func:`paged_attention`.
         kv_lora_rank: Rk, the latent width (512 for DeepSeek-V2/V3).
         kernel: the CUDA kernel, as :attr:`CPPolicy.mla_decode
-            <cp_modules.policy.CPPolicy>` (``"auto"``, ``"gluon"`` or ``"triton"``).
+            <cp_modules.policy.CPPolicy>` (``"auto"``, ``"gluon"`` or ``"triton"``); an fp8
+            cache runs the Triton kernel (``"gluon"`` is refused for it).
+        kv_scale: an fp8 cache: its fp32 [1] dequantization scale (None: 1.0).
 
     Returns:
         out [T, H, Rk] in ``q``'s dtype; lse [T, H] fp32, natural log (-inf when empty).
@@ -271,6 +302,7 @@ def paged_mla_attention(
         )
     if kernel not in MLA_DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {list(MLA_DECODE_KERNELS)}, got {kernel!r}")
+    check_cache_scale(kv_scale, cache, 1, "kv_scale")
     return torch.ops.cp.paged_mla_attention(
         q.contiguous() if q.stride(-1) != 1 else q,
         cache,
@@ -281,4 +313,5 @@ def paged_mla_attention(
         kv_lora_rank,
         num_splits or 0,
         kernel,
+        kv_scale,
     )

@@ -9,11 +9,16 @@ Query ``t`` attends the first ``query_kv_len[t]`` local tokens of block-table ro
 offset ``j % BS``. Causality within a request's new tokens and DCP sharding are both expressed
 through ``query_kv_len`` alone; a sliding window through ``query_kv_start`` (the first local
 token a query sees). An empty range gives ``out = 0`` and ``lse = -inf``.
+
+An fp8 cache is read as ``fp8 * scale`` (``k_scale`` / ``v_scale`` fp32 [Hkv] or [1]; None:
+1.0) in the compute dtype.
 """
 
 from __future__ import annotations
 
 import torch
+
+from cp_modules.cache.kv_dtype import dequantize_fp8
 
 __all__ = ["paged_attention_ref", "paged_mla_attention_ref"]
 
@@ -33,6 +38,8 @@ def paged_attention_ref(
     upcast: bool = True,
     query_kv_start: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against each query's paged KV range; returns ``(out, lse)``.
 
@@ -47,6 +54,7 @@ def paged_attention_ref(
             product in ``q``'s dtype (the same-dtype baseline of the tolerance rule).
         query_kv_start: [T] first local token each query sees (sliding windows), or None (0).
         softcap: scores become ``softcap * tanh(scores / softcap)`` before masking, or None.
+        k_scale, v_scale: fp8 caches: the fp32 dequantization scales ([Hkv] or [1]).
 
     Returns:
         out [T, Hq, Dv] in ``q``'s dtype and lse [T, Hq] fp32 (natural log).
@@ -72,8 +80,8 @@ def paged_attention_ref(
         # Slots past a query's range may hold anything (NaN included): zero them so that a
         # zero probability times garbage cannot leak into the sums.
         hidden = ~visible[:, :, None, None]
-        k = k_cache[blk, j % bs].to(cdt).masked_fill(hidden, 0)  # [t, L, Hkv, Dk]
-        v = v_cache[blk, j % bs].to(cdt).masked_fill(hidden, 0)
+        k = dequantize_fp8(k_cache[blk, j % bs], k_scale, cdt).masked_fill(hidden, 0)
+        v = dequantize_fp8(v_cache[blk, j % bs], v_scale, cdt).masked_fill(hidden, 0)
         qc = q[t0:t1].to(cdt).view(t1 - t0, hkv, g, dk)
         s = torch.einsum("thgd,tlhd->thgl", qc, k) * scale
         if softcap:
@@ -105,10 +113,12 @@ def paged_mla_attention_ref(
     upcast: bool = True,
     query_kv_start: torch.Tensor | None = None,
     softcap: float | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [T, H, R + P] against latent rows [NB, BS, R + P].
 
-    Keys are whole latent rows, values their first ``kv_lora_rank`` (R) elements.
+    Keys are whole latent rows, values their first ``kv_lora_rank`` (R) elements; an fp8 cache
+    is read as ``fp8 * kv_scale`` (one fp32 value, [1]).
 
     Returns:
         out [T, H, R] in ``q``'s dtype and lse [T, H] fp32 (natural log).
@@ -125,4 +135,6 @@ def paged_mla_attention_ref(
         upcast=upcast,
         query_kv_start=query_kv_start,
         softcap=softcap,
+        k_scale=kv_scale,
+        v_scale=kv_scale,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -59,7 +60,9 @@ def _worker(
         finally:
             # A failed rank must not block its peers in a barrier: destroy without one.
             dist.destroy_process_group()
-        results.put(("ok", rank, out))
+        # Plain pickle to bytes: the queue's own pickler would share a tensor's storage through
+        # a file descriptor that dies with this process.
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - the traceback is the product here
         results.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -169,4 +172,4 @@ def run_distributed(
             raise DistributedTestError(
                 f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(parts)
             )
-        return [outputs[r] for r in range(world_size)]
+        return [pickle.loads(outputs[r]) for r in range(world_size)]

@@ -84,6 +84,15 @@ def _set_sum_reduction(module) -> None:
         module.set_force_sum_reduction_for_comms(True)
 
 
+def _sharded_by_apply_fsdp(model: nn.Module) -> bool:
+    """Every parameter of ``model`` lies in a submodule apply_fsdp already sharded."""
+    inner = [m for m in model.modules() if getattr(m, "_cp_fsdp_applied", False)]
+    if not inner:
+        return False
+    covered = {id(p) for m in inner for p in m.parameters()}
+    return all(id(p) in covered for p in model.parameters())
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -97,7 +106,10 @@ def apply_fsdp(
     block (a module with a CP attention layer as a direct child) and then to the root (the
     model; for a LightningModule, each child module holding parameters). After the backward,
     every parameter's ``.grad`` is its shard of the gradient summed over dp x pcp, so the
-    optimizer step needs no further reduction. Idempotent.
+    optimizer step needs no further reduction. Idempotent; a module all of whose parameters
+    lie in submodules apply_fsdp sharded (e.g. a wrapper around what
+    :func:`~cp_modules.training.load_for_training` returns) is taken as it is. The model may be
+    on the meta device (materialise it afterwards, in place).
 
     Args:
         model: the (TP-parallelized) model, on this rank's device.
@@ -114,6 +126,10 @@ def apply_fsdp(
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if getattr(model, "_cp_fsdp_applied", False):
+        return model
+    if _sharded_by_apply_fsdp(model):
+        # E.g. a wrapper (or LightningModule) around a model load_for_training sharded.
+        model._cp_fsdp_applied = True  # type: ignore[assignment]
         return model
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError(

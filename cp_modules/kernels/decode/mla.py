@@ -9,6 +9,9 @@ products (R and P wide) and, through its first R columns, as the values; the spl
 accounts for how many programs an SM holds (:func:`mla_programs_per_sm`). Tiles and occupancy
 as measured: ``docs/switch-points.md``. Splits and their merge as in
 :mod:`cp_modules.kernels.decode.paged`.
+
+An fp8 (e4m3) cache: each latent tile is converted to ``q``'s dtype after its load (exact) and
+serves keys and values as before; its one scale multiplies the softmax scale and the output.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from cp_modules.kernels.decode.paged import (
     _num_sms,
     _pow2,
     _split_buffers,
+    fp8_scale_args,
     mla_default_config,
 )
 from cp_modules.kernels.merge import merge_splits_triton
@@ -38,6 +42,10 @@ _MLA_MAX_SPLITS = 256
 # Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
 # output), in units of one 64-token latent tile.
 _SPLIT_COST_TILES = 5
+# fp8 caches: load the latent tile a second time as [R, N] for the scores (no transpose);
+# read at every launch (heads tiles under 64 only). On by measurement: up to 8 % faster at 16
+# heads on the H200, one shape 2 % slower (benchmarks/results/fp8-kv-2026-12-02.txt).
+FP8_K_TRANSPOSED = True
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -49,6 +57,7 @@ def _paged_mla_kernel(
     KV_LEN,
     OUT,
     LSE,
+    KV_SCALE,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -75,6 +84,8 @@ def _paged_mla_kernel(
     PARTIAL: tl.constexpr,
     SPLIT_SCORES: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
+    K_T: tl.constexpr = False,
 ):
     # One program: BLOCK_H heads of one query over one split of its KV range. A latent tile
     # [BLOCK_N, R + P] is loaded once and serves as the keys of both score products
@@ -104,6 +115,9 @@ def _paged_mla_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     bt_row = BT + row * stride_btr
+    if KV_FP8:
+        kv_scale = tl.load(KV_SCALE)
+        qk_scale = qk_scale * kv_scale
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -122,14 +136,27 @@ def _paged_mla_kernel(
             mask=n_mask[:, None] & p_mask[None, :],
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
+        if KV_FP8:
+            kv = kv.to(q.dtype)
+            k_pe = k_pe.to(q.dtype)
+        if K_T:
+            # The scores' keys loaded again as [R, N] (from L1/L2): no transpose of the tile.
+            kvt = tl.load(
+                C + tok[None, :] + offs_r[:, None],
+                mask=n_mask[None, :] & r_mask[:, None],
+                other=0.0,
+            ).to(q.dtype)
+            k_pe = tl.trans(k_pe)
+            s = tl.dot(q, kvt, input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
         if SPLIT_SCORES:
             # Two separate products (not one accumulating into the other) so that neither
             # score product feeds a later product directly; see below.
-            s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+            s_pe = tl.dot(q_pe, k_pe if K_T else tl.trans(k_pe), input_precision=PRECISION)
             s = s * qk_scale + s_pe * qk_scale
         else:
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+            s = tl.dot(q_pe, k_pe if K_T else tl.trans(k_pe), s, input_precision=PRECISION)
             s = s * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -155,6 +182,8 @@ def _paged_mla_kernel(
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * kv_scale
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_ptrs = OUT + t * stride_ot + offs_h[:, None] * stride_oh + split * stride_os + offs_r[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
@@ -220,12 +249,14 @@ def paged_mla_attention_kernel(
     num_splits: int | None = None,
     *,
     config: DecodeConfig | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: q [T, H, R + P] vs latent cache [NB, BS, R + P] -> (out [T, H, R], lse).
 
     The value of a token is the first R elements of its latent row, which the kernel reuses
     from the key tile it already loaded. ``num_splits`` None or 0 picks the split count from
-    static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles.
+    static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles. An fp8 cache
+    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0).
     """
     assert q.stride(-1) == 1 and cache.stride(-1) == 1
     t, h, _ = q.shape
@@ -249,8 +280,9 @@ def paged_mla_attention_kernel(
             t * head_tiles, max_kv_len, _num_sms(q.device), cfg.block_n, mla_programs_per_sm(cfg)
         )
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    ks = fp8_scale_args(cache, kv_scale, kv_scale)[0]
     _paged_mla_kernel[(t * head_tiles, num_splits)](
-        q, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
+        q, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, ks,
         scale * _LOG2E,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
         *so, *sl,
@@ -260,6 +292,9 @@ def paged_mla_attention_kernel(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PARTIAL=num_splits > 1,
         SPLIT_SCORES=bool(split_scores),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=cache.dtype == torch.float8_e4m3fn,
+        # (The second, transposed tile does not fit shared memory beside a 64-head tile.)
+        K_T=cache.dtype == torch.float8_e4m3fn and FP8_K_TRANSPOSED and cfg.block_h < 64,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

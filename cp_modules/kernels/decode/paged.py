@@ -23,6 +23,10 @@ programs write fp32 partials that the LSE merge family's split merge
 (:func:`~cp_modules.kernels.merge.merge_splits_triton`) combines in a second launch (not
 fused into this kernel). An empty range yields out = 0 and lse = -inf. Nothing here syncs with
 the host, so the launch is CUDA-graph safe.
+
+fp8 (e4m3) caches: each K/V tile is converted to ``q``'s dtype (exact) right after its load and
+the products run as for a bf16 cache; the key scale of the KV head is folded into the softmax
+scale and the value scale into the output (fp32 scales [Hkv], or [1] with a head stride of 0).
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ _LOG2E = 1.0 / _LN2
 # they win in parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
+# fp8 caches: load each key tile as [Dk, N] (vLLM's Triton decode does) instead of [N, Dk] and
+# a transpose; read at every launch. On by measurement: 1-6 % faster on the H200 on all five
+# bench_fp8_kv shapes (benchmarks/results/fp8-kv-2026-12-02.txt).
+FP8_K_TRANSPOSED = True
 
 
 @triton.jit
@@ -73,6 +81,10 @@ def _paged_attn_kernel(
     KV_START,
     OUT,
     LSE,
+    K_SCALE,
+    V_SCALE,
+    stride_ksh,
+    stride_vsh,
     qk_scale,
     softcap,
     stride_qt,
@@ -108,6 +120,8 @@ def _paged_attn_kernel(
     HAS_START: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
+    K_T: tl.constexpr = False,
 ):
     # Axis 0 enumerates (query, KV head, head tile) with head tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -155,6 +169,9 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     bt_row = BT + row * stride_btr
+    if KV_FP8:
+        # Dequantization: the key scale multiplies the scores, the value scale the output.
+        qk_scale = qk_scale * tl.load(K_SCALE + kvh * stride_ksh)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = (offs_n < end) & (offs_n >= kv_start)
@@ -169,15 +186,27 @@ def _paged_attn_kernel(
             in_page = (offs_n % PAGE).to(tl.int64)
             k_tok = blk * stride_kb + in_page * stride_ks
             v_tok = blk * stride_vb + in_page * stride_vs
-        k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
-        k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if K_T:
+            # The key tile loaded as [Dk, N] (the product's B operand as it is, no transpose).
+            kt_ptrs = K + k_tok[None, :] + kvh * stride_kh + offs_dk[:, None]
+            kt = tl.load(kt_ptrs, mask=n_mask[None, :] & dk_mask[:, None], other=0.0)
+            if KV_FP8:
+                kt = kt.to(q.dtype)
+            s = tl.dot(q, kt, input_precision=PRECISION)
+        else:
+            k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
+            k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DPE > 0:
             k_pe = tl.load(
                 K + k_tok[:, None] + kvh * stride_kh + DK + offs_pe[None, :],
                 mask=n_mask[:, None] & pe_mask[None, :],
                 other=0.0,
             )
+            if KV_FP8:
+                k_pe = k_pe.to(q.dtype)
             s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
         if SOFTCAP:
             # qk_scale is scale / c here and softcap is c * log2(e): c * tanh(s / c) in base 2.
@@ -197,11 +226,15 @@ def _paged_attn_kernel(
                 mask=n_mask[:, None] & dv_mask[None, :],
                 other=0.0,
             )
+            if KV_FP8:
+                v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(V_SCALE + kvh * stride_vsh)
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_ptrs = OUT + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
@@ -317,6 +350,8 @@ def _launch(
     config: DecodeConfig | None,
     query_kv_start: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t, hq, _ = q.shape
     group = hq // num_kv_heads
@@ -337,9 +372,13 @@ def _launch(
     grid = (t * num_kv_heads * head_tiles, num_splits)
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     has_start = query_kv_start is not None
+    kv_fp8 = k.dtype == torch.float8_e4m3fn
+    k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
+    ks, vs, sks, svs = fp8_scale_args(k, k_scale, v_scale)
     _paged_attn_kernel[grid](
         q, k, v, block_table, query_seq_idx, query_kv_len,
         query_kv_start if has_start else query_kv_len, o_buf, l_buf,
+        ks, vs, sks, svs,
         scale / softcap if softcap else scale * _LOG2E,
         softcap * _LOG2E if softcap else 1.0,
         q.stride(0), q.stride(1),
@@ -352,11 +391,27 @@ def _launch(
         BLOCK_DK=_pow2(dk), BLOCK_DPE=_pow2(dpe) if dpe else 1, BLOCK_DV=_pow2(dv),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_fp8, K_T=k_t, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse
+
+
+def fp8_scale_args(
+    cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(key scales, value scales, their head strides) for a decode launch: for an fp8 cache the
+    fp32 scales ([Hkv] or [1], stride 0; None: 1.0), else placeholders the kernel never reads."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache, cache, 0, 0
+    one = None
+    if k_scale is None or v_scale is None:
+        one = torch.ones(1, dtype=torch.float32, device=cache.device)
+    ks = k_scale if k_scale is not None else one
+    vs = v_scale if v_scale is not None else one
+    assert ks is not None and vs is not None
+    return ks, vs, int(ks.numel() > 1), int(vs.numel() > 1)
 
 
 def _split_buffers(
@@ -386,13 +441,16 @@ def paged_attention_kernel(
     config: DecodeConfig | None = None,
     query_kv_start: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA/MHA paged attention: q [T, Hq, D] vs [NB, BS, Hkv, D] caches -> (out, lse fp32).
 
     ``num_splits`` None or 0 picks the split count from static shapes; ``config`` overrides the
     tiles (for tuning). ``query_kv_start`` [T] (int32/int64): the first local token each query
     sees (a sliding window), None for 0; ``softcap`` c > 0: scores become ``c * tanh(s / c)``
-    after scaling, None or 0 for none. Last dims must be contiguous.
+    after scaling, None or 0 for none. fp8 caches: ``k_scale``, ``v_scale`` fp32 [Hkv] or [1]
+    (None: 1.0). Last dims must be contiguous.
     """
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     _, page, hkv, d = k_cache.shape
@@ -402,5 +460,5 @@ def paged_attention_kernel(
         stride_k=(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
         stride_v=(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
         v_is_k=False, num_splits=num_splits, config=config,
-        query_kv_start=query_kv_start, softcap=softcap,
+        query_kv_start=query_kv_start, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

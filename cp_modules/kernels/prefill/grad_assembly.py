@@ -10,6 +10,8 @@ up to four pieces, reversed ones read backwards), so no zeroed buffer is read ba
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,8 @@ from cp_modules.reference.pcp_attention import lse_dtype
 __all__ = ["Piece", "sole_piece", "sum_pieces_into", "sum_rows_triton"]
 
 Piece = tuple[int, torch.Tensor] | tuple[int, torch.Tensor, bool]
+# (first row, rows) targets tiling a gradient's rows.
+Targets = list[tuple[int, torch.Tensor]]
 
 
 @triton.jit
@@ -84,13 +88,29 @@ def _part_rows(part: tuple[torch.Tensor, int, int], n: int) -> torch.Tensor:
     return x[first : first + n] if step == 1 else x[first - n + 1 : first + 1].flip(0)
 
 
+@overload
 def sum_pieces_into(
-    dst: torch.Tensor | list[tuple[int, torch.Tensor]],
+    dst: torch.Tensor,
     pieces: list[Piece],
     *,
     skip: list[tuple[int, int]] | None = None,
     only: list[tuple[int, int]] | None = None,
-) -> torch.Tensor | list[tuple[int, torch.Tensor]]:
+) -> torch.Tensor: ...
+@overload
+def sum_pieces_into(
+    dst: Targets,
+    pieces: list[Piece],
+    *,
+    skip: list[tuple[int, int]] | None = None,
+    only: list[tuple[int, int]] | None = None,
+) -> Targets: ...
+def sum_pieces_into(
+    dst: torch.Tensor | Targets,
+    pieces: list[Piece],
+    *,
+    skip: list[tuple[int, int]] | None = None,
+    only: list[tuple[int, int]] | None = None,
+) -> torch.Tensor | Targets:
     """Write into ``dst`` [N, ...] the sum of row ranges ``(first row, rows[, reversed])``;
     0 elsewhere. A reversed piece holds its rows last-first (natural row ``first + j`` is its
     row ``len - 1 - j``).

@@ -41,7 +41,7 @@ def tall_causal_backward(
     *,
     scale: float,
     backend: str | None = None,
-) -> tuple[list[Piece], torch.Tensor, torch.Tensor]:
+) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor, torch.Tensor]:
     """Gradients of queries ``q`` [L, Hq, Dqk] against keys ``k`` [M, Hkv, Dqk], L >= M, causal
     with the first query and the first key at the same position (top-left), from the merged
     ``out`` and ``lse``.
@@ -131,7 +131,11 @@ def pcp_key_major_backward(
         dv_p.append((q0, gv))
     if callable(dq_into):
         dq_into = dq_into()
-    dq = sum_pieces_into(torch.empty_like(q) if dq_into is None else dq_into, dq_p)
+    dq = None
+    if dq_into is None:
+        dq = sum_pieces_into(torch.empty_like(q), dq_p)
+    else:
+        sum_pieces_into(dq_into, dq_p)
     dk = sum_pieces_into(torch.empty_like(k), dk_p)
     dv = sum_pieces_into(torch.empty_like(v), dv_p)
-    return (dq if dq_into is None else None), dk, dv
+    return dq, dk, dv

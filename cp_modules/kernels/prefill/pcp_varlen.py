@@ -212,7 +212,8 @@ def varlen_pack(
     segs = (segments if segments.device.type == "cpu" else segments.cpu()).numpy()
     segs = segs[segs[:, 2] > 0]
     pcu = None if prefix_cu is None else np.asarray(prefix_cu, dtype=np.int64)
-    plen = None if pcu is None else pcu[1:] - pcu[:-1]
+    # Prefix lengths per request (none without prefixes: read only where pcu is given).
+    plen = np.zeros(0, np.int64) if pcu is None else pcu[1:] - pcu[:-1]
     if pcu is not None:
         # Segments of requests with a prefix first, by request; the rest keep their order.
         has = plen[segs[:, 0]] > 0
@@ -236,6 +237,7 @@ def varlen_pack(
         parts["pre_cu_k"] = (pcu, torch.int32)
     runs = None if num_rows is None or not segs.size else _tile(qs, ql, num_rows)
     if runs is not None:
+        assert num_rows is not None  # runs are tiled over the rows
         # One sequence per segment, one without keys per run of padding rows.
         first, lens, which = runs
         seg = which >= 0
@@ -286,7 +288,7 @@ def varlen_pack(
             max_q=int(np.diff(hq).max()) if hq.size > 1 else 0,
             max_k=int(lengths.max()) if lengths.size else 0,
             causal=causal,
-            k_used=None if used is None else views[k_used],
+            k_used=None if k_used is None else views[k_used],
             k_used_host=None if used is None else used.tolist(),  # ok: host (numpy)
         )
 
@@ -295,6 +297,7 @@ def varlen_pack(
         prefix = call("pre_cu_q", "pre_cu_k", causal=False)
     in_place = None
     if runs is not None:
+        assert num_rows is not None
         in_place = InPlaceCalls(
             new=call("run_cu_q", "run_k0", True, "run_kl"),
             prefix=(
@@ -445,9 +448,10 @@ def pcp_prefill_attention_varlen(
         if calls.prefix is not None:
             o1, s1 = forward(q, prefix_k, prefix_v, calls.prefix, scale)
             s1 = s1.to(lse.dtype)
-            if calls.no_prefix_rows.numel():  # sequences without keys: 0 and -inf
-                o1.index_fill_(0, calls.no_prefix_rows, 0.0)
-                s1.index_fill_(0, calls.no_prefix_rows, float("-inf"))
+            empty = calls.no_prefix_rows  # set with the prefix call
+            if empty is not None and empty.numel():  # sequences without keys: 0 and -inf
+                o1.index_fill_(0, empty, 0.0)
+                s1.index_fill_(0, empty, float("-inf"))
             merge_partials_into([out, o1], [lse, s1], out, lse)
         # Contiguous (as the op's fake declares them) and not views (the op's outputs may be
         # written in place under autograd), padding rows 0 and -inf whatever the kernel left.
@@ -494,6 +498,7 @@ def pcp_prefill_attention_varlen_backward(
         zeros = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
         if not has_prefix:
             return zeros
+        assert prefix_k is not None and prefix_v is not None
         return (*zeros, torch.zeros_like(prefix_k), torch.zeros_like(prefix_v))
     calls = pack.in_place
     if not has_prefix and calls is not None and calls.num_rows == q.shape[0]:
@@ -519,8 +524,9 @@ def pcp_prefill_attention_varlen_backward(
     gq, gk, gv = backward(
         dop, qp, k.index_select(0, ki), v.index_select(0, ki), op, lsep, pack.new, scale
     )
-    dprefix = ()
+    dprefix: tuple[torch.Tensor, ...] = ()
     if has_prefix:
+        assert prefix_k is not None and prefix_v is not None
         if pack.prefix is None:  # no query here has a prefix
             dprefix = (torch.zeros_like(prefix_k), torch.zeros_like(prefix_v))
         else:

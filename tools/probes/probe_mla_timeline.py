@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Each program's timeline in the Gluon MLA decode kernel (its ``trace`` stamps).
 
-Run from the repository root on a CUDA machine: ``python tools/probe_mla_timeline.py [--out D]``.
+Run from the repository root on a CUDA machine: ``python tools/probes/probe_mla_timeline.py [--out D]``.
 Writes ``D/mla-timeline-probe.json``. For each shape (128 heads, the default schedule and split
 count) the op runs in a CUDA graph, replayed 20 times back to back; the stamps of the last
 replay give, per program (µs from the first program's start): its start, Q's wait, warp group
@@ -21,7 +21,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
 from cp_modules.kernels.decode import mla_gluon as gluon  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where the spread split merge's time goes at B = 8 (128 heads, 8 splits).
 
-Run from the repository root on a CUDA machine: ``python tools/probe_spread_merge.py [--out D]``.
+Run from the repository root on a CUDA machine: ``python tools/probes/probe_spread_merge.py [--out D]``.
 Writes ``D/spread-merge-probe.json``: for block sizes 64 and 16 and B=8 at ctx 4k and 32k, the
 whole op (µs, CUDA-graph replay medians) of
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
 from cp_modules.kernels.decode import mla_gluon as gluon  # noqa: E402
-from tools.probe_split_merge import graph_us  # noqa: E402
+from tools.probes.probe_split_merge import graph_us  # noqa: E402
 
 
 class _ForceCoop:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where MLA decode's time goes at small batches, and the split merge's launch parameters.
 
-Run from the repository root on a CUDA machine: ``python tools/probe_split_merge.py [--out D]``.
+Run from the repository root on a CUDA machine: ``python tools/probes/probe_split_merge.py [--out D]``.
 Writes ``D/split-merge-probe.json``:
 
 * ``breakdown``: 128-head MLA decode (the Gluon kernel's default schedule) at B=8 ctx 4k / 32k,
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
 from benchmarks.common import graph_replay_us  # noqa: E402

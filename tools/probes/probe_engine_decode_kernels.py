@@ -2,7 +2,7 @@
 """The GPU kernels of one engine decode step, with their times.
 
 Run from the repository root on a CUDA machine:
-``python tools/probe_engine_decode_kernels.py [--out D]``. Builds bench_parity's Llama-3-8B
+``python tools/probes/probe_engine_decode_kernels.py [--out D]``. Builds bench_parity's Llama-3-8B
 shape (4 layers, bf16, random weights), warms the engine up on 16 prompts of 2048 tokens, then
 profiles ``generate`` with 130 and with 2 new tokens; the difference over 128 steps is one
 decode step (prefill and the first steps cancel). Writes ``D/decode_kernels.txt``: time and
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bench_parity  # noqa: E402
 from cp_modules.engine import GenerationEngine, SamplingParams  # noqa: E402

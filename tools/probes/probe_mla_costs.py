@@ -4,11 +4,11 @@ probe, the L2 state's share, and the op's fixed cost against its cost per tile.
 
 Run from the repository root on a CUDA machine:
 
-    python tools/probe_mla_costs.py --block-size 64 --batch 8 --ctx 4096 [--launches 2]
-    python tools/probe_mla_costs.py ... --replay-s 3   # CUDA-graph replays for 3 s (clocks)
-    python tools/probe_mla_costs.py ... --flush-modes  # after a dirty, clean or no L2 flush
-    python tools/probe_mla_costs.py --batch 8 --splits 8 --ctx-sweep 0,512,1024,2048,4096,8192
-    python tools/probe_mla_costs.py --batch 8 --ctx 4096 --layers 8  # per layer, in a step's graph
+    python tools/probes/probe_mla_costs.py --block-size 64 --batch 8 --ctx 4096 [--launches 2]
+    python tools/probes/probe_mla_costs.py ... --replay-s 3   # CUDA-graph replays for 3 s (clocks)
+    python tools/probes/probe_mla_costs.py ... --flush-modes  # after a dirty, clean or no L2 flush
+    python tools/probes/probe_mla_costs.py --batch 8 --splits 8 --ctx-sweep 0,512,1024,2048,4096,8192
+    python tools/probes/probe_mla_costs.py --batch 8 --ctx 4096 --layers 8  # per layer, in a step's graph
 
 The op is checked against the reference first (a failed check exits with status 1). Then it is
 launched ``--launches`` times eagerly (under ``ncu``, profile the last with ``--launch-skip``),
@@ -39,7 +39,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bench_mla_decode as bm  # noqa: E402
 from benchmarks.common import graph_replay_us  # noqa: E402

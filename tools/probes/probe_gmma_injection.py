@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """When does ptxas inject a ``warpgroup.wait`` into warp-group MMA code? Offline, no GPU:
-``python tools/probe_gmma_injection.py`` (ptxas on PATH, or $PTXAS).
+``python tools/probes/probe_gmma_injection.py`` (ptxas on PATH, or $PTXAS).
 
 One warp group runs two steps of the MLA decode pattern, unrolled: the scores S as a chain of
 async wgmma, then, while S is in flight, something done to the output accumulator O (defined by

@@ -1,0 +1,281 @@
+#!/usr/bin/env python
+"""fp8 (e4m3) KV cache against bf16 on one GPU: paged decode speed and bytes read.
+
+    python -m benchmarks.bench_fp8_kv            # well under 3 minutes on an H200
+    python -m benchmarks.bench_fp8_kv --quick    # two shapes per row family, a smoke test
+
+For every shape both caches hold the same random K/V (the fp8 one quantized from the bf16 one
+by ``cp::write_kv_cache`` semantics, static per-tensor scale 1.0: the values are N(0, 1)), and
+each kernel is first checked against the pure-PyTorch reference on that same cache (a few
+queries of the batch; the 2x rule against a same-dtype reference, whose fp8 cache is read by
+the reference as ``fp8 * scale``). A shape that fails gets no speed and the exit status is 1.
+Times are CUDA-graph replays (the device time, as the engine's decode graphs run).
+
+Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date>.json``):
+
+- ``paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) B=<B> ctx=<ctx>``: Llama-3-8B
+  decode attention (32 query heads, 8 KV heads, D=128, block size 64), bf16 time / fp8 time.
+- ``paged decode gqa fp8 KV TB/s (CUDA graph) B=<B> ctx=<ctx>``: the fp8 cache's bytes the
+  kernel reads (K and V, one byte each) per second.
+- ``paged decode mla fp8 KV TFLOP/s (128 heads) B=<B> ctx=<ctx>`` and the bf16 row of the same
+  run (``paged decode mla bf16 KV TFLOP/s (128 heads) ...``: the default kernel, Gluon on
+  Hopper); fp8 MLA decode runs the Triton kernel.
+- ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
+  split 8 ways by tensor parallelism (memory-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import cp_modules.kernels.decode.mla as mla_kernels
+import cp_modules.kernels.decode.paged as gqa_kernels
+from benchmarks.common import RESULTS, write_results
+from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
+from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
+from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
+from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
+
+DEVICE = "cuda"
+BS = 64
+GQA_HQ, GQA_HKV, GQA_D = 32, 8, 128
+GQA_SCALE = GQA_D**-0.5
+MLA_RK, MLA_ROPE = 512, 64
+MLA_SCALE = (128 + MLA_ROPE) ** -0.5
+GQA_SHAPES = [(1, 131072), (8, 131072), (64, 16384), (256, 4096), (32, 32768)]
+MLA_128_SHAPES = [(1, 131072)] + [(b, c) for b in (8, 64, 256) for c in (4096, 32768, 131072)]
+MLA_16_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (64, 32768)]
+MAX_CACHE_BYTES = 40e9  # of the bf16 cache
+SWEEP_SHAPE = (8, 131072)
+SWEEP_CONFIGS = [(16, 64, 4, 1), (16, 64, 4, 4), (16, 128, 8, 2), (16, 128, 4, 3), (16, 32, 4, 4),
+                 (16, 256, 8, 2)]  # fmt: skip
+
+
+def graph_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = float(do_bench(graph.replay, warmup=5, rep=30, return_mode="median"))
+    del graph
+    return ms
+
+
+def _inputs(batch: int, ctx: int, heads: int, dq: int, num_blocks: int, seed: int = 0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    width = triton.cdiv(ctx, BS)
+    perm = torch.randperm(num_blocks, device=DEVICE, generator=g)[: batch * width]
+    bt = perm.view(batch, width).to(torch.int32)
+    q = torch.randn(batch, heads, dq, device=DEVICE, generator=g).to(torch.bfloat16)
+    seq = torch.arange(batch, device=DEVICE, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=DEVICE, dtype=torch.int32)
+    return q, bt, seq, lens
+
+
+def _check(run, ref, q, bt, seq, lens) -> dict:
+    """Kernel vs fp32 reference on a few queries, within 2x the same-dtype reference's error."""
+    idx = torch.tensor(sorted({0, q.shape[0] // 2, q.shape[0] - 1}), device=DEVICE)
+    sub = (q[idx], bt, seq[idx], lens[idx])
+    out, lse = run(*sub)
+    r_out, r_lse = ref(*sub, upcast=True)
+    s_out, s_lse = ref(*sub, upcast=False)
+    e_out = (out.float() - r_out.float()).abs().max().item()
+    e_lse = (lse - r_lse).abs().max().item()
+    b_out = (s_out.float() - r_out.float()).abs().max().item()
+    b_lse = (s_lse - r_lse).abs().max().item()
+    ok = math.isfinite(e_out) and e_out <= 2 * b_out + 1e-4 and e_lse <= 2 * b_lse + 1e-4
+    return {"ok": bool(ok), "err_out": e_out, "err_lse": e_lse, "same_dtype_err_out": b_out}
+
+
+def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks) -> None:
+    """The fp8 kernel with the other key-tile load (``FP8_K_TRANSPOSED`` flipped): checked
+    against the reference, then timed; rows ``variant ... K^T load`` (speed-up, TB/s)."""
+    default = module.FP8_K_TRANSPOSED
+    module.FP8_K_TRANSPOSED = not default
+    try:
+        try:
+            chk = _check(fp8, ref8, *args)
+        except Exception as e:  # e.g. a tile that does not fit shared memory
+            chk = {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
+        checks[f"{key} variant K_T={not default}"] = chk
+        if chk["ok"]:
+            t = graph_ms(lambda: fp8(*args))
+            rows[f"variant K_T={not default} fp8 KV speed-up over bf16 {key}"] = t16 / t
+            rows[f"variant K_T={not default} fp8 KV TB/s {key}"] = read8 / t / 1e9
+            print(f"  {key} variant K_T={not default}: {t:.4f} ms x{t16 / t:.2f} "
+                  f"{read8 / t / 1e9:.2f} TB/s", flush=True)  # fmt: skip
+        else:
+            print(f"  {key} variant K_T={not default}: FAILED check {chk}", flush=True)
+    finally:
+        module.FP8_K_TRANSPOSED = default
+
+
+def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
+    ok_all = True
+    ones = kv_scale(1.0, GQA_HKV, device=DEVICE)
+    for b, c in shapes:
+        nb = b * triton.cdiv(c, BS) + 1
+        shape = (nb, BS, GQA_HKV, GQA_D)
+        kb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
+        vb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
+        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)
+        q, bt, seq, lens = _inputs(b, c, GQA_HQ, GQA_D, nb)
+
+        def bf16(q, bt, seq, lens, kb=kb, vb=vb):
+            return paged_attention(q, kb, vb, bt, seq, lens, scale=GQA_SCALE)
+
+        def fp8(q, bt, seq, lens, k8=k8, v8=v8):
+            return paged_attention(
+                q, k8, v8, bt, seq, lens, scale=GQA_SCALE, k_scale=ones, v_scale=ones
+            )
+
+        def ref16(q, bt, seq, lens, upcast, kb=kb, vb=vb):
+            return paged_attention_ref(q, kb, vb, bt, seq, lens, GQA_SCALE, upcast=upcast)
+
+        def ref8(q, bt, seq, lens, upcast, k8=k8, v8=v8):
+            return paged_attention_ref(
+                q, k8, v8, bt, seq, lens, GQA_SCALE, upcast=upcast, k_scale=ones, v_scale=ones
+            )
+
+        key = f"B={b} ctx={c}"
+        ch16 = _check(bf16, ref16, q, bt, seq, lens)
+        ch8 = _check(fp8, ref8, q, bt, seq, lens)
+        checks[f"gqa {key}"] = {"bf16": ch16, "fp8": ch8}
+        if not (ch16["ok"] and ch8["ok"]):
+            ok_all = False
+            print(f"gqa {key}: FAILED check {ch16} {ch8}", flush=True)
+            continue
+        args = (q, bt, seq, lens)
+        t16 = graph_ms(lambda f=bf16, a=args: f(*a))
+        t8 = graph_ms(lambda f=fp8, a=args: f(*a))
+        read8 = float(lens.double().sum()) * GQA_HKV * GQA_D * 2  # bytes: K and V, 1 byte each
+        _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
+                 checks)  # fmt: skip
+        rows[f"paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) {key}"] = t16 / t8
+        rows[f"paged decode gqa fp8 KV TB/s (CUDA graph) {key}"] = read8 / t8 / 1e9
+        rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
+        print(f"gqa {key}: bf16 {t16:.4f} ms fp8 {t8:.4f} ms x{t16 / t8:.2f} "
+              f"{read8 / t8 / 1e9:.2f} TB/s", flush=True)  # fmt: skip
+        if (b, c) == SWEEP_SHAPE:
+            # Other tiles for the fp8 cache (checked like the default): where the time goes.
+            for bh, bn, w, st in SWEEP_CONFIGS:
+                cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st)
+
+                def run(q, bt, seq, lens, cfg=cfg, k8=k8, v8=v8):
+                    return paged_attention_kernel(q, k8, v8, bt, seq, lens, GQA_SCALE, config=cfg,
+                                                  k_scale=ones, v_scale=ones)  # fmt: skip
+
+                name = f"fp8 tiles H{bh} N{bn} W{w} S{st} {key}"
+                try:
+                    chk = _check(run, ref8, q, bt, seq, lens)
+                    tms = graph_ms(lambda f=run, a=args: f(*a)) if chk["ok"] else None
+                except Exception as e:  # a tile the compiler refuses
+                    chk, tms = {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}, None
+                checks[name] = chk
+                if tms is not None:
+                    rows[f"sweep gqa {name} TB/s"] = read8 / tms / 1e9
+                    print(f"  {name}: {tms:.4f} ms {read8 / tms / 1e9:.2f} TB/s", flush=True)
+        del bf16, fp8, ref16, ref8, kb, vb, k8, v8
+        torch.cuda.empty_cache()
+    return ok_all
+
+
+def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
+    ok_all = True
+    one = kv_scale(1.0, 1, device=DEVICE)
+    for b, c in shapes:
+        nb = b * triton.cdiv(c, BS) + 1
+        if nb * BS * (MLA_RK + MLA_ROPE) * 2 > MAX_CACHE_BYTES:
+            continue
+        cb = torch.empty((nb, BS, MLA_RK + MLA_ROPE), dtype=torch.bfloat16, device=DEVICE)
+        cb.normal_()
+        c8 = torch.empty(cb.shape, dtype=FP8_DTYPE, device=DEVICE)
+        for i in range(0, nb, 8192):  # in pieces: an fp32 copy of the whole cache does not fit
+            c8[i : i + 8192] = quantize_fp8(cb[i : i + 8192], one)
+        q, bt, seq, lens = _inputs(b, c, heads, MLA_RK + MLA_ROPE, nb)
+
+        def bf16(q, bt, seq, lens, cb=cb):
+            return paged_mla_attention(q, cb, bt, seq, lens, scale=MLA_SCALE, kv_lora_rank=MLA_RK)
+
+        def fp8(q, bt, seq, lens, c8=c8):
+            return paged_mla_attention(
+                q, c8, bt, seq, lens, scale=MLA_SCALE, kv_lora_rank=MLA_RK, kv_scale=one
+            )
+
+        def ref16(q, bt, seq, lens, upcast, cb=cb):
+            return paged_mla_attention_ref(q, cb, bt, seq, lens, MLA_SCALE, MLA_RK, upcast=upcast)
+
+        def ref8(q, bt, seq, lens, upcast, c8=c8):
+            return paged_mla_attention_ref(
+                q, c8, bt, seq, lens, MLA_SCALE, MLA_RK, upcast=upcast, kv_scale=one
+            )
+
+        key = f"B={b} ctx={c}"
+        ch16 = _check(bf16, ref16, q, bt, seq, lens)
+        ch8 = _check(fp8, ref8, q, bt, seq, lens)
+        checks[f"mla{heads} {key}"] = {"bf16": ch16, "fp8": ch8}
+        if not (ch16["ok"] and ch8["ok"]):
+            ok_all = False
+            print(f"mla {heads} heads {key}: FAILED check {ch16} {ch8}", flush=True)
+            continue
+        args = (q, bt, seq, lens)
+        t16 = graph_ms(lambda f=bf16, a=args: f(*a))
+        t8 = graph_ms(lambda f=fp8, a=args: f(*a))
+        _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
+                 float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks)  # fmt: skip
+        flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
+        if heads == 128:
+            rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9
+            rows[f"paged decode mla bf16 KV TFLOP/s (128 heads) {key}"] = flops / t16 / 1e9
+            rows[f"paged decode mla fp8 / bf16 KV TFLOP/s (128 heads) {key}"] = t16 / t8
+        else:
+            rows[f"paged decode mla fp8 KV speed-up over bf16 ({heads} heads) {key}"] = t16 / t8
+            rows[f"paged decode mla fp8 KV TB/s ({heads} heads) {key}"] = (
+                float(lens.double().sum()) * (MLA_RK + MLA_ROPE) / t8 / 1e9
+            )
+        print(f"mla {heads} heads {key}: bf16 {t16:.4f} ms ({flops / t16 / 1e9:.0f} TFLOP/s) "
+              f"fp8 {t8:.4f} ms ({flops / t8 / 1e9:.0f} TFLOP/s) x{t16 / t8:.2f}",
+              flush=True)  # fmt: skip
+        del bf16, fp8, ref16, ref8, cb, c8
+        torch.cuda.empty_cache()
+    return ok_all
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--no-mla", action="store_true")
+    a = ap.parse_args()
+    if torch.cuda.get_device_capability() < (8, 9):
+        print("fp8 KV needs compute capability >= 8.9", flush=True)
+        return 1
+    rows: dict = {}
+    checks: dict = {}
+    gqa = GQA_SHAPES[:2] if a.quick else GQA_SHAPES
+    kind = "fp8-kv-quick" if a.quick else "fp8-kv"
+
+    def save() -> None:  # after every family: a later failure keeps the rows measured so far
+        path = write_results(kind, {"rows": rows, "checks": checks}, a.out,
+                             fp8_dtype=str(FP8_DTYPE), block_size=BS)  # fmt: skip
+        print(f"wrote {path}", flush=True)
+
+    ok = gqa_rows(gqa, rows, checks)
+    save()
+    if not a.no_mla:
+        ok &= mla_rows(MLA_16_SHAPES[:2] if a.quick else MLA_16_SHAPES, 16, rows, checks)
+        save()
+        ok &= mla_rows(MLA_128_SHAPES[:2] if a.quick else MLA_128_SHAPES, 128, rows, checks)
+        save()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Parts of ``benchmarks.bench_decode``: shared helpers and the FlexAttention comparison."""

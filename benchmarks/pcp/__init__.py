@@ -1,0 +1,1 @@
+"""Parts of ``benchmarks.bench_pcp``: shared helpers and one module per study."""

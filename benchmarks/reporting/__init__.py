@@ -1,0 +1,1 @@
+"""Parts of ``benchmarks.report``: what it reads, its plots and its Markdown page."""
