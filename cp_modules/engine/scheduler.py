@@ -283,9 +283,11 @@ class Scheduler:
                     break
             added += kept
             r.num_computed += kept
+            row = r.row
+            assert row is not None, "a running request holds a row"
             for g in self.window_groups.values():
-                g.release(r.row, r.num_computed)
-                g.rollback(r.row, r.num_computed)
+                g.release(row, r.num_computed)
+                g.rollback(row, r.num_computed)
         self._retire()
         return added
 

@@ -167,14 +167,14 @@ class DraftModelDrafter:
     def __init__(self, model: nn.Module, *, seed: int = 0) -> None:
         self.model = model
         self.seed = seed
-        self._state: dict[int, tuple[object, list[int]]] = {}
+        self._state: dict[int, tuple[Any, list[int]]] = {}
         self._generator: torch.Generator | None = None
         params = inspect.signature(type(model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @property
     def vocab_size(self) -> int:
-        config = self.model.config
+        config: Any = getattr(self.model, "config")
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         return int(config.vocab_size)
 
@@ -303,14 +303,13 @@ def accept_drafts(
     q = None
     if draft_probs is not None:
         q = torch.cat([qq.to(dev, torch.float32) for qq in draft_probs]) if flat.numel() else None
+    keep: list[bool] = []
     if flat.numel():
         p_d = p.index_select(0, draft_rows).gather(1, flat[:, None])[:, 0]  # [D]
         q_d = q.gather(1, flat[:, None])[:, 0] if q is not None else torch.ones_like(p_d)
         u = torch.rand(flat.shape[0], generator=generator, device=dev)
         # Keep with probability min(1, p / q): u < p / q, i.e. u * q < p (q > 0: d ~ q).
         keep = (u * q_d < p_d).tolist()
-    else:
-        keep = []
     # Per request: accepted count, and the distribution of the token after them.
     accepted, rows, residual = [], [], []
     k0 = 0
@@ -400,6 +399,7 @@ def verify_step(
     num_comp = [r.num_computed for r in reqs]
     for g in sched.window_groups.values():
         for r, c, n in zip(reqs, num_comp, num_new):
+            assert r.row is not None, "a running request holds a row"
             g.prepare(r.row, c, n, decode_threshold=k + 1)
     rows = torch.tensor([r.row for r in reqs], dtype=torch.long)
     ids = [t for r, d in zip(reqs, drafts) for t in [r.tokens[r.num_computed], *d]]
@@ -467,7 +467,7 @@ def _graph_logits(graph, sched, reqs, drafts, rows, q) -> torch.Tensor:
     b = len(reqs)
     ids = torch.zeros(b, q, dtype=torch.long)
     pos = torch.full((b, q), -1, dtype=torch.long)
-    keep = []
+    keep: list[int] = []
     for i, (r, d) in enumerate(zip(reqs, drafts)):
         n = len(d) + 1
         ids[i, :n] = torch.tensor([r.tokens[r.num_computed], *d], dtype=torch.long)
