@@ -174,7 +174,7 @@ class DraftModelDrafter:
 
     @property
     def vocab_size(self) -> int:
-        config: Any = getattr(self.model, "config")
+        config: Any = self.model.config
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         return int(config.vocab_size)
 
