@@ -10,7 +10,8 @@ and matmul roofs, dense prefill kernels per shape), lse_combine, pcp, masked (wi
 soft-cap), decode, mla_decode (the 128-head MLA sweep), fp8_kv (fp8 against bf16 KV caches),
 modules, parity (one GPU against HF), decoder_parity (one GPU, decoder training
 against HF's sdpa), peers (FlashMLA and FlashInfer beside this project, when tools/build_peers.py
-has built them), loading (GPU memory of a Llama-3-8B-shaped load at world 1). Every
+has built them), loading (GPU memory of a Llama-3-8B-shaped load at world 1), speculative
+(speculative decoding against the plain engine). Every
 part checks its kernels against their references on the benchmark shapes first and reports no
 speed for a wrong kernel (exit status 1). Then ``benchmarks.report`` merges the newest results
 into ``benchmarks/<date>-<gpu>.{json,md}`` and plots. Exit status: 0 only if every part passed
@@ -28,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ORDER = (
     "ceilings", "lse_combine", "pcp", "masked", "decode", "mla_decode", "fp8_kv", "modules",
-    "parity", "decoder_parity", "peers", "loading",
+    "parity", "decoder_parity", "peers", "loading", "speculative",
 )  # fmt: skip
 
 

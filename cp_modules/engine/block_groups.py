@@ -34,18 +34,33 @@ import torch
 
 from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.cache.paged import BlockAllocator
-from cp_modules.cache.window import window_block_bound, window_first_visible, window_write_start
+from cp_modules.cache.window import (
+    blocks_spanned,
+    window_block_bound,
+    window_first_visible,
+    window_write_start,
+)
 
 __all__ = ["WindowBlockGroup", "kv_cache_windows", "window_capacity", "window_group_num_blocks"]
 
 
 def window_capacity(
-    window: int, block_size: int, dcp_size: int, max_num_tokens: int, prompt_len: int, max_len: int
+    window: int,
+    block_size: int,
+    dcp_size: int,
+    max_num_tokens: int,
+    prompt_len: int,
+    max_len: int,
+    max_query_len: int = 1,
 ) -> int:
     """Most blocks a request (prompt of ``prompt_len``, ``max_len`` tokens in all) holds in a
-    ``window`` group whose steps schedule at most ``max_num_tokens`` new tokens."""
+    ``window`` group whose steps schedule at most ``max_num_tokens`` new tokens.
+    ``max_query_len``: new tokens of a decode (a speculative verification writes all of its
+    ``k + 1`` and reads the window before the first: a run of ``W - 1 + k + 1`` positions)."""
     chunk = max(1, min(prompt_len, max_num_tokens))
     bound = window_block_bound(window, block_size, dcp_size, chunk)
+    if max_query_len > 1:
+        bound = max(bound, blocks_spanned(window - 1 + max_query_len, block_size * dcp_size))
     return min(dcp_num_blocks(max_len, block_size, dcp_size), bound)
 
 
@@ -58,6 +73,7 @@ def window_group_num_blocks(
     max_num_tokens: int,
     max_num_seqs: int,
     limit: int | None = None,
+    max_query_len: int = 1,
 ) -> dict[int, int]:
     """Blocks each window group's cache needs so that ``max_num_seqs`` of ``requests``
     ((prompt length, total length) each) run at once: the sum of their largest capacities,
@@ -65,7 +81,10 @@ def window_group_num_blocks(
     out = {}
     for w in windows:
         caps = sorted(
-            (window_capacity(w, block_size, dcp_size, max_num_tokens, p, n) for p, n in requests),
+            (
+                window_capacity(w, block_size, dcp_size, max_num_tokens, p, n, max_query_len)
+                for p, n in requests
+            ),
             reverse=True,
         )
         need = max(1, sum(caps[:max_num_seqs]))
@@ -99,6 +118,7 @@ class WindowBlockGroup:
         max_num_seqs: block-table rows.
         max_model_len: longest request (sets the entries per row).
         max_num_tokens: new tokens per step at most (bounds a prompt chunk).
+        max_query_len: new tokens of a decode at most (``k + 1`` with speculative decoding).
 
     Raises:
         ValueError: for a window or sizes < 1.
@@ -114,6 +134,7 @@ class WindowBlockGroup:
         max_num_seqs: int,
         max_model_len: int,
         max_num_tokens: int,
+        max_query_len: int = 1,
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
@@ -121,6 +142,7 @@ class WindowBlockGroup:
         self.block_size = block_size
         self.dcp_size = dcp_size
         self.max_num_tokens = max_num_tokens
+        self.max_query_len = max_query_len
         self.allocator = BlockAllocator(num_blocks)
         m = dcp_num_blocks(max_model_len, block_size, dcp_size)
         self.tensor = torch.zeros(max_num_seqs, m, dtype=torch.int32)
@@ -137,8 +159,9 @@ class WindowBlockGroup:
     def capacity(self, prompt_len: int, max_len: int) -> int:
         """Most blocks a request (prompt of ``prompt_len``, ``max_len`` tokens in all) holds."""
         return window_capacity(
-            self.window, self.block_size, self.dcp_size, self.max_num_tokens, prompt_len, max_len
-        )
+            self.window, self.block_size, self.dcp_size, self.max_num_tokens, prompt_len, max_len,
+            self.max_query_len,
+        )  # fmt: skip
 
     @property
     def num_unreserved(self) -> int:
@@ -156,10 +179,11 @@ class WindowBlockGroup:
         """Entries of ``row`` that hold a block: entry index -> physical block id (a copy)."""
         return dict(self._rows[row])
 
-    def prepare(self, row: int, num_computed: int, num_new: int) -> None:
-        """Give ``row`` the blocks its next step writes into."""
+    def prepare(self, row: int, num_computed: int, num_new: int, decode_threshold: int = 1) -> None:
+        """Give ``row`` the blocks its next step writes into (``decode_threshold``: the step
+        metadata's, ``k + 1`` for a speculative verification)."""
         vb = self.block_size * self.dcp_size
-        first = int(window_write_start(num_computed, num_new, self.window))
+        first = int(window_write_start(num_computed, num_new, self.window, decode_threshold))
         end = num_computed + num_new
         entries = self._rows[row]
         span = range(first // vb, -(-end // vb)) if first < end else range(0)
@@ -170,7 +194,7 @@ class WindowBlockGroup:
             self.tensor[row, e] = block
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         self.peak_blocks_per_request = max(self.peak_blocks_per_request, len(entries))
-        if num_new == 1 and num_computed > 0:
+        if num_new <= decode_threshold and num_computed > 0:
             self.peak_decode_blocks_per_request = max(
                 self.peak_decode_blocks_per_request, len(entries)
             )
@@ -182,6 +206,18 @@ class WindowBlockGroup:
         first = window_first_visible(num_tokens, self.window)
         entries = self._rows[row]
         gone = [e for e in entries if (e + 1) * vb <= first]
+        freed = [entries.pop(e) for e in gone]
+        self.allocator.free(freed)
+        self.tensor[row, gone] = 0
+        return freed
+
+    def rollback(self, row: int, num_tokens: int) -> list[int]:
+        """Return ``row``'s blocks that hold no cached token once the request keeps only its
+        first ``num_tokens`` (the slots of rejected speculative tokens); the freed ids. The
+        row then holds what plain decoding to ``num_tokens`` tokens would hold."""
+        vb = self.block_size * self.dcp_size
+        entries = self._rows[row]
+        gone = [e for e in entries if e * vb >= num_tokens]
         freed = [entries.pop(e) for e in gone]
         self.allocator.free(freed)
         self.tensor[row, gone] = 0

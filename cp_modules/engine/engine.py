@@ -15,11 +15,9 @@ sampled this step, V = vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,11 +28,13 @@ from cp_modules.cache.dcp import dcp_num_blocks
 from cp_modules.cache.kv_dtype import check_kv_cache_dtype, kv_cache_storage_dtype
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
 from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph_width
+from cp_modules.engine.logits import _logits_postprocess, _text_config
 from cp_modules.engine.prompts import check_prompts
 from cp_modules.engine.results import GenerationResult, GenerationStats
 from cp_modules.engine.rows import gather_rows as _gather_rows
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
+from cp_modules.engine.speculative import SpeculativeStats, make_drafter, verify_step
 from cp_modules.modules.hf_swap import (
     allocate_kv_caches,
     cp_attention_layers,
@@ -279,6 +279,8 @@ class GenerationEngine:
                 f"tokens, more than the model's max_position_embeddings={limit}"
             )
         requests = [Request(i, p, params.max_new_tokens) for i, p in enumerate(prompts)]
+        drafter = self._speculative_drafter(params)
+        query_len = params.num_speculative_tokens + 1  # new tokens of a decode at most
         dcp = self.runtime.dcp_size
         need = self.num_blocks or sum(
             dcp_num_blocks(r.max_len, self.block_size, dcp) for r in requests
@@ -291,6 +293,7 @@ class GenerationEngine:
             max_num_tokens=self.max_num_tokens,
             max_num_seqs=self.max_num_seqs,
             limit=self.num_blocks,
+            max_query_len=query_len,
         )
         num_blocks = self._ensure_cache(need, window_need)
         sched = Scheduler(
@@ -301,7 +304,9 @@ class GenerationEngine:
             max_num_tokens=self.max_num_tokens,
             max_num_seqs=self.max_num_seqs,
             window_num_blocks=self._window_blocks,
+            max_query_len=query_len,
         )
+        spec = SpeculativeStats()
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         stop_ids = self.stop_ids(params)
         bar = _progress_bar(len(requests) * params.max_new_tokens, self.progress and self.rank == 0)
@@ -320,6 +325,16 @@ class GenerationEngine:
             while not sched.done:
                 batch = sched.schedule()
                 t_step = time.perf_counter()
+                if drafter is not None and steps and batch.num_prefill_tokens == 0:
+                    verified = verify_step(self, sched, batch, params, generator, drafter, spec)
+                    n = sched.update_verified(
+                        batch.requests, verified, stop_ids, time.perf_counter() - t0
+                    )
+                    bar.update(n)
+                    decode_s += time.perf_counter() - t_step
+                    decode_tokens += n
+                    steps += 1
+                    continue
                 graph = self._serving_graph(batch) if steps else None
                 if graph is not None:
                     n_steps, n_tokens = self._decode_run(
@@ -359,6 +374,13 @@ class GenerationEngine:
             peak_window_blocks_per_decode={
                 w: g.peak_decode_blocks_per_request for w, g in sched.window_groups.items()
             },
+            spec_steps=spec.steps,
+            spec_rows=spec.rows,
+            spec_draft_tokens=spec.drafted,
+            spec_accepted_tokens=spec.accepted,
+            spec_emitted_tokens=spec.emitted,
+            spec_draft_s=spec.draft_s,
+            spec_verify_s=spec.verify_s,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_token=self.kv_bytes_per_block // self.block_size,
         )
@@ -367,6 +389,22 @@ class GenerationEngine:
             finish_reasons=[_finish_reason(r) for r in requests],
             stats=stats,
         )
+
+    def _speculative_drafter(self, params: SamplingParams):
+        """The drafter of ``params.speculative`` (None without speculation), checked."""
+        if params.speculative is None:
+            return None
+        k = params.num_speculative_tokens
+        if k + 1 > self.max_num_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={k}: a verification step holds k + 1 = {k + 1} "
+                f"tokens of a request, more than the step budget max_num_tokens="
+                f"{self.max_num_tokens}: lower num_speculative_tokens or raise max_num_tokens"
+            )
+        drafter = make_drafter(params.speculative)
+        drafter.check(self)
+        drafter.begin()
+        return drafter
 
     @property
     def cache_blocks(self) -> int:
@@ -532,64 +570,6 @@ def _first_token_s(r: Request) -> float:
 def _finish_reason(r: Request) -> str:
     assert r.finish_reason is not None, f"request {r.index} has not finished"
     return r.finish_reason
-
-
-def _logits_postprocess(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What the causal LM's forward does to ``lm_head``'s output, as a function.
-
-    Read from the forward's ``logits = ...`` lines: Cohere's ``logit_scale``, Granite's
-    ``logits_scaling`` and Gemma-2-style final soft-capping are known; any other line is
-    refused, since sampling from logits the model would not give is silently wrong.
-    """
-    try:
-        src = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        src = ""
-    lines = [
-        re.sub(r"\s*#.*$", "", ln.strip())
-        for ln in src.splitlines()
-        if re.match(r"\s*logits\s*=\s", ln)
-    ]
-    hf: Any = model  # a transformers causal LM: its config and scales are not typed here
-    steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
-    # Gemma-style final soft-capping runs only when the config sets it (an `if` around it).
-    final_softcap = getattr(_text_config(model), "final_logit_softcapping", None)
-    for ln in lines[1:]:
-        if "final_logit_softcapping" in ln or ln == "logits = torch.tanh(logits)":
-            if final_softcap is None:
-                continue
-        if ln == "logits = logits * self.logit_scale":
-            steps.append(lambda x: x * hf.logit_scale)
-        elif ln == "logits = logits / self.config.logits_scaling":
-            steps.append(lambda x: x / hf.config.logits_scaling)
-        elif ln == "logits = logits / self.config.final_logit_softcapping":
-            steps.append(lambda x: x / hf.config.final_logit_softcapping)
-        elif ln == "logits = torch.tanh(logits)":
-            steps.append(torch.tanh)
-        elif ln == "logits = logits * self.config.final_logit_softcapping":
-            steps.append(lambda x: x * hf.config.final_logit_softcapping)
-        else:
-            raise ValueError(
-                f"{type(model).__name__}.forward post-processes its logits with {ln!r}, which "
-                "the engine does not know: it would sample from logits the model does not give"
-            )
-    if lines and not lines[0].startswith("logits = self.lm_head("):
-        raise ValueError(
-            f"{type(model).__name__}.forward computes logits as {lines[0]!r}, not with lm_head"
-        )
-
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        for f in steps:
-            x = f(x)
-        return x
-
-    return apply
-
-
-def _text_config(model: nn.Module) -> Any:
-    """The config of ``model``'s language model (itself for a causal LM)."""
-    config: Any = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -80,6 +80,10 @@ class DecodeGraph:
         width: M, block-table entries per row.
         capture: capture a CUDA graph (CUDA only); else :meth:`replay` runs the step eagerly.
         pool: the CUDA graph memory pool shared by the engine's graphs.
+        query_len: Q, query tokens per row (1: a decode step; ``k + 1``: a speculative
+            verification, :mod:`cp_modules.engine.speculative`); the buffers of ids and
+            positions hold ``Bp * Q`` tokens, row after row, and the logits ``[Bp * Q, V]``.
+            A row's unused tokens have position -1, like padding rows.
     """
 
     def __init__(
@@ -92,25 +96,29 @@ class DecodeGraph:
         capture: bool,
         pool=None,
         window_widths: dict[int, int] | None = None,
+        query_len: int = 1,
     ) -> None:
         rt, dev = engine.runtime, engine.device
         self.engine, self.forward, self.bucket, self.width = engine, forward, bucket, width
-        self.ids = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.positions = torch.full((bucket,), -1, dtype=torch.long, device=dev)
+        self.query_len = q = query_len
+        self.ids = torch.zeros(bucket * q, dtype=torch.long, device=dev)
+        self.positions = torch.full((bucket * q,), -1, dtype=torch.long, device=dev)
         self.block_table = torch.zeros(bucket, width, dtype=torch.int32, device=dev)
-        self.rows = torch.arange(bucket, device=dev)
+        self.rows = torch.arange(bucket, device=dev).repeat_interleave(q)  # each token's row
+        self.out_rows = torch.arange(bucket * q, device=dev)  # rows of the logits
         # The step's structure (every row a one-token decode) from the planner itself; the
         # position-dependent fields are replaced by buffers the graph fills.
         widths = dict(window_widths or {})
         meta = build_step_metadata(
             rt,
-            [1] * bucket,
+            [q] * bucket,
             [1] * bucket,
             block_table=torch.zeros(bucket, width, dtype=torch.int32),
             window_block_tables={
                 w: torch.zeros(bucket, m, dtype=torch.int32) for w, m in widths.items()
             },
             block_size=engine.block_size,
+            decode_threshold=q,
             device=dev,
             check_consistency=False,
         )
@@ -171,7 +179,7 @@ class DecodeGraph:
         self._derive()
         with cp_step(self.meta):
             hidden = self.forward(self.ids[None], self.positions[None])[0]
-        return self.engine.compute_logits(gather_rows(hidden, self.meta, self.rows)).float()
+        return self.engine.compute_logits(gather_rows(hidden, self.meta, self.out_rows)).float()
 
     def _capture(self, pool) -> None:
         # Warm up on a side stream (compilation, autotuning, kernel plans), then capture. The
@@ -207,6 +215,27 @@ class DecodeGraph:
         self.block_table[:b, :m].copy_(up(batch.block_table.to(torch.int32)), non_blocking=pinned)
         self.load_window_tables(batch.window_block_tables)
         return b
+
+    def load_verify(
+        self, ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor
+    ) -> None:
+        """Copy a verification step's inputs: ``ids``, ``positions`` [B, Q] (host int64;
+        unused tokens at position -1) and the block-table rows [B, M] (host int32)."""
+        b = ids.shape[0]
+        assert ids.shape[1] == self.query_len and b <= self.bucket
+        dev = self.ids.device
+        pinned = dev.type == "cuda"
+        pad = self.bucket - b
+        ids = torch.cat([ids, ids.new_zeros(pad, self.query_len)]).flatten()
+        positions = torch.cat([positions, positions.new_full((pad, self.query_len), -1)])
+        if pinned:
+            ids, positions = ids.pin_memory(), positions.pin_memory()
+        self.ids.copy_(ids, non_blocking=pinned)
+        self.positions.copy_(positions.flatten(), non_blocking=pinned)
+        m = block_table.shape[1]
+        table = torch.zeros(self.bucket, self.width, dtype=torch.int32)
+        table[:b, :m] = block_table
+        self.block_table.copy_(table.pin_memory() if pinned else table, non_blocking=pinned)
 
     def load_window_tables(self, tables: dict[int, torch.Tensor]) -> None:
         """Copy the window groups' block-table rows ([B, M_W] host int32, batch order) into the

@@ -24,6 +24,13 @@ class GenerationStats:
     ``kv_cache_bytes``: every layer's cache on this rank. ``kv_cache_dtype``: what the cache
     stores (``"bf16"``: the model's dtype, ``"fp8_e4m3"``); ``kv_bytes_per_token``: cache bytes
     one token takes on a rank that stores it, over all layers.
+
+    Speculative decoding (``SamplingParams.speculative``): ``spec_steps`` verification steps
+    verified ``spec_rows`` requests (one per decoding request and step) holding
+    ``spec_draft_tokens`` drafts, of which ``spec_accepted_tokens`` were accepted; they
+    produced ``spec_emitted_tokens`` tokens (the accepted drafts and one token of the target
+    per row). ``spec_draft_s``: time spent drafting, ``spec_verify_s``: in the verification
+    steps (forward, acceptance and, with several ranks, the broadcasts).
     """
 
     num_requests: int
@@ -52,6 +59,28 @@ class GenerationStats:
     peak_window_blocks_per_decode: dict[int, int] = field(default_factory=dict)
     kv_cache_dtype: str = "bf16"
     kv_bytes_per_token: int = 0
+    spec_steps: int = 0
+    spec_rows: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_draft_s: float = 0.0
+    spec_verify_s: float = 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a request gets per verification step (1 + its accepted drafts), mean."""
+        return self.spec_emitted_tokens / self.spec_rows if self.spec_rows else 0.0
+
+    @property
+    def accepted_per_verify(self) -> float:
+        """Accepted drafts per request and verification step, mean."""
+        return self.spec_accepted_tokens / self.spec_rows if self.spec_rows else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "sample_tokens"]
+__all__ = ["SamplingParams", "sample_tokens", "token_probs"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,14 @@ class SamplingParams:
             (the engine's default).
         ignore_eos: with ``eos_token_id=None``, no stop token at all (run to
             ``max_new_tokens``).
+        speculative: None (one token per decode step), ``"ngram"`` (prompt-lookup drafts
+            from each request's own tokens) or a
+            :class:`~cp_modules.engine.speculative.Drafter` (e.g. a
+            :class:`~cp_modules.engine.speculative.DraftModelDrafter`): each decode step
+            verifies up to ``num_speculative_tokens`` drafted tokens per request in one step
+            (:mod:`cp_modules.engine.speculative`).
+        num_speculative_tokens: k, drafted tokens per request and step (>= 1 with
+            ``speculative``).
 
     Raises:
         ValueError: for a parameter out of its range.
@@ -42,6 +50,8 @@ class SamplingParams:
     seed: int = 0
     eos_token_id: int | Sequence[int] | None = None
     ignore_eos: bool = False
+    speculative: object = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if (
@@ -63,6 +73,27 @@ class SamplingParams:
                 f"eos_token_id must be None, an id >= 0 or a list of them, got {eos!r}"
             )
         object.__setattr__(self, "eos_token_id", ids or None)
+        k = self.num_speculative_tokens
+        if self.speculative is not None:
+            if isinstance(self.speculative, str) and self.speculative != "ngram":
+                raise ValueError(
+                    f"speculative must be None, 'ngram' or a Drafter, got {self.speculative!r}"
+                )
+            if not isinstance(self.speculative, str) and not hasattr(self.speculative, "propose"):
+                raise ValueError(
+                    f"speculative must be None, 'ngram' or a Drafter (with propose()), got "
+                    f"{type(self.speculative).__name__}"
+                )
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(
+                    f"num_speculative_tokens must be an integer >= 1 with speculative="
+                    f"{self.speculative!r}, got {k!r}"
+                )
+        elif k:
+            raise ValueError(
+                f"num_speculative_tokens={k!r} needs a drafter: set speculative='ngram' (or a "
+                "Drafter), or leave num_speculative_tokens at 0"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +117,16 @@ def sample_tokens(
     """
     if params.greedy:
         return logits.argmax(dim=-1)
+    probs = token_probs(logits, params)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution :func:`sample_tokens` samples from (temperature, top-k, top-p):
+    ``logits [B, V] -> probs [B, V]`` (fp32). Greedy: one-hot at the argmax."""
+    if params.greedy:
+        ids = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, ids, 1.0)
     scores = logits.float() / params.temperature
     if params.top_k:
         k = min(params.top_k, scores.shape[-1])
@@ -98,5 +139,4 @@ def sample_tokens(
         drop_sorted = (cum - sorted_scores.softmax(dim=-1)) >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return scores.softmax(dim=-1)

@@ -103,6 +103,8 @@ class Scheduler:
         window_num_blocks: window W -> physical blocks per rank of the W-window layer group
             (its own pool and block table); the groups not named here are full layers, served
             by the ``num_blocks`` pool.
+        max_query_len: new tokens of a decode at most (``k + 1`` with speculative decoding;
+            the window groups reserve for it).
 
     Raises:
         ValueError: when the budget cannot hold one decode per running request, or a request
@@ -119,6 +121,7 @@ class Scheduler:
         max_num_tokens: int,
         max_num_seqs: int,
         window_num_blocks: Mapping[int, int] | None = None,
+        max_query_len: int = 1,
     ) -> None:
         if max_num_seqs < 1 or max_num_tokens < max_num_seqs:
             raise ValueError(
@@ -151,6 +154,7 @@ class Scheduler:
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
                 max_num_tokens=max_num_tokens,
+                max_query_len=max_query_len,
             )
             for w, n in sorted((window_num_blocks or {}).items())
         }
@@ -251,13 +255,53 @@ class Scheduler:
             for g in self.window_groups.values():
                 g.release(r.admitted_row, r.num_computed)
         for r, t in zip(batch.sample_requests, tokens):
-            if r.first_token_time is None:
-                r.first_token_time = now
-            r.output.append(t)
-            if t in stop_ids:
-                r.finished, r.finish_reason = True, "eos"
-            elif len(r.output) >= r.max_new_tokens:
-                r.finished, r.finish_reason = True, "length"
+            self._append(r, t, stop_ids, now)
+        self._retire()
+        return len(tokens)
+
+    def update_verified(
+        self,
+        requests: list[Request],
+        tokens: list[list[int]],
+        stop_ids: frozenset[int],
+        now: float,
+    ) -> int:
+        """Record a speculative verification step of decoding ``requests``: each request's
+        verified tokens (its accepted drafts and one token of the target's). The step cached
+        the request's last token and its drafts; the last token and the accepted drafts stay
+        (``num_computed`` moves on by ``len(tokens)``), the rejected drafts' slots are rolled
+        back: window groups return the blocks only they used. Tokens past a stop token or
+        ``max_new_tokens`` are dropped. Returns the number of new tokens."""
+        added = 0
+        for r, toks in zip(requests, tokens):
+            assert toks and r.is_decoding and len(r.tokens) == r.num_computed + 1
+            kept = 0
+            for t in toks:
+                self._append(r, t, stop_ids, now)
+                kept += 1
+                if r.finished:
+                    break
+            added += kept
+            r.num_computed += kept
+            row = r.row
+            assert row is not None, "a running request holds a row"
+            for g in self.window_groups.values():
+                g.release(row, r.num_computed)
+                g.rollback(row, r.num_computed)
+        self._retire()
+        return added
+
+    @staticmethod
+    def _append(r: Request, t: int, stop_ids: frozenset[int], now: float) -> None:
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.output.append(t)
+        if t in stop_ids:
+            r.finished, r.finish_reason = True, "eos"
+        elif len(r.output) >= r.max_new_tokens:
+            r.finished, r.finish_reason = True, "length"
+
+    def _retire(self) -> None:
         for r in [r for r in self.running if r.finished]:
             self.running.remove(r)
             self.table.free_row(r.admitted_row)
@@ -265,4 +309,3 @@ class Scheduler:
                 g.finish(r.admitted_row)
             self._free_rows.append(r.admitted_row)
             self._free_rows.sort()
-        return len(tokens)
