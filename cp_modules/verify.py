@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from cp_modules.config import ParallelConfig
+from cp_modules.testing.gradients import full_input_grads, full_param_grads
 
 __all__ = ["VerifyArgs", "main", "run_verify", "verify_rank"]
 
@@ -299,7 +300,7 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
             fn = torch.compile(layer, fullgraph=True, dynamic=True)
         run_inputs = [x.to(run_dtype) for x in inputs]
         saved = _run(layer, rt, a, run_inputs, device, fn, block_table, train)
-        res = {"outputs": [y.float().cpu() for y, _, _, _ in saved]}
+        res: dict[str, Any] = {"outputs": [y.float().cpu() for y, _, _, _ in saved]}
         if train:
             # Each rank's loss covers its own real tokens (as in training), so the gradients
             # summed over PCP ranks are those of the whole batch.
@@ -311,8 +312,10 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
                 for (_, y, _, m), w in zip(saved, grad_w)
             )
             loss.backward()
-            res["grad_input"] = _full_input_grad(saved, rt, label, groups)
-            res["grad_params"] = _full_param_grads(layer, rt, label, groups)
+            # Each PCP rank's gradient covers its own tokens' loss: the sum is the full one.
+            pcp = groups.pcp if label == "parallel" and rt.pcp_size > 1 else None
+            res["grad_input"] = full_input_grads(saved, pcp)
+            res["grad_params"] = full_param_grads(layer, pcp)
         results[label] = res
         if a.compile and label == "parallel":
             results["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
@@ -346,38 +349,6 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
         "graph_breaks": results.get("graph_breaks"),
         "graphs": results.get("graphs"),
     }
-
-
-def _full_input_grad(saved, rt, label, groups):
-    import torch.distributed as dist
-
-    grads = []
-    for _, _, x_local, meta in saved:
-        n = meta.num_tokens
-        full = torch.zeros((n, x_local.shape[1]), dtype=torch.float32, device=x_local.device)
-        full.index_add_(0, meta.token_indices, x_local.grad.float())
-        if label == "parallel" and rt.pcp_size > 1:
-            dist.all_reduce(full, group=groups.pcp)
-        grads.append(full.cpu())
-    return torch.cat(grads)
-
-
-def _full_param_grads(layer, rt, label, groups):
-    import torch.distributed as dist
-
-    out = {}
-    for name, p in layer.named_parameters():
-        g = p.grad
-        if g is None:
-            continue
-        if hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        g = g.detach().float().clone()
-        if label == "parallel" and rt.pcp_size > 1:
-            # Each PCP rank's gradient covers its own tokens' loss: the sum is the full one.
-            dist.all_reduce(g, group=groups.pcp)
-        out[name] = g.cpu()
-    return out
 
 
 def sweep_cases(a: VerifyArgs) -> list[VerifyArgs]:
