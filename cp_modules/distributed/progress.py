@@ -7,8 +7,8 @@ loading, GGUF conversion, generation) into the same terminal, interleaved.
 from __future__ import annotations
 
 import functools
-import os
-import sys
+import importlib
+import importlib.util
 
 __all__ = ["progress_bars_on_rank_zero"]
 
@@ -22,13 +22,10 @@ def progress_bars_on_rank_zero(rank: int) -> None:
     (what the ``TQDM_DISABLE`` variable does when it is set before tqdm is imported; this
     works after the import too, so it covers bars of libraries that give no switch, such as
     transformers' GGUF conversion). transformers' and huggingface_hub's own switches are
-    turned off as well, and the variables are set for processes this one starts. Rank 0 is
-    left as it is.
+    turned off as well (where they are installed). Rank 0 is left as it is.
     """
     if rank == 0:
         return
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     import tqdm.std
 
     cls = tqdm.std.tqdm
@@ -36,9 +33,9 @@ def progress_bars_on_rank_zero(rank: int) -> None:
         quiet = functools.partialmethod(cls.__init__, disable=True)
         setattr(quiet, _SILENCED, True)
         cls.__init__ = quiet
-    hub = sys.modules.get("huggingface_hub.utils")
-    if hub is not None:
-        hub.disable_progress_bars()
-    hf_logging = sys.modules.get("transformers.utils.logging")
-    if hf_logging is not None:
-        hf_logging.disable_progress_bar()
+    for module, switch in (
+        ("huggingface_hub.utils", "disable_progress_bars"),
+        ("transformers.utils.logging", "disable_progress_bar"),
+    ):
+        if importlib.util.find_spec(module.split(".")[0]) is not None:
+            getattr(importlib.import_module(module), switch)()
