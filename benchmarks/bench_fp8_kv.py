@@ -94,27 +94,30 @@ def _check(run, ref, q, bt, seq, lens) -> dict:
     return {"ok": bool(ok), "err_out": e_out, "err_lse": e_lse, "same_dtype_err_out": b_out}
 
 
-def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks) -> None:
-    """The fp8 kernel with the other key-tile load (``FP8_K_TRANSPOSED`` flipped): checked
-    against the reference, then timed; rows ``variant ... K^T load`` (speed-up, TB/s)."""
-    default = module.FP8_K_TRANSPOSED
-    module.FP8_K_TRANSPOSED = not default
+def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K_TRANSPOSED"):
+    """The fp8 kernel with one of its switches flipped (``FP8_K_TRANSPOSED``: the other key-tile
+    load; ``FP8_DEQUANT_ASM``: the integer conversion in Triton ops instead of PTX): checked
+    against the reference, then timed; rows ``variant <switch>=<value> ...`` (speed-up, TB/s)."""
+    default = getattr(module, flag)
+    names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_V_STAGED": "V_STAGED"}
+    label = names[flag] + f"={not default}"
+    setattr(module, flag, not default)
     try:
         try:
             chk = _check(fp8, ref8, *args)
         except Exception as e:  # e.g. a tile that does not fit shared memory
             chk = {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
-        checks[f"{key} variant K_T={not default}"] = chk
+        checks[f"{key} variant {label}"] = chk
         if chk["ok"]:
             t = graph_ms(lambda: fp8(*args))
-            rows[f"variant K_T={not default} fp8 KV speed-up over bf16 {key}"] = t16 / t
-            rows[f"variant K_T={not default} fp8 KV TB/s {key}"] = read8 / t / 1e9
-            print(f"  {key} variant K_T={not default}: {t:.4f} ms x{t16 / t:.2f} "
+            rows[f"variant {label} fp8 KV speed-up over bf16 {key}"] = t16 / t
+            rows[f"variant {label} fp8 KV TB/s {key}"] = read8 / t / 1e9
+            print(f"  {key} variant {label}: {t:.4f} ms x{t16 / t:.2f} "
                   f"{read8 / t / 1e9:.2f} TB/s", flush=True)  # fmt: skip
         else:
-            print(f"  {key} variant K_T={not default}: FAILED check {chk}", flush=True)
+            print(f"  {key} variant {label}: FAILED check {chk}", flush=True)
     finally:
-        module.FP8_K_TRANSPOSED = default
+        setattr(module, flag, default)
 
 
 def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
@@ -158,6 +161,10 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
         read8 = float(lens.double().sum()) * GQA_HKV * GQA_D * 2  # bytes: K and V, 1 byte each
         _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
                  checks)  # fmt: skip
+        _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
+                 checks, flag="FP8_DEQUANT_ASM")  # fmt: skip
+        _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
+                 checks, flag="FP8_V_STAGED")  # fmt: skip
         rows[f"paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) {key}"] = t16 / t8
         rows[f"paged decode gqa fp8 KV TB/s (CUDA graph) {key}"] = read8 / t8 / 1e9
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
@@ -230,6 +237,12 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
         t8 = graph_ms(lambda f=fp8, a=args: f(*a))
         _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
                  float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks)  # fmt: skip
+        _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
+                 float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
+                 flag="FP8_DEQUANT_ASM")  # fmt: skip
+        _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
+                 float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
+                 flag="FP8_V_STAGED")  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9
@@ -253,6 +266,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-mla", action="store_true")
+    ap.add_argument("--families", default="gqa,mla16,mla128", help="comma list of row families")
     a = ap.parse_args()
     if torch.cuda.get_device_capability() < (8, 9):
         print("fp8 KV needs compute capability >= 8.9", flush=True)
@@ -267,11 +281,17 @@ def main() -> int:
                              fp8_dtype=str(FP8_DTYPE), block_size=BS)  # fmt: skip
         print(f"wrote {path}", flush=True)
 
-    ok = gqa_rows(gqa, rows, checks)
-    save()
-    if not a.no_mla:
+    families = set(a.families.split(","))
+    if a.no_mla:
+        families -= {"mla16", "mla128"}
+    ok = True
+    if "gqa" in families:
+        ok &= gqa_rows(gqa, rows, checks)
+        save()
+    if "mla16" in families:
         ok &= mla_rows(MLA_16_SHAPES[:2] if a.quick else MLA_16_SHAPES, 16, rows, checks)
         save()
+    if "mla128" in families:
         ok &= mla_rows(MLA_128_SHAPES[:2] if a.quick else MLA_128_SHAPES, 128, rows, checks)
         save()
     return 0 if ok else 1

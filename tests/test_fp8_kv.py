@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from cp_modules.cache.kv_dtype import (
     FP8_DTYPE,
@@ -16,6 +18,7 @@ from cp_modules.cache.kv_dtype import (
     quantize_fp8,
 )
 from cp_modules.kernels.cache import write_kv_cache_kernel, write_mla_cache_kernel
+from cp_modules.kernels.decode.fp8 import fp8_bias, fp8_bits_kind, fp8_e4m3_bits_to
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
 from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.kv_cache import write_kv_cache, write_mla_cache
@@ -148,6 +151,49 @@ def k_transposed(request, monkeypatch):
     return request.param
 
 
+@triton.jit
+def _convert_bytes(
+    X, Y, N: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr
+):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, fp8_e4m3_bits_to(tl.load(X + offs), KIND, ASM, PACK))
+
+
+def _converted(dtype, asm, device="cpu", pack=4):
+    x = torch.arange(256, dtype=torch.uint8, device=device)
+    y = torch.empty(256, dtype=dtype, device=device)
+    _convert_bytes[(1,)](x, y, N=256, KIND=fp8_bits_kind(dtype), ASM=asm, PACK=pack)
+    return x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fp8_byte_conversion_is_exact_interpreted(dtype):
+    x, y = _converted(dtype, asm=False)
+    want = x.view(FP8_DTYPE).double()
+    finite = want.isfinite()  # 0x7F / 0xFF are NaN in e4m3fn; writes saturate to +-448
+    got = y.double() * 2.0 ** fp8_bias(dtype)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(got[finite].signbit(), want[finite].signbit())  # -0 stays -0
+
+
+def test_gqa_kernel_on_fp8_cache_half_queries_interpreted():
+    """fp16 queries (products on half inputs; bf16's, whose powers of two move onto q and P,
+    run on the GPU: the interpreter multiplies bf16 tiles as their raw bits): within twice a
+    same-dtype reference's error of the fp32 reference."""
+    dtype = torch.float16
+    kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard()
+    q = torch.randn(rows.numel(), 8, 32).to(dtype)
+    cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    args = (q, kc, vc, bt, rows, lens, 32**-0.5)
+    out, lse = paged_attention_kernel(*args, 3, config=cfg, k_scale=ks, v_scale=vs)
+    ref_out, ref_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs)
+    same_out, same_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs, upcast=False)
+    eo = (out.float() - ref_out.float()).abs().max().item()
+    bo = (same_out.float() - ref_out.float()).abs().max().item()
+    assert eo <= 2 * bo + 1e-6, (eo, bo)
+    assert (lse - ref_lse).abs().max().item() <= 2 * (same_lse - ref_lse).abs().max().item() + 1e-5
+
+
 @pytest.mark.parametrize("window_softcap", [False, True], ids=["plain", "window-softcap"])
 def test_gqa_kernel_on_fp8_cache_matches_reference_interpreted(window_softcap, k_transposed):
     kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard()
@@ -277,6 +323,18 @@ def _outputs(a: VerifyArgs, kv_cache_dtype: str):
 
 # ---------------------------------------------------------------------------------------------
 # GPU: kernels vs the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pack", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_fp8_byte_conversion_ptx_equals_integer_ops(dtype, pack):
+    _, ptx = _converted(dtype, asm=True, device="cuda", pack=pack)
+    _, ops = _converted(dtype, asm=False, device="cuda")
+    assert torch.equal(ptx.view(torch.int16), ops.view(torch.int16))
+    want = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).double()
+    finite = want.isfinite()
+    assert torch.equal((ops.cpu().double() * 2.0 ** fp8_bias(dtype))[finite], want[finite])
 
 
 @pytest.mark.gpu

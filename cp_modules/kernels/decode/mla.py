@@ -10,8 +10,10 @@ accounts for how many programs an SM holds (:func:`mla_programs_per_sm`). Tiles 
 as measured: ``docs/switch-points.md``. Splits and their merge as in
 :mod:`cp_modules.kernels.decode.paged`.
 
-An fp8 (e4m3) cache: each latent tile is converted to ``q``'s dtype after its load (exact) and
-serves keys and values as before; its one scale multiplies the softmax scale and the output.
+An fp8 (e4m3) cache: each latent tile is read as bytes and converted to ``q``'s dtype by
+integer operations after its load (exact up to a power of two that the scales absorb, as in
+:mod:`cp_modules.kernels.decode.paged`) and serves keys and values as before; its one scale
+multiplies the softmax scale and the output.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_modules.kernels.decode.fp8 import fp8_e4m3_bits_to
 from cp_modules.kernels.decode.paged import (
     _LOG2E,
     _MIN_SPLIT_TOKENS,
+    _NO_FP8,
     DecodeConfig,
     _num_sms,
     _pow2,
     _split_buffers,
+    fp8_launch_args,
     fp8_scale_args,
     mla_default_config,
 )
@@ -58,6 +63,8 @@ def _paged_mla_kernel(
     OUT,
     LSE,
     KV_SCALE,
+    q_mult,
+    out_mult,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -86,6 +93,10 @@ def _paged_mla_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     K_T: tl.constexpr = False,
+    FP8_KIND: tl.constexpr = 1,
+    FP8_ASM: tl.constexpr = False,
+    P_SHIFT: tl.constexpr = 0,
+    V_STAGED: tl.constexpr = True,
 ):
     # One program: BLOCK_H heads of one query over one split of its KV range. A latent tile
     # [BLOCK_N, R + P] is loaded once and serves as the keys of both score products
@@ -110,6 +121,9 @@ def _paged_mla_kernel(
     q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
     q = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
     q_pe = tl.load(q_rows + R + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :], other=0.0)
+    if KV_FP8:
+        q = (q.to(tl.float32) * q_mult).to(q.dtype)
+        q_pe = (q_pe.to(tl.float32) * q_mult).to(q_pe.dtype)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -129,23 +143,29 @@ def _paged_mla_kernel(
             tok = blk * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cs
         # Rows past the range are zero-filled: their NaN/garbage must not reach P @ V.
         kv = tl.load(
-            C + tok[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+            C + tok[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0
         )
         k_pe = tl.load(
             C + tok[:, None] + R + offs_p[None, :],
             mask=n_mask[:, None] & p_mask[None, :],
-            other=0.0,
+            other=0,
         )
         if KV_FP8:
-            kv = kv.to(q.dtype)
-            k_pe = k_pe.to(q.dtype)
+            kv = fp8_e4m3_bits_to(kv, FP8_KIND, FP8_ASM, 8)
+            if V_STAGED:
+                # (A no-op select: it keeps the compiler from moving the conversion into the
+                # product's operand layout, where a tile contracted along its strided
+                # dimension is read from shared memory one byte at a time.)
+                kv = tl.where(n_mask[:, None], kv, 0.0)
+            k_pe = fp8_e4m3_bits_to(k_pe, FP8_KIND, FP8_ASM)
         if K_T:
             # The scores' keys loaded again as [R, N] (from L1/L2): no transpose of the tile.
             kvt = tl.load(
                 C + tok[None, :] + offs_r[:, None],
                 mask=n_mask[None, :] & r_mask[:, None],
-                other=0.0,
-            ).to(q.dtype)
+                other=0,
+            )
+            kvt = fp8_e4m3_bits_to(kvt, FP8_KIND, FP8_ASM)
             k_pe = tl.trans(k_pe)
             s = tl.dot(q, kvt, input_precision=PRECISION)
         else:
@@ -160,7 +180,10 @@ def _paged_mla_kernel(
             s = s * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+        if P_SHIFT > 0:
+            p = tl.exp2(s - (m_new - P_SHIFT)[:, None])  # P times 2**P_SHIFT (fp8 values)
+        else:
+            p = tl.exp2(s - m_new[:, None])
         if SPLIT_SCORES:
             # The compiler gives a score product whose result flows into another product the
             # layout with every warp along the heads; with 64 heads and 8 warps that computes
@@ -181,10 +204,11 @@ def _paged_mla_kernel(
         m_i = m_new
 
     nonempty = l_i > 0.0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if KV_FP8:
-        out = out * kv_scale
-    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        out = acc * (kv_scale * out_mult / tl.where(nonempty, l_i, 1.0))[:, None]
+    else:
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)) - P_SHIFT, float("-inf"))
     o_ptrs = OUT + t * stride_ot + offs_h[:, None] * stride_oh + split * stride_os + offs_r[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
     l_ptrs = LSE + t * stride_lt + offs_h * stride_lh + split * stride_ls
@@ -281,9 +305,12 @@ def paged_mla_attention_kernel(
         )
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     ks = fp8_scale_args(cache, kv_scale, kv_scale)[0]
+    kv_fp8 = cache.dtype == torch.float8_e4m3fn
+    fp8 = fp8_launch_args(q.dtype) if kv_fp8 else _NO_FP8
     _paged_mla_kernel[(t * head_tiles, num_splits)](
-        q, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, ks,
-        scale * _LOG2E,
+        q, cache.view(torch.uint8) if kv_fp8 else cache, block_table, query_seq_idx,
+        query_kv_len, o_buf, l_buf, ks, fp8.q_mult, fp8.out_mult,
+        scale * _LOG2E * fp8.score_mult,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
         *so, *sl,
         max_kv_len, num_splits,
@@ -292,9 +319,10 @@ def paged_mla_attention_kernel(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PARTIAL=num_splits > 1,
         SPLIT_SCORES=bool(split_scores),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_FP8=cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=kv_fp8,
         # (The second, transposed tile does not fit shared memory beside a 64-head tile.)
-        K_T=cache.dtype == torch.float8_e4m3fn and FP8_K_TRANSPOSED and cfg.block_h < 64,
+        K_T=kv_fp8 and FP8_K_TRANSPOSED and cfg.block_h < 64,
+        FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift, V_STAGED=fp8.v_staged,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

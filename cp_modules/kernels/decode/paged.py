@@ -24,21 +24,30 @@ programs write fp32 partials that the LSE merge family's split merge
 fused into this kernel). An empty range yields out = 0 and lse = -inf. Nothing here syncs with
 the host, so the launch is CUDA-graph safe.
 
-fp8 (e4m3) caches: each K/V tile is converted to ``q``'s dtype (exact) right after its load and
-the products run as for a bf16 cache; the key scale of the KV head is folded into the softmax
-scale and the value scale into the output (fp32 scales [Hkv], or [1] with a head stride of 0).
+fp8 (e4m3) caches: each K/V tile is read as bytes and converted to ``q``'s dtype by integer
+operations right after its load (exact up to a power of two that the scales absorb:
+:mod:`cp_modules.kernels.decode.fp8`), and the products run as for a bf16 cache; the key scale
+of the KV head is folded into the softmax scale and the value scale into the output (fp32
+scales [Hkv], or [1] with a head stride of 0).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from cp_modules.kernels.decode.fp8 import (
+    fp8_bias,
+    fp8_bits_kind,
+    fp8_e4m3_bits_to,
+    fp8_query_shift,
+)
 from cp_modules.kernels.merge import merge_splits_triton
 
 __all__ = [
@@ -59,6 +68,13 @@ _MAX_SPLITS = 64
 # a transpose; read at every launch. On by measurement: 1-6 % faster on the H200 on all five
 # bench_fp8_kv shapes (benchmarks/results/fp8-kv-2026-12-02.txt).
 FP8_K_TRANSPOSED = True
+# fp8 caches on CUDA: the e4m3 -> bf16/fp16 conversion as packed permute-and-mask PTX
+# (kernels.decode.fp8); off: the same bit operations in Triton. Read at every launch.
+FP8_DEQUANT_ASM = True
+# fp8 caches: convert the value tile in the layout it was loaded in and stage it in shared
+# memory as q's dtype (16-bit transposing loads feed P @ V) instead of letting the compiler
+# convert it in the product's operand layout (one-byte loads). Read at every launch.
+FP8_V_STAGED = True
 
 
 @triton.jit
@@ -85,6 +101,8 @@ def _paged_attn_kernel(
     V_SCALE,
     stride_ksh,
     stride_vsh,
+    q_mult,
+    out_mult,
     qk_scale,
     softcap,
     stride_qt,
@@ -122,6 +140,10 @@ def _paged_attn_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     K_T: tl.constexpr = False,
+    FP8_KIND: tl.constexpr = 1,
+    FP8_ASM: tl.constexpr = False,
+    P_SHIFT: tl.constexpr = 0,
+    V_STAGED: tl.constexpr = True,
 ):
     # Axis 0 enumerates (query, KV head, head tile) with head tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -162,6 +184,11 @@ def _paged_attn_kernel(
         q_pe = tl.load(
             q_rows + DK + offs_pe[None, :], mask=h_mask[:, None] & pe_mask[None, :], other=0.0
         )
+    if KV_FP8:
+        # The keys' 2**-bias (see kernels.decode.fp8): part of it onto the query, exactly.
+        q = (q.to(tl.float32) * q_mult).to(q.dtype)
+        if DPE > 0:
+            q_pe = (q_pe.to(tl.float32) * q_mult).to(q_pe.dtype)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < DV
 
@@ -189,24 +216,24 @@ def _paged_attn_kernel(
         if K_T:
             # The key tile loaded as [Dk, N] (the product's B operand as it is, no transpose).
             kt_ptrs = K + k_tok[None, :] + kvh * stride_kh + offs_dk[:, None]
-            kt = tl.load(kt_ptrs, mask=n_mask[None, :] & dk_mask[:, None], other=0.0)
+            kt = tl.load(kt_ptrs, mask=n_mask[None, :] & dk_mask[:, None], other=0)
             if KV_FP8:
-                kt = kt.to(q.dtype)
+                kt = fp8_e4m3_bits_to(kt, FP8_KIND, FP8_ASM)
             s = tl.dot(q, kt, input_precision=PRECISION)
         else:
             k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
-            k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0)
             if KV_FP8:
-                k = k.to(q.dtype)
+                k = fp8_e4m3_bits_to(k, FP8_KIND, FP8_ASM)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DPE > 0:
             k_pe = tl.load(
                 K + k_tok[:, None] + kvh * stride_kh + DK + offs_pe[None, :],
                 mask=n_mask[:, None] & pe_mask[None, :],
-                other=0.0,
+                other=0,
             )
             if KV_FP8:
-                k_pe = k_pe.to(q.dtype)
+                k_pe = fp8_e4m3_bits_to(k_pe, FP8_KIND, FP8_ASM)
             s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
         if SOFTCAP:
             # qk_scale is scale / c here and softcap is c * log2(e): c * tanh(s / c) in base 2.
@@ -216,7 +243,11 @@ def _paged_attn_kernel(
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if P_SHIFT > 0:
+            # P times 2**P_SHIFT, so that P @ v_bits stays clear of fp32's subnormals.
+            p = tl.exp2(s - (m_new - P_SHIFT)[:, None])
+        else:
+            p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_IS_K:
             v = k
@@ -224,18 +255,25 @@ def _paged_attn_kernel(
             v = tl.load(
                 V + v_tok[:, None] + kvh * stride_vh + offs_dv[None, :],
                 mask=n_mask[:, None] & dv_mask[None, :],
-                other=0.0,
+                other=0,
             )
             if KV_FP8:
-                v = v.to(q.dtype)
+                v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 8)
+                if V_STAGED:
+                    # (A no-op select: it keeps the compiler from moving the conversion into
+                    # P @ V's operand layout, which would read V one byte at a time.)
+                    v = tl.where(n_mask[:, None], v, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     nonempty = l_i > 0.0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if KV_FP8:
-        out = out * tl.load(V_SCALE + kvh * stride_vsh)
-    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        # The values' scale and 2**bias, divided by l (which holds P's 2**P_SHIFT) first.
+        inv = tl.load(V_SCALE + kvh * stride_vsh) * out_mult / tl.where(nonempty, l_i, 1.0)
+        out = acc * inv[:, None]
+    else:
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)) - P_SHIFT, float("-inf"))
     o_ptrs = OUT + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
     l_ptrs = LSE + t * stride_lt + heads * stride_lh + split * stride_ls
@@ -375,11 +413,15 @@ def _launch(
     kv_fp8 = k.dtype == torch.float8_e4m3fn
     k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
     ks, vs, sks, svs = fp8_scale_args(k, k_scale, v_scale)
+    fp8 = fp8_launch_args(q.dtype) if kv_fp8 else _NO_FP8
+    if kv_fp8:
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    qk_scale = scale / softcap if softcap else scale * _LOG2E
     _paged_attn_kernel[grid](
         q, k, v, block_table, query_seq_idx, query_kv_len,
         query_kv_start if has_start else query_kv_len, o_buf, l_buf,
-        ks, vs, sks, svs,
-        scale / softcap if softcap else scale * _LOG2E,
+        ks, vs, sks, svs, fp8.q_mult, fp8.out_mult,
+        qk_scale * fp8.score_mult,
         softcap * _LOG2E if softcap else 1.0,
         q.stride(0), q.stride(1),
         *stride_k, *stride_v,
@@ -391,11 +433,49 @@ def _launch(
         BLOCK_DK=_pow2(dk), BLOCK_DPE=_pow2(dpe) if dpe else 1, BLOCK_DV=_pow2(dv),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
-        KV_FP8=kv_fp8, K_T=k_t, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
+        V_STAGED=fp8.v_staged,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse
+
+
+@dataclass(frozen=True)
+class Fp8LaunchArgs:
+    """How a decode launch folds the integer e4m3 conversion's ``2**-bias`` into its scales
+    (:mod:`cp_modules.kernels.decode.fp8`): the query times ``q_mult``, the scores' scale times
+    ``score_mult``, P times ``2**p_shift``, the output times ``out_mult``."""
+
+    kind: int
+    asm: bool
+    q_mult: float
+    score_mult: float
+    p_shift: int
+    out_mult: float
+    v_staged: bool = False
+
+
+_NO_FP8 = Fp8LaunchArgs(kind=1, asm=False, q_mult=1.0, score_mult=1.0, p_shift=0, out_mult=1.0)
+
+
+def fp8_launch_args(q_dtype: torch.dtype) -> Fp8LaunchArgs:
+    """The fp8 conversion's launch arguments for queries of ``q_dtype`` (on this backend)."""
+    bias, shift = fp8_bias(q_dtype), fp8_query_shift(q_dtype)
+    return Fp8LaunchArgs(
+        kind=fp8_bits_kind(q_dtype),
+        asm=FP8_DEQUANT_ASM and not _interpreting(),
+        q_mult=2.0**shift,
+        score_mult=2.0 ** (bias - shift),
+        p_shift=shift,
+        out_mult=2.0**bias,
+        v_staged=FP8_V_STAGED,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fp8_scale_args(
