@@ -99,7 +99,7 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     load; ``FP8_DEQUANT_ASM``: the integer conversion in Triton ops instead of PTX): checked
     against the reference, then timed; rows ``variant <switch>=<value> ...`` (speed-up, TB/s)."""
     default = getattr(module, flag)
-    names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_V_STAGED": "V_STAGED"}
+    names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM"}
     label = names[flag] + f"={not default}"
     setattr(module, flag, not default)
     try:
@@ -163,8 +163,6 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
                  checks)  # fmt: skip
         _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
                  checks, flag="FP8_DEQUANT_ASM")  # fmt: skip
-        _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
-                 checks, flag="FP8_V_STAGED")  # fmt: skip
         rows[f"paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) {key}"] = t16 / t8
         rows[f"paged decode gqa fp8 KV TB/s (CUDA graph) {key}"] = read8 / t8 / 1e9
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
@@ -240,9 +238,6 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
         _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
                  float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
                  flag="FP8_DEQUANT_ASM")  # fmt: skip
-        _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
-                 float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
-                 flag="FP8_V_STAGED")  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9

@@ -325,6 +325,10 @@ def test_split_count_depends_on_static_shapes_only():
     assert choose_num_splits(8, 1024, 132) == 4
     assert choose_num_splits(1, 1 << 20, 132) == 64
     assert choose_num_splits(4, 100, 132) == 1
+    # fp8 caches aim at 16 programs per SM, also past one wave.
+    assert choose_num_splits(64, 1 << 17, 132, 16) == 33
+    assert choose_num_splits(2048, 4096, 132, 16) == 2
+    assert choose_num_splits(8, 1 << 17, 132, 16) == 64
 
 
 def test_mla_split_count_minimises_the_waves_times_split_length():

@@ -96,7 +96,6 @@ def _paged_mla_kernel(
     FP8_KIND: tl.constexpr = 1,
     FP8_ASM: tl.constexpr = False,
     P_SHIFT: tl.constexpr = 0,
-    V_STAGED: tl.constexpr = True,
 ):
     # One program: BLOCK_H heads of one query over one split of its KV range. A latent tile
     # [BLOCK_N, R + P] is loaded once and serves as the keys of both score products
@@ -152,11 +151,6 @@ def _paged_mla_kernel(
         )
         if KV_FP8:
             kv = fp8_e4m3_bits_to(kv, FP8_KIND, FP8_ASM, 8)
-            if V_STAGED:
-                # (A no-op select: it keeps the compiler from moving the conversion into the
-                # product's operand layout, where a tile contracted along its strided
-                # dimension is read from shared memory one byte at a time.)
-                kv = tl.where(n_mask[:, None], kv, 0.0)
             k_pe = fp8_e4m3_bits_to(k_pe, FP8_KIND, FP8_ASM)
         if K_T:
             # The scores' keys loaded again as [R, N] (from L1/L2): no transpose of the tile.
@@ -322,7 +316,7 @@ def paged_mla_attention_kernel(
         KV_FP8=kv_fp8,
         # (The second, transposed tile does not fit shared memory beside a 64-head tile.)
         K_T=kv_fp8 and FP8_K_TRANSPOSED and cfg.block_h < 64,
-        FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift, V_STAGED=fp8.v_staged,
+        FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

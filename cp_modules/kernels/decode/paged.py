@@ -71,10 +71,12 @@ FP8_K_TRANSPOSED = True
 # fp8 caches on CUDA: the e4m3 -> bf16/fp16 conversion as packed permute-and-mask PTX
 # (kernels.decode.fp8); off: the same bit operations in Triton. Read at every launch.
 FP8_DEQUANT_ASM = True
-# fp8 caches: convert the value tile in the layout it was loaded in and stage it in shared
-# memory as q's dtype (16-bit transposing loads feed P @ V) instead of letting the compiler
-# convert it in the product's operand layout (one-byte loads). Read at every launch.
-FP8_V_STAGED = True
+# fp8 caches: split counts aim at this many programs per SM (a bf16 cache: about two waves),
+# and the default tiles are 128 tokens on 4 warps. An fp8 program moves half a bf16 one's
+# bytes per tile at about the same latency, so it takes more of them in flight: on the H200
+# (Llama-3-8B heads, B=8 ctx=128k) 5 splits read 2.0 TB/s, 10: 2.3, 20: 2.5, 40: 2.6
+# (tools/probes/probe_fp8_decode.py, benchmarks/results/fp8-decode-probe-2026-12-03.json).
+FP8_PROGRAMS_PER_SM = 16
 
 
 @triton.jit
@@ -143,7 +145,6 @@ def _paged_attn_kernel(
     FP8_KIND: tl.constexpr = 1,
     FP8_ASM: tl.constexpr = False,
     P_SHIFT: tl.constexpr = 0,
-    V_STAGED: tl.constexpr = True,
 ):
     # Axis 0 enumerates (query, KV head, head tile) with head tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -259,10 +260,6 @@ def _paged_attn_kernel(
             )
             if KV_FP8:
                 v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 8)
-                if V_STAGED:
-                    # (A no-op select: it keeps the compiler from moving the conversion into
-                    # P @ V's operand layout, which would read V one byte at a time.)
-                    v = tl.where(n_mask[:, None], v, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -353,16 +350,20 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
+def choose_num_splits(
+    num_programs: int, max_kv_len: int, num_sms: int, programs_per_sm: int | None = None
+) -> int:
     """KV splits for ``num_programs`` (query, head-tile) programs from static quantities only.
 
-    Aims at about two waves of programs over the SMs, never cuts the longest addressable range
-    (``max_kv_len``, from the block table's width) into pieces shorter than
-    ``_MIN_SPLIT_TOKENS``, and caps the count at ``_MAX_SPLITS``.
+    Aims at about two waves of programs over the SMs (a bf16/fp16 cache: one split once the
+    programs fill the SMs), or at ``programs_per_sm`` programs per SM when given (an fp8 cache,
+    :data:`FP8_PROGRAMS_PER_SM`), never cuts the longest addressable range (``max_kv_len``,
+    from the block table's width) into pieces shorter than ``_MIN_SPLIT_TOKENS``, and caps the
+    count at ``_MAX_SPLITS``.
     """
-    if num_programs <= 0 or num_programs >= num_sms:
+    if num_programs <= 0 or (programs_per_sm is None and num_programs >= num_sms):
         return 1
-    want = triton.cdiv(2 * num_sms, num_programs)
+    want = triton.cdiv((programs_per_sm or 2) * num_sms, num_programs)
     cap = max(1, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, _MAX_SPLITS))
 
@@ -397,20 +398,23 @@ def _launch(
     lse = q.new_empty(t, hq, dtype=torch.float32)
     if t == 0:
         return out, lse
+    kv_fp8 = k.dtype == torch.float8_e4m3fn
     cfg = config or default_config(group, dk, dv, dpe)
     head_tiles = triton.cdiv(group, cfg.block_h)
     max_kv_len = block_table.shape[1] * page
     if not num_splits:
         num_splits = choose_num_splits(
-            t * num_kv_heads * head_tiles, max_kv_len, _num_sms(q.device)
-        )
-    if config is None and num_splits == 1:
+            t * num_kv_heads * head_tiles, max_kv_len, _num_sms(q.device),
+            FP8_PROGRAMS_PER_SM if kv_fp8 else None,
+        )  # fmt: skip
+    if config is None and kv_fp8 and dpe == 0 and max(dk, dv) <= 128:
+        cfg = DecodeConfig(block_h=cfg.block_h, block_n=128, num_warps=4, num_stages=3)
+    elif config is None and num_splits == 1:
         cfg = default_config(group, dk, dv, dpe, split=False)  # same head tile
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (t * num_kv_heads * head_tiles, num_splits)
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     has_start = query_kv_start is not None
-    kv_fp8 = k.dtype == torch.float8_e4m3fn
     k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
     ks, vs, sks, svs = fp8_scale_args(k, k_scale, v_scale)
     fp8 = fp8_launch_args(q.dtype) if kv_fp8 else _NO_FP8
@@ -434,7 +438,6 @@ def _launch(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
-        V_STAGED=fp8.v_staged,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -454,7 +457,6 @@ class Fp8LaunchArgs:
     score_mult: float
     p_shift: int
     out_mult: float
-    v_staged: bool = False
 
 
 _NO_FP8 = Fp8LaunchArgs(kind=1, asm=False, q_mult=1.0, score_mult=1.0, p_shift=0, out_mult=1.0)
@@ -470,7 +472,6 @@ def fp8_launch_args(q_dtype: torch.dtype) -> Fp8LaunchArgs:
         score_mult=2.0 ** (bias - shift),
         p_shift=shift,
         out_mult=2.0**bias,
-        v_staged=FP8_V_STAGED,
     )
 
 
