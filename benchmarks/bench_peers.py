@@ -495,11 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
         return path, metrics, errors
 
-    # Block size 64 first (FlashMLA's only one), block size 16 last.
+    # Block size 64 first (FlashMLA's only one), then the short combine, block size 16, GQA.
     steps = [("mla", lambda: run_mla(versions, log, block_sizes=(64,))),
-             ("gqa", lambda: run_gqa(versions, log)),
              ("combine", lambda: run_combine(versions, log)),
-             ("mla", lambda: run_mla(versions, log, block_sizes=(16,)))]  # fmt: skip
+             ("mla", lambda: run_mla(versions, log, block_sizes=(16,))),
+             ("gqa", lambda: run_gqa(versions, log))]  # fmt: skip
     for name, run in steps:
         if name not in only:
             continue

@@ -22,6 +22,12 @@ PEERS_DIR holds any of:
   compiles its kernels on first use (JIT, cached under ``$FLASHINFER_WORKSPACE_BASE``).
 - ``whl/*.whl``: wheels FlashInfer needs that the GPU image lacks (apache-tvm-ffi), installed into
   SITE with ``pip --no-index --no-deps``.
+- ``flashmla-obj/``: FlashMLA's CUDA sources compiled ahead (``--objects-only``, no GPU): only
+  the binding is then compiled here and linked with them.
+- ``flashinfer-aot/<module>/<module>.so``: FlashInfer's JIT modules for the benchmark's kernels
+  compiled ahead (``--flashinfer-aot-only``, no GPU), copied to ``SITE/flashinfer/data/aot``,
+  where FlashInfer loads a module without compiling it (it falls back to its JIT if one fails
+  to load).
 
 With ``--warm``, FlashInfer's kernels for the benchmark's shapes are JIT-compiled while FlashMLA
 builds (``benchmarks.bench_peers.warm_flashinfer``), so the benchmark itself times, not compiles.
@@ -69,6 +75,59 @@ FLASHMLA_NVCC = [
 ]  # fmt: skip
 FLASHMLA_CXX = ["-O3", "-std=c++20", "-DNDEBUG", "-Wno-deprecated-declarations",
                 "-DFLASH_MLA_DISABLE_FP16"]  # fmt: skip
+
+
+def flashinfer_specs() -> list:
+    """FlashInfer's JIT specs for what ``bench_peers`` runs (bf16): ``merge_states``/``merge_state``,
+    the CUDA-core decode and the tensor-core (fa2 prefill) path at D = 128 (both paged-KV stride
+    variants), and the MLA fa3 and fa2 kernels at 512 + 64. The arguments are those the
+    wrappers' ``plan`` passes for the benchmark's calls (no RoPE, window or soft cap)."""
+    import torch
+    from flashinfer.jit.attention.modules import (
+        _gen_batch_prefill_independent_paged_module,
+        _gen_batch_prefill_primary_module,
+        gen_batch_decode_module,
+        gen_batch_mla_module,
+    )
+    from flashinfer.jit.cascade import gen_cascade_module
+
+    bf, i32 = torch.bfloat16, torch.int32
+    gqa = (bf, bf, bf, i32, 128, 128, 0, False, False)  # dtypes, head dims, posenc, swa, cap
+    return [
+        gen_cascade_module(),
+        gen_batch_decode_module(*gqa),
+        _gen_batch_prefill_primary_module("fa2", *gqa, False),  # False: no fp16 QK reduction
+        _gen_batch_prefill_independent_paged_module("fa2", *gqa, False),
+        gen_batch_mla_module("fa3", bf, bf, bf, i32, 512, 64, False),
+        gen_batch_mla_module("fa2", bf, bf, bf, i32, 512, 64, False),
+    ]
+
+
+def build_flashinfer_aot(site: Path, out: Path, log) -> None:
+    """Compile :func:`flashinfer_specs` with FlashInfer's own JIT (ninja + nvcc, no GPU, sm_90a)
+    and copy each module to ``out/<name>/<name>.so``. ``site`` must hold ``flashinfer`` and an
+    ``apache-tvm-ffi`` for this Python. A machine with no driver has no ``libcuda.so`` to link
+    against: a stub with its soname is made (the modules resolve ``cu*`` symbols at load)."""
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/fi_ws_aot")
+    cuda_home = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    if not any((cuda_home / d / "libcuda.so").exists() for d in ("lib64", "lib64/stubs")):
+        stub = Path("/tmp/peers_stubs")
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "stub.c").write_text("\n")
+        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                        str(stub / "libcuda.so"), str(stub / "stub.c")], check=True)  # fmt: skip
+        os.environ["LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(stub), os.environ.get("LIBRARY_PATH")])
+        )
+    sys.path.insert(0, str(site))
+    for spec in flashinfer_specs():
+        t0 = time.time()
+        spec.build(verbose=False)
+        dest = out / spec.name
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(spec.jit_library_path, dest / f"{spec.name}.so")
+        log(f"flashinfer: {spec.name} in {time.time() - t0:.0f} s")
 
 
 def unpack(peers: Path, name: str, dest: Path) -> Path | None:
@@ -157,9 +216,10 @@ def build_flashmla(src: Path, site: Path, jobs: int, log, objects: Path | None =
     )
 
 
-def install_flashinfer(src: Path, peers: Path, site: Path, log) -> None:
-    """Copy FlashInfer's package tree to ``site`` and install the carried wheels there."""
-    wheels = sorted((peers / "whl").glob("*.whl"))
+def install_flashinfer(src: Path, peers: Path, site: Path, log, wheels_too: bool = True) -> None:
+    """Copy FlashInfer's package tree to ``site`` and install the carried wheels there (unless
+    not ``wheels_too``), with the modules compiled ahead (``peers/flashinfer-aot``)."""
+    wheels = sorted((peers / "whl").glob("*.whl")) if wheels_too else []
     if wheels:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
@@ -172,7 +232,11 @@ def install_flashinfer(src: Path, peers: Path, site: Path, log) -> None:
     shutil.copytree(src / "flashinfer", pkg, symlinks=True)
     for info in src.glob("*.dist-info"):
         shutil.copytree(info, site / info.name, dirs_exist_ok=True)
-    log(f"flashinfer: installed {pkg} (+ {len(wheels)} wheels)")
+    aot = peers / "flashinfer-aot"
+    mods = sorted(p.name for p in aot.iterdir() if p.is_dir()) if aot.is_dir() else []
+    if mods:
+        shutil.copytree(aot, pkg / "data" / "aot", dirs_exist_ok=True)
+    log(f"flashinfer: installed {pkg} (+ {len(wheels)} wheels, {len(mods)} modules compiled ahead)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", action="store_true", help="JIT-compile FlashInfer's kernels too")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: flashmla,flashinfer")
     ap.add_argument("--objects-only", type=Path, default=None,
-                    help="only nvcc FlashMLA's CUDA sources into this folder (no GPU needed)")  # fmt: skip
+                    help="only nvcc FlashMLA's CUDA sources into this folder (no GPU needed)"
+                    )  # fmt: skip
+    ap.add_argument("--flashinfer-aot-only", type=Path, default=None,
+                    help="only compile FlashInfer's modules into this folder (no GPU needed;"
+                         " --site must hold an apache-tvm-ffi for this Python)")  # fmt: skip
     a = ap.parse_args(argv)
     a.site.mkdir(parents=True, exist_ok=True)
     a.logs.mkdir(parents=True, exist_ok=True)
@@ -200,6 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     env.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     procs = {}
+    if a.flashinfer_aot_only:
+        src = unpack(a.peers, "flashinfer", Path("/tmp/peers_src"))
+        if src is None:
+            log(f"flashinfer: no flashinfer/ or flashinfer-*.tar.xz in {a.peers}")
+            return 1
+        install_flashinfer(src if (src / "flashinfer").is_dir() else src.parent, a.peers, a.site,
+                           log, wheels_too=False)  # fmt: skip
+        build_flashinfer_aot(a.site, a.flashinfer_aot_only.resolve(), log)
+        return 0
     if a.objects_only:
         src = unpack(a.peers, "flashmla", Path("/tmp/peers_src"))
         if src is None:
