@@ -264,10 +264,8 @@ def _paged_attn_kernel(
     if KV_FP8:
         out = out * tl.load(V_SCALE + kvh * stride_vsh)
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    o_ptrs = (
-        OUT + t[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
-        + offs_dv[None, :]
-    )
+    o_rows = OUT + t[:, None] * stride_ot + heads[:, None] * stride_oh
+    o_ptrs = o_rows + split * stride_os + offs_dv[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
     l_ptrs = LSE + t * stride_lt + heads * stride_lh + split * stride_ls
     if NUM_SPLITS == 1:
