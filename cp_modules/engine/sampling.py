@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "sample_tokens", "token_probs"]
+__all__ = ["SamplingParams", "accept_greedy", "sample_tokens", "token_probs"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,27 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def accept_greedy(
+    logits: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, query_len: int
+) -> torch.Tensor:
+    """Greedy acceptance of a verification step on the device (no host sync, graph-capturable).
+
+    ``logits [B * Q, V]`` of ``B`` rows of ``Q = query_len`` query tokens; ``ids``,
+    ``positions [B * Q]``: a row's last token, then its drafts, then unused tokens (position
+    -1). A draft is kept while it equals the argmax of the row before it; the argmax after the
+    last kept one follows (what :func:`~cp_modules.engine.speculative.accept_drafts` returns).
+    Returns int64 ``[B, Q + 1]``: per row the number ``n`` of verified tokens, then the ``n``
+    tokens, then -1.
+    """
+    b, q = ids.shape[0] // query_len, query_len
+    target = logits.argmax(dim=-1).view(b, q)
+    drafts = ids.view(b, q)[:, 1:]
+    match = (drafts == target[:, :-1]) & (positions.view(b, q)[:, 1:] >= 0)
+    kept = match.to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [B, 1]
+    j = torch.arange(q, device=ids.device)[None, :]
+    bonus = target.gather(1, kept)
+    shifted = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)
+    tokens = torch.where(j < kept, shifted, torch.where(j == kept, bonus, -1))
+    return torch.cat([kept + 1, tokens], dim=1)
