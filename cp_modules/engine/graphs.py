@@ -87,7 +87,7 @@ class DecodeGraph:
             A row's unused tokens have position -1, like padding rows.
         accept_greedy: a greedy verification (Q > 1): the graph also runs the acceptance
             (:func:`~cp_modules.engine.sampling.accept_greedy`) into :attr:`verified`
-            ``[Bp, Q + 1]``, and its logits stay in the model's dtype (only their argmax is
+            ``[Bp, 1 + Q]``, and its logits stay in the model's dtype (only their argmax is
             read).
     """
 

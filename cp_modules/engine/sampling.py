@@ -149,18 +149,14 @@ def accept_greedy(
 
     ``logits [B * Q, V]`` of ``B`` rows of ``Q = query_len`` query tokens; ``ids``,
     ``positions [B * Q]``: a row's last token, then its drafts, then unused tokens (position
-    -1). A draft is kept while it equals the argmax of the row before it; the argmax after the
-    last kept one follows (what :func:`~cp_modules.engine.speculative.accept_drafts` returns).
-    Returns int64 ``[B, Q + 1]``: per row the number ``n`` of verified tokens, then the ``n``
-    tokens, then -1.
+    -1). A draft is kept while it equals the argmax of the row before it. Returns int64
+    ``[B, 1 + Q]``: per row the number ``a`` of kept drafts, then the argmax of each query
+    row; the verified tokens are the first ``a`` drafts and the argmax of query ``a`` (what
+    :func:`~cp_modules.engine.speculative.accept_drafts` returns). A few small kernels.
     """
     b, q = ids.shape[0] // query_len, query_len
     target = logits.argmax(dim=-1).view(b, q)
-    drafts = ids.view(b, q)[:, 1:]
-    match = (drafts == target[:, :-1]) & (positions.view(b, q)[:, 1:] >= 0)
-    kept = match.to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [B, 1]
-    j = torch.arange(q, device=ids.device)[None, :]
-    bonus = target.gather(1, kept)
-    shifted = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)
-    tokens = torch.where(j < kept, shifted, torch.where(j == kept, bonus, -1))
-    return torch.cat([kept + 1, tokens], dim=1)
+    miss = (ids.view(b, q)[:, 1:] != target[:, :-1]) | (positions.view(b, q)[:, 1:] < 0)
+    # The first miss (a last column that always misses ends a row that keeps every draft).
+    kept = torch.cat([miss, miss.new_ones(b, 1)], dim=1).to(torch.uint8).argmax(dim=1)
+    return torch.cat([kept[:, None], target], dim=1)

@@ -8,8 +8,8 @@ are allocated when it is admitted, and nothing is admitted until a request leave
 block-table rows are copied once per run. Each step the host drafts, writes the ids and
 positions into a pinned staging buffer (one copy), replays the graph and reads the verified
 tokens: greedy acceptance runs inside the graph
-(:func:`~cp_modules.engine.sampling.accept_greedy`), so the host reads ``[B, k + 2]`` integers,
-not logits; sampling reads the real rows' logits and applies the rejection rule on the host.
+(:func:`~cp_modules.engine.sampling.accept_greedy`), so the host reads ``[B, k + 2]`` integers
+(the kept drafts and each query's argmax), not logits; sampling reads the real rows' logits and applies the rejection rule on the host.
 The next step's drafts need this step's tokens, so the device waits while the host records
 them and drafts (a plain decode run launches step t + 1 before reading step t). Without
 graphs, or past the largest bucket, a step runs eagerly on :func:`build_step_metadata`'s
@@ -161,7 +161,7 @@ def _graph_run(engine, sched, reqs, graph, params, generator, drafter, stats, st
             t_w = time.perf_counter()
             got = graph.read_verified(b)
             wait = time.perf_counter() - t_w
-            out = [got[i, 1 : 1 + got[i, 0]].tolist() for i in range(b)]
+            out = [[*d[:a], t[a]] for d, (a, *t) in zip(drafts, got.tolist())]
         else:
             keep = torch.from_numpy((np.arange(b)[:, None] * q + offsets)[used])
             logits = logits.index_select(0, keep.to(logits.device))
