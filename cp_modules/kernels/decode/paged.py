@@ -155,8 +155,17 @@ def _paged_attn_kernel(
     # no row seeing a key visits no tile (so no tile reads a block before every row's start).
     live = kv_start < kv_len
     first = tl.min(tl.where(live, kv_start, max_kv_len), 0)
+    last = tl.max(tl.where(live, kv_len, 0), 0)
     lo = (first // BLOCK_N) * BLOCK_N
-    hi = tl.where(first < max_kv_len, tl.max(tl.where(live, kv_len, 0), 0), lo)
+    hi = tl.where(first < max_kv_len, last, lo)
+    if QUERY_LEN > 1:
+        # Do the rows' ranges leave a gap in [first, last)? Its first key would be a row's end
+        # that no row covers (s <= end < len). Consecutive positions of one request leave
+        # none: the loads are then masked to the union's bounds alone, no reduction a tile.
+        ends = kv_len[:, None]
+        covers = live[None, :] & (kv_start[None, :] <= ends) & (ends < kv_len[None, :])
+        uncovered = live & (kv_len < last) & (tl.max(covers.to(tl.int32), 1) == 0)
+        has_gap = tl.max(uncovered.to(tl.int32), 0) > 0
     # Equal tile-aligned shares of the run's range; tiles never straddle a block when
     # PAGE is a multiple of BLOCK_N because every tile start is a multiple of BLOCK_N.
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -187,14 +196,15 @@ def _paged_attn_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = (offs_n < end) & (offs_n >= first)
         if QUERY_LEN > 1:
-            # Each row's own range; only the keys some row sees are loaded (a key between two
-            # rows' ranges may be a slot nobody wrote).
+            # Each row's own range; with a gap only the keys some row sees are loaded (a key
+            # between two rows' ranges may be a slot nobody wrote).
             s_mask = (
                 n_mask[None, :]
                 & (offs_n[None, :] >= kv_start[:, None])
                 & (offs_n[None, :] < kv_len[:, None])
             )
-            n_mask = tl.max(s_mask.to(tl.int32), 0) > 0
+            if has_gap:
+                n_mask = tl.max(s_mask.to(tl.int32), 0) > 0
         else:
             s_mask = n_mask[None, :]
         if PAGE % BLOCK_N == 0:
