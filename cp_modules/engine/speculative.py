@@ -25,6 +25,9 @@ block-table rows hold the request's whole lifetime from its admission (drafts ar
 that no position passes ``prompt + max_new_tokens``), and sliding-window groups return the
 blocks only the rejected drafts used (:meth:`WindowBlockGroup.rollback`).
 
+The engine runs the steps (in runs on a verification graph, greedy acceptance on the
+device): :mod:`cp_modules.engine.verification`.
+
 Drafters (:class:`Drafter`): :class:`NgramDrafter` (prompt lookup: the tokens that followed
 the latest earlier occurrence of the request's last n-gram), :class:`DraftModelDrafter` (a
 small HF causal LM with the target's vocabulary and its own KV cache per request), and
