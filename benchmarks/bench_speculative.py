@@ -142,7 +142,86 @@ def gpu_rows(
         metrics[f"engine speculative k={K} {n}: draft s, verify s"] = (
             s.spec_draft_s, s.spec_verify_s,
         )  # fmt: skip
+        metrics[f"engine speculative k={K} {n}: verification step ms"] = (
+            1e3 * s.decode_s / s.spec_steps
+        )
+        metrics[f"engine speculative k={K} {n}: host waiting for the device, ms per step"] = (
+            1e3 * s.spec_wait_s / s.spec_steps
+        )
+    metrics["engine plain: decode step ms"] = 1e3 * base.decode_s / (base.num_steps - 1)
+    metrics.update(_graph_device_ms(engine))
+    metrics.update(_attention_rows(cp.config, lens, dtype))
     return True
+
+
+def _replay_ms(graph, reps: int = 20) -> float:
+    """Device milliseconds of one replay of a captured graph (back-to-back replays)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _graph_device_ms(engine) -> dict:
+    """Device time of the plain decode graph and the greedy verification graph of the
+    largest bucket (after the runs: what a step costs the GPU, no host work between)."""
+    rows = {}
+    for key, graph in engine._graphs.items():
+        if graph.graph is None:
+            continue
+        if key[0] == "verify" and key[2]:
+            name = f"verification graph (bucket {key[3]} x {key[1]} tokens) device ms"
+            rows[name] = _replay_ms(graph)
+        elif key[0] != "verify":
+            rows[f"plain decode graph (bucket {key[0]}) device ms"] = _replay_ms(graph)
+    return rows
+
+
+def _attention_rows(config, lens, dtype) -> dict:
+    """The GQA paged decode kernel alone at the verification's shape (one layer), device time
+    per launch: 5 queries per request at the end of each context, served as runs of 5 or each
+    on its own, and the plain decode's one query per request."""
+    from cp_modules.kernels.decode.paged import paged_attention_kernel
+
+    dev, bs = "cuda", 64
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    d = config.hidden_size // hq
+    b, ctx = len(lens), max(lens) + K + 1
+    per = -(-ctx // bs)
+    k = torch.randn(b * per, bs, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    table = torch.arange(b * per, device=dev, dtype=torch.int32).view(b, per)
+    ends = torch.tensor(lens, device=dev)[:, None] + torch.arange(K + 1, device=dev) + 1
+    rows = {}
+    for name, q_len, lengths in (
+        ("runs of 5", K + 1, ends.flatten()),
+        ("each query alone", 1, ends.flatten()),
+        ("plain 1 query per request", 1, ends[:, 0]),
+    ):
+        n = lengths.numel()
+        lengths = lengths.to(torch.int32)
+        seq = torch.arange(b, device=dev, dtype=torch.int32).repeat_interleave(n // b)
+        q = torch.randn(n, hq, d, device=dev, dtype=dtype)
+
+        def run(q=q, seq=seq, lengths=lengths, q_len=q_len):
+            return paged_attention_kernel(q, k, v, table, seq, lengths, d**-0.5,
+                                          query_len=q_len)  # fmt: skip
+
+        run()
+        torch.cuda.synchronize()
+        # 20 launches (and the split merges) in one CUDA graph: device time, no launch cost.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                run()
+        rows[f"paged decode kernel {b} x {n // b} queries, {name}: us"] = (
+            1e3 * _replay_ms(graph) / 20
+        )
+    return rows
 
 
 PASSAGES = [

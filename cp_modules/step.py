@@ -117,6 +117,10 @@ class CPStepMetadata:
         decode_seq_idx: [Bd] block-table row of each decode token.
         decode_kv_len: [Bd] local cached tokens each decode token sees on this DCP rank.
         decode_positions: [Bd] global position of each decode token (sliding windows).
+        decode_query_len: Q: every decode request has Q new tokens, so the decode tokens are
+            runs of Q consecutive tokens of one request (Q = k + 1 in a speculative
+            verification), which the paged decode kernel serves reading their K/V once; 1 when
+            the decode requests' token counts differ.
         block_table: [R, M] or None (no KV cache: training, or a cache-less forward).
         block_size: tokens per physical block.
         max_block_id: largest block id the step touches (checked against each cache, host).
@@ -155,6 +159,7 @@ class CPStepMetadata:
     prefix_gather_index: torch.Tensor | None
     prefix_cu_seqlens: torch.Tensor | None
     is_decode_host: tuple[bool, ...] = ()
+    decode_query_len: int = 1
     window_plans: dict = field(default_factory=dict, repr=False)
     window_views: Mapping[int, CPStepMetadata] = field(default_factory=dict)
     serial: int = field(default_factory=lambda: next(_SERIALS))
@@ -339,6 +344,7 @@ def build_step_metadata(
         **decode_rows,
         block_size=block_size,
         is_decode_host=tuple(bool(x) for x in is_decode),
+        decode_query_len=_decode_run_length(num_new, is_decode),
         **cache,
     )
     if views:
@@ -349,6 +355,12 @@ def build_step_metadata(
             },
         )
     return meta
+
+
+def _decode_run_length(num_new: np.ndarray, is_decode: np.ndarray) -> int:
+    """The decode requests' common number of new tokens, or 1 when they differ (or none)."""
+    counts = np.unique(num_new[is_decode])
+    return int(counts[0]) if counts.size == 1 else 1
 
 
 def _decode_rows(

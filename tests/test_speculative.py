@@ -17,6 +17,7 @@ from recipe_models import build_model
 from cp_modules.cache.window import window_first_visible
 from cp_modules.engine import GenerationEngine, SamplingParams
 from cp_modules.engine.block_groups import WindowBlockGroup
+from cp_modules.engine.sampling import accept_greedy
 from cp_modules.engine.speculative import (
     DraftModelDrafter,
     ReplayDrafter,
@@ -108,6 +109,64 @@ def test_greedy_speculation_equals_plain_decoding(family, k, graphs):
         # Windowed blocks per request at a verification: the run of W - 1 + k + 1 positions.
         vb = 4
         assert s.peak_window_blocks_per_decode[6] <= -(-(6 - 1 + k + 1 - 1) // vb) + 1
+
+
+def test_device_greedy_acceptance_equals_the_host_rule():
+    # Rows of 5 query tokens: a last token, 0..4 drafts that match the argmax for a while,
+    # unused tokens at position -1 (their ids may equal the argmax: they must not count).
+    g = torch.Generator().manual_seed(2)
+    b, q, v = 40, 5, 7
+    logits = torch.randn(b * q, v, generator=g)
+    target = logits.argmax(-1).view(b, q)
+    ids = torch.randint(0, v, (b, q), generator=g)
+    positions = torch.full((b, q), -1)
+    drafts = []
+    for i in range(b):
+        n, good = i % q, (i // q) % q  # n drafts, the first `good` of them right
+        ids[i, 1 : 1 + n] = torch.where(
+            torch.arange(n) < good, target[i, :n], (target[i, :n] + 1) % v
+        )
+        ids[i, 1 + n :] = target[i, n:-1] if n < q - 1 else ids[i, 1 + n :]
+        positions[i, : n + 1] = torch.arange(n + 1) + 10
+        drafts.append(ids[i, 1 : 1 + n].tolist())
+    got = accept_greedy(logits, ids.flatten(), positions.flatten(), q)
+    rows = torch.cat([torch.arange(i * q, i * q + len(d) + 1) for i, d in enumerate(drafts)])
+    want = accept_drafts(logits[rows], drafts, None, SamplingParams())
+    assert [[*d[:a], t[a]] for d, (a, *t) in zip(drafts, got.tolist())] == want
+    assert torch.equal(got[:, 1:], target)
+    assert {len(w) for w in want} == set(range(1, q + 1))  # every count of kept drafts
+
+
+def test_graph_runs_end_when_a_request_finishes_and_admit_the_next():
+    # Five prompts on two rows, a stop token: verification runs on the static buffers end
+    # when a request stops (early or at its length), the next one is admitted and prefilled,
+    # and the greedy tokens stay the plain ones.
+    engine = _engine(_model("llama"), decode_graphs=True, max_num_seqs=2)
+    prompts = repeated_prompts() + [repeated_prompts(5)[0]]
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    stop = plain.outputs[1][4]
+    params = SamplingParams(max_new_tokens=12, eos_token_id=stop)
+    want = engine.generate(prompts, params)
+    assert any(len(o) < 12 for o in want.outputs)
+    spec = SamplingParams(max_new_tokens=12, eos_token_id=stop, speculative="ngram",
+                          num_speculative_tokens=3)  # fmt: skip
+    got = engine.generate(prompts, spec)
+    assert got.outputs == want.outputs and got.finish_reasons == want.finish_reasons
+    assert got.stats.spec_steps > 0 and got.stats.spec_accepted_tokens > 0
+
+
+def test_sampled_verification_on_graph_buffers_draws_as_eager():
+    # Sampling on the static-buffer path (the host reads the real rows' logits) draws the
+    # same tokens as the eager verification with the same seed.
+    model = _model("llama")
+    prompts = repeated_prompts()
+    greedy = _engine(model).generate(prompts, SamplingParams(max_new_tokens=10)).outputs
+    drafter = ReplayDrafter([p + o for p, o in zip(prompts, greedy)], vocab_size=256)
+    params = SamplingParams(max_new_tokens=10, temperature=0.5, top_k=3, seed=4,
+                            speculative=drafter, num_speculative_tokens=3)  # fmt: skip
+    runs = [_engine(model, decode_graphs=g).generate(prompts, params) for g in (False, True)]
+    assert runs[0].outputs == runs[1].outputs
+    assert runs[1].stats.spec_steps > 0 and runs[1].stats.spec_accepted_tokens > 0
 
 
 def test_window_group_rollback_holds_what_plain_decoding_holds():
@@ -269,7 +328,7 @@ def test_a_verification_step_that_cannot_be_captured_is_refused_when_graphs_are_
     monkeypatch,
 ):
     # CPU cannot capture: a capture failure is simulated where the verification graph is built.
-    import cp_modules.engine.speculative as spec
+    import cp_modules.engine.verification as spec
 
     def fail(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -34,7 +34,8 @@ from cp_modules.engine.results import GenerationResult, GenerationStats
 from cp_modules.engine.rows import gather_rows as _gather_rows
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
-from cp_modules.engine.speculative import SpeculativeStats, make_drafter, verify_step
+from cp_modules.engine.speculative import SpeculativeStats, make_drafter
+from cp_modules.engine.verification import verify_run
 from cp_modules.modules.hf_swap import (
     allocate_kv_caches,
     cp_attention_layers,
@@ -326,14 +327,11 @@ class GenerationEngine:
                 batch = sched.schedule()
                 t_step = time.perf_counter()
                 if drafter is not None and steps and batch.num_prefill_tokens == 0:
-                    verified = verify_step(self, sched, batch, params, generator, drafter, spec)
-                    n = sched.update_verified(
-                        batch.requests, verified, stop_ids, time.perf_counter() - t0
-                    )
-                    bar.update(n)
+                    n_steps, n = verify_run(self, sched, batch, params, generator, drafter,
+                                            spec, stop_ids, t0, bar.update)  # fmt: skip
                     decode_s += time.perf_counter() - t_step
                     decode_tokens += n
-                    steps += 1
+                    steps += n_steps
                     continue
                 graph = self._serving_graph(batch) if steps else None
                 if graph is not None:
@@ -381,6 +379,7 @@ class GenerationEngine:
             spec_emitted_tokens=spec.emitted,
             spec_draft_s=spec.draft_s,
             spec_verify_s=spec.verify_s,
+            spec_wait_s=spec.wait_s,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_token=self.kv_bytes_per_block // self.block_size,
         )

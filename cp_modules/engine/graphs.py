@@ -32,6 +32,7 @@ import torch
 
 from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping
 from cp_modules.engine.rows import gather_rows
+from cp_modules.engine.sampling import accept_greedy
 from cp_modules.engine.scheduler import Request, StepBatch
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
@@ -84,6 +85,10 @@ class DecodeGraph:
             verification, :mod:`cp_modules.engine.speculative`); the buffers of ids and
             positions hold ``Bp * Q`` tokens, row after row, and the logits ``[Bp * Q, V]``.
             A row's unused tokens have position -1, like padding rows.
+        accept_greedy: a greedy verification (Q > 1): the graph also runs the acceptance
+            (:func:`~cp_modules.engine.sampling.accept_greedy`) into :attr:`verified`
+            ``[Bp, 1 + Q]``, and its logits stay in the model's dtype (only their argmax is
+            read).
     """
 
     def __init__(
@@ -97,12 +102,22 @@ class DecodeGraph:
         pool=None,
         window_widths: dict[int, int] | None = None,
         query_len: int = 1,
+        accept_greedy: bool = False,
     ) -> None:
         rt, dev = engine.runtime, engine.device
         self.engine, self.forward, self.bucket, self.width = engine, forward, bucket, width
         self.query_len = q = query_len
-        self.ids = torch.zeros(bucket * q, dtype=torch.long, device=dev)
-        self.positions = torch.full((bucket * q,), -1, dtype=torch.long, device=dev)
+        self.accept_greedy = accept_greedy and q > 1
+        # Ids and positions in one buffer (one copy a step), staged on the host in pinned
+        # memory; the verified tokens come back the same way.
+        pinned = dev.type == "cuda"
+        self._inputs = torch.zeros(2, bucket * q, dtype=torch.long, device=dev)
+        self._staging = torch.zeros(2, bucket * q, dtype=torch.long, pin_memory=pinned)
+        self.ids, self.positions = self._inputs[0], self._inputs[1]
+        self.positions.fill_(-1)
+        self.verified = torch.zeros(bucket, q + 1, dtype=torch.long, device=dev)
+        self._verified_host = torch.zeros(bucket, q + 1, dtype=torch.long, pin_memory=pinned)
+        self._verified_event = torch.cuda.Event() if pinned else None
         self.block_table = torch.zeros(bucket, width, dtype=torch.int32, device=dev)
         self.rows = torch.arange(bucket, device=dev).repeat_interleave(q)  # each token's row
         self.out_rows = torch.arange(bucket * q, device=dev)  # rows of the logits
@@ -179,7 +194,11 @@ class DecodeGraph:
         self._derive()
         with cp_step(self.meta):
             hidden = self.forward(self.ids[None], self.positions[None])[0]
-        return self.engine.compute_logits(gather_rows(hidden, self.meta, self.out_rows)).float()
+        logits = self.engine.compute_logits(gather_rows(hidden, self.meta, self.out_rows))
+        if self.accept_greedy:
+            self.verified = accept_greedy(logits, self.ids, self.positions, self.query_len)
+            return logits
+        return logits.float()
 
     def _capture(self, pool) -> None:
         # Warm up on a side stream (compilation, autotuning, kernel plans), then capture. The
@@ -216,26 +235,39 @@ class DecodeGraph:
         self.load_window_tables(batch.window_block_tables)
         return b
 
-    def load_verify(
-        self, ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor
-    ) -> None:
-        """Copy a verification step's inputs: ``ids``, ``positions`` [B, Q] (host int64;
-        unused tokens at position -1) and the block-table rows [B, M] (host int32)."""
-        b = ids.shape[0]
-        assert ids.shape[1] == self.query_len and b <= self.bucket
-        dev = self.ids.device
-        pinned = dev.type == "cuda"
-        pad = self.bucket - b
-        ids = torch.cat([ids, ids.new_zeros(pad, self.query_len)]).flatten()
-        positions = torch.cat([positions, positions.new_full((pad, self.query_len), -1)])
-        if pinned:
-            ids, positions = ids.pin_memory(), positions.pin_memory()
-        self.ids.copy_(ids, non_blocking=pinned)
-        self.positions.copy_(positions.flatten(), non_blocking=pinned)
-        m = block_table.shape[1]
+    def load_table(self, block_table: torch.Tensor) -> None:
+        """Copy the block-table rows [B, M] (host int32) of a run of verification steps (they
+        do not change while its requests run); rows past B read block 0."""
+        b, m = block_table.shape
+        assert b <= self.bucket and m <= self.width
+        pinned = self.ids.device.type == "cuda"
         table = torch.zeros(self.bucket, self.width, dtype=torch.int32)
         table[:b, :m] = block_table
         self.block_table.copy_(table.pin_memory() if pinned else table, non_blocking=pinned)
+
+    def staged_tokens(self):
+        """Numpy views ``(ids, positions)`` [Bp, Q] of the host staging buffer that
+        :meth:`upload` copies in. Write them only after the last step's result was read (the
+        copy of the step before may still be reading them until then)."""
+        arr = self._staging.numpy()
+        return arr[0].reshape(self.bucket, self.query_len), arr[1].reshape(
+            self.bucket, self.query_len
+        )
+
+    def upload(self) -> None:
+        """Copy the staged ids and positions into the graph's inputs (one stream-ordered copy)."""
+        pinned = self._verified_event is not None
+        self._inputs.copy_(self._staging, non_blocking=pinned)
+
+    def read_verified(self, num_rows: int):
+        """The host copy of :attr:`verified`'s first ``num_rows`` rows after the last replay
+        (a numpy [num_rows, Q + 1] view; waits for the step)."""
+        host = self._verified_host
+        host.copy_(self.verified, non_blocking=self._verified_event is not None)
+        if self._verified_event is not None:
+            self._verified_event.record()
+            self._verified_event.synchronize()
+        return host.numpy()[:num_rows]
 
     def load_window_tables(self, tables: dict[int, torch.Tensor]) -> None:
         """Copy the window groups' block-table rows ([B, M_W] host int32, batch order) into the
@@ -248,7 +280,8 @@ class DecodeGraph:
             buf[: rows.shape[0], : rows.shape[1]].copy_(src, non_blocking=pinned)
 
     def replay(self) -> torch.Tensor:
-        """Run the step on the buffers; the fp32 logits [Bp, V] (a static buffer on CUDA)."""
+        """Run the step on the buffers; the logits [Bp * Q, V] (a static buffer on CUDA): fp32,
+        or the model's dtype in a greedy verification graph (its result: :attr:`verified`)."""
         if self.graph is None:
             return self._step()
         self.graph.replay()

@@ -30,7 +30,8 @@ class GenerationStats:
     ``spec_draft_tokens`` drafts, of which ``spec_accepted_tokens`` were accepted; they
     produced ``spec_emitted_tokens`` tokens (the accepted drafts and one token of the target
     per row). ``spec_draft_s``: time spent drafting, ``spec_verify_s``: in the verification
-    steps (forward, acceptance and, with several ranks, the broadcasts).
+    steps (forward, acceptance and, with several ranks, the broadcasts), of which
+    ``spec_wait_s`` the host waited for a greedy verification graph's tokens.
     """
 
     num_requests: int
@@ -66,6 +67,7 @@ class GenerationStats:
     spec_emitted_tokens: int = 0
     spec_draft_s: float = 0.0
     spec_verify_s: float = 0.0
+    spec_wait_s: float = 0.0
 
     @property
     def tokens_per_verify(self) -> float:

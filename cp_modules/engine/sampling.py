@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "sample_tokens", "token_probs"]
+__all__ = ["SamplingParams", "accept_greedy", "sample_tokens", "token_probs"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,23 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def accept_greedy(
+    logits: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, query_len: int
+) -> torch.Tensor:
+    """Greedy acceptance of a verification step on the device (no host sync, graph-capturable).
+
+    ``logits [B * Q, V]`` of ``B`` rows of ``Q = query_len`` query tokens; ``ids``,
+    ``positions [B * Q]``: a row's last token, then its drafts, then unused tokens (position
+    -1). A draft is kept while it equals the argmax of the row before it. Returns int64
+    ``[B, 1 + Q]``: per row the number ``a`` of kept drafts, then the argmax of each query
+    row; the verified tokens are the first ``a`` drafts and the argmax of query ``a`` (what
+    :func:`~cp_modules.engine.speculative.accept_drafts` returns). A few small kernels.
+    """
+    b, q = ids.shape[0] // query_len, query_len
+    target = logits.argmax(dim=-1).view(b, q)
+    miss = (ids.view(b, q)[:, 1:] != target[:, :-1]) | (positions.view(b, q)[:, 1:] < 0)
+    # The first miss (a last column that always misses ends a row that keeps every draft).
+    kept = torch.cat([miss, miss.new_ones(b, 1)], dim=1).to(torch.uint8).argmax(dim=1)
+    return torch.cat([kept[:, None], target], dim=1)

@@ -46,6 +46,11 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def last_token(self) -> int:
+        """The latest token (a decoding request's next input; no copy of ``tokens``)."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
     def admitted_row(self) -> int:
         """The request's block-table row (set when it is admitted)."""
         assert self.row is not None, f"request {self.index} is not admitted"
@@ -274,7 +279,8 @@ class Scheduler:
         ``max_new_tokens`` are dropped. Returns the number of new tokens."""
         added = 0
         for r, toks in zip(requests, tokens):
-            assert toks and r.is_decoding and len(r.tokens) == r.num_computed + 1
+            assert toks and r.is_decoding
+            assert len(r.prompt) + len(r.output) == r.num_computed + 1, "a decoding request"
             kept = 0
             for t in toks:
                 self._append(r, t, stop_ids, now)

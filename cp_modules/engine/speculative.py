@@ -25,6 +25,9 @@ block-table rows hold the request's whole lifetime from its admission (drafts ar
 that no position passes ``prompt + max_new_tokens``), and sliding-window groups return the
 blocks only the rejected drafts used (:meth:`WindowBlockGroup.rollback`).
 
+The engine runs the steps (in runs on a verification graph, greedy acceptance on the
+device): :mod:`cp_modules.engine.verification`.
+
 Drafters (:class:`Drafter`): :class:`NgramDrafter` (prompt lookup: the tokens that followed
 the latest earlier occurrence of the request's last n-gram), :class:`DraftModelDrafter` (a
 small HF causal LM with the target's vocabulary and its own KV cache per request), and
@@ -38,8 +41,6 @@ vocabulary, D = drafted tokens of the step (``sum(n_r)``).
 from __future__ import annotations
 
 import inspect
-import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,11 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cp_modules.engine.graphs import DecodeGraph, bucket_of, graph_width
-from cp_modules.engine.rows import gather_rows
 from cp_modules.engine.sampling import SamplingParams, token_probs
-from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
-from cp_modules.step import build_step_metadata, cp_step
+from cp_modules.engine.scheduler import Request
 
 # The engine served (a :class:`~cp_modules.engine.engine.GenerationEngine`; not imported:
 # engine.py imports this module).
@@ -65,7 +63,6 @@ __all__ = [
     "ReplayDrafter",
     "SpeculativeStats",
     "accept_drafts",
-    "verify_step",
 ]
 
 
@@ -264,6 +261,7 @@ class SpeculativeStats:
     emitted: int = 0  # tokens the verification steps produced (accepted + one per row)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    wait_s: float = 0.0  # of verify_s: the host waiting for a graph step's verified tokens
 
 
 def accept_drafts(
@@ -364,143 +362,3 @@ def _broadcast_drafts(drafts: list[list[int]], k: int, device) -> list[list[int]
 
 def _broadcast_tokens(tokens: list[list[int]], k: int, device) -> list[list[int]]:
     return _broadcast_drafts(tokens, k + 1, device)
-
-
-def verify_step(
-    engine: GenerationEngine,
-    sched: Scheduler,
-    batch: StepBatch,
-    params: SamplingParams,
-    generator: torch.Generator,
-    drafter: Drafter,
-    stats: SpeculativeStats,
-) -> list[list[int]]:
-    """Draft for the decoding requests of ``batch`` (an all-decode step), verify the drafts in
-    one step of ``n + 1`` query tokens per request against the sharded cache, and return each
-    request's verified tokens (not yet recorded: :meth:`Scheduler.update_verified`).
-    With ``engine.decode_graphs`` the step runs on a :class:`DecodeGraph` of ``k + 1`` query
-    tokens per row (a CUDA graph on CUDA, one per batch-size bucket), else eagerly."""
-    k = params.num_speculative_tokens
-    reqs = batch.requests
-    t0 = time.perf_counter()
-    counts = draft_counts(reqs, k, engine.max_num_tokens)
-    drafts, qs = drafter.propose(reqs, counts, params)
-    drafts = [list(d[:c]) for d, c in zip(drafts, counts)]
-    if qs is not None:
-        qs = [q[: len(d)] for q, d in zip(qs, drafts)]
-    if engine.world_size > 1:
-        got = _broadcast_drafts(drafts, k, engine.device)
-        if qs is not None and got != drafts:
-            # A draft model drew other tokens on this rank: q of rank 0's drafts is unknown.
-            raise RuntimeError("the draft model drew different drafts on different ranks")
-        drafts = got
-    t1 = time.perf_counter()
-    num_new = [len(d) + 1 for d in drafts]
-    num_comp = [r.num_computed for r in reqs]
-    for g in sched.window_groups.values():
-        for r, c, n in zip(reqs, num_comp, num_new):
-            assert r.row is not None, "a running request holds a row"
-            g.prepare(r.row, c, n, decode_threshold=k + 1)
-    rows = torch.tensor([r.row for r in reqs], dtype=torch.long)
-    ids = [t for r, d in zip(reqs, drafts) for t in [r.tokens[r.num_computed], *d]]
-    graph = _verify_graph(engine, sched, len(reqs), k + 1, params)
-    if graph is not None:
-        logits = _graph_logits(graph, sched, reqs, drafts, rows, k + 1)
-    else:
-        logits = _eager_logits(engine, sched, reqs, num_new, num_comp, rows, ids, k)
-    out = accept_drafts(logits, drafts, qs, params, generator)
-    if engine.world_size > 1:
-        out = _broadcast_tokens(out, k, engine.device)
-    t2 = time.perf_counter()
-    stats.steps += 1
-    stats.rows += len(reqs)
-    stats.drafted += sum(len(d) for d in drafts)
-    stats.accepted += sum(len(o) - 1 for o in out)
-    stats.emitted += sum(len(o) for o in out)
-    stats.draft_s += t1 - t0
-    stats.verify_s += t2 - t1
-    return out
-
-
-def _verify_graph(
-    engine: GenerationEngine, sched: Scheduler, num_requests: int, q: int, params
-) -> DecodeGraph | None:
-    """The verification graph of ``num_requests`` rows of ``q`` tokens (captured on first
-    use, one per batch-size bucket and q), or None (eager)."""
-    bucket = bucket_of(num_requests)
-    if not engine.decode_graphs or bucket is None:
-        return None
-    width = graph_width(sched.table.tensor.shape[1])
-    windows = {w: graph_width(g.tensor.shape[1]) for w, g in sched.window_groups.items()}
-    key = ("verify", q, bucket, width, tuple(sorted(windows.items())))
-    graph = engine._graphs.get(key)
-    if graph is not None:
-        return graph
-    capture = engine.device.type == "cuda"
-    if capture and engine._graph_pool is None:
-        engine._graph_pool = torch.cuda.graph_pool_handle()
-    try:
-        graph = DecodeGraph(engine, engine._decode_fn, bucket, width, capture=capture,
-                            pool=engine._graph_pool, window_widths=windows, query_len=q)  # fmt: skip
-    except RuntimeError as err:
-        if engine._graphs_requested:
-            raise ValueError(
-                f"speculative={params.speculative!r} with decode_graphs=True, but the model's "
-                f"verification step cannot be captured as a CUDA graph: {err}; pass "
-                "decode_graphs=None (eager fallback) or False, or speculative=None"
-            ) from err
-        warnings.warn(
-            f"verification steps run eagerly: the model's step cannot be captured as a CUDA "
-            f"graph ({str(err).splitlines()[0]})",
-            stacklevel=3,
-        )
-        engine.decode_graphs = False
-        engine._graphs.clear()
-        return None
-    engine._graphs[key] = graph
-    engine.num_graph_captures += int(capture)
-    return graph
-
-
-def _graph_logits(graph, sched, reqs, drafts, rows, q) -> torch.Tensor:
-    """The verification step on ``graph``'s buffers: logits of the real query rows [N, V]."""
-    b = len(reqs)
-    ids = torch.zeros(b, q, dtype=torch.long)
-    pos = torch.full((b, q), -1, dtype=torch.long)
-    keep: list[int] = []
-    for i, (r, d) in enumerate(zip(reqs, drafts)):
-        n = len(d) + 1
-        ids[i, :n] = torch.tensor([r.tokens[r.num_computed], *d], dtype=torch.long)
-        pos[i, :n] = torch.arange(r.num_computed, r.num_computed + n)
-        keep.extend(range(i * q, i * q + n))
-    graph.load_verify(ids, pos, sched.table.tensor.index_select(0, rows))
-    if sched.window_groups:
-        graph.load_window_tables(
-            {w: g.tensor.index_select(0, rows) for w, g in sched.window_groups.items()}
-        )
-    logits = graph.replay()
-    idx = torch.tensor(keep, dtype=torch.long)
-    return logits.index_select(0, idx.to(logits.device))
-
-
-def _eager_logits(engine, sched, reqs, num_new, num_comp, rows, ids, k) -> torch.Tensor:
-    meta = build_step_metadata(
-        engine.runtime,
-        num_new,
-        num_comp,
-        block_table=sched.table.tensor.index_select(0, rows),
-        window_block_tables={
-            w: g.tensor.index_select(0, rows) for w, g in sched.window_groups.items()
-        },
-        block_size=engine.block_size,
-        decode_threshold=k + 1,
-        device=engine.device,
-        check_consistency=False,
-    )
-    assert meta.all_decode
-    flat = torch.tensor(ids, dtype=torch.long).to(engine.device)
-    x = flat[None].index_select(1, meta.token_indices)
-    with cp_step(meta):
-        hidden = engine._decode_fn(x, meta.positions[None].clone())[0]
-    all_rows = torch.arange(len(ids), device=engine.device)
-    return engine.compute_logits(gather_rows(hidden, meta, all_rows)).float()

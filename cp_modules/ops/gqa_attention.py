@@ -152,6 +152,7 @@ def _gqa_forward(
                 softcap=softcap or None,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                query_len=meta.decode_query_len,
             ),
         )
         if only_decode:

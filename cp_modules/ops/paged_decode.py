@@ -44,7 +44,7 @@ lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
     "Tensor query_seq_idx, Tensor query_kv_len, float scale, int num_splits=0, "
     "Tensor? query_kv_start=None, float softcap=0.0, Tensor? k_scale=None, "
-    "Tensor? v_scale=None) -> (Tensor out, Tensor lse)"
+    "Tensor? v_scale=None, int query_len=1) -> (Tensor out, Tensor lse)"
 )
 lib.define(
     "paged_mla_attention(Tensor q, Tensor cache, Tensor block_table, Tensor query_seq_idx, "
@@ -55,7 +55,8 @@ lib.define(
 
 def _paged_attention_cpu(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
                          num_splits=0, query_kv_start=None, softcap=0.0, k_scale=None,
-                         v_scale=None):  # fmt: skip
+                         v_scale=None, query_len=1):  # fmt: skip
+    # The reference attends query by query: runs change how the kernel reads, not the result.
     return paged_attention_ref(
         q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
         query_kv_start=query_kv_start, softcap=softcap or None, k_scale=k_scale,
@@ -65,11 +66,11 @@ def _paged_attention_cpu(q, k_cache, v_cache, block_table, query_seq_idx, query_
 
 def _paged_attention_cuda(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
                           num_splits=0, query_kv_start=None, softcap=0.0, k_scale=None,
-                          v_scale=None):  # fmt: skip
+                          v_scale=None, query_len=1):  # fmt: skip
     return paged_attention_kernel(
         q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale, num_splits,
         query_kv_start=query_kv_start, softcap=softcap or None, k_scale=k_scale,
-        v_scale=v_scale,
+        v_scale=v_scale, query_len=query_len,
     )  # fmt: skip
 
 
@@ -108,7 +109,7 @@ lib.impl("paged_mla_attention", _paged_mla_attention_cuda, "CUDA")
 @torch.library.register_fake("cp::paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
                           num_splits=0, query_kv_start=None, softcap=0.0, k_scale=None,
-                          v_scale=None):  # fmt: skip
+                          v_scale=None, query_len=1):  # fmt: skip
     t, hq, _ = q.shape
     return q.new_empty(t, hq, v_cache.shape[-1]), q.new_empty(t, hq, dtype=torch.float32)
 
@@ -180,6 +181,7 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query against its request's local paged K/V; returns ``(out, lse)``.
 
@@ -194,13 +196,20 @@ def paged_attention(
         query_kv_start: [T] first local token each query sees (a sliding window), or None.
         softcap: logit soft-cap ``c`` (scores become ``c * tanh(scores / c)``), or None.
         k_scale, v_scale: fp8 caches: fp32 [Hkv] or [1] dequantization scales (None: 1.0).
+        query_len: Q >= 1: queries ``[i * Q, (i + 1) * Q)`` are consecutive tokens of one
+            request (the same ``query_seq_idx``; a verification's ``k + 1`` tokens), which the
+            CUDA kernel serves together, reading their K/V once. Each query keeps its own
+            range and the result is the per-query one; a static promise (not checked on the
+            device): queries of one run with different rows would read the first one's.
 
     Returns:
         out [T, Hq, D] in ``q``'s dtype; lse [T, Hq] fp32, natural log (-inf when empty).
 
     Raises:
-        ValueError: for mismatched shapes, dtypes or devices.
+        ValueError: for mismatched shapes, dtypes or devices, or a bad ``query_len``.
     """
+    if isinstance(query_len, bool) or not isinstance(query_len, int) or query_len < 1:
+        raise ValueError(f"query_len must be an integer >= 1, got {query_len!r}")
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"q must be [T, Hq, D] and k_cache, v_cache [NB, BS, Hkv, D]; got {tuple(q.shape)}, "
@@ -245,6 +254,7 @@ def paged_attention(
         float(softcap or 0.0),
         k_scale,
         v_scale,
+        query_len,
     )
 
 

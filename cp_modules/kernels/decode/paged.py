@@ -5,20 +5,25 @@ Shape letters: T = queries, Hq = query heads, Hkv = KV heads, G = Hq // Hkv, Dk 
 Dpe = rope dim, Dv = value dim, NB = physical blocks, BS = tokens per block, R = block-table
 rows, M = entries per row, S = KV splits.
 
-One program serves one (KV head, head tile) pair of one query over one split of its KV range.
-All the query heads that share a KV head form the M dimension of ``tl.dot`` (padded to 16), so
-each K/V tile is read from HBM once for the whole group. Keys are read block-table-driven, tile
-by tile: 64 tokens when the KV range is split, 128 when it is not (:func:`default_config`).
+One program serves one (KV head, row tile) pair of a *run* of ``query_len`` consecutive queries
+over one split of their KV range. The rows of ``tl.dot``'s M dimension are (query of the run,
+query head of the KV head's group) pairs, heads fastest, padded to 16: each K/V tile is read
+from HBM once for the whole group of every query of the run. A run is one request's tokens (a
+speculative verification's ``k + 1`` queries; ``query_len = 1``: every query on its own): its
+queries share their block-table row, and each row keeps its own visible range. Keys are read
+block-table-driven, tile by tile: 64 tokens when the KV range is split, 128 when it is not
+(:func:`default_config`).
 
 Query ``t`` sees the local tokens ``query_kv_start[t] <= j < query_kv_len[t]`` (the start is 0
-without a sliding window). The loop starts at the tile of the first visible key: tiles wholly
-before it are never read, nor are their block-table entries (a windowed cache may have returned
-those blocks). With a soft-cap ``c`` the scaled scores become ``c * tanh(s / c)`` before the
-softmax.
+without a sliding window). A program's loop covers the union of its rows' ranges, from the tile
+of the first key any row sees: tiles wholly before it are never read, nor are their block-table
+entries (a windowed cache may have returned those blocks); a key no row sees is not loaded, and
+each row's scores are masked to its own range. With a soft-cap ``c`` the scaled scores become
+``c * tanh(s / c)`` before the softmax.
 
 Split-KV (flash-decoding): the split count S is chosen on the host from static shapes only
 (programs per split and the block table's capacity); each program takes an equal,
-tile-aligned share of its own query's visible range (read on the device). With S > 1 the
+tile-aligned share of its run's visible range (read on the device). With S > 1 the
 programs write fp32 partials that the LSE merge family's split merge
 (:func:`~cp_modules.kernels.merge.merge_splits_triton`) combines in a second launch (not
 fused into this kernel). An empty range yields out = 0 and lse = -inf. Nothing here syncs with
@@ -124,6 +129,7 @@ def _paged_attn_kernel(
     stride_lh,
     stride_ls,
     max_kv_len,
+    num_queries,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     NUM_HEAD_TILES: tl.constexpr,
@@ -146,31 +152,45 @@ def _paged_attn_kernel(
     FP8_KIND: tl.constexpr = 1,
     FP8_ASM: tl.constexpr = False,
     P_SHIFT: tl.constexpr = 0,
+    QUERY_LEN: tl.constexpr = 1,
 ):
-    # Axis 0 enumerates (query, KV head, head tile) with head tiles fastest, so the tiles that
+    # Axis 0 enumerates (run, KV head, row tile) with row tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    tiles_per_query = NUM_KV_HEADS * NUM_HEAD_TILES
-    t = (pid // tiles_per_query).to(tl.int64)
-    pid_h = pid % tiles_per_query
+    tiles_per_run = NUM_KV_HEADS * NUM_HEAD_TILES
+    run = (pid // tiles_per_run).to(tl.int64)
+    pid_h = pid % tiles_per_run
     kvh = pid_h // NUM_HEAD_TILES
-    offs_h = (pid_h % NUM_HEAD_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < GROUP
-    heads = kvh * GROUP + offs_h
+    # Row r of the tile: query r // GROUP of the run, head r % GROUP of the KV head's group.
+    offs_r = (pid_h % NUM_HEAD_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t = run * QUERY_LEN + offs_r // GROUP
+    h_mask = (offs_r < QUERY_LEN * GROUP) & (t < num_queries)
+    heads = kvh * GROUP + offs_r % GROUP
 
-    row = tl.load(SEQ_IDX + t).to(tl.int64)
-    kv_len = tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len)
+    row = tl.load(SEQ_IDX + run * QUERY_LEN).to(tl.int64)  # the run's block-table row
+    kv_len = tl.minimum(tl.load(KV_LEN + t, mask=h_mask, other=0).to(tl.int32), max_kv_len)
     kv_len = tl.maximum(kv_len, 0)
     if HAS_START:
-        kv_start = tl.maximum(tl.load(KV_START + t).to(tl.int32), 0)
+        kv_start = tl.maximum(tl.load(KV_START + t, mask=h_mask, other=0).to(tl.int32), 0)
     else:
-        kv_start = 0
-    # The loop starts at the tile of the first visible key; an empty range visits no tile
-    # (so every visited tile holds a visible key and no tile reads a block before the start).
-    lo = (kv_start // BLOCK_N) * BLOCK_N
-    hi = tl.where(kv_start < kv_len, kv_len, lo)
-    # Equal tile-aligned shares of this query's range; tiles never straddle a block when
+        kv_start = tl.zeros([BLOCK_H], dtype=tl.int32)
+    # The loop covers the rows' non-empty ranges from the tile of the first key any row sees;
+    # no row seeing a key visits no tile (so no tile reads a block before every row's start).
+    live = kv_start < kv_len
+    first = tl.min(tl.where(live, kv_start, max_kv_len), 0)
+    last = tl.max(tl.where(live, kv_len, 0), 0)
+    lo = (first // BLOCK_N) * BLOCK_N
+    hi = tl.where(first < max_kv_len, last, lo)
+    if QUERY_LEN > 1:
+        # Do the rows' ranges leave a gap in [first, last)? Its first key would be a row's end
+        # that no row covers (s <= end < len). Consecutive positions of one request leave
+        # none: the loads are then masked to the union's bounds alone, no reduction a tile.
+        ends = kv_len[:, None]
+        covers = live[None, :] & (kv_start[None, :] <= ends) & (ends < kv_len[None, :])
+        uncovered = live & (kv_len < last) & (tl.max(covers.to(tl.int32), 1) == 0)
+        has_gap = tl.max(uncovered.to(tl.int32), 0) > 0
+    # Equal tile-aligned shares of the run's range; tiles never straddle a block when
     # PAGE is a multiple of BLOCK_N because every tile start is a multiple of BLOCK_N.
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
@@ -178,7 +198,7 @@ def _paged_attn_kernel(
 
     offs_dk = tl.arange(0, BLOCK_DK)
     dk_mask = offs_dk < DK
-    q_rows = Q + t * stride_qt + heads[:, None] * stride_qh
+    q_rows = Q + t[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_rows + offs_dk[None, :], mask=h_mask[:, None] & dk_mask[None, :], other=0.0)
     if DPE > 0:
         offs_pe = tl.arange(0, BLOCK_DPE)
@@ -203,7 +223,19 @@ def _paged_attn_kernel(
         qk_scale = qk_scale * tl.load(K_SCALE + kvh * stride_ksh)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = (offs_n < end) & (offs_n >= kv_start)
+        n_mask = (offs_n < end) & (offs_n >= first)
+        if QUERY_LEN > 1:
+            # Each row's own range; with a gap only the keys some row sees are loaded (a key
+            # between two rows' ranges may be a slot nobody wrote).
+            s_mask = (
+                n_mask[None, :]
+                & (offs_n[None, :] >= kv_start[:, None])
+                & (offs_n[None, :] < kv_len[:, None])
+            )
+            if has_gap:
+                n_mask = tl.max(s_mask.to(tl.int32), 0) > 0
+        else:
+            s_mask = n_mask[None, :]
         if PAGE % BLOCK_N == 0:
             # The tile lies in one block, which holds a visible key.
             blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
@@ -242,14 +274,20 @@ def _paged_attn_kernel(
             s = _tanh(s * qk_scale) * softcap
         else:
             s = s * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        s = tl.where(s_mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
+        if QUERY_LEN > 1:
+            # A row that has seen no key yet (its range starts later) keeps m = -inf: shift by
+            # 0 instead, so that its alpha and p are 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new  # every visited tile holds a key of the one query
+        alpha = tl.exp2(m_i - m_use)
         if P_SHIFT > 0:
             # P times 2**P_SHIFT, so that P @ v_bits stays clear of fp32's subnormals.
-            p = tl.exp2(s - (m_new - P_SHIFT)[:, None])
+            p = tl.exp2(s - (m_use - P_SHIFT)[:, None])
         else:
-            p = tl.exp2(s - m_new[:, None])
+            p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_IS_K:
             v = k
@@ -272,7 +310,8 @@ def _paged_attn_kernel(
     else:
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)) - P_SHIFT, float("-inf"))
-    o_ptrs = OUT + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
+    o_rows = OUT + t[:, None] * stride_ot + heads[:, None] * stride_oh
+    o_ptrs = o_rows + split * stride_os + offs_dv[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
     l_ptrs = LSE + t * stride_lt + heads * stride_lh + split * stride_ls
     if NUM_SPLITS == 1:
@@ -302,7 +341,8 @@ def _pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def default_config(group: int, dk: int, dv: int, dpe: int, split: bool = True) -> DecodeConfig:
-    """Tiles for a head group of ``group`` query heads per KV head and these head dims.
+    """Tiles for ``group`` rows per KV head (query heads per KV head times the queries of a
+    run, see :func:`paged_attention_kernel`'s ``query_len``) and these head dims.
 
     A rope part (``dpe > 0``) means the MLA kernel: :func:`mla_default_config`. ``split``
     says whether the KV range is cut into several splits (see :func:`choose_num_splits`); the
@@ -392,6 +432,7 @@ def _launch(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t, hq, _ = q.shape
     group = hq // num_kv_heads
@@ -400,20 +441,22 @@ def _launch(
     if t == 0:
         return out, lse
     kv_fp8 = k.dtype == torch.float8_e4m3fn
-    cfg = config or default_config(group, dk, dv, dpe)
-    head_tiles = triton.cdiv(group, cfg.block_h)
+    query_len = max(1, min(query_len, t))
+    rows = query_len * group  # rows per (run, KV head)
+    cfg = config or default_config(rows, dk, dv, dpe)
+    head_tiles = triton.cdiv(rows, cfg.block_h)
     max_kv_len = block_table.shape[1] * page
+    programs = triton.cdiv(t, query_len) * num_kv_heads * head_tiles
     if not num_splits:
         num_splits = choose_num_splits(
-            t * num_kv_heads * head_tiles, max_kv_len, _num_sms(q.device),
-            FP8_PROGRAMS_PER_SM if kv_fp8 else None,
-        )  # fmt: skip
+            programs, max_kv_len, _num_sms(q.device), FP8_PROGRAMS_PER_SM if kv_fp8 else None
+        )
     if config is None and kv_fp8 and dpe == 0 and max(dk, dv) <= 128:
         cfg = DecodeConfig(block_h=cfg.block_h, block_n=128, num_warps=4, num_stages=3)
     elif config is None and num_splits == 1:
-        cfg = default_config(group, dk, dv, dpe, split=False)  # same head tile
+        cfg = default_config(rows, dk, dv, dpe, split=False)  # same head tile
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (t * num_kv_heads * head_tiles, num_splits)
+    grid = (programs, num_splits)
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     has_start = query_kv_start is not None
     k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
@@ -432,14 +475,14 @@ def _launch(
         *stride_k, *stride_v,
         block_table.stride(0),
         *so, *sl,
-        max_kv_len,
+        max_kv_len, t,
         GROUP=group, NUM_KV_HEADS=num_kv_heads, NUM_HEAD_TILES=head_tiles, PAGE=page,
         DK=dk, DPE=dpe, DV=dv,
         BLOCK_DK=_pow2(dk), BLOCK_DPE=_pow2(dpe) if dpe else 1, BLOCK_DV=_pow2(dv),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUERY_LEN=query_len, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
@@ -529,6 +572,7 @@ def paged_attention_kernel(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA/MHA paged attention: q [T, Hq, D] vs [NB, BS, Hkv, D] caches -> (out, lse fp32).
 
@@ -536,7 +580,10 @@ def paged_attention_kernel(
     tiles (for tuning). ``query_kv_start`` [T] (int32/int64): the first local token each query
     sees (a sliding window), None for 0; ``softcap`` c > 0: scores become ``c * tanh(s / c)``
     after scaling, None or 0 for none. fp8 caches: ``k_scale``, ``v_scale`` fp32 [Hkv] or [1]
-    (None: 1.0). Last dims must be contiguous.
+    (None: 1.0). ``query_len`` Q: queries ``[i * Q, (i + 1) * Q)`` form a run that one program
+    serves (its K/V read once for them); they must share ``query_seq_idx`` (the result is the
+    per-query result whatever their ranges; the last run may be shorter). Last dims must be
+    contiguous.
     """
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     _, page, hkv, d = k_cache.shape
@@ -547,4 +594,5 @@ def paged_attention_kernel(
         stride_v=(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
         v_is_k=False, num_splits=num_splits, config=config,
         query_kv_start=query_kv_start, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+        query_len=query_len,
     )  # fmt: skip
