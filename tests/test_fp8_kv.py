@@ -153,17 +153,16 @@ def k_transposed(request, monkeypatch):
 
 @triton.jit
 def _convert_bytes(
-    X, Y, N: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr,
-    HW: tl.constexpr,
-):  # fmt: skip
+    X, Y, N: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr
+):
     offs = tl.arange(0, N)
-    tl.store(Y + offs, fp8_e4m3_bits_to(tl.load(X + offs), KIND, ASM, PACK, HW))
+    tl.store(Y + offs, fp8_e4m3_bits_to(tl.load(X + offs), KIND, ASM, PACK))
 
 
-def _converted(dtype, asm, device="cpu", pack=4, hw=False):
+def _converted(dtype, asm, device="cpu", pack=4):
     x = torch.arange(256, dtype=torch.uint8, device=device)
     y = torch.empty(256, dtype=dtype, device=device)
-    _convert_bytes[(1,)](x, y, N=256, KIND=fp8_bits_kind(dtype), ASM=asm, PACK=pack, HW=hw)
+    _convert_bytes[(1,)](x, y, N=256, KIND=fp8_bits_kind(dtype), ASM=asm, PACK=pack)
     return x, y
 
 
@@ -175,8 +174,6 @@ def test_fp8_byte_conversion_is_exact_interpreted(dtype):
     got = y.double() * 2.0 ** fp8_bias(dtype)
     assert torch.equal(got[finite], want[finite])
     assert torch.equal(got[finite].signbit(), want[finite].signbit())  # -0 stays -0
-    _, hw = _converted(dtype, asm=False, hw=True)  # the hardware's conversion: the value itself
-    assert torch.equal(hw.double()[finite], want[finite])
 
 
 def test_gqa_kernel_on_fp8_cache_half_queries_interpreted():
@@ -217,8 +214,7 @@ def test_gqa_kernel_on_fp8_cache_matches_reference_interpreted(window_softcap, k
     torch.testing.assert_close(ref_out, f_out, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("block_h", [16, 64], ids=["integer-conversion", "hardware-conversion"])
-def test_mla_kernel_on_fp8_cache_matches_reference_interpreted(k_transposed, block_h):
+def test_mla_kernel_on_fp8_cache_matches_reference_interpreted(k_transposed):
     g = torch.Generator().manual_seed(1)
     bs, rk, rope = 16, 64, 16
     cache = torch.full((6, bs, rk + rope), float("nan")).to(FP8_DTYPE)
@@ -232,7 +228,7 @@ def test_mla_kernel_on_fp8_cache_matches_reference_interpreted(k_transposed, blo
                         torch.randn(pos.numel(), rope, generator=g), cache, slots, sc)  # fmt: skip
     rows = torch.tensor([0, 1], dtype=torch.int32)
     q = torch.randn(2, 16, rk + rope, generator=g)
-    cfg = DecodeConfig(block_h=block_h, block_n=16, num_warps=4, num_stages=1)
+    cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     out, lse = paged_mla_attention_kernel(q, cache, bt, rows, lens, 0.1, rk, 2, config=cfg,
                                           kv_scale=sc)  # fmt: skip
     ref = paged_mla_attention(q, cache, bt, rows, lens, scale=0.1, kv_lora_rank=rk, kv_scale=sc)

@@ -90,9 +90,7 @@ def fp8_query_shift(dtype: torch.dtype) -> int:
 
 
 @triton.jit
-def fp8_e4m3_bits_to(
-    x, KIND: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr = 4, HW: tl.constexpr = False
-):
+def fp8_e4m3_bits_to(x, KIND: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr = 4):
     """uint8 e4m3 bytes -> the float of kind ``KIND`` equal to ``e4m3 * 2**-bias`` (exact).
 
     ``ASM``: the packed permute-and-mask PTX (CUDA); else the same with Triton's integer ops
@@ -101,18 +99,9 @@ def fp8_e4m3_bits_to(
     operand layout (right for an operand whose contraction dimension is contiguous in memory);
     with 8 it converts in the load's layout, so a tile contracted along its strided dimension
     (the values of P @ V) reaches the product through 16-bit transposing shared-memory loads
-    instead of single-byte ones. ``HW``: the hardware's conversion instead, to the value itself
-    (no power of two; the MLA kernel's 64-head tiles, where it measured faster).
+    instead of single-byte ones.
     """
-    if HW:
-        f = x.to(tl.float8e4nv, bitcast=True)
-        if KIND == 0:
-            y = f.to(tl.float32)
-        elif KIND == 1:
-            y = f.to(tl.bfloat16)
-        else:
-            y = f.to(tl.float16)
-    elif KIND == 0:
+    if KIND == 0:
         w = x.to(tl.uint32)
         y = (((w & 0x80) << 24) | ((w & 0x7F) << 20)).to(tl.float32, bitcast=True)
     elif ASM:

@@ -96,7 +96,6 @@ def _paged_mla_kernel(
     FP8_KIND: tl.constexpr = 1,
     FP8_ASM: tl.constexpr = False,
     P_SHIFT: tl.constexpr = 0,
-    FP8_HW: tl.constexpr = False,
 ):
     # One program: BLOCK_H heads of one query over one split of its KV range. A latent tile
     # [BLOCK_N, R + P] is loaded once and serves as the keys of both score products
@@ -151,8 +150,8 @@ def _paged_mla_kernel(
             other=0,
         )
         if KV_FP8:
-            kv = fp8_e4m3_bits_to(kv, FP8_KIND, FP8_ASM, 8, FP8_HW)
-            k_pe = fp8_e4m3_bits_to(k_pe, FP8_KIND, FP8_ASM, 4, FP8_HW)
+            kv = fp8_e4m3_bits_to(kv, FP8_KIND, FP8_ASM, 8)
+            k_pe = fp8_e4m3_bits_to(k_pe, FP8_KIND, FP8_ASM)
         if K_T:
             # The scores' keys loaded again as [R, N] (from L1/L2): no transpose of the tile.
             kvt = tl.load(
@@ -160,7 +159,7 @@ def _paged_mla_kernel(
                 mask=n_mask[None, :] & r_mask[:, None],
                 other=0,
             )
-            kvt = fp8_e4m3_bits_to(kvt, FP8_KIND, FP8_ASM, 4, FP8_HW)
+            kvt = fp8_e4m3_bits_to(kvt, FP8_KIND, FP8_ASM)
             k_pe = tl.trans(k_pe)
             s = tl.dot(q, kvt, input_precision=PRECISION)
         else:
@@ -301,8 +300,7 @@ def paged_mla_attention_kernel(
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     ks = fp8_scale_args(cache, kv_scale, kv_scale)[0]
     kv_fp8 = cache.dtype == torch.float8_e4m3fn
-    # (64-head tiles: the hardware's conversion measured faster than the integer one.)
-    fp8 = fp8_launch_args(q.dtype, hardware=cfg.block_h >= 64) if kv_fp8 else _NO_FP8
+    fp8 = fp8_launch_args(q.dtype) if kv_fp8 else _NO_FP8
     _paged_mla_kernel[(t * head_tiles, num_splits)](
         q, cache.view(torch.uint8) if kv_fp8 else cache, block_table, query_seq_idx,
         query_kv_len, o_buf, l_buf, ks, fp8.q_mult, fp8.out_mult,
@@ -318,7 +316,7 @@ def paged_mla_attention_kernel(
         KV_FP8=kv_fp8,
         # (The second, transposed tile does not fit shared memory beside a 64-head tile.)
         K_T=kv_fp8 and FP8_K_TRANSPOSED and cfg.block_h < 64,
-        FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift, FP8_HW=fp8.hw,
+        FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

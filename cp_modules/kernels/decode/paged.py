@@ -38,7 +38,6 @@ scales [Hkv], or [1] with a head stride of 0).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -501,17 +500,13 @@ class Fp8LaunchArgs:
     score_mult: float
     p_shift: int
     out_mult: float
-    hw: bool = False
 
 
 _NO_FP8 = Fp8LaunchArgs(kind=1, asm=False, q_mult=1.0, score_mult=1.0, p_shift=0, out_mult=1.0)
 
 
-def fp8_launch_args(q_dtype: torch.dtype, hardware: bool = False) -> Fp8LaunchArgs:
-    """The fp8 conversion's launch arguments for queries of ``q_dtype`` (on this backend);
-    ``hardware``: the hardware's e4m3 conversion (no powers of two to fold)."""
-    if hardware:
-        return dataclasses.replace(_NO_FP8, kind=fp8_bits_kind(q_dtype), hw=True)
+def fp8_launch_args(q_dtype: torch.dtype) -> Fp8LaunchArgs:
+    """The fp8 conversion's launch arguments for queries of ``q_dtype`` (on this backend)."""
     bias, shift = fp8_bias(q_dtype), fp8_query_shift(q_dtype)
     return Fp8LaunchArgs(
         kind=fp8_bits_kind(q_dtype),
