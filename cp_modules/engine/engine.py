@@ -423,19 +423,28 @@ class GenerationEngine:
         try:
             return self._decode_graph(batch)
         except RuntimeError as err:
-            if self._graphs_requested:
-                raise RuntimeError(
+            self._graph_capture_failed(
+                err,
+                RuntimeError(
                     f"decode_graphs=True but the model's decode step cannot be captured as a "
                     f"CUDA graph: {err}; pass decode_graphs=False (or None: eager fallback)"
-                ) from err
-            warnings.warn(
-                f"decode steps run eagerly: the model's decode step cannot be captured as a "
-                f"CUDA graph ({str(err).splitlines()[0]})",
-                stacklevel=3,
+                ),
+                "decode steps",
             )
-            self.decode_graphs = False
-            self._graphs.clear()
             return None
+
+    def _graph_capture_failed(self, err: RuntimeError, requested: Exception, steps: str) -> None:
+        """A step's graph could not be captured: raise ``requested`` (from ``err``) when graphs
+        were asked for, else warn that these ``steps`` run eagerly and turn graphs off."""
+        if self._graphs_requested:
+            raise requested from err
+        warnings.warn(
+            f"{steps} run eagerly: the model's step cannot be captured as a CUDA graph "
+            f"({str(err).splitlines()[0]})",
+            stacklevel=4,
+        )
+        self.decode_graphs = False
+        self._graphs.clear()
 
     @property
     def window_cache_blocks(self) -> dict[int, int]:

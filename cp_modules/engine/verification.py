@@ -21,7 +21,6 @@ Shapes: B = requests of the run, Q = k + 1 query tokens per request, V = vocabul
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -201,19 +200,15 @@ def _verify_graph(
                             pool=engine._graph_pool, window_widths=windows, query_len=q,
                             accept_greedy=greedy)  # fmt: skip
     except RuntimeError as err:
-        if engine._graphs_requested:
-            raise ValueError(
+        engine._graph_capture_failed(
+            err,
+            ValueError(
                 f"speculative={params.speculative!r} with decode_graphs=True, but the model's "
                 f"verification step cannot be captured as a CUDA graph: {err}; pass "
                 "decode_graphs=None (eager fallback) or False, or speculative=None"
-            ) from err
-        warnings.warn(
-            f"verification steps run eagerly: the model's step cannot be captured as a CUDA "
-            f"graph ({str(err).splitlines()[0]})",
-            stacklevel=4,
+            ),
+            "verification steps",
         )
-        engine.decode_graphs = False
-        engine._graphs.clear()
         return None
     engine._graphs[key] = graph
     engine.num_graph_captures += int(capture)
