@@ -94,10 +94,16 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # training parity rows of their note (docs/experiments, not in the dated report yet).
     # The peer side-by-side runs have their own table (``peers-<date>.md``, bench_peers), and
     # the loading memory run its own file (bench_loading, one row per loader); the speculative
-    # decoding runs their note (docs/experiments, not in the dated report yet).
-    kept -= {name for name in kept if name.startswith(("peers-", "loading-", "speculative-"))}
+    # decoding runs and the fp8 KV runs and probe their notes (docs/experiments, not in the
+    # dated report yet).
+    kept -= {
+        name
+        for name in kept
+        if name.startswith(("peers-", "loading-", "speculative-", "fp8-kv-", "fp8-decode-"))
+    }
     assert read == kept - {
         "decoder-parity-2026-12-02.json",
+        "decoder-parity-2026-12-03.json",
         "decoder-parity-repeat-2026-12-02.json",
         "mla-decode-gluon-pdl-stagger-2026-12-02.json",
         "mla-decode-fixed-costs-2026-12-02.json",
