@@ -3,6 +3,7 @@
 
     python -m benchmarks.bench_fp8_kv            # well under 3 minutes on an H200
     python -m benchmarks.bench_fp8_kv --quick    # two shapes per row family, a smoke test
+    python -m benchmarks.bench_fp8_kv --logits   # only the logits-error rows (a few minutes)
 
 For every shape both caches hold the same random K/V (the fp8 one quantized from the bf16 one
 by ``cp::write_kv_cache`` semantics, static per-tensor scale 1.0: the values are N(0, 1)), and
@@ -22,6 +23,10 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   Hopper); fp8 MLA decode runs the Triton kernel.
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound).
+- ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
+  DeepSeek-V3 shapes, 2 layers, 16k prompt; ``--logits`` runs only these, into
+  ``fp8-kv-logits-<date>.json``): what the errors are and why the ratio is fair,
+  :mod:`benchmarks.fp8_kv_logits`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from triton.testing import do_bench
 import cp_modules.kernels.decode.mla as mla_kernels
 import cp_modules.kernels.decode.paged as gqa_kernels
 from benchmarks.common import RESULTS, write_results
+from benchmarks.fp8_kv_logits import NAMES, logits_error_rows
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
 from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
@@ -262,6 +268,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-mla", action="store_true")
     ap.add_argument("--families", default="gqa,mla16,mla128", help="comma list of row families")
+    ap.add_argument("--logits", action="store_true", help="only the logits-error rows")
+    ap.add_argument("--logits-models", default=",".join(NAMES))
+    ap.add_argument("--logits-prompt", type=int, default=16384)
+    ap.add_argument("--logits-steps", type=int, default=8)
     a = ap.parse_args()
     if torch.cuda.get_device_capability() < (8, 9):
         print("fp8 KV needs compute capability >= 8.9", flush=True)
@@ -269,13 +279,18 @@ def main() -> int:
     rows: dict = {}
     checks: dict = {}
     gqa = GQA_SHAPES[:2] if a.quick else GQA_SHAPES
-    kind = "fp8-kv-quick" if a.quick else "fp8-kv"
+    kind = "fp8-kv-logits" if a.logits else "fp8-kv-quick" if a.quick else "fp8-kv"
 
     def save() -> None:  # after every family: a later failure keeps the rows measured so far
         path = write_results(kind, {"rows": rows, "checks": checks}, a.out,
                              fp8_dtype=str(FP8_DTYPE), block_size=BS)  # fmt: skip
         print(f"wrote {path}", flush=True)
 
+    if a.logits:
+        ok = logits_error_rows(a.logits_models.split(","), rows, checks,
+                               prompt_len=a.logits_prompt, steps=a.logits_steps)  # fmt: skip
+        save()
+        return 0 if ok else 1
     families = set(a.families.split(","))
     if a.no_mla:
         families -= {"mla16", "mla128"}

