@@ -25,8 +25,8 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   split 8 ways by tensor parallelism (memory-bound).
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
   DeepSeek-V3 shapes, 2 layers, 16k prompt; ``--logits`` runs only these, into
-  ``fp8-kv-logits-<date>.json``): what the errors are and why the ratio is fair,
-  :mod:`benchmarks.fp8_kv_logits`.
+  ``fp8-kv-logits-<date>.json``; not in the default run, which stays within the suite's time
+  per part): what the errors are and why the ratio is fair, :mod:`benchmarks.fp8_kv_logits`.
 """
 
 from __future__ import annotations

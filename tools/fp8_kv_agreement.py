@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """fp8 (e4m3) KV-cache variants on SmolLM2-135M-Instruct: teacher-forced top-1 agreement (CPU).
 
-    PYTHONPATH=.:recipes python tools/fp8_kv_agreement.py [--variants a,b] [--prompts 16]
+    PYTHONPATH=.:recipes python tools/fp8_kv_agreement.py [--variants 'a;b'] [--prompts 16]
+
+About 13 minutes for every variant on two cores (the results: docs/experiments/
+2026-12-02-fp8-kv-scaling.md, 2026-12-03).
 
 A simulation of the paged cache in plain PyTorch: the HF model (the project's GGUF, fp32) runs
 with an attention function that attends with the K/V a cache would hand back. As in the
@@ -19,8 +22,9 @@ attention output of the decode queries, ``|O_test - O_ref| / |O_ref|`` (Frobeniu
 computed from the same q/k/v of the tested run.
 
 Static scales and offsets are calibrated on other prompts (``CALIBRATION``: their prefill's
-post-RoPE K/V per layer); "prompt" offsets are the mean of the request's own prompt keys
-(what a write at prefill could compute); per-token scales are ``amax / 448`` of the written
+post-RoPE K/V per layer); "prompt" offsets are the mean of the request's own prompt K (or V)
+after its first token (what a write at prefill could compute); "sink bf16" keeps the request's
+first token in bf16; per-token scales are ``amax / 448`` of the written
 token (per KV head: over D; per token: over heads and D).
 
 Smoothing: the cache holds ``k - m`` (``m`` [H, D] or [D]); softmax is invariant to the
