@@ -45,6 +45,7 @@ from benchmarks import bench_parity
 BS = 64
 NAMES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B", "deepseek-v3": "DeepSeek-V3"}
 RATIO_ROW = "fp8 KV logits error / bf16 KV logits error (vs fp32) {}"
+REF_PREFILL_CHUNK = 2048
 
 
 @contextlib.contextmanager
@@ -59,9 +60,16 @@ def _parity_device(device: torch.device) -> Iterator[None]:
 
 
 @torch.no_grad()
-def _decode_logits(model, prompt: torch.Tensor, feed: torch.Tensor, kv_cache_dtype: str):
-    """Prefill ``prompt`` [P] into fresh paged caches of ``kv_cache_dtype``, then one decode
-    step per token of ``feed`` [S]: the fp32 logits of every decode step [S, V]."""
+def _decode_logits(
+    model,
+    prompt: torch.Tensor,
+    feed: torch.Tensor,
+    kv_cache_dtype: str,
+    prefill_chunk: int | None = None,
+):
+    """Prefill ``prompt`` [P] into fresh paged caches of ``kv_cache_dtype`` (in chunks of
+    ``prefill_chunk`` tokens that read their prefix from the cache, None: at once), then one
+    decode step per token of ``feed`` [S]: the fp32 logits of every decode step [S, V]."""
     from cp_modules.modules.hf_swap import allocate_kv_caches, free_kv_caches
     from cp_modules.step import CPRuntime, build_step_metadata, cp_step, restore_tokens
 
@@ -84,7 +92,9 @@ def _decode_logits(model, prompt: torch.Tensor, feed: torch.Tensor, kv_cache_dty
             ).last_hidden_state[0]
         return head(restore_tokens(h, meta)[-1:]).float()[0]
 
-    step(prompt, 0)
+    chunk = prefill_chunk or n
+    for i in range(0, n, chunk):
+        step(prompt[i : i + chunk], i)
     out = torch.stack([step(feed[i : i + 1], n + i) for i in range(feed.numel())])
     free_kv_caches(model)
     return out
@@ -134,10 +144,14 @@ def _model_rows(name: str, rows: dict, checks: dict, prompt_len: int, steps: int
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=g).to(dev)
     feed = torch.randint(0, vocab, (steps,), generator=g).to(dev)
-    ref = _decode_logits(model, prompt, feed, "bf16")  # fp32 weights, fp32 cache
+    # fp32 weights, fp32 cache; prefilled in chunks (fp32 prefill runs the reference
+    # attention, whose scores of a whole 16k prompt at 128 heads would not fit).
+    ref = _decode_logits(model, prompt, feed, "bf16", prefill_chunk=REF_PREFILL_CHUNK)
     del model
     gc.collect()
-    half = swap_attention(hf.to(torch.bfloat16))  # the same weights, rounded once to bf16
+    # The same weights rounded once to bf16; the rotary frequencies stay fp32, as in a bf16
+    # checkpoint (rounded, they alone would move the logits far from the fp32 model's).
+    half = swap_attention(bench_parity.cast_keeping_rope(hf, torch.bfloat16))
     got = {dt: _decode_logits(half, prompt, feed, dt) for dt in ("bf16", "fp8_e4m3")}
     del hf, half
     e16, m16 = _errors(got["bf16"], ref)

@@ -21,9 +21,20 @@ def test_decode_logits_equal_hf_forward_fp32(name):
     ids = torch.randint(0, hf.config.vocab_size, (70,), generator=g)  # crosses a block
     prompt, feed = ids[:67], ids[67:]
     got = bench._decode_logits(cp, prompt, feed, "bf16")  # the fp32 model's fp32 cache
+    chunked = bench._decode_logits(cp, prompt, feed, "bf16", prefill_chunk=24)  # the reference's
     with torch.no_grad():
         want = hf(input_ids=ids[None], use_cache=False).logits[0, 67:70].float()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_copy_keeps_fp32_rotary_frequencies():
+    with bench._parity_device(torch.device("cpu")):
+        hf, _ = bench_parity.build("llama3-8b", dtype=torch.float32)
+    half = bench_parity.cast_keeping_rope(hf, torch.bfloat16)
+    bufs = {n: b for n, b in half.named_buffers() if n.endswith("inv_freq")}
+    assert bufs and all(b.dtype == torch.float32 for b in bufs.values())
+    assert next(half.parameters()).dtype == torch.bfloat16
 
 
 def test_logits_rows_are_finite_gqa_and_mla():
