@@ -2,7 +2,8 @@
 against the DCP-sharded cache give the greedy tokens of plain decoding on one process.
 
 Tiny models: GQA (ag_rs), MLA (a2a, interleave 2) and a sliding window with sinks (a2a,
-interleave 2); one spawn runs them all. A real model: SmolLM2-135M-Instruct asked to repeat a
+interleave 2), each with eager steps and with verification runs on static buffers (the
+accepted tokens broadcast from rank 0); one spawn runs them all. A real model: SmolLM2-135M-Instruct asked to repeat a
 passage (n-gram drafts, k = 4): the same tokens as plain decoding on the same ranks, and at
 least 1.8 tokens per request and verification step.
 """
@@ -46,14 +47,16 @@ def _tiny_body(rank: int, world_size: int):
     out = []
     for family, backend, interleave, k in CASES:
         groups = init_cp_groups(_config(backend, interleave))
-        engine = GenerationEngine(
-            swap_attention(_model(family), groups), groups, block_size=4, max_num_tokens=24,
-            max_num_seqs=4, progress=False,
-        )  # fmt: skip
-        params = SamplingParams(max_new_tokens=MAX_NEW, speculative="ngram",
-                                num_speculative_tokens=k)  # fmt: skip
-        res = engine.generate(repeated_prompts(), params)
-        out.append((res.outputs, res.stats.spec_accepted_tokens))
+        for graphs in (False, True):  # eager steps; verification runs on static buffers
+            engine = GenerationEngine(
+                swap_attention(_model(family), groups), groups, block_size=4, max_num_tokens=24,
+                max_num_seqs=4, progress=False, decode_graphs=graphs,
+            )  # fmt: skip
+            params = SamplingParams(max_new_tokens=MAX_NEW, speculative="ngram",
+                                    num_speculative_tokens=k)  # fmt: skip
+            res = engine.generate(repeated_prompts(), params)
+            on_graph = any(key[0] == "verify" for key in engine._graphs)
+            out.append((res.outputs, res.stats.spec_accepted_tokens, on_graph))
     return out
 
 
@@ -71,10 +74,13 @@ def test_greedy_speculation_at_pcp2_dcp2_equals_one_process():
             plain = SamplingParams(max_new_tokens=MAX_NEW)
             want[family] = engine.generate(repeated_prompts(), plain).outputs
     results = run_distributed(_tiny_body, 2, timeout_s=600)
+    runs = [(case, graphs) for case in CASES for graphs in (False, True)]
     for per_rank in results:
-        for (family, backend, interleave, k), (outputs, accepted) in zip(CASES, per_rank):
-            assert outputs == want[family], (family, backend, interleave, k)
-            assert accepted > 0, (family, backend)
+        assert len(per_rank) == len(runs)
+        for ((family, backend, interleave, k), graphs), got in zip(runs, per_rank):
+            outputs, accepted, on_graph = got
+            assert outputs == want[family], (family, backend, interleave, k, graphs)
+            assert accepted > 0 and on_graph == graphs, (family, backend, graphs)
 
 
 def _smollm2_conf():
