@@ -8,7 +8,9 @@ GPU rows (4-layer Llama-3-8B-shaped model, random weights, bf16, 16 prompts of 2
 128 new tokens, greedy, every request to ``max_new_tokens``; decode and verification steps
 in CUDA graphs): the engine with ``num_speculative_tokens=4`` against the plain engine, with
 a drafter that proposes the target's own greedy tokens (every draft accepted) and one that
-proposes them shifted by one id (every draft rejected). ``tokens/s`` is the decode rate:
+proposes them shifted by one id (every draft rejected; with the default back-off of
+``SamplingParams.speculative_min_accepted``, and ``always verifying`` with it off).
+``tokens/s`` is the decode rate:
 tokens of the steps after the prefill over their time (``GenerationStats.decode_tokens_per_s``)
 ; ``whole call`` rows divide the call's tokens by its wall time, prefill included. Gate: the
 speculative runs' greedy tokens are counted against the plain run's (bf16: a verification of
@@ -75,8 +77,8 @@ def gpu_rows(
     # verification accepts (a fixed point: every draft accepted).
     own = seqs
     for it in range(8):
-        p = SamplingParams(max_new_tokens=new, ignore_eos=True,
-                           speculative=ReplayDrafter(own, vocab), num_speculative_tokens=K)  # fmt: skip
+        p = SamplingParams(max_new_tokens=new, ignore_eos=True, speculative=ReplayDrafter(own, vocab),
+                           num_speculative_tokens=K, speculative_min_accepted=0)  # fmt: skip
         res = engine.generate(prompts, p)
         metrics[f"all-accepted drafts: acceptance rate at replay {it}"] = res.stats.acceptance_rate
         nxt = [q + o for q, o in zip(prompts, res.outputs)]
@@ -90,11 +92,20 @@ def gpu_rows(
             speculative=ReplayDrafter(own, vocab),
             num_speculative_tokens=K,
         ),  # fmt: skip
+        # The default back-off (SamplingParams.speculative_min_accepted) pauses speculation
+        # while drafts are rejected; "always verifying" is the cost of every step trying.
         "all-rejected": SamplingParams(
             max_new_tokens=new,
             ignore_eos=True,
             speculative=ReplayDrafter(seqs, vocab, offset=1),
             num_speculative_tokens=K,
+        ),  # fmt: skip
+        "all-rejected always verifying": SamplingParams(
+            max_new_tokens=new,
+            ignore_eos=True,
+            speculative=ReplayDrafter(seqs, vocab, offset=1),
+            num_speculative_tokens=K,
+            speculative_min_accepted=0,
         ),  # fmt: skip
     }
     results = {"plain": plain}

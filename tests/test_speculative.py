@@ -24,9 +24,14 @@ from cp_modules.engine.speculative import (
     accept_drafts,
     ngram_draft,
 )
+from cp_modules.engine.verification import SpeculationBackoff
 from cp_modules.modules.hf_swap import swap_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Tests of the verification steps themselves verify at every step (their tiny random models
+# accept few drafts, which the default back-off would answer with plain decode steps).
+ALWAYS = {"speculative_min_accepted": 0}
 
 
 def chi2_critical(df: int, z: float = 3.0902) -> float:
@@ -97,7 +102,8 @@ def test_greedy_speculation_equals_plain_decoding(family, k, graphs):
     prompts = repeated_prompts()
     plain = engine.generate(prompts, SamplingParams(max_new_tokens=14))
     spec = engine.generate(
-        prompts, SamplingParams(max_new_tokens=14, speculative="ngram", num_speculative_tokens=k)
+        prompts,
+        SamplingParams(max_new_tokens=14, speculative="ngram", num_speculative_tokens=k, **ALWAYS),
     )
     assert spec.outputs == plain.outputs
     s = spec.stats
@@ -149,7 +155,7 @@ def test_graph_runs_end_when_a_request_finishes_and_admit_the_next():
     want = engine.generate(prompts, params)
     assert any(len(o) < 12 for o in want.outputs)
     spec = SamplingParams(max_new_tokens=12, eos_token_id=stop, speculative="ngram",
-                          num_speculative_tokens=3)  # fmt: skip
+                          num_speculative_tokens=3, **ALWAYS)  # fmt: skip
     got = engine.generate(prompts, spec)
     assert got.outputs == want.outputs and got.finish_reasons == want.finish_reasons
     assert got.stats.spec_steps > 0 and got.stats.spec_accepted_tokens > 0
@@ -163,7 +169,7 @@ def test_sampled_verification_on_graph_buffers_draws_as_eager():
     greedy = _engine(model).generate(prompts, SamplingParams(max_new_tokens=10)).outputs
     drafter = ReplayDrafter([p + o for p, o in zip(prompts, greedy)], vocab_size=256)
     params = SamplingParams(max_new_tokens=10, temperature=0.5, top_k=3, seed=4,
-                            speculative=drafter, num_speculative_tokens=3)  # fmt: skip
+                            speculative=drafter, num_speculative_tokens=3, **ALWAYS)  # fmt: skip
     runs = [_engine(model, decode_graphs=g).generate(prompts, params) for g in (False, True)]
     assert runs[0].outputs == runs[1].outputs
     assert runs[1].stats.spec_steps > 0 and runs[1].stats.spec_accepted_tokens > 0
@@ -250,7 +256,7 @@ def test_sampled_speculation_keeps_the_target_distribution():
     engine = _engine(model, max_num_tokens=n * 4, max_num_seqs=n)
     drafter = ReplayDrafter([prompt + greedy] * n, vocab_size=256)
     for spec in (None, drafter):
-        kw = {} if spec is None else dict(speculative=spec, num_speculative_tokens=2)
+        kw = {} if spec is None else dict(speculative=spec, num_speculative_tokens=2, **ALWAYS)
         res = engine.generate([prompt] * n, SamplingParams(**{**params.__dict__, **kw}))
         counts: dict = {}
         for o in res.outputs:
@@ -295,14 +301,15 @@ def test_a_draft_model_drafts_through_the_same_interface():
     drafter = DraftModelDrafter(build_model(_conf("llama", seed=1)))
     res = engine.generate(
         prompts,
-        SamplingParams(max_new_tokens=10, speculative=drafter, num_speculative_tokens=3),
+        SamplingParams(max_new_tokens=10, speculative=drafter, num_speculative_tokens=3, **ALWAYS),
     )
     assert res.outputs == plain
     assert res.stats.spec_draft_tokens > 0
     # The target itself (unswapped copy) as the draft: every draft is accepted.
     same = DraftModelDrafter(build_model(_conf("llama")))
     res = engine.generate(
-        prompts, SamplingParams(max_new_tokens=10, speculative=same, num_speculative_tokens=3)
+        prompts,
+        SamplingParams(max_new_tokens=10, speculative=same, num_speculative_tokens=3, **ALWAYS),
     )
     assert res.outputs == plain
     assert res.stats.spec_accepted_tokens == res.stats.spec_draft_tokens > 0
@@ -334,7 +341,9 @@ def test_a_verification_step_that_cannot_be_captured_is_refused_when_graphs_are_
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(spec, "DecodeGraph", fail)
-    params = SamplingParams(max_new_tokens=4, speculative="ngram", num_speculative_tokens=2)
+    params = SamplingParams(
+        max_new_tokens=4, speculative="ngram", num_speculative_tokens=2, **ALWAYS
+    )
     engine = _engine(build_model(_conf("llama")), decode_graphs=True)
     with pytest.raises(ValueError, match="speculative='ngram' with decode_graphs=True"):
         engine.generate([[1, 2, 1, 2]], params)
@@ -344,3 +353,52 @@ def test_a_verification_step_that_cannot_be_captured_is_refused_when_graphs_are_
     with pytest.warns(UserWarning, match="verification steps run eagerly"):
         got = engine.generate([[1, 2, 1, 2]], params).outputs
     assert got == engine.generate([[1, 2, 1, 2]], SamplingParams(max_new_tokens=4)).outputs
+
+
+def test_backoff_pauses_speculation_while_it_does_not_pay():
+    b = SpeculationBackoff(0.25)
+    assert b.speculate() and not b.record(0, 4)  # one step is not yet a judgement
+    assert b.record(0, 4) and b.plain_left == 8 and not b.speculate()
+    b.ran_plain(5)
+    assert b.plain_left == 3 and not b.speculate()
+    b.ran_plain(3)
+    assert b.speculate()
+    assert not b.record(0, 4) and b.record(1, 4) and b.plain_left == 16  # failed again: longer
+    b.ran_plain(16)
+    assert not b.record(4, 4) and not b.record(4, 4)  # a probe that pays resets the pause
+    assert not b.record(0, 4) and b.record(0, 4) and b.plain_left == 8
+    for _ in range(10):
+        b.ran_plain(b.plain_left)
+        b.record(0, 4)
+        b.record(0, 4)
+    assert b.plain_left == SpeculationBackoff.LONGEST
+    off = SpeculationBackoff(0)
+    assert not any(off.record(0, 4) for _ in range(5)) and off.speculate()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
+def test_rejected_drafts_back_off_to_plain_steps_with_plain_tokens(graphs):
+    # Drafts that are always wrong: with the default back-off most decode steps run without
+    # drafts; with speculative_min_accepted=0 every decode step verifies. Greedy tokens are
+    # plain decoding's either way.
+    model = _model("llama")
+    prompts = repeated_prompts()
+    engine = _engine(model, decode_graphs=graphs)
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    wrong = ReplayDrafter([p + o for p, o in zip(prompts, plain.outputs)], 256, offset=1)
+    runs = {}
+    for m in (0.25, 0):
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, speculative=wrong,
+                                num_speculative_tokens=3, speculative_min_accepted=m)  # fmt: skip
+        runs[m] = engine.generate(prompts, params)
+        assert runs[m].outputs == plain.outputs
+    assert runs[0].stats.spec_steps == 30 - 1  # every decode step (the first token: prefill)
+    assert 0 < runs[0.25].stats.spec_steps <= 8 and runs[0.25].stats.spec_accepted_tokens == 0
+    assert runs[0.25].stats.num_steps > runs[0.25].stats.spec_steps
+
+
+def test_backoff_option_is_checked():
+    for bad in (-0.5, float("nan"), float("inf"), True, "0.2"):
+        with pytest.raises(ValueError, match="speculative_min_accepted must be"):
+            SamplingParams(speculative="ngram", num_speculative_tokens=2,
+                           speculative_min_accepted=bad)  # fmt: skip

@@ -53,7 +53,7 @@ def _tiny_body(rank: int, world_size: int):
                 max_num_seqs=4, progress=False, decode_graphs=graphs,
             )  # fmt: skip
             params = SamplingParams(max_new_tokens=MAX_NEW, speculative="ngram",
-                                    num_speculative_tokens=k)  # fmt: skip
+                                    num_speculative_tokens=k, speculative_min_accepted=0)  # fmt: skip
             res = engine.generate(repeated_prompts(), params)
             on_graph = any(key[0] == "verify" for key in engine._graphs)
             out.append((res.outputs, res.stats.spec_accepted_tokens, on_graph))

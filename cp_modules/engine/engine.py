@@ -35,7 +35,7 @@ from cp_modules.engine.rows import gather_rows as _gather_rows
 from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.engine.speculative import SpeculativeStats, make_drafter
-from cp_modules.engine.verification import verify_run
+from cp_modules.engine.verification import SpeculationBackoff, verify_run
 from cp_modules.modules.hf_swap import (
     allocate_kv_caches,
     cp_attention_layers,
@@ -308,6 +308,7 @@ class GenerationEngine:
             max_query_len=query_len,
         )
         spec = SpeculativeStats()
+        backoff = SpeculationBackoff(params.speculative_min_accepted)
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         stop_ids = self.stop_ids(params)
         bar = _progress_bar(len(requests) * params.max_new_tokens, self.progress and self.rank == 0)
@@ -326,9 +327,10 @@ class GenerationEngine:
             while not sched.done:
                 batch = sched.schedule()
                 t_step = time.perf_counter()
-                if drafter is not None and steps and batch.num_prefill_tokens == 0:
+                speculate = drafter is not None and backoff.speculate()
+                if speculate and steps and batch.num_prefill_tokens == 0:
                     n_steps, n = verify_run(self, sched, batch, params, generator, drafter,
-                                            spec, stop_ids, t0, bar.update)  # fmt: skip
+                                            spec, stop_ids, t0, bar.update, backoff)  # fmt: skip
                     decode_s += time.perf_counter() - t_step
                     decode_tokens += n
                     steps += n_steps
@@ -336,8 +338,9 @@ class GenerationEngine:
                 graph = self._serving_graph(batch) if steps else None
                 if graph is not None:
                     n_steps, n_tokens = self._decode_run(
-                        sched, batch, graph, params, generator, record
+                        sched, batch, graph, params, generator, record, backoff.plain_left
                     )
+                    backoff.ran_plain(n_steps)
                     decode_s += time.perf_counter() - t_step
                     decode_tokens += n_tokens
                     steps += n_steps
@@ -349,6 +352,7 @@ class GenerationEngine:
                 else:
                     decode_s += now - t_step
                     decode_tokens += len(tokens)
+                    backoff.ran_plain(1)
                 record(batch, tokens)
                 steps += 1
         bar.close()
@@ -474,8 +478,11 @@ class GenerationEngine:
             self.num_graph_captures += int(capture)
         return graph
 
-    def _decode_run(self, sched, batch, graph, params, generator, record) -> tuple[int, int]:
-        """Decode steps of ``batch``'s requests on ``graph`` until one of them finishes.
+    def _decode_run(
+        self, sched, batch, graph, params, generator, record, max_steps: int = 0
+    ) -> tuple[int, int]:
+        """Decode steps of ``batch``'s requests on ``graph`` until one of them finishes (or
+        after ``max_steps`` > 0 steps: a pause in speculation).
 
         Step t + 1 is launched before the host reads step t's tokens (its inputs are updated on
         the device), so the host's bookkeeping of step t overlaps the GPU's work on t + 1. When
@@ -485,6 +492,7 @@ class GenerationEngine:
         b = graph.load(batch)
         # Steps until the first request reaches max_new_tokens (stop tokens may end it sooner).
         num = min(r.max_new_tokens - len(r.output) for r in batch.requests)
+        num = min(num, max_steps) if max_steps > 0 else num
         inflight: list[tuple[StepBatch, torch.Tensor, torch.cuda.Event | None]] = []
         steps = recorded = 0
         bookkeeping = decode_batch(batch.requests)  # what every later step's update reads

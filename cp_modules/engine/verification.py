@@ -42,7 +42,47 @@ from cp_modules.engine.speculative import (
 )
 from cp_modules.step import build_step_metadata, cp_step
 
-__all__ = ["verify_run"]
+__all__ = ["SpeculationBackoff", "verify_run"]
+
+
+class SpeculationBackoff:
+    """Whether the next decode steps verify drafts (``SamplingParams.speculative_min_accepted``).
+
+    After a verification step, if the last ``window`` steps kept fewer than ``min_accepted``
+    drafts per request on average, speculation pauses: the next ``plain`` decode steps run
+    without drafts (8 at first, doubling each time a probe fails again, up to 256), then a
+    verification probe follows. A probe that pays resets the pause length. Every rank decides
+    alike: the kept counts are rank 0's tokens, broadcast. Tokens are those of plain decoding
+    either way (greedy), or drawn from the same distribution (sampling).
+    """
+
+    FIRST, LONGEST, WINDOW = 8, 256, 2
+
+    def __init__(self, min_accepted: float) -> None:
+        self.min_accepted = min_accepted
+        self.plain_left = 0  # decode steps still to run without drafts
+        self._pause = self.FIRST
+        self._recent: list[float] = []
+
+    def speculate(self) -> bool:
+        return self.plain_left <= 0
+
+    def record(self, accepted: int, rows: int) -> bool:
+        """One verification step kept ``accepted`` drafts over ``rows`` requests; True: pause."""
+        if self.min_accepted <= 0 or rows <= 0:
+            return False
+        self._recent = [*self._recent[1 - self.WINDOW :], accepted / rows]
+        if len(self._recent) < self.WINDOW:
+            return False
+        if sum(self._recent) / self.WINDOW >= self.min_accepted:
+            self._pause = self.FIRST
+            return False
+        self.plain_left, self._pause = self._pause, min(2 * self._pause, self.LONGEST)
+        self._recent = []
+        return True
+
+    def ran_plain(self, steps: int) -> None:
+        self.plain_left = max(0, self.plain_left - steps)
 
 
 def verify_run(
@@ -56,17 +96,19 @@ def verify_run(
     stop_ids: frozenset[int],
     start: float,
     progress: Callable[[int], object] = lambda n: None,
+    backoff: SpeculationBackoff | None = None,
 ) -> tuple[int, int]:
     """Verification steps of ``batch``'s decoding requests (an all-decode step), each recorded
     with :meth:`Scheduler.update_verified` (``start``: the call's start, for first-token
     times; ``progress`` gets each step's new tokens): on a graph until a request finishes,
-    else one eager step. Returns (steps, tokens recorded)."""
+    else one eager step; ``backoff`` (if given) sees each step's kept drafts, and a run ends
+    early when it pauses speculation. Returns (steps, tokens recorded)."""
     k = params.num_speculative_tokens
     reqs = list(batch.requests)
     graph = _verify_graph(engine, sched, len(reqs), k + 1, params)
     if graph is not None:
         return _graph_run(engine, sched, reqs, graph, params, generator, drafter, stats,
-                          stop_ids, start, progress)  # fmt: skip
+                          stop_ids, start, progress, backoff)  # fmt: skip
     t0 = time.perf_counter()
     drafts, qs = _draft(engine, reqs, k, drafter, params)
     t1 = time.perf_counter()
@@ -82,6 +124,8 @@ def verify_run(
     _count(stats, drafts, out, t1 - t0, time.perf_counter() - t1, 0.0)
     n = sched.update_verified(reqs, out, stop_ids, time.perf_counter() - start)
     progress(n)
+    if backoff is not None:
+        backoff.record(sum(len(o) - 1 for o in out), len(out))
     return 1, n
 
 
@@ -125,7 +169,7 @@ def _count(stats: SpeculativeStats, drafts, out, draft_s: float, verify_s: float
 
 
 def _graph_run(engine, sched, reqs, graph, params, generator, drafter, stats, stop_ids, start,
-               progress) -> tuple[int, int]:  # fmt: skip
+               progress, backoff=None) -> tuple[int, int]:  # fmt: skip
     """Verification steps of ``reqs`` on ``graph`` until one of them finishes."""
     b, q = len(reqs), graph.query_len
     k = q - 1
@@ -172,7 +216,8 @@ def _graph_run(engine, sched, reqs, graph, params, generator, drafter, stats, st
         progress(n)
         recorded += n
         steps += 1
-        if any(r.finished for r in reqs):
+        paused = backoff is not None and backoff.record(sum(len(o) - 1 for o in out), len(out))
+        if paused or any(r.finished for r in reqs):
             return steps, recorded
 
 
