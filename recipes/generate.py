@@ -53,6 +53,12 @@ def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> 
         f"{s.tokens_per_s:.1f} tok/s; time to first token {s.ttft_s * 1e3:.0f} ms (mean); "
         f"prefill {s.prefill_tokens_per_s:.0f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s"
     )
+    if s.spec_steps:
+        print(
+            f"speculative decoding: {s.spec_steps} verification steps, "
+            f"{s.tokens_per_verify:.2f} tokens per request and step, acceptance "
+            f"{s.acceptance_rate:.0%} of {s.spec_draft_tokens} drafts"
+        )
     print(
         f"KV cache per rank: {s.peak_blocks} blocks of {conf.backend.block_size} tokens in use at most "
         f"({s.kv_cache_bytes / 2**20:.2f} MiB allocated; {s.kv_cache_dtype}, "

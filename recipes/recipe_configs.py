@@ -187,7 +187,9 @@ class GenerateWorkload:
     ids of ``prompt_lens`` tokens drawn with ``seed``. ``eos_token_id``: the stop token (None:
     the model's generation config's; the tiny models have none). ``max_num_tokens`` is
     the per-step token budget (chunked prefill); ``check`` also generates on one process and fails
-    unless greedy tokens are identical.
+    unless greedy tokens are identical. ``speculative`` (None or ``ngram``),
+    ``num_speculative_tokens`` and ``speculative_min_accepted``: speculative decoding, as
+    :class:`~cp_modules.engine.SamplingParams` takes them.
     """
 
     prompt_lens: list[int] = field(default_factory=lambda: [48, 17, 33, 5])
@@ -203,8 +205,19 @@ class GenerateWorkload:
     max_num_seqs: int = 16
     check: bool = True
     progress: bool = True
+    speculative: str | None = None
+    num_speculative_tokens: int = 0
+    speculative_min_accepted: float = 0.25
 
     def __post_init__(self) -> None:
+        from cp_modules.engine import SamplingParams
+
+        try:  # the speculation options' own checks, named as the config names them
+            SamplingParams(speculative=self.speculative,
+                           num_speculative_tokens=self.num_speculative_tokens,
+                           speculative_min_accepted=self.speculative_min_accepted)  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"workload: {err}") from None
         if not self.prompts and (not self.prompt_lens or min(self.prompt_lens) < 1):
             raise ValueError(
                 f"workload.prompt_lens must list lengths >= 1 when no prompts are given, got {self.prompt_lens}"

@@ -81,6 +81,9 @@ def sampling_params(conf: GenerateConf) -> SamplingParams:
         top_p=w.top_p,
         seed=w.seed,
         eos_token_id=w.eos_token_id,
+        speculative=w.speculative,
+        num_speculative_tokens=w.num_speculative_tokens,
+        speculative_min_accepted=w.speculative_min_accepted,
     )
 
 

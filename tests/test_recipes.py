@@ -95,6 +95,9 @@ def test_composed_values_reach_the_objects():
         ("model.dtype=float8", "model.dtype must be one of"),
         ("workload.max_num_tokens=2", "workload.max_num_tokens=2"),
         ("backend.dist_backend=mpi", "backend.dist_backend must be one of"),
+        ("workload.speculative=eagle", "workload: speculative must be None, 'ngram'"),
+        ("workload.num_speculative_tokens=2", "workload: num_speculative_tokens=2 needs a drafter"),
+        ("workload.speculative_min_accepted=-1", "workload: speculative_min_accepted must be"),
     ],
 )
 def test_invalid_values_are_value_errors(override, match):
@@ -169,6 +172,22 @@ def test_generate_recipe_runs_a_checkpoint_on_four_cpu_ranks_and_matches_one_pro
     assert "on 4 rank(s): tp=2 pcp=2 dcp=2" in r.stdout
     assert "OK: greedy tokens identical to single-process generation (3 prompts)" in r.stdout
     assert "tok/s" in r.stdout and "time to first token" in r.stdout
+
+
+@pytest.mark.distributed
+def test_generate_recipe_speculates_on_two_cpu_ranks_and_matches_one_process():
+    r = _run(
+        "generate",
+        "model=llama_tiny",
+        "parallel=pcp2_dcp2",
+        "workload/generate@workload=repeat",
+        "workload.max_new_tokens=6",
+        "workload.speculative_min_accepted=0",  # a random tiny model accepts few drafts
+        "workload.progress=false",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "speculative decoding: " in r.stdout and "verification steps" in r.stdout
+    assert "OK: greedy tokens identical to single-process generation" in r.stdout
 
 
 def test_generate_recipe_exits_non_zero_on_a_bad_config():
