@@ -377,11 +377,12 @@ def test_backoff_pauses_speculation_while_it_does_not_pay():
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
-def test_rejected_drafts_back_off_to_plain_steps_with_plain_tokens(graphs):
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"], ids=["gqa", "window-sinks"])
+def test_rejected_drafts_back_off_to_plain_steps_with_plain_tokens(family, graphs):
     # Drafts that are always wrong: with the default back-off most decode steps run without
     # drafts; with speculative_min_accepted=0 every decode step verifies. Greedy tokens are
-    # plain decoding's either way.
-    model = _model("llama")
+    # plain decoding's either way (window groups switch between the two kinds of step).
+    model = _model(family)
     prompts = repeated_prompts()
     engine = _engine(model, decode_graphs=graphs)
     plain = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
