@@ -300,7 +300,7 @@ def paged_mla_attention_kernel(
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     ks = fp8_scale_args(cache, kv_scale, kv_scale)[0]
     kv_fp8 = cache.dtype == torch.float8_e4m3fn
-    fp8 = fp8_launch_args(q.dtype) if kv_fp8 else _NO_FP8
+    fp8 = fp8_launch_args(q.dtype, q.device) if kv_fp8 else _NO_FP8
     _paged_mla_kernel[(t * head_tiles, num_splits)](
         q, cache.view(torch.uint8) if kv_fp8 else cache, block_table, query_seq_idx,
         query_kv_len, o_buf, l_buf, ks, fp8.q_mult, fp8.out_mult,

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -460,7 +459,7 @@ def _launch(
     has_start = query_kv_start is not None
     k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
     ks, vs, sks, svs = fp8_scale_args(k, k_scale, v_scale)
-    fp8 = fp8_launch_args(q.dtype) if kv_fp8 else _NO_FP8
+    fp8 = fp8_launch_args(q.dtype, q.device) if kv_fp8 else _NO_FP8
     if kv_fp8:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     qk_scale = scale / softcap if softcap else scale * _LOG2E
@@ -505,21 +504,18 @@ class Fp8LaunchArgs:
 _NO_FP8 = Fp8LaunchArgs(kind=1, asm=False, q_mult=1.0, score_mult=1.0, p_shift=0, out_mult=1.0)
 
 
-def fp8_launch_args(q_dtype: torch.dtype) -> Fp8LaunchArgs:
-    """The fp8 conversion's launch arguments for queries of ``q_dtype`` (on this backend)."""
+def fp8_launch_args(q_dtype: torch.dtype, device: torch.device) -> Fp8LaunchArgs:
+    """The fp8 conversion's launch arguments for queries of ``q_dtype`` on ``device`` (the PTX
+    on CUDA; CPU tensors only reach a kernel under the interpreter, which runs Triton ops)."""
     bias, shift = fp8_bias(q_dtype), fp8_query_shift(q_dtype)
     return Fp8LaunchArgs(
         kind=fp8_bits_kind(q_dtype),
-        asm=FP8_DEQUANT_ASM and not _interpreting(),
+        asm=FP8_DEQUANT_ASM and device.type == "cuda",
         q_mult=2.0**shift,
         score_mult=2.0 ** (bias - shift),
         p_shift=shift,
         out_mult=2.0**bias,
     )
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fp8_scale_args(
