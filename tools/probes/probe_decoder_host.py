@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Where the decoder-parity step's wall time goes beyond its kernels (one H200).
+
+For one model and length of ``benchmarks.bench_decoder_parity``: per side, the wall time of a
+step (synchronised before and after, as the benchmark times it), the GPU time between a CUDA
+event recorded at the step's start and one at its end, the host time of CP's batch sharding
+alone, and every host-device synchronisation CP's step makes (``torch.cuda.set_sync_debug_mode``).
+Steps interleaved CP / HF, medians of ``--reps``.
+
+    python tools/probes/probe_decoder_host.py [--model llama3-8b] [--seq 8192] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import torch
+
+from benchmarks import bench_parity
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from cp_modules.step import cp_step
+    from cp_modules.training import CPTrainingContext
+
+    dev = bench_parity.DEV
+    hf, cp = bench_parity.build(a.model)
+    hf.train(), cp.train()
+    ctx = CPTrainingContext.single(dev)
+    ids = torch.randint(0, hf.config.vocab_size, (1, a.seq), device=dev)
+
+    def cp_fn():
+        cb = ctx.shard_batch({"input_ids": ids})
+        with cp_step(cb.meta):
+            h = cp.model(
+                input_ids=cb.input_ids[None], position_ids=cb.positions[None], use_cache=False
+            ).last_hidden_state
+        h.float().square().mean().backward()
+
+    def hf_fn():
+        h = hf.model(input_ids=ids, use_cache=False).last_hidden_state
+        h.float().square().mean().backward()
+
+    for _ in range(5):
+        cp_fn(), hf_fn()
+    torch.cuda.synchronize()
+    syncs: list[str] = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        cp_fn()
+        torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(x.message).splitlines()[0][:200] for x in w]
+    torch.cuda.synchronize()
+    res: dict = {"model": a.model, "seq": a.seq, "cp step syncs": len(syncs), "sync messages": syncs[:20]}
+    shard = []
+    for _ in range(a.reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ctx.shard_batch({"input_ids": ids})
+        shard.append(time.perf_counter() - t0)
+    res["cp shard_batch host ms"] = statistics.median(shard) * 1e3
+    wall: dict = {"cp": [], "hf": []}
+    gpu: dict = {"cp": [], "hf": []}
+    for _ in range(a.reps):
+        for side, fn in (("cp", cp_fn), ("hf", hf_fn)):
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            e0.record()
+            fn()
+            e1.record()
+            torch.cuda.synchronize()
+            wall[side].append((time.perf_counter() - t0) * 1e3)
+            gpu[side].append(e0.elapsed_time(e1))
+    for side in ("cp", "hf"):
+        res[f"{side} wall ms"] = statistics.median(wall[side])
+        res[f"{side} event ms"] = statistics.median(gpu[side])
+    res["wall cp / hf"] = res["cp wall ms"] / res["hf wall ms"]
+    res["event cp / hf"] = res["cp event ms"] / res["hf event ms"]
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(f"{a.out}/decoder-host-{a.model}-{a.seq}.json", "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
