@@ -233,8 +233,10 @@ class CPTrainingContext:
         flat_ids = ids.reshape(-1).to(self.device, torch.int64)
         if labels is None:
             flat_labels = torch.cat([flat_ids[1:], flat_ids.new_full((1,), IGNORE_INDEX)])
-            ends = torch.as_tensor(np.cumsum(doc_lens) - 1, device=self.device)
-            flat_labels[ends] = IGNORE_INDEX
+            ends = torch.from_numpy(np.cumsum(doc_lens) - 1)
+            if self.device.type == "cuda":  # a pageable copy would wait for the stream
+                ends = ends.pin_memory().to(self.device, non_blocking=True)
+            flat_labels[ends.to(self.device)] = IGNORE_INDEX
         else:
             flat_labels = labels.reshape(-1).to(self.device, torch.int64)
 
