@@ -47,21 +47,22 @@ from cp_modules.kernels import merge  # noqa: E402
 
 TILES = (4096, 8192, 16384, 32768)
 WARPS = (4, 8, 16)
-TILE_SPLITS = ((8, 512), (4, 512), (8, 256))  # (partials, columns) per tile at most
+TILE_SPLITS = ((8, 512), (4, 512))  # (partials, columns) per tile at most
 SHAPES = [(d, n) for d in (128, 512) for n in (2, 4, 8)]
 B, HEADS = 512, 128
 CONSTANTS = ("_COMBINE_TILE_BYTES", "_COMBINE_WARPS", "_COMBINE_MAX_N", "_COMBINE_MAX_D")
 
 
 def rules() -> list[tuple[int, int, int, int]]:
-    """Rules whose threads read 16 to 256 bytes of partials each (bf16)."""
+    """Rules whose threads read 16 to 256 bytes of partials each (bf16); 16 warps only for
+    the larger tiles."""
     out = []
     for tile, warps in itertools.product(TILES, WARPS):
         if not 16 <= tile // (32 * warps) <= 256:
             continue
+        if warps == 16 and tile < 16384:
+            continue
         for max_n, max_d in TILE_SPLITS:
-            if max_d < 512 and warps > 8:
-                continue
             out.append((tile, warps, max_n, max_d))
     return out
 
