@@ -23,9 +23,9 @@ exp(l_k - m)``; NaN and +inf LSEs count as -inf, a row of empty partials gives 0
   partials ``[T, H, S, D]`` (base-2 LSEs, up to 256 splits, read in chunks: S is a run-time
   loop here, not an unrolled one) into its natural-log result.
 
-The full combine and the weights-only form share one per-row maximum / sum helper, the
-in-place form its empty-partial rule; all accumulate in fp32. Each is memory-bound; launch
-parameters as measured: ``docs/switch-points.md``.
+The weights-only form keeps a per-row maximum / sum helper, the in-place form the empty-
+partial rule; all accumulate in fp32. Each is memory-bound; the combine's launch rule:
+``docs/experiments/2026-12-02-peers.md`` (2026-12-03 section), the others' beside them.
 """
 
 from __future__ import annotations
