@@ -23,9 +23,9 @@ exp(l_k - m)``; NaN and +inf LSEs count as -inf, a row of empty partials gives 0
   partials ``[T, H, S, D]`` (base-2 LSEs, up to 256 splits, read in chunks: S is a run-time
   loop here, not an unrolled one) into its natural-log result.
 
-The weights-only form keeps a per-row maximum / sum helper, the in-place form the empty-
-partial rule; all accumulate in fp32. Each is memory-bound; the combine's launch rule:
-``docs/experiments/2026-12-02-peers.md`` (2026-12-03 section), the others' beside them.
+The full combine and the weights-only form share one per-row maximum / sum helper, the
+in-place form its empty-partial rule; all accumulate in fp32. Each is memory-bound; launch
+parameters as measured: ``docs/switch-points.md``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import triton.language as tl
 from cp_modules.reference.lse_merge import merge_partials_reference
 
 __all__ = [
-    "correct_attn_out_launch_config",
     "correct_attn_out_triton",
     "lse_combine_launch_config",
     "lse_combine_triton",
@@ -88,91 +87,59 @@ def _row_max_and_sum(l_ptrs, s_ln, row_ok, N: tl.constexpr, BASE2: tl.constexpr)
 
 
 @triton.jit
-def _partials_lse_tile(l_ptr, l_rows, first, s_ln, offs_n, row_ok, N: tl.constexpr):
-    """Sanitized LSEs ``[BLOCK_N, BLOCK_R]`` of partials ``first .. first + BLOCK_N - 1``
-    (-inf past the last partial and on rows past the end)."""
-    n = first + offs_n
-    ok = (n < N)[:, None] & row_ok[None, :]
-    lse = tl.load(l_ptr + (n * s_ln)[:, None] + l_rows[None, :], mask=ok, other=float("-inf"))
-    return _sanitize_lse(lse)
-
-
-@triton.jit
-def _partials_out_tile(x_ptr, x_elems, first, s_xn, offs_n, mask, N: tl.constexpr):
-    """Outputs ``[BLOCK_N, BLOCK_R, BLOCK_D]`` fp32 of partials ``first ..`` (0 where masked)."""
-    n = first + offs_n
-    ok = (n < N)[:, None, None] & mask[None, :, :]
-    # Each partial is read exactly once: keep it from evicting the LSEs and the output.
-    x = tl.load(
-        x_ptr + (n * s_xn)[:, None, None] + x_elems[None, :, :],
-        mask=ok,
-        other=0.0,
-        eviction_policy="evict_first",
-    )
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _weighted_sum(x, e):
-    # where(), not a product alone: an empty shard's output may be NaN and 0 * NaN is NaN.
-    return tl.sum(tl.where(e[:, :, None] > 0.0, x * e[:, :, None], 0.0), 0)
-
-
-@triton.jit
 def _lse_combine_kernel(
-    x_ptr, l_ptr, y_ptr, z_ptr,  # partials [N, B, H, D], LSEs [N, B, H]; out [B, H, D], [B, H]
-    num_rows, num_heads,
-    s_xn, s_xb, s_xh, s_ln, s_lb, s_lh, s_yb, s_yh, s_zb, s_zh,
-    N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr, BASE2: tl.constexpr, FLAT_ROWS: tl.constexpr,
-):  # fmt: skip
-    # One program: BLOCK_R (token, head) rows x BLOCK_D columns. The partials are read
-    # BLOCK_N at a time as one [BLOCK_N, BLOCK_R, BLOCK_D] tile with their LSEs: all of a
-    # tile's loads are in flight together. (A loop that loads one partial after the other
-    # lets ptxas give the next partial the registers of the last, so a program waited for
-    # memory once per partial.) With N <= BLOCK_N each LSE and output is loaded once, both
-    # before any arithmetic; more partials add a pass over the LSEs for the maximum.
+    x_ptr,  # [N, B, H, D] partial outputs, D contiguous
+    l_ptr,  # [N, B, H] fp32 partial LSEs
+    y_ptr,  # [B, H, D] combined output, D contiguous
+    z_ptr,  # [B, H] fp32 combined LSE
+    num_rows,
+    num_heads,
+    s_xn,
+    s_xb,
+    s_xh,
+    s_ln,
+    s_lb,
+    s_lh,
+    s_yb,
+    s_yh,
+    s_zb,
+    s_zh,
+    N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BASE2: tl.constexpr,
+):
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
-    # int64 offsets: N * B * H * D can exceed 2**31 for long prefill-context combines.
-    if FLAT_ROWS:
-        # Every tensor's (B, H) dims are one dim of rows (s_*b = H * s_*h): no division.
-        b = tl.zeros_like(rows).to(tl.int64)
-        h = rows.to(tl.int64)
-    else:
-        b = (rows // num_heads).to(tl.int64)
-        h = (rows % num_heads).to(tl.int64)
+    # int64 row offsets: N * B * H * D can exceed 2**31 for long prefill-context combines.
+    b = (rows // num_heads).to(tl.int64)
+    h = (rows % num_heads).to(tl.int64)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
-    l_rows = b * s_lb + h * s_lh
-    x_elems = (b * s_xb + h * s_xh)[:, None] + d[None, :]
 
-    lse = _partials_lse_tile(l_ptr, l_rows, 0, s_ln, offs_n, row_ok, N)
-    x = _partials_out_tile(x_ptr, x_elems, 0, s_xn, offs_n, mask, N)
-    m = tl.max(lse, 0)
-    for first in tl.static_range(BLOCK_N, N, BLOCK_N):
-        more = _partials_lse_tile(l_ptr, l_rows, first, s_ln, offs_n, row_ok, N)
-        m = tl.maximum(m, tl.max(more, 0))
-    # All partials empty: subtract 0 so that the weights stay 0 instead of NaN.
-    m = tl.where(m == float("-inf"), 0.0, m)
-    e = _exp(lse - m[None, :], BASE2)
-    s = tl.sum(e, 0)
-    acc = _weighted_sum(x, e)
-    for first in tl.static_range(BLOCK_N, N, BLOCK_N):
-        lse = _partials_lse_tile(l_ptr, l_rows, first, s_ln, offs_n, row_ok, N)
-        x = _partials_out_tile(x_ptr, x_elems, first, s_xn, offs_n, mask, N)
-        e = _exp(lse - m[None, :], BASE2)
-        s += tl.sum(e, 0)
-        acc += _weighted_sum(x, e)
-
+    l_ptrs = l_ptr + b * s_lb + h * s_lh
+    m, s = _row_max_and_sum(l_ptrs, s_ln, row_ok, N, BASE2)
     nonempty = s > 0.0
-    s_safe = tl.where(nonempty, s, 1.0)
+    inv_s = 1.0 / tl.where(nonempty, s, 1.0)
+
+    x_ptrs = x_ptr + (b * s_xb + h * s_xh)[:, None] + d[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for _ in tl.static_range(N):
+        lse = _sanitize_lse(tl.load(l_ptrs, mask=row_ok, other=float("-inf")))
+        w = _exp(lse - m, BASE2) * inv_s
+        # Each partial is read exactly once: keep it from evicting the LSEs and the output.
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # where(), not a product alone: an empty shard's output may be NaN and 0 * NaN is NaN.
+        acc += tl.where(w[:, None] > 0.0, x * w[:, None], 0.0)
+        l_ptrs += s_ln
+        x_ptrs += s_xn
+
     y_ptrs = y_ptr + (b * s_yb + h * s_yh)[:, None] + d[None, :]
-    tl.store(y_ptrs, (acc * (1.0 / s_safe)[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
-    out_lse = tl.where(nonempty, m + _log(s_safe, BASE2), float("-inf"))
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    out_lse = tl.where(nonempty, m + _log(tl.where(nonempty, s, 1.0), BASE2), float("-inf"))
     tl.store(z_ptr + b * s_zb + h * s_zh, out_lse, mask=row_ok & (pid_d == 0))
 
 
@@ -348,36 +315,14 @@ def _merge_splits_kernel(
         tl.store(LSE + t * stride_lt + h * stride_lh, lse * 0.6931471805599453, mask=row_ok)
 
 
-# Launch parameters of the combine (H200 sweep in the peers' setting, L2 flushed before each
-# call: docs/experiments/2026-12-02-peers.md, "2026-12-03: the combine"). A program reads
-# about _COMBINE_TILE_BYTES of partials; at most _COMBINE_MAX_N partials a tile.
-_COMBINE_TILE_BYTES = 16384
-_COMBINE_MAX_N = 8
-_COMBINE_MAX_D = 512
-_COMBINE_WARPS = 4
-
-
 @functools.cache
-def lse_combine_launch_config(
-    num_partials: int, head_dim: int, elem_size: int
-) -> tuple[int, int, int, int]:
-    """Default ``(BLOCK_N, BLOCK_R, BLOCK_D, num_warps)`` of the full combine.
+def lse_combine_launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
+    """Default ``(BLOCK_R, BLOCK_D, num_warps)`` for a value head dim and element size.
 
-    A program reads ``BLOCK_N`` partials of ``BLOCK_R`` rows by ``BLOCK_D`` columns at once,
-    about ``_COMBINE_TILE_BYTES`` in all; D up to 512 stays in one tile so that each row's
-    weights are computed once.
+    About 8 KiB of each partial per program of 4 warps (four 16-byte loads per thread and
+    partial); D up to 512 stays in one tile so each row's weights are computed once. The
+    measurements and the sweep (``benchmarks/bench_lse_combine.py``): ``docs/switch-points.md``.
     """
-    block_n = min(triton.next_power_of_2(num_partials), _COMBINE_MAX_N)
-    block_d = min(triton.next_power_of_2(head_dim), _COMBINE_MAX_D)
-    per_row = block_n * block_d * elem_size
-    block_r = triton.next_power_of_2(max(1, min(64, _COMBINE_TILE_BYTES // per_row)))
-    return block_n, block_r, block_d, _COMBINE_WARPS
-
-
-@functools.cache
-def correct_attn_out_launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """Default ``(BLOCK_R, BLOCK_D, num_warps)`` of the weights-only form: about 8 KiB of the
-    partial per program of 4 warps, D up to 512 in one tile."""
     block_d = min(triton.next_power_of_2(head_dim), 512)
     block_r = triton.next_power_of_2(max(1, min(64, 8192 // (block_d * elem_size))))
     return block_r, block_d, 4
@@ -388,7 +333,6 @@ def lse_combine_triton(
     partial_lse: torch.Tensor,
     *,
     base2: bool = False,
-    block_n: int | None = None,
     block_rows: int | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
@@ -396,8 +340,7 @@ def lse_combine_triton(
     """Launch the combine: ``[N, B, H, D]`` + ``[N, B, H]`` fp32 -> ``[B, H, D]`` + ``[B, H]`` fp32.
 
     ``partial_out`` may be any strided view whose last dim is contiguous; ``partial_lse`` any
-    strided fp32 view. The tile (powers of two) and warps default to
-    :func:`lse_combine_launch_config`.
+    strided fp32 view. The block sizes and warps default to :func:`lse_combine_launch_config`.
     """
     n, b, h, d = partial_out.shape
     assert partial_out.stride(-1) == 1, "the head dim of partial_out must be contiguous"
@@ -407,21 +350,28 @@ def lse_combine_triton(
     rows = b * h
     if rows == 0:
         return out, out_lse
-    cfg_n, cfg_r, cfg_d, cfg_w = lse_combine_launch_config(n, d, partial_out.element_size())
+    cfg_r, cfg_d, cfg_w = lse_combine_launch_config(d, partial_out.element_size())
     block_r = block_rows or cfg_r
     block_d = block_d or cfg_d
     grid = (triton.cdiv(rows, block_r), triton.cdiv(d, block_d))
-    # The fresh outputs are contiguous; the partials may be views (the packed layout's are not).
-    flat = b == 1 or (
-        partial_out.stride(1) == h * partial_out.stride(2)
-        and partial_lse.stride(1) == h * partial_lse.stride(2)
-    )
     _lse_combine_kernel[grid](
-        partial_out, partial_lse, out, out_lse, rows, h,
-        *partial_out.stride()[:3], *partial_lse.stride(), *out.stride()[:2], *out_lse.stride(),
-        N=n, HEAD_DIM=d, BLOCK_N=block_n or cfg_n, BLOCK_R=block_r, BLOCK_D=block_d,
-        BASE2=base2, FLAT_ROWS=flat, num_warps=num_warps or cfg_w,
-    )  # fmt: skip
+        partial_out,
+        partial_lse,
+        out,
+        out_lse,
+        rows,
+        h,
+        *partial_out.stride()[:3],
+        *partial_lse.stride(),
+        *out.stride()[:2],
+        *out_lse.stride(),
+        N=n,
+        HEAD_DIM=d,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        BASE2=base2,
+        num_warps=num_warps or cfg_w,
+    )
     return out, out_lse
 
 
@@ -450,7 +400,7 @@ def correct_attn_out_triton(
     rows = b * h
     if rows == 0:
         return y, out_lse
-    cfg_r, cfg_d, cfg_w = correct_attn_out_launch_config(d, out.element_size())
+    cfg_r, cfg_d, cfg_w = lse_combine_launch_config(d, out.element_size())
     block_r = block_rows or cfg_r
     block_d = block_d or cfg_d
     grid = (triton.cdiv(rows, block_r), triton.cdiv(d, block_d))
