@@ -94,6 +94,12 @@ class GluonMLAConfig:
             landed, before the consumers are told it is ready; the consumer warp groups then
             never branch on the range (off: each warp group zeroes the rows before its P @ V,
             behind a branch in every pair).
+        scale_p: (with ``producer_zeroing``, not ``peel``) warp group 1 takes tile B's softmax
+            from tile A's running max as soon as warp group 0 publishes it, and warp group 0
+            rescales P_A to tile B's max before handing it over, so each output half is
+            rescaled only with none of its products in flight and warp group 1's softmax runs
+            under warp group 0's P @ V (FlashMLA's order; :mod:`~cp_modules.kernels.decode.
+            mla_gluon_scale_p`). Off: warp group 1 adds P_A V_A before its softmax of tile B.
     """
 
     issue: str = "inline"
@@ -109,6 +115,7 @@ class GluonMLAConfig:
     max_box_rows: int = 64
     early_release: bool = False
     producer_zeroing: bool = False
+    scale_p: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -141,6 +148,14 @@ class GluonMLAConfig:
                 f"(issue 'loader' or 'loader2'), got issue={self.issue!r}, "
                 f"early_release={self.early_release}"
             )
+        if self.scale_p and not (self.producer_zeroing and not self.peel) or (
+            self.scale_p and (self.fused_merge or self.spread_merge)
+        ):
+            raise ValueError(
+                "GluonMLAConfig.scale_p needs producer_zeroing, no peel and the separate "
+                f"merge, got producer_zeroing={self.producer_zeroing}, peel={self.peel}, "
+                f"fused_merge={self.fused_merge}, spread_merge={self.spread_merge}"
+            )
         if self.issue == "cpasync" and not self.early_release:
             raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
         if self.spread_merge and self.fused_merge:
@@ -169,7 +184,7 @@ class GluonMLAConfig:
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
                 "EARLY": self.early_release, "SPREAD": spread,
-                "PZERO": self.producer_zeroing}  # fmt: skip
+                "PZERO": self.producer_zeroing, "SCALE_P": self.scale_p}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -203,6 +218,14 @@ GLUON_MLA_VARIANTS = {
     ),
     "loader-r232-early-pz": GluonMLAConfig(
         issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True
+    ),
+    # Tile B's softmax from tile A's max, P_A rescaled to tile B's by warp group 0: each
+    # output half rescaled with none of its products in flight (FlashMLA's order of work).
+    "loader-r232-early-pz-sp": GluonMLAConfig(
+        issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True, scale_p=True
+    ),
+    "loader2-r232-early-pz-sp": GluonMLAConfig(
+        issue="loader2", wg1_regs=232, early_release=True, producer_zeroing=True, scale_p=True
     ),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
@@ -251,8 +274,11 @@ GLUON_MLA_VARIANTS = {
 # per-shape medians +0.1 to +9.9 %, except B=64 4k / 32k at 16 (-0.9 / -1.5 %) and B=256 4k at
 # 16: -3.7 % (435 against 452; that row spans 414-487 across runs of one schedule; with each
 # schedule's full MLA decode run added, 452 against 455); docs/experiments/2026-12-02-mla-decode-fixed-costs.md).
-_DEFAULT_SMALL_PAGE = "loader-r232-early-pz"
-_DEFAULT_LARGE_PAGE = "loader-r232-early-pz"
+# Then loader-r232-early-pz-sp for both (2026-12-03: warp group 1's softmax from tile A's max,
+# P_A rescaled by warp group 0; benchmarks/results/peers-mla-2026-12-03b.json, the former
+# default timed beside it in the same runs; docs/experiments/2026-12-02-peers.md).
+_DEFAULT_SMALL_PAGE = "loader-r232-early-pz-sp"
+_DEFAULT_LARGE_PAGE = "loader-r232-early-pz-sp"
 
 
 def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:
