@@ -58,10 +58,14 @@ if HAS_GLUON:
 
     @gluon.jit
     def _scaled_scores(s, n0, end, qk_scale, MASK: gl.constexpr, mma: gl.constexpr):
-        # Base-2 scaled scores; MASK: the columns past the range become -inf.
+        # Base-2 scaled scores; MASK: the columns past the range become -inf, behind a branch
+        # on the tile (only a split's last pair reaches past it; no product is in flight here).
         if MASK:
-            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
-            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
+            if n0 + _BN > end:
+                cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
+                s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
+            else:
+                s = s * qk_scale
         else:
             s = s * qk_scale
         return s
