@@ -34,8 +34,8 @@ SCHEDULES = {"base": 1, "hoist": 1, "loader-r232": 2, "loader2-r232": 3, "loader
              "loader-r232-early-pz": 2, "loader-r232-early-pz-sp": 2,
              "loader2-r232-early-pz-sp": 3}  # fmt: skip
 # The split path (partial results) where the schedule runs it: the in-kernel merges, and the
-# default (loader-r232-early-pz-sp) and the former defaults (loader-r232-early-pz,
-# loader2-r232-early) both ways.
+# default (loader-r232-early-pz), the former default (loader2-r232-early) and the scale_p
+# schedule both ways.
 CASES = [
     (name, page, partial)
     for name in SCHEDULES

@@ -899,7 +899,7 @@ def test_gluon_mla_config_is_validated():
         assert default_gluon_mla_config(bs).issue == "loader"
         assert default_gluon_mla_config(bs).early_release
         assert default_gluon_mla_config(bs).producer_zeroing
-        assert default_gluon_mla_config(bs).scale_p
+        assert not default_gluon_mla_config(bs).scale_p
     with pytest.raises(ValueError, match="scale_p needs producer_zeroing"):
         GluonMLAConfig(issue="loader", early_release=True, scale_p=True)
     with pytest.raises(ValueError, match="scale_p needs producer_zeroing"):

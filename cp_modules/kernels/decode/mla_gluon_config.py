@@ -100,6 +100,7 @@ class GluonMLAConfig:
             rescaled only with none of its products in flight and warp group 1's softmax runs
             under warp group 0's P @ V (FlashMLA's order; :mod:`~cp_modules.kernels.decode.
             mla_gluon_scale_p`). Off: warp group 1 adds P_A V_A before its softmax of tile B.
+            Measured slower than the default on the H200 (2026-12-03).
     """
 
     issue: str = "inline"
@@ -148,8 +149,8 @@ class GluonMLAConfig:
                 f"(issue 'loader' or 'loader2'), got issue={self.issue!r}, "
                 f"early_release={self.early_release}"
             )
-        if self.scale_p and not (self.producer_zeroing and not self.peel) or (
-            self.scale_p and (self.fused_merge or self.spread_merge)
+        if self.scale_p and (
+            not self.producer_zeroing or self.peel or self.fused_merge or self.spread_merge
         ):
             raise ValueError(
                 "GluonMLAConfig.scale_p needs producer_zeroing, no peel and the separate "
@@ -221,6 +222,7 @@ GLUON_MLA_VARIANTS = {
     ),
     # Tile B's softmax from tile A's max, P_A rescaled to tile B's by warp group 0: each
     # output half rescaled with none of its products in flight (FlashMLA's order of work).
+    # Measured slower than loader-r232-early-pz (2026-12-03, docs/experiments/2026-12-02-peers.md).
     "loader-r232-early-pz-sp": GluonMLAConfig(
         issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True, scale_p=True
     ),
@@ -274,11 +276,11 @@ GLUON_MLA_VARIANTS = {
 # per-shape medians +0.1 to +9.9 %, except B=64 4k / 32k at 16 (-0.9 / -1.5 %) and B=256 4k at
 # 16: -3.7 % (435 against 452; that row spans 414-487 across runs of one schedule; with each
 # schedule's full MLA decode run added, 452 against 455); docs/experiments/2026-12-02-mla-decode-fixed-costs.md).
-# Then loader-r232-early-pz-sp for both (2026-12-03: warp group 1's softmax from tile A's max,
-# P_A rescaled by warp group 0; benchmarks/results/peers-mla-2026-12-03b.json, the former
-# default timed beside it in the same runs; docs/experiments/2026-12-02-peers.md).
-_DEFAULT_SMALL_PAGE = "loader-r232-early-pz-sp"
-_DEFAULT_LARGE_PAGE = "loader-r232-early-pz-sp"
+# loader-r232-early-pz-sp (scale_p) was measured slower on 2026-12-03 (128 heads: +0 to +11 %
+# time at block size 64, -5 to +5 % at 16; benchmarks/results/peers-mla-2026-12-03b.json, where it ran as
+# the default "cp" beside this one; docs/experiments/2026-12-02-peers.md), so it is not used.
+_DEFAULT_SMALL_PAGE = "loader-r232-early-pz"
+_DEFAULT_LARGE_PAGE = "loader-r232-early-pz"
 
 
 def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:

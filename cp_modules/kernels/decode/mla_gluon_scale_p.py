@@ -19,6 +19,9 @@ So warp group 1's softmax runs under warp group 0's first P @ V, and warp group 
 of P_A under warp group 1's first P @ V; only tile A's softmax is exposed, where the default
 schedule exposes both tiles' (FlashMLA's order of work, its sm90 dense decode). The latent half
 [256, 512) of tile B is freed as soon as its product is done, before P_A V_A's.
+
+Measured on the H200 (2026-12-03) 0-11 % slower than the default schedule; not the default
+(docs/experiments/2026-12-02-peers.md, last section).
 """
 
 from __future__ import annotations
