@@ -821,7 +821,10 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
-@pytest.mark.parametrize("variant", ["loader-r232-early-pz-sp", "loader2-r232-early-pz-sp"])
+@pytest.mark.parametrize(
+    "variant",
+    ["loader-r232-early-pz-sp", "loader2-r232-early-pz-sp", "loader-r232-early-pz-sp-refill"],
+)
 def test_gpu_gluon_mla_scale_p_matches_reference_at_tile_edges(variant, bs):
     # P_A rescaled to tile B's max by warp group 0 (scale_p): lengths that end mid-tile, on a
     # tile boundary and one row into a tile, odd tile counts per split (a phantom tile B whose
@@ -910,6 +913,8 @@ def test_gluon_mla_config_is_validated():
                        fused_merge=True, scale_p=True)  # fmt: skip
     sp = GluonMLAConfig(issue="loader", early_release=True, producer_zeroing=True, scale_p=True)
     assert sp.constexprs()["SCALE_P"] and not pz.constexprs()["SCALE_P"]
+    with pytest.raises(ValueError, match="sp_refill needs scale_p"):
+        GluonMLAConfig(issue="loader", early_release=True, producer_zeroing=True, sp_refill=True)
     for bs in (8, 16, 64, 128):
         assert isinstance(default_gluon_mla_config(bs), GluonMLAConfig)
 

@@ -41,7 +41,7 @@ def _signature(page: int, partial: bool, splits: int | None):
         **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
                                     "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
                                     "OWN_REGS", "EARLY", "SPREAD", "TRACE", "PZERO",
-                                    "SCALE_P")},
+                                    "SCALE_P", "SP_REFILL")},
     }  # fmt: skip
     attrs, spec_consts = {}, {}
     if splits:

@@ -381,12 +381,11 @@ if HAS_GLUON:
                                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                                 ISSUE: gl.constexpr = 0, PEEL: gl.constexpr = False,
                                 WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
-                                FUSED: gl.constexpr = False,
-                                OWN_REGS: gl.constexpr = False,
+                                FUSED: gl.constexpr = False, OWN_REGS: gl.constexpr = False,
                                 EARLY: gl.constexpr = False,
                                 SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False,
                                 PZERO: gl.constexpr = False,
-                                SCALE_P: gl.constexpr = False):  # fmt: skip
+                                SCALE_P: gl.constexpr = False, SP_REFILL: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -472,10 +471,10 @@ if HAS_GLUON:
                                 PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   2, EARLY, None, False, PZERO)),
+                                   2, EARLY, None, False, PZERO, SP_REFILL)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 1,
-                                   2, EARLY, None, False, PZERO)),
+                                   2, EARLY, None, False, PZERO, SP_REFILL)),
                 ],
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
@@ -497,7 +496,8 @@ if HAS_GLUON:
                                 PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO)),
+                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO,
+                                   SP_REFILL)),
                 ],
                 [4, _ASYNC_WARPS if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],

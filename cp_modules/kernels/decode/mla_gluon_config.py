@@ -101,6 +101,10 @@ class GluonMLAConfig:
             under warp group 0's P @ V (FlashMLA's order; :mod:`~cp_modules.kernels.decode.
             mla_gluon_scale_p`). Off: warp group 1 adds P_A V_A before its softmax of tile B.
             Measured slower than the default on the H200 (2026-12-03).
+        sp_refill: (with ``scale_p``) the producer refills a pair's parts in the order
+            ``scale_p`` frees them (A's rope, B's rope, A's half [0, 256), B's [256, 512), A's
+            [256, 512), B's [0, 256)) instead of all of tile A's, then tile B's, so that B's
+            early-freed parts do not wait behind A's last one. Not yet run on a GPU.
     """
 
     issue: str = "inline"
@@ -117,6 +121,7 @@ class GluonMLAConfig:
     early_release: bool = False
     producer_zeroing: bool = False
     scale_p: bool = False
+    sp_refill: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -157,6 +162,8 @@ class GluonMLAConfig:
                 f"merge, got producer_zeroing={self.producer_zeroing}, peel={self.peel}, "
                 f"fused_merge={self.fused_merge}, spread_merge={self.spread_merge}"
             )
+        if self.sp_refill and not self.scale_p:
+            raise ValueError("GluonMLAConfig.sp_refill needs scale_p")
         if self.issue == "cpasync" and not self.early_release:
             raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
         if self.spread_merge and self.fused_merge:
@@ -185,7 +192,7 @@ class GluonMLAConfig:
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
                 "EARLY": self.early_release, "SPREAD": spread,
-                "PZERO": self.producer_zeroing, "SCALE_P": self.scale_p}  # fmt: skip
+                "PZERO": self.producer_zeroing, "SCALE_P": self.scale_p, "SP_REFILL": self.sp_refill}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -228,6 +235,15 @@ GLUON_MLA_VARIANTS = {
     ),
     "loader2-r232-early-pz-sp": GluonMLAConfig(
         issue="loader2", wg1_regs=232, early_release=True, producer_zeroing=True, scale_p=True
+    ),
+    # The same with the refills in the order scale_p frees the parts (not yet measured).
+    "loader-r232-early-pz-sp-refill": GluonMLAConfig(
+        issue="loader",
+        wg1_regs=232,
+        early_release=True,
+        producer_zeroing=True,
+        scale_p=True,
+        sp_refill=True,
     ),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
