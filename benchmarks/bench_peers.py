@@ -237,7 +237,9 @@ def _flashinfer_mla_fn(backend, pool, q, bt, lens, workspace):
 
 
 def run_mla(versions: dict, log, shapes=MLA_SHAPES, heads_list=MLA_HEADS,
-            block_sizes=MLA_BLOCK_SIZES) -> list[dict]:  # fmt: skip
+            block_sizes=MLA_BLOCK_SIZES, cp_variants=()) -> list[dict]:  # fmt: skip
+    """``cp_variants``: Gluon schedules (``GLUON_MLA_VARIANTS`` keys) timed beside the default
+    as entries ``cp-<name>`` (at head counts the Gluon kernel serves), like a peer."""
     from cp_modules.ops.paged_decode import paged_mla_attention
     from cp_modules.reference.paged_decode import paged_mla_attention_ref
 
@@ -271,6 +273,15 @@ def run_mla(versions: dict, log, shapes=MLA_SHAPES, heads_list=MLA_HEADS,
                                kv_lora_rank=RK)  # fmt: skip
                 impl = row["impl"]
                 impl["cp"] = measure(ours, ref, same, work, idx)
+                for name in cp_variants if heads % 64 == 0 else ():
+                    from cp_modules.kernels.decode.mla_gluon import (
+                        GLUON_MLA_VARIANTS,
+                        paged_mla_attention_gluon,
+                    )
+
+                    fn = partial(paged_mla_attention_gluon, q, pool, bt, seq, lens, MLA_SCALE, RK,
+                                 config=GLUON_MLA_VARIANTS[name])  # fmt: skip
+                    impl[f"cp-{name}"] = measure(fn, ref, same, work, idx)
                 if available(versions, "FlashMLA"):
                     try:
                         fn, pick = _flashmla_fn(pool, q, bt, lens)
@@ -466,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", default="peers", help="results file name: <kind>-<date>.json")
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="skip the rows that would start after this many seconds")  # fmt: skip
+    ap.add_argument("--cp-variants", default="",
+                    help="comma-separated Gluon MLA schedules timed beside the default as "
+                         "cp-<name> (their rows read cp / cp-<name>)")  # fmt: skip
     a = ap.parse_args(argv)
+    cp_variants = tuple(n for n in a.cp_variants.split(",") if n)
     only = [s for s in a.only.split(",") if s]
     if set(only) - set(SECTIONS):
         raise SystemExit(f"unknown sections {sorted(set(only) - set(SECTIONS))}; valid: {SECTIONS}")
@@ -496,9 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         return path, metrics, errors
 
     # Block size 64 first (FlashMLA's only one), then the short combine, block size 16, GQA.
-    steps = [("mla", lambda: run_mla(versions, log, block_sizes=(64,))),
+    steps = [("mla", lambda: run_mla(versions, log, block_sizes=(64,), cp_variants=cp_variants)),
              ("combine", lambda: run_combine(versions, log)),
-             ("mla", lambda: run_mla(versions, log, block_sizes=(16,))),
+             ("mla", lambda: run_mla(versions, log, block_sizes=(16,), cp_variants=cp_variants)),
              ("gqa", lambda: run_gqa(versions, log))]  # fmt: skip
     for name, run in steps:
         if name not in only:
@@ -510,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}: {v:.3f}", flush=True)
     print(f"wrote {path} ({datetime.datetime.now():%H:%M:%S})", flush=True)
     # A wrong kernel of this project fails the run; a peer's failure is only recorded.
-    bad = [e for e in errors if ": cp: " in e]
+    bad = [e for e in errors if ": cp: " in e or ": cp-" in e]
     return 1 if bad else 0
 
 

@@ -31,16 +31,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = {"base": 1, "hoist": 1, "loader-r232": 2, "loader2-r232": 3, "loader-r232-fused": 2,
              "loader-r232-early": 2, "loader2-r232-early": 3, "cpasync-r232-early": 2,
              "loader2-r232-early-spread": 3, "loader2-r232-early-pz": 3,
-             "loader-r232-early-pz": 2}  # fmt: skip
+             "loader-r232-early-pz": 2, "loader-r232-early-pz-sp": 2,
+             "loader2-r232-early-pz-sp": 3, "loader-r232-early-pz-sp-refill": 2}  # fmt: skip
 # The split path (partial results) where the schedule runs it: the in-kernel merges, and the
-# default (loader-r232-early-pz) and the former default (loader2-r232-early) both ways.
+# default (loader-r232-early-pz), the former default (loader2-r232-early) and the scale_p
+# schedule both ways.
 CASES = [
     (name, page, partial)
     for name in SCHEDULES
     for page in (16, 64)
     for partial in (
         [True] if GLUON_MLA_VARIANTS[name].fused_merge or GLUON_MLA_VARIANTS[name].spread_merge
-        else [False, True] if name in ("loader2-r232-early", "loader-r232-early-pz")
+        else [False, True] if name in ("loader2-r232-early", "loader-r232-early-pz",
+                                        "loader-r232-early-pz-sp")
         else [False]
     )
 ]  # fmt: skip

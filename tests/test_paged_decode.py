@@ -819,6 +819,41 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
         check_against_reference(out, lse, ref, same, atol=1e-4, name=f"gluon-{variant}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
+@pytest.mark.parametrize(
+    "variant",
+    ["loader-r232-early-pz-sp", "loader2-r232-early-pz-sp", "loader-r232-early-pz-sp-refill"],
+)
+def test_gpu_gluon_mla_scale_p_matches_reference_at_tile_edges(variant, bs):
+    # P_A rescaled to tile B's max by warp group 0 (scale_p): lengths that end mid-tile, on a
+    # tile boundary and one row into a tile, odd tile counts per split (a phantom tile B whose
+    # keys are all masked), splits left empty, NaN in every unwritten slot: the 2x rule, and
+    # the same result on a second launch (no state left in the barriers).
+    _require_gluon()
+    from cp_modules.kernels.decode.mla_gluon import (
+        GLUON_MLA_VARIANTS,
+        paged_mla_attention_gluon,
+    )
+
+    lengths = [1, 63, 64, 65, 127, 640, 1000, 4033]
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    shard = build_shard(lengths, bs=bs, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
+                        device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    assert shard.caches[0].isnan().any()
+    rows = torch.arange(len(lengths), device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    q = torch.randn(len(lengths), 128, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    config = GLUON_MLA_VARIANTS[variant]
+    for splits in (None, 1, 3, 7, 40):
+        out, lse = paged_mla_attention_gluon(*args, splits, config=config)
+        check_against_reference(out, lse, ref, same, atol=1e-4, name=f"{variant} S={splits}")
+        again = paged_mla_attention_gluon(*args, splits, config=config)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), f"splits={splits}"
+
+
 def test_gluon_mla_trace_buffer_is_checked_before_the_launch():
     # The kernel writes 8 stamps a program unchecked: a short, mistyped or strided buffer is
     # refused on the host.
@@ -867,6 +902,19 @@ def test_gluon_mla_config_is_validated():
         assert default_gluon_mla_config(bs).issue == "loader"
         assert default_gluon_mla_config(bs).early_release
         assert default_gluon_mla_config(bs).producer_zeroing
+        assert not default_gluon_mla_config(bs).scale_p
+    with pytest.raises(ValueError, match="scale_p needs producer_zeroing"):
+        GluonMLAConfig(issue="loader", early_release=True, scale_p=True)
+    with pytest.raises(ValueError, match="scale_p needs producer_zeroing"):
+        GluonMLAConfig(issue="loader", early_release=True, producer_zeroing=True, peel=True,
+                       scale_p=True)  # fmt: skip
+    with pytest.raises(ValueError, match="scale_p needs producer_zeroing"):
+        GluonMLAConfig(issue="loader", early_release=True, producer_zeroing=True,
+                       fused_merge=True, scale_p=True)  # fmt: skip
+    sp = GluonMLAConfig(issue="loader", early_release=True, producer_zeroing=True, scale_p=True)
+    assert sp.constexprs()["SCALE_P"] and not pz.constexprs()["SCALE_P"]
+    with pytest.raises(ValueError, match="sp_refill needs scale_p"):
+        GluonMLAConfig(issue="loader", early_release=True, producer_zeroing=True, sp_refill=True)
     for bs in (8, 16, 64, 128):
         assert isinstance(default_gluon_mla_config(bs), GluonMLAConfig)
 

@@ -40,7 +40,8 @@ def _signature(page: int, partial: bool, splits: int | None):
                               "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
         **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
                                     "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
-                                    "OWN_REGS", "EARLY", "SPREAD", "TRACE", "PZERO")},
+                                    "OWN_REGS", "EARLY", "SPREAD", "TRACE", "PZERO",
+                                    "SCALE_P", "SP_REFILL")},
     }  # fmt: skip
     attrs, spec_consts = {}, {}
     if splits:

@@ -3,54 +3,34 @@
 Shape letters: T = queries, H = query heads (a multiple of 64), R = latent width (512),
 P = rope dim (64), NB = physical blocks, BS = tokens per block, S = KV splits.
 
-One program serves 64 heads of one query over one split of its KV range (the head tiles of a
-query are neighbours in the grid, so they read the same split at the same time and share it
-through L2). Two warp groups (``gl.warp_specialize``, 256 threads, 256 registers each):
+One program serves 64 heads of one query over one split of its KV range (a query's head tiles
+are grid neighbours: they share the split through L2). Two warp groups (``warp_specialize``):
 
-- warp group 0 also issues the TMA copies: Q once ([64, 576] as 9 pieces of 64 columns), then
-  each 64-token latent tile as 9 pieces, each with its own barrier, so a score product starts
-  on the first piece that lands. A tile over 16-token blocks is 4 copies per piece (one per
-  block). Two tile buffers; tile 2k goes to buffer 0, tile 2k+1 to buffer 1.
-- warp group 0 owns output columns [0, 256), warp group 1 [256, 512) (a [64, 512] fp32
-  accumulator does not fit one warp group's registers). Per pair of tiles (A = 2k, B = 2k+1):
-  WG0 computes S_A = Q K_A^T and its softmax, publishes P_A (bf16, shared memory) with its
-  row max, rescale factor and row sum, then adds P_A V_A to its half. Meanwhile WG1 computes
-  S_B; it then adds P_A V_A to its half, takes the softmax of S_B from WG0's running max,
-  publishes P_B and adds P_B V_B; WG0 adds P_B V_B to its half. So the softmax of one tile
-  runs while the other warp group's tensor-core products run (FlashMLA's schedule).
+- the copies (by warp group 0 or by producer warps, below): Q once ([64, 576] as 9 pieces of
+  64 columns), then each 64-token latent tile as 9 pieces (one copy per block and piece), each
+  piece with its own barrier. Two tile buffers: tile 2k in buffer 0, tile 2k+1 in buffer 1.
+- warp group 0 owns output columns [0, 256), warp group 1 [256, 512). Per pair of tiles
+  (A = 2k, B = 2k+1): WG0 computes S_A and its softmax, publishes P_A (bf16, shared memory)
+  with its row statistics and adds P_A V_A to its half, while WG1 computes S_B; WG1 then adds
+  P_A V_A, takes the softmax of S_B from WG0's running max, publishes P_B and adds P_B V_B;
+  WG0 adds P_B V_B. So one tile's softmax runs under the other warp group's products.
 
-The values are the first R columns of the latent tile already in shared memory. A split with
-an odd tile count ends with a phantom tile B (read from the last real block, every key
-masked). Rows past the range are zeroed in shared memory before they meet P @ V (unwritten
-cache slots may hold NaN): by each warp group before its P @ V, or (``producer_zeroing``, the
-default) by the producer warps once such a tile has landed and before its pieces are signalled
-ready, so the warp groups never branch on the range. Splits and their merge as in
-:mod:`cp_modules.kernels.decode.paged`.
+The values are the first R columns of the latent tile in shared memory. A split with an odd
+tile count ends with a phantom tile B (every key masked). Rows past the range are zeroed before
+they meet P @ V (unwritten slots may hold NaN), by the warp groups or (``producer_zeroing``) by
+the producer warps. Splits and their merge as in :mod:`cp_modules.kernels.decode.paged`.
 
-Fused split merge (``GluonMLAConfig.fused_merge``): after a program has stored its fp32 partial
-and base-2 LSE, warp group 0 (once warp group 1 has stored its half) increments an int32
-arrival counter of its (query, head tile) with acq_rel semantics at GPU scope. The program
-that draws the last ticket has every split's partial visible: both warp groups merge their
-column halves into the result (q's dtype) and its natural-log LSE, and it resets the counter
-to 0, so the counters (:func:`merge_counters`, per device and stream) serve the next launch
-and every CUDA-graph replay without a memset. No merge launch; the merging program reads every
-split's partial alone, so its tail grows with the split count (``fused_max_splits`` hands
-larger counts to the separate merge).
+In-kernel split merges (``GluonMLAConfig.fused_merge``: the program that draws a row's last
+arrival ticket merges every split; ``spread_merge``: the row's programs each merge a share of
+the columns) are in :mod:`cp_modules.kernels.decode.mla_gluon_epilogue`.
 
-Spread split merge (``GluonMLAConfig.spread_merge``, 2 to 8 splits, every program resident: a
-cooperative launch): after its ticket each program waits until its row's S tickets are in,
-then merges the row's 64-column blocks c = s (mod S) from every split's partial (in split
-order), so the merge's reads are spread over the row's S SMs; a second round of tickets resets
-the counter once every program is past its wait. No merge launch.
-
-Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0 with
-each block id looked up next to its copy; warp group 0 with a tile's ids looked up first;
-producer warps in a third partition; or a producer warp group copying each row with cp.async
-instead of TMA), when a tile buffer is free for its refill (once both warp
-groups are done with all of it, or in parts: the rope piece after the tile's scores, each
-latent half after its P @ V, with the scores taking the pieces in that order), who zeroes the
-rows past the range (the warp groups or the producer warps), and whether the last pair of a
-split is peeled off so that the others run without masks.
+Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0,
+each block id looked up next to its copy or a tile's ids first; producer warps; a cp.async
+producer warp group), when a buffer is refilled (once both warp groups are done with it, or in
+parts: rope piece, then each latent half, with the scores taking the pieces in that order),
+who zeroes the rows past the range, whether a split's last pair is peeled off, and
+(``scale_p``) whether warp group 1's softmax starts from tile A's max, with P_A rescaled by
+warp group 0 (:mod:`cp_modules.kernels.decode.mla_gluon_scale_p`).
 
 Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 only.
 """
@@ -134,6 +114,7 @@ if HAS_GLUON:
         _sync_warp_group,
         _zero_rows_past,
     )
+    from cp_modules.kernels.decode.mla_gluon_scale_p import _STATS_A, _wg0_pair_sp, _wg1_pair_sp
 
     @gluon.jit
     def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
@@ -215,14 +196,15 @@ if HAS_GLUON:
         return m_i, l_i, o0, o1, o2, o3
 
     @gluon.jit
-    def _mla_wg0(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
+    def _mla_wg0(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready, k_free, pa_bar, pb_bar,
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row,
                  stride_lh, q_desc, c_desc, BT, bt_row, q_row, FOUT, FLSE, COUNTER, stride_os,
                  stride_ls, num_splits, H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
                  PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                  ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
                  OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr,
-                 TRACE: gl.constexpr, TRACE_BUF, PZERO: gl.constexpr = False):  # fmt: skip
+                 TRACE: gl.constexpr, TRACE_BUF, PZERO: gl.constexpr = False,
+                 SCALE_P: gl.constexpr = False):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -255,10 +237,15 @@ if HAS_GLUON:
                     k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
                     bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
         for k in range(n_full, n_pairs):
-            m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
-                k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
-                k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
-                last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY, PZERO)  # fmt: skip
+            if SCALE_P:
+                m_i, l_i, o0, o1, o2, o3 = _wg0_pair_sp(
+                    k, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
+                    p_smem, vec_smem, stats_b, k_ready, k_free, pa_bar, pb_bar, True, mma)  # fmt: skip
+            else:
+                m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
+                    k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
+                    k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
+                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY, PZERO)  # fmt: skip
         _stamp(TRACE_BUF, 2, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
         nonempty = l_i > 0.0
@@ -340,17 +327,18 @@ if HAS_GLUON:
         return l_i, o0, o1, o2, o3
 
     @gluon.jit
-    def _mla_wg1(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready, k_free, pa_bar, pb_bar,
+    def _mla_wg1(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready, k_free, pa_bar, pb_bar,
                  start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row, stride_lh,
                  FOUT, FLSE, COUNTER, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
                  H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
                  PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
                  EARLY: gl.constexpr, SPREAD: gl.constexpr, TRACE: gl.constexpr,
-                 TRACE_BUF, PZERO: gl.constexpr = False):  # fmt: skip
+                 TRACE_BUF, PZERO: gl.constexpr = False, SCALE_P: gl.constexpr = False):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        m_i = gl.full([_BH], float("-inf"), gl.float32, row_l)  # SCALE_P: the last pair's max
         l_i = gl.zeros([_BH], gl.float32, row_l)
         o0 = gl.zeros([_BH, _BC], gl.float32, mma)
         o1 = gl.zeros([_BH, _BC], gl.float32, mma)
@@ -365,9 +353,15 @@ if HAS_GLUON:
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
                     p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
         for k in range(n_full, n_pairs):
-            l_i, o0, o1, o2, o3 = _wg1_pair(
-                k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
-                vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY, PZERO)  # fmt: skip
+            if SCALE_P:
+                m_i, l_i, o0, o1, o2, o3 = _wg1_pair_sp(
+                    k, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
+                    p_smem, vec_smem, stats_b, k_ready, k_free, pa_bar, pb_bar, True, mma)  # fmt: skip
+            else:
+                l_i, o0, o1, o2, o3 = _wg1_pair(
+                    k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
+                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY,
+                    PZERO)  # fmt: skip
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
         _stamp(TRACE_BUF, 5, num_splits, TRACE)
@@ -387,11 +381,11 @@ if HAS_GLUON:
                                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
                                 ISSUE: gl.constexpr = 0, PEEL: gl.constexpr = False,
                                 WG1_REGS: gl.constexpr = 256, LOADER_REGS: gl.constexpr = 24,
-                                FUSED: gl.constexpr = False,
-                                OWN_REGS: gl.constexpr = False,
+                                FUSED: gl.constexpr = False, OWN_REGS: gl.constexpr = False,
                                 EARLY: gl.constexpr = False,
                                 SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False,
-                                PZERO: gl.constexpr = False):  # fmt: skip
+                                PZERO: gl.constexpr = False,
+                                SCALE_P: gl.constexpr = False, SP_REFILL: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -416,7 +410,14 @@ if HAS_GLUON:
         k_pe = gl.allocate_shared_memory(dt, [2, _BN, _BC], layout)
         p_smem = gl.allocate_shared_memory(dt, [_BH, _BN], layout)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        vec_smem = gl.allocate_shared_memory(gl.float32, [8 * _BH], vec_layout)
+        if SCALE_P:
+            # Tile A's row statistics (warp group 0 -> 1) and tile B's (1 -> 0) apart, so
+            # that neither warp group's stores wait behind its own loads of the other's.
+            vec_smem = gl.allocate_shared_memory(gl.float32, [2 * _BH], vec_layout)
+            stats_b = gl.allocate_shared_memory(gl.float32, [2 * _BH], vec_layout)
+        else:
+            vec_smem = gl.allocate_shared_memory(gl.float32, [8 * _BH], vec_layout)
+            stats_b = vec_smem
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         pa_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -444,6 +445,8 @@ if HAS_GLUON:
         if PZERO:
             for b in gl.static_range(2 * _LAT):
                 mbarrier.init(k_ready.index(_LANDED + b), count=1)
+        if SCALE_P:
+            mbarrier.init(k_ready.index(_STATS_A), count=1)
         if FUSED or SPREAD:
             mbarrier.init(k_ready.index(_HALF_STORED), count=1)
             mbarrier.init(k_ready.index(_SPUN if SPREAD else _TICKET), count=1)
@@ -454,24 +457,24 @@ if HAS_GLUON:
         if ISSUE == _ISSUE_LOADER + 1:
             gl.warp_specialize(
                 [
-                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
-                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   2, EARLY, None, False, PZERO)),
+                                   2, EARLY, None, False, PZERO, SP_REFILL)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 1,
-                                   2, EARLY, None, False, PZERO)),
+                                   2, EARLY, None, False, PZERO, SP_REFILL)),
                 ],
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
@@ -479,21 +482,22 @@ if HAS_GLUON:
         elif ISSUE == _ISSUE_LOADER or ISSUE == _ISSUE_ASYNC:
             gl.warp_specialize(
                 [
-                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
-                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO)),
+                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO,
+                                   SP_REFILL)),
                 ],
                 [4, _ASYNC_WARPS if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],
@@ -501,18 +505,18 @@ if HAS_GLUON:
         else:
             gl.warp_specialize(
                 [
-                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
-                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, q_bar, k_ready,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
                 ],
                 [4],
                 [WG1_REGS],

@@ -94,6 +94,17 @@ class GluonMLAConfig:
             landed, before the consumers are told it is ready; the consumer warp groups then
             never branch on the range (off: each warp group zeroes the rows before its P @ V,
             behind a branch in every pair).
+        scale_p: (with ``producer_zeroing``, not ``peel``) warp group 1 takes tile B's softmax
+            from tile A's running max as soon as warp group 0 publishes it, and warp group 0
+            rescales P_A to tile B's max before handing it over, so each output half is
+            rescaled only with none of its products in flight and warp group 1's softmax runs
+            under warp group 0's P @ V (FlashMLA's order; :mod:`~cp_modules.kernels.decode.
+            mla_gluon_scale_p`). Off: warp group 1 adds P_A V_A before its softmax of tile B.
+            Measured slower than the default on the H200 (2026-12-03).
+        sp_refill: (with ``scale_p``) the producer refills a pair's parts in the order
+            ``scale_p`` frees them (A's rope, B's rope, A's half [0, 256), B's [256, 512), A's
+            [256, 512), B's [0, 256)) instead of all of tile A's, then tile B's, so that B's
+            early-freed parts do not wait behind A's last one. Not yet run on a GPU.
     """
 
     issue: str = "inline"
@@ -109,6 +120,8 @@ class GluonMLAConfig:
     max_box_rows: int = 64
     early_release: bool = False
     producer_zeroing: bool = False
+    scale_p: bool = False
+    sp_refill: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -141,6 +154,16 @@ class GluonMLAConfig:
                 f"(issue 'loader' or 'loader2'), got issue={self.issue!r}, "
                 f"early_release={self.early_release}"
             )
+        if self.scale_p and (
+            not self.producer_zeroing or self.peel or self.fused_merge or self.spread_merge
+        ):
+            raise ValueError(
+                "GluonMLAConfig.scale_p needs producer_zeroing, no peel and the separate "
+                f"merge, got producer_zeroing={self.producer_zeroing}, peel={self.peel}, "
+                f"fused_merge={self.fused_merge}, spread_merge={self.spread_merge}"
+            )
+        if self.sp_refill and not self.scale_p:
+            raise ValueError("GluonMLAConfig.sp_refill needs scale_p")
         if self.issue == "cpasync" and not self.early_release:
             raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
         if self.spread_merge and self.fused_merge:
@@ -169,7 +192,7 @@ class GluonMLAConfig:
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
                 "EARLY": self.early_release, "SPREAD": spread,
-                "PZERO": self.producer_zeroing}  # fmt: skip
+                "PZERO": self.producer_zeroing, "SCALE_P": self.scale_p, "SP_REFILL": self.sp_refill}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -203,6 +226,24 @@ GLUON_MLA_VARIANTS = {
     ),
     "loader-r232-early-pz": GluonMLAConfig(
         issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True
+    ),
+    # Tile B's softmax from tile A's max, P_A rescaled to tile B's by warp group 0: each
+    # output half rescaled with none of its products in flight (FlashMLA's order of work).
+    # Measured slower than loader-r232-early-pz (2026-12-03, docs/experiments/2026-12-02-peers.md).
+    "loader-r232-early-pz-sp": GluonMLAConfig(
+        issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True, scale_p=True
+    ),
+    "loader2-r232-early-pz-sp": GluonMLAConfig(
+        issue="loader2", wg1_regs=232, early_release=True, producer_zeroing=True, scale_p=True
+    ),
+    # The same with the refills in the order scale_p frees the parts (not yet measured).
+    "loader-r232-early-pz-sp-refill": GluonMLAConfig(
+        issue="loader",
+        wg1_regs=232,
+        early_release=True,
+        producer_zeroing=True,
+        scale_p=True,
+        sp_refill=True,
     ),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
@@ -251,6 +292,9 @@ GLUON_MLA_VARIANTS = {
 # per-shape medians +0.1 to +9.9 %, except B=64 4k / 32k at 16 (-0.9 / -1.5 %) and B=256 4k at
 # 16: -3.7 % (435 against 452; that row spans 414-487 across runs of one schedule; with each
 # schedule's full MLA decode run added, 452 against 455); docs/experiments/2026-12-02-mla-decode-fixed-costs.md).
+# loader-r232-early-pz-sp (scale_p) was measured slower on 2026-12-03 (128 heads: +0 to +11 %
+# time at block size 64, -5 to +5 % at 16; benchmarks/results/peers-mla-2026-12-03b.json, where it ran as
+# the default "cp" beside this one; docs/experiments/2026-12-02-peers.md), so it is not used.
 _DEFAULT_SMALL_PAGE = "loader-r232-early-pz"
 _DEFAULT_LARGE_PAGE = "loader-r232-early-pz"
 

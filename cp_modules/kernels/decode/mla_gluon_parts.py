@@ -208,12 +208,38 @@ if HAS_GLUON:
         return (i // per) * 4 + PART * per + i % per
 
     @gluon.jit
+    def _issue_pair_sp(c_desc, k_lat, k_pe, k_ready, k_free, rows_a, rows_b,
+                       BOX_ROWS: gl.constexpr, phase, PART: gl.constexpr, PARTS: gl.constexpr,
+                       valid_a, PZERO: gl.constexpr):  # fmt: skip
+        # A pair's parts in the order the scale_p schedule frees them: A's rope, B's rope,
+        # A's half [0, 256), B's [256, 512), A's [256, 512), B's [0, 256).
+        if PART == 0:
+            mbarrier.wait(k_free.index(_FREE_ROPE), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, _LAT, _LAT + 1)
+            mbarrier.wait(k_free.index(16 + _FREE_ROPE), phase)
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, _LAT, _LAT + 1)
+        for c in gl.static_range(0, _LAT // 2):
+            _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS, phase,
+                               True, PART, PARTS, c, valid_a, PZERO)  # fmt: skip
+        for c in gl.static_range(_LAT // 2, _LAT):
+            _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS, phase,
+                               True, PART, PARTS, c, valid_a - _BN, PZERO)  # fmt: skip
+        for c in gl.static_range(_LAT // 2, _LAT):
+            _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS, phase,
+                               True, PART, PARTS, c, valid_a, PZERO)  # fmt: skip
+        for c in gl.static_range(0, _LAT // 2):
+            _issue_piece_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS, phase,
+                               True, PART, PARTS, c, valid_a - _BN, PZERO)  # fmt: skip
+
+    @gluon.jit
     def _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
                           q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
                           BOX_ROWS: gl.constexpr, PART: gl.constexpr = 0,
-                          PARTS: gl.constexpr = 1, PZERO: gl.constexpr = False):  # fmt: skip
+                          PARTS: gl.constexpr = 1, PZERO: gl.constexpr = False,
+                          SP_REFILL: gl.constexpr = False):  # fmt: skip
         # _mla_loader with EARLY release: tile 2k + 2's parts go into buffer 0 as tile 2k's
-        # are freed, then tile 2k + 3's into buffer 1. PZERO: a tile reaching past the range
+        # are freed, then tile 2k + 3's into buffer 1 (SP_REFILL: the two tiles' parts in the
+        # order scale_p frees them, _issue_pair_sp). PZERO: a tile reaching past the range
         # (only the last pair's) is zeroed past it once both tiles of its pair are issued.
         if PART == 0:
             _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
@@ -232,10 +258,14 @@ if HAS_GLUON:
             phase = (k - 1) & 1
             rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
             rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
-            _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS, phase,
-                              True, PART, PARTS, end - n0, PZERO)  # fmt: skip
-            _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS, phase,
-                              True, PART, PARTS, end - n0 - _BN, PZERO)  # fmt: skip
+            if SP_REFILL:
+                _issue_pair_sp(c_desc, k_lat, k_pe, k_ready, k_free, rows_a, rows_b, BOX_ROWS,
+                               phase, PART, PARTS, end - n0, PZERO)  # fmt: skip
+            else:
+                _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a, BOX_ROWS,
+                                  phase, True, PART, PARTS, end - n0, PZERO)  # fmt: skip
+                _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b, BOX_ROWS,
+                                  phase, True, PART, PARTS, end - n0 - _BN, PZERO)  # fmt: skip
             if PZERO:
                 _zero_tail_pair(k_lat, k_ready, end - n0, PART, PARTS)
 
@@ -253,7 +283,8 @@ if HAS_GLUON:
                     c_desc, BT, bt_row, q_row, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr,
                     PART: gl.constexpr = 0, PARTS: gl.constexpr = 1,
                     EARLY: gl.constexpr = False, CACHE=None,
-                    ASYNC: gl.constexpr = False, PZERO: gl.constexpr = False):  # fmt: skip
+                    ASYNC: gl.constexpr = False, PZERO: gl.constexpr = False,
+                    SP_REFILL: gl.constexpr = False):  # fmt: skip
         # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
         # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
@@ -266,7 +297,7 @@ if HAS_GLUON:
         elif EARLY:
             _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
-                              PARTS, PZERO)  # fmt: skip
+                              PARTS, PZERO, SP_REFILL)  # fmt: skip
         else:
             _mla_loader_tiles(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
