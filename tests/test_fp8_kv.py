@@ -159,10 +159,11 @@ def _convert_bytes(
     tl.store(Y + offs, fp8_e4m3_bits_to(tl.load(X + offs), KIND, ASM, PACK))
 
 
-def _converted(dtype, asm, device="cpu", pack=4):
+def _converted(dtype, asm, device="cpu", pack=4, hw_fp16=False):
     x = torch.arange(256, dtype=torch.uint8, device=device)
-    y = torch.empty(256, dtype=dtype, device=device)
-    _convert_bytes[(1,)](x, y, N=256, KIND=fp8_bits_kind(dtype), ASM=asm, PACK=pack)
+    y = torch.empty(256, dtype=torch.float16 if hw_fp16 else dtype, device=device)
+    kind = fp8_bits_kind(dtype, hw_fp16)
+    _convert_bytes[(1,)](x, y, N=256, KIND=kind, ASM=asm, PACK=pack)
     return x, y
 
 
@@ -174,6 +175,62 @@ def test_fp8_byte_conversion_is_exact_interpreted(dtype):
     got = y.double() * 2.0 ** fp8_bias(dtype)
     assert torch.equal(got[finite], want[finite])
     assert torch.equal(got[finite].signbit(), want[finite].signbit())  # -0 stays -0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_hardware_kind_conversion_is_exact_interpreted(dtype):
+    """Kind 3 (the hardware's e4m3 -> fp16, bias 0) for bf16 and fp16 queries alike."""
+    assert fp8_bits_kind(dtype, hw_fp16=True) == 3 and fp8_bias(dtype, hw_fp16=True) == 0
+    assert fp8_bits_kind(torch.float32, hw_fp16=True) == 0  # fp32 queries keep fp32 products
+    x, y = _converted(dtype, asm=False, hw_fp16=True)
+    want = x.view(FP8_DTYPE).double()
+    finite = want.isfinite()
+    assert y.dtype == torch.float16
+    assert torch.equal(y.double()[finite], want[finite])
+    assert torch.equal(y.double()[finite].signbit(), want[finite].signbit())
+
+
+@pytest.fixture(params=[False, True], ids=["old-loop", "ahead-unmasked"])
+def loop_flags(request, monkeypatch):
+    """The GQA kernel's loop with and without block-table entries one tile ahead and the
+    unmasked middle tiles (BT_AHEAD, UNMASKED_MAIN)."""
+    import cp_modules.kernels.decode.paged as gqa_kernels
+
+    monkeypatch.setattr(gqa_kernels, "BT_AHEAD", request.param)
+    monkeypatch.setattr(gqa_kernels, "UNMASKED_MAIN", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("block_n", [16, 32], ids=["tile=block", "tile=2-blocks"])
+@pytest.mark.parametrize("window_softcap", [False, True], ids=["plain", "window-softcap"])
+def test_gqa_kernel_fp8_hardware_kind_interpreted(window_softcap, block_n, loop_flags):
+    """The kind-3 path (each query row brought into fp16's range by a power of two) with both
+    loops: within twice a same-dtype reference's error, and the same bits for queries 2**13
+    times larger under a 2**13 times smaller scale (whose q * k overflow fp16 as they are).
+    fp16 queries: the interpreter truncates fp32 -> bf16 stores (bf16 runs on the GPU)."""
+    kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard(lengths=(1, 70, 130, 97))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(rows.numel(), 8, 32, generator=g)
+    q[2] *= 1e-4  # fp16 subnormals
+    q = q.to(torch.float16)
+    extra = {}
+    if window_softcap:
+        extra = dict(query_kv_start=(lens - 40).clamp_min(0), softcap=5.0)
+    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1)
+    args = (q, kc, vc, bt, rows, lens, 32**-0.5)
+    out, lse = paged_attention_kernel(*args, 3, config=cfg, k_scale=ks, v_scale=vs, **extra)
+    ref_out, ref_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs, **extra)
+    same_out, same_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs, upcast=False,
+                                             **extra)  # fmt: skip
+    eo = (out.float() - ref_out.float()).abs().max().item()
+    bo = (same_out.float() - ref_out.float()).abs().max().item()
+    assert eo <= 2 * bo + 1e-6, (eo, bo)
+    assert (lse - ref_lse).abs().max().item() <= 2 * (same_lse - ref_lse).abs().max().item() + 1e-5
+    big = (q.float() * 2.0**13).to(torch.float16)
+    assert torch.equal(big.float(), q.float() * 2.0**13)
+    out2, lse2 = paged_attention_kernel(big, *args[1:6], 32**-0.5 * 2.0**-13, 3, config=cfg,
+                                        k_scale=ks, v_scale=vs, **extra)  # fmt: skip
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
 
 
 def test_gqa_kernel_on_fp8_cache_half_queries_interpreted():
@@ -329,6 +386,9 @@ def _outputs(a: VerifyArgs, kv_cache_dtype: str):
 @pytest.mark.parametrize("pack", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_fp8_byte_conversion_ptx_equals_integer_ops(dtype, pack):
+    _, hw = _converted(dtype, asm=True, device="cuda", pack=pack, hw_fp16=True)
+    _, hw_ops = _converted(dtype, asm=False, device="cuda", hw_fp16=True)
+    assert torch.equal(hw.view(torch.int16), hw_ops.view(torch.int16))  # the hardware's cvt
     _, ptx = _converted(dtype, asm=True, device="cuda", pack=pack)
     _, ops = _converted(dtype, asm=False, device="cuda")
     assert torch.equal(ptx.view(torch.int16), ops.view(torch.int16))

@@ -2,6 +2,7 @@
 """Where the fp8 GQA paged decode's time goes: split counts and tiles, bf16 beside fp8.
 
     python tools/probes/probe_fp8_decode.py --out DIR
+    python tools/probes/probe_fp8_decode.py --out DIR --loops   # the loop/conversion switches
 
 For Llama-3-8B decode attention (32 query heads, 8 KV heads, D = 128, block size 64) at a few
 batch x context shapes, times the Triton kernel (CUDA-graph replay, median) over split counts
@@ -19,6 +20,7 @@ import sys
 import torch
 import triton
 
+import cp_modules.kernels.decode.paged as gqa
 from benchmarks.bench_fp8_kv import BS, GQA_D, GQA_HKV, GQA_HQ, GQA_SCALE, _inputs, graph_ms
 from benchmarks.common import write_results
 from cp_modules.cache.kv_dtype import kv_scale, quantize_fp8
@@ -28,12 +30,73 @@ from cp_modules.reference.paged_decode import paged_attention_ref
 SHAPES = [(8, 131072), (256, 4096)]
 SPLITS = {(8, 131072): [5, 10, 20, 40], (256, 4096): [1, 2]}
 TILES = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 128, 4, 4), (16, 256, 8, 3)]
+# --loops: the default launch (op-chosen splits and tiles) with the switches of paged.py.
+LOOP_SHAPES = [(1, 131072), (8, 131072), (256, 4096)]
+LOOP_VARIANTS = {
+    "old": dict(BT_AHEAD=False, UNMASKED_MAIN=False, FP8_HW_FP16=False),
+    "ahead": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=False),
+    "ahead+hw16": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=True),
+    "ahead+hw16+unmasked": dict(BT_AHEAD=True, UNMASKED_MAIN=True, FP8_HW_FP16=True),
+    "all pps8": dict(BT_AHEAD=True, UNMASKED_MAIN=True, FP8_HW_FP16=True, FP8_PROGRAMS_PER_SM=8),
+    "all pps32": dict(BT_AHEAD=True, UNMASKED_MAIN=True, FP8_HW_FP16=True, FP8_PROGRAMS_PER_SM=32),
+}
+
+
+def loops(out: str) -> int:
+    rows: dict = {}
+    ones = kv_scale(1.0, GQA_HKV, device="cuda")
+    for b, c in LOOP_SHAPES:
+        nb = b * triton.cdiv(c, BS) + 1
+        shape = (nb, BS, GQA_HKV, GQA_D)
+        kb = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
+        vb = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
+        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)
+        q, bt, seq, lens = _inputs(b, c, GQA_HQ, GQA_D, nb)
+        read8 = float(lens.double().sum()) * GQA_HKV * GQA_D * 2
+        sub = (q[:1], bt, seq[:1], lens[:1], GQA_SCALE)
+        ref8 = paged_attention_ref(q[:1], k8, v8, *sub[1:], k_scale=ones, v_scale=ones)[0]
+        ref16 = paged_attention_ref(q[:1], kb, vb, *sub[1:])[0]
+        for name, flags in LOOP_VARIANTS.items():
+            saved = {k: getattr(gqa, k) for k in flags}
+            for k, val in flags.items():
+                setattr(gqa, k, val)
+            try:
+                run8 = functools.partial(paged_attention_kernel, q, k8, v8, bt, seq, lens,
+                                         GQA_SCALE, k_scale=ones, v_scale=ones)  # fmt: skip
+                run16 = functools.partial(paged_attention_kernel, q, kb, vb, bt, seq, lens,
+                                          GQA_SCALE)  # fmt: skip
+                e8 = (paged_attention_kernel(q[:1], k8, v8, *sub[1:], k_scale=ones,
+                      v_scale=ones)[0].float() - ref8.float()).abs().max().item()  # fmt: skip
+                e16 = (paged_attention_kernel(q[:1], kb, vb, *sub[1:])[0].float()
+                       - ref16.float()).abs().max().item()  # fmt: skip
+                t8 = graph_ms(run8)
+                t16 = graph_ms(run16) if "pps" not in name else float("nan")
+            except Exception as e:
+                print(f"B={b} ctx={c} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            finally:
+                for k, val in saved.items():
+                    setattr(gqa, k, val)
+            key = f"B={b} ctx={c} {name}"
+            rows[key] = {"fp8_ms": t8, "bf16_ms": t16, "fp8_TBps": read8 / t8 / 1e9,
+                         "bf16_TBps": 2 * read8 / t16 / 1e9, "speedup": t16 / t8,
+                         "err8": e8, "err16": e16}  # fmt: skip
+            print(f"{key}: fp8 {t8:.4f} ms {read8 / t8 / 1e9:.2f} TB/s | bf16 {t16:.4f} ms "
+                  f"{2 * read8 / t16 / 1e9:.2f} TB/s | x{t16 / t8:.2f} | err {e8:.1e} {e16:.1e}",
+                  flush=True)  # fmt: skip
+        del kb, vb, k8, v8
+        torch.cuda.empty_cache()
+    print(write_results("fp8-decode-loops", {"rows": rows}, out), flush=True)
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--loops", action="store_true")
     a = ap.parse_args()
+    if a.loops:
+        return loops(a.out)
     rows: dict = {}
     ones = kv_scale(1.0, GQA_HKV, device="cuda")
     for b, c in SHAPES:
