@@ -94,6 +94,19 @@ cvt.rn.f16x2.e4m3x2 $1, hi;
 }
 """)
 
+# The same for eight bytes in $4, $5 -> $0..$3.
+_HW16_ASM8 = tl.constexpr("""
+{
+.reg .b16 l0, h0, l1, h1;
+mov.b32 {l0, h0}, $4;
+mov.b32 {l1, h1}, $5;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, h0;
+cvt.rn.f16x2.e4m3x2 $2, l1;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}
+""")
+
 _BF16_ASM8 = tl.constexpr(_eight(_BF16_ASM_TEXT))
 _FP16_ASM8 = tl.constexpr(_eight(_FP16_ASM_TEXT))
 
@@ -184,10 +197,17 @@ def fp8_e4m3_bits_to(x, KIND: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexp
     operand layout (right for an operand whose contraction dimension is contiguous in memory);
     with 8 it converts in the load's layout, so a tile contracted along its strided dimension
     (the values of P @ V) reaches the product through 16-bit transposing shared-memory loads
-    instead of single-byte ones.
+    instead of single-byte ones. Kind 3 with 8: the PTX is marked impure, which keeps the
+    compiler from moving it (the products' operands then come through 16-bit shared-memory
+    loads, at the price of a staging buffer).
     """
     if KIND == 3:
-        if ASM:
+        if ASM and PACK == 8:
+            # Not pure: the compiler then converts in the load's layout (see above).
+            y = tl.inline_asm_elementwise(
+                _HW16_ASM8, "=r,=r,=r,=r,r,r", [x], dtype=tl.float16, is_pure=False, pack=8
+            )
+        elif ASM:
             y = tl.inline_asm_elementwise(
                 _HW16_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4
             )

@@ -97,6 +97,12 @@ BT_AHEAD = True
 # One query a run: the tiles wholly inside the visible range loaded and scored without masks
 # (the first and the last tile of a split with them). Read at every launch.
 UNMASKED_MAIN = True
+# fp8 caches on the hardware conversion: the value tile converted in its load's layout and
+# staged in shared memory as fp16 (16-bit transposing loads for P @ V instead of one byte at a
+# time; a 2 * BLOCK_N * Dv-byte buffer more). Read at every launch.
+FP8_V_STAGED = False
+# fp8 caches: tokens per tile of the default launch (4 warps).
+FP8_BLOCK_N = 128
 
 
 @triton.jit
@@ -117,11 +123,12 @@ def _tiles(
     V_IS_K: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, K_T: tl.constexpr,
     FP8_KIND: tl.constexpr, FP8_ASM: tl.constexpr, P_SHIFT: tl.constexpr,
     QUERY_LEN: tl.constexpr, MASKED: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr,
+    V_STAGED: tl.constexpr,
 ):  # fmt: skip
     """The tiles of ``[p_lo, p_hi)`` into the running (m, l, acc); ``MASKED`` False: every
     key of each tile lies in every row's range. ``AHEAD``: block-table entries one tile ahead.
     ``STAGES``: the loop's software-pipeline depth."""
-    blk_next = 0
+    blk_next = p_lo  # (replaced before use)
     if AHEAD:
         # The first tile's entries (none past the range, nor before the first visible key).
         offs_a = p_lo + tl.arange(0, BLOCK_N)
@@ -226,7 +233,9 @@ def _tiles(
                 mask=n_mask[:, None] & dv_mask[None, :],
                 other=0,
             )
-            if KV_FP8:
+            if KV_FP8 and FP8_KIND == 3 and not V_STAGED:
+                v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 4)
+            elif KV_FP8:
                 v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 8)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -295,6 +304,7 @@ def _paged_attn_kernel(
     BT_AHEAD: tl.constexpr = False,
     UNMASKED_MAIN: tl.constexpr = False,
     NUM_STAGES: tl.constexpr = 3,
+    V_STAGED: tl.constexpr = False,
 ):
     # Axis 0 enumerates (run, KV head, row tile) with row tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -397,7 +407,7 @@ def _paged_attn_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             PAGE, DK, DPE, BLOCK_N, V_IS_K, SOFTCAP, PRECISION, KV_FP8, K_T, FP8_KIND, FP8_ASM,
             P_SHIFT, QUERY_LEN, (parts == 1) | (part != 1), BT_AHEAD & ((parts == 1) | (part == 1)),
-            NUM_STAGES if (parts == 1) | (part == 1) else 1,
+            NUM_STAGES if (parts == 1) | (part == 1) else 1, V_STAGED,
         )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -461,7 +471,7 @@ def _launch(
             programs, max_kv_len, _num_sms(q.device), FP8_PROGRAMS_PER_SM if kv_fp8 else None
         )
     if config is None and kv_fp8 and dpe == 0 and max(dk, dv) <= 128:
-        cfg = DecodeConfig(block_h=cfg.block_h, block_n=128, num_warps=4, num_stages=3)
+        cfg = DecodeConfig(block_h=cfg.block_h, block_n=FP8_BLOCK_N, num_warps=4, num_stages=3)
     elif config is None and num_splits == 1:
         cfg = default_config(rows, dk, dv, dpe, split=False)  # same head tile
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -493,7 +503,7 @@ def _launch(
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
         QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD, UNMASKED_MAIN=UNMASKED_MAIN,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        NUM_STAGES=cfg.num_stages, V_STAGED=FP8_V_STAGED, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
