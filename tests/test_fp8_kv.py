@@ -457,6 +457,57 @@ def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, m
         paged_mla_attention(*margs, scale=0.07, kv_lora_rank=512, kernel="gluon", kv_scale=sc)
 
 
+_LOOP_VARIANTS = {
+    "old": dict(BT_AHEAD=False, UNMASKED_MAIN=False, FP8_HW_FP16=False),
+    "hw16-N128": dict(FP8_V_STAGED=False, FP8_BLOCK_N=128),
+    "hw16-staged-N128": dict(FP8_V_STAGED=True, FP8_BLOCK_N=128),
+    "hw16-staged-N64": dict(FP8_V_STAGED=True, FP8_BLOCK_N=64),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(_LOOP_VARIANTS))
+@pytest.mark.parametrize("case", ["plain-Q1", "window-softcap-Q1", "window-Q4"])
+def test_gpu_fp8_gqa_loop_variants_match_reference(variant, case, monkeypatch):
+    """The GQA kernel's loop and conversion switches on an fp8 cache (bf16 queries, split
+    counts chosen, lengths that end mid-tile, a window that starts mid-tile, runs of 4): the
+    2x rule against the fp32 reference."""
+    import cp_modules.kernels.decode.paged as gqa_kernels
+
+    for name, value in _LOOP_VARIANTS[variant].items():
+        monkeypatch.setattr(gqa_kernels, name, value)
+    torch.manual_seed(1)
+    dev, hkv, d, bs, hq = "cuda", 8, 128, 64, 32
+    q_len = 4 if case.endswith("Q4") else 1
+    nb, ends = 300, [1, 700, 5000, 64, 2049]
+    k = torch.randn(nb * bs, hkv, d, device=dev).to(torch.bfloat16) * 4
+    v = torch.randn(nb * bs, hkv, d, device=dev).to(torch.bfloat16)
+    ks = kv_scale(torch.linspace(0.5, 2.0, hkv), hkv, device=dev)
+    vs = kv_scale(0.7, hkv, device=dev)
+    kc, vc = (torch.zeros(nb, bs, hkv, d, dtype=FP8_DTYPE, device=dev) for _ in range(2))
+    write_kv_cache(k, v, kc, vc, torch.randperm(nb * bs, device=dev), ks, vs)
+    bt = torch.stack([torch.randperm(nb, device=dev)[:100] for _ in ends]).to(torch.int32)
+    rows = torch.arange(len(ends), device=dev, dtype=torch.int32).repeat_interleave(q_len)
+    steps = torch.arange(q_len, device=dev) - q_len + 1
+    lens = (torch.tensor(ends, device=dev)[:, None] + steps).clamp_min(0).flatten()
+    q = torch.randn(rows.numel(), hq, d, device=dev).to(torch.bfloat16)
+    extra: dict = {}
+    if case.startswith("window"):
+        extra["query_kv_start"] = (lens - 333).clamp_min(0)
+    if "softcap" in case:
+        extra["softcap"] = 20.0
+    args = (q, kc, vc, bt, rows, lens)
+    out, lse = paged_attention(*args, scale=d**-0.5, k_scale=ks, v_scale=vs, query_len=q_len,
+                               **extra)  # fmt: skip
+    ref_out, ref_lse = paged_attention_ref(*args, d**-0.5, k_scale=ks, v_scale=vs, **extra)
+    same_out, same_lse = paged_attention_ref(*args, d**-0.5, k_scale=ks, v_scale=vs, upcast=False,
+                                             **extra)  # fmt: skip
+    eo = (out.float() - ref_out.float()).abs().max().item()
+    bo = (same_out.float() - ref_out.float()).abs().max().item()
+    assert eo <= 2 * bo + 1e-4, (eo, bo)
+    assert (lse - ref_lse).abs().max().item() <= 2 * (same_lse - ref_lse).abs().max().item() + 1e-4
+
+
 def test_fp8_on_a_gpu_without_fp8_and_bad_recipe_option_raise(monkeypatch):
     from recipe_configs import BackendConf
 

@@ -92,10 +92,14 @@ FP8_PROGRAMS_PER_SM = 16
 FP8_HW_FP16 = True
 # Each tile's block-table entries loaded one tile ahead (a loop-carried value), so that the
 # software pipeline can keep two K/V tiles in flight per program: with the entry loaded in the
-# tile's own iteration it keeps one. Read at every launch.
+# tile's own iteration it keeps one (with num_stages >= 3; the unsplit bf16 tiles have 2 and
+# stay as they were: one buffer either way, and more instructions). Read at every launch.
 BT_AHEAD = True
-# One query a run: the tiles wholly inside the visible range loaded and scored without masks
-# (the first and the last tile of a split with them). Read at every launch.
+# fp8 caches, one query a run: the tiles wholly inside the visible range loaded and scored
+# without masks (the first and the last tile of a split with them, unpipelined). Not for bf16
+# caches: the unpipelined masked tiles cost a bf16 tile registers (the unsplit 8-warp tile
+# went from 128 to 172, half the programs per SM) and it saves no instructions there. Read at
+# every launch.
 UNMASKED_MAIN = True
 # fp8 caches on the hardware conversion: the value tile converted in its load's layout and
 # staged in shared memory as fp16 (16-bit transposing loads for P @ V instead of one byte at a
@@ -502,7 +506,8 @@ def _launch(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
-        QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD, UNMASKED_MAIN=UNMASKED_MAIN,
+        QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD and cfg.num_stages >= 3,
+        UNMASKED_MAIN=UNMASKED_MAIN and kv_fp8,
         NUM_STAGES=cfg.num_stages, V_STAGED=FP8_V_STAGED, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
