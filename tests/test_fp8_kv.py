@@ -459,9 +459,10 @@ def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, m
 
 _LOOP_VARIANTS = {
     "old": dict(BT_AHEAD=False, UNMASKED_MAIN=False, FP8_HW_FP16=False),
-    "hw16-N128": dict(FP8_V_STAGED=False, FP8_BLOCK_N=128),
-    "hw16-staged-N128": dict(FP8_V_STAGED=True, FP8_BLOCK_N=128),
-    "hw16-staged-N64": dict(FP8_V_STAGED=True, FP8_BLOCK_N=64),
+    "hw16-N128": dict(FP8_STAGED=False, FP8_BLOCK_N=128),
+    "hw16-staged-N128": dict(FP8_STAGED=True, FP8_BLOCK_N=128),
+    "hw16-staged-N64": dict(FP8_STAGED=True, FP8_BLOCK_N=64),
+    "hw16-N64": dict(FP8_STAGED=False, FP8_BLOCK_N=64),
 }
 
 

@@ -43,14 +43,14 @@ TILES = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 128, 4, 4), (16,
 LOOP_SHAPES = [(8, 131072), (1, 131072), (256, 4096)]
 _ALL: dict[str, object] = dict(BT_AHEAD=True, UNMASKED_MAIN=True, FP8_HW_FP16=True)
 LOOP_VARIANTS: dict[str, dict[str, object]] = {
-    "old": dict(BT_AHEAD=False, UNMASKED_MAIN=False, FP8_HW_FP16=False, FP8_V_STAGED=False),
-    "ahead": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=False, FP8_V_STAGED=False),
-    "ahead+hw16": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=True, FP8_V_STAGED=False),
-    "all": dict(_ALL, FP8_V_STAGED=False),
-    "all vstaged": dict(_ALL, FP8_V_STAGED=True),
-    "all vstaged N64": dict(_ALL, FP8_V_STAGED=True, FP8_BLOCK_N=64),
-    "all N64": dict(_ALL, FP8_V_STAGED=False, FP8_BLOCK_N=64),
-    "all vstaged pps8": dict(_ALL, FP8_V_STAGED=True, FP8_PROGRAMS_PER_SM=8),
+    "old": dict(BT_AHEAD=False, UNMASKED_MAIN=False, FP8_HW_FP16=False, FP8_STAGED=False),
+    "ahead": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=False, FP8_STAGED=False),
+    "ahead+hw16": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=True, FP8_STAGED=False),
+    "all": dict(_ALL, FP8_STAGED=False),
+    "all N64": dict(_ALL, FP8_STAGED=False, FP8_BLOCK_N=64),
+    "all staged": dict(_ALL, FP8_STAGED=True),
+    "all staged N64": dict(_ALL, FP8_STAGED=True, FP8_BLOCK_N=64),
+    "all staged N64 pps32": dict(_ALL, FP8_STAGED=True, FP8_BLOCK_N=64, FP8_PROGRAMS_PER_SM=32),
 }
 
 
@@ -110,7 +110,8 @@ def loops(out: str, shapes: int) -> int:
                   flush=True)  # fmt: skip
         del kb, vb, k8, v8
         torch.cuda.empty_cache()
-    print(write_results("fp8-decode-loops", {"rows": rows}, out), flush=True)
+        path = write_results("fp8-decode-loops", {"rows": rows}, out)  # after every shape
+    print(path, flush=True)
     return 0
 
 

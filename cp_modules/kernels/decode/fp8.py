@@ -19,8 +19,10 @@ is multiplied by ``v_scale * 2**120 / l``. With bias 8 (fp16) nothing needs shif
 
 Kind 3 (:data:`HW_FP16`, the GQA decode kernel): the hardware's one-instruction conversion of
 two e4m3 bytes to two fp16 (``cvt.rn.f16x2.e4m3x2``, exact, bias 0), and the products in fp16.
-The kernel brings each query row into fp16 exactly by a power of two (its largest element to
-``[2**14, 2**15)``; bf16's 8-bit significands fit fp16's 11) and divides the row's scores by it.
+The kernel brings each query row into fp16 by a power of two (its largest element to
+``[2**14, 2**15)``) and divides the row's scores by it: exact, bf16's 8-bit significands fit
+fp16's 11, but for elements under ``2**-31`` of the row's largest, which fp16's subnormals round
+to ``2**-39`` of it.
 Under the interpreter the same fp16 value comes from the integer operations times ``2**8``.
 """
 

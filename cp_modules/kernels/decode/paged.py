@@ -29,11 +29,16 @@ programs write fp32 partials that the LSE merge family's split merge
 fused into this kernel). An empty range yields out = 0 and lse = -inf. Nothing here syncs with
 the host, so the launch is CUDA-graph safe.
 
-fp8 (e4m3) caches: each K/V tile is read as bytes and converted to ``q``'s dtype by integer
-operations right after its load (exact up to a power of two that the scales absorb:
-:mod:`cp_modules.kernels.decode.fp8`), and the products run as for a bf16 cache; the key scale
-of the KV head is folded into the softmax scale and the value scale into the output (fp32
-scales [Hkv], or [1] with a head stride of 0).
+fp8 (e4m3) caches: each K/V tile is read as bytes and converted right after its load, for
+bf16/fp16 queries to fp16 by the hardware (the query rows brought into fp16 by powers of two,
+:data:`FP8_HW_FP16`), else to the query's type by integer operations (exact up to a power of
+two that the scales absorb: :mod:`cp_modules.kernels.decode.fp8`), and the products run as
+for a half-precision cache; the key scale of the KV head is folded into the softmax scale and
+the value scale into the output (fp32 scales [Hkv], or [1] with a head stride of 0).
+
+The loop: each tile's block-table entries are loaded one tile ahead (:data:`BT_AHEAD`), so the
+software pipeline keeps two tiles in flight per program; for fp8 caches the tiles wholly in
+the visible range run without masks (:data:`UNMASKED_MAIN`).
 """
 
 from __future__ import annotations
@@ -101,10 +106,11 @@ BT_AHEAD = True
 # went from 128 to 172, half the programs per SM) and it saves no instructions there. Read at
 # every launch.
 UNMASKED_MAIN = True
-# fp8 caches on the hardware conversion: the value tile converted in its load's layout and
-# staged in shared memory as fp16 (16-bit transposing loads for P @ V instead of one byte at a
-# time; a 2 * BLOCK_N * Dv-byte buffer more). Read at every launch.
-FP8_V_STAGED = False
+# fp8 caches on the hardware conversion: the key ([Dk, N] loads) and value tiles converted in
+# their load's layout and staged in shared memory as fp16, so the products read 16-bit
+# operands by ldmatrix (the values otherwise come one byte at a time); a staging buffer more.
+# Read at every launch.
+FP8_STAGED = False
 # fp8 caches: tokens per tile of the default launch (4 warps).
 FP8_BLOCK_N = 128
 
@@ -127,7 +133,7 @@ def _tiles(
     V_IS_K: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, K_T: tl.constexpr,
     FP8_KIND: tl.constexpr, FP8_ASM: tl.constexpr, P_SHIFT: tl.constexpr,
     QUERY_LEN: tl.constexpr, MASKED: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr,
-    V_STAGED: tl.constexpr,
+    STAGED: tl.constexpr,
 ):  # fmt: skip
     """The tiles of ``[p_lo, p_hi)`` into the running (m, l, acc); ``MASKED`` False: every
     key of each tile lies in every row's range. ``AHEAD``: block-table entries one tile ahead.
@@ -191,7 +197,7 @@ def _tiles(
             kt_ptrs = K + k_tok[None, :] + kvh * stride_kh + offs_dk[:, None]
             kt = tl.load(kt_ptrs, mask=n_mask[None, :] & dk_mask[:, None], other=0)
             if KV_FP8:
-                kt = fp8_e4m3_bits_to(kt, FP8_KIND, FP8_ASM)
+                kt = fp8_e4m3_bits_to(kt, FP8_KIND, FP8_ASM, 8 if STAGED else 4)
             s = tl.dot(q, kt, input_precision=PRECISION)
         else:
             k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
@@ -237,7 +243,7 @@ def _tiles(
                 mask=n_mask[:, None] & dv_mask[None, :],
                 other=0,
             )
-            if KV_FP8 and FP8_KIND == 3 and not V_STAGED:
+            if KV_FP8 and FP8_KIND == 3 and not STAGED:
                 v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 4)
             elif KV_FP8:
                 v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 8)
@@ -308,7 +314,7 @@ def _paged_attn_kernel(
     BT_AHEAD: tl.constexpr = False,
     UNMASKED_MAIN: tl.constexpr = False,
     NUM_STAGES: tl.constexpr = 3,
-    V_STAGED: tl.constexpr = False,
+    STAGED: tl.constexpr = False,
 ):
     # Axis 0 enumerates (run, KV head, row tile) with row tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -411,7 +417,7 @@ def _paged_attn_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             PAGE, DK, DPE, BLOCK_N, V_IS_K, SOFTCAP, PRECISION, KV_FP8, K_T, FP8_KIND, FP8_ASM,
             P_SHIFT, QUERY_LEN, (parts == 1) | (part != 1), BT_AHEAD & ((parts == 1) | (part == 1)),
-            NUM_STAGES if (parts == 1) | (part == 1) else 1, V_STAGED,
+            NUM_STAGES if (parts == 1) | (part == 1) else 1, STAGED,
         )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -508,7 +514,7 @@ def _launch(
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
         QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD and cfg.num_stages >= 3,
         UNMASKED_MAIN=UNMASKED_MAIN and kv_fp8,
-        NUM_STAGES=cfg.num_stages, V_STAGED=FP8_V_STAGED, num_warps=cfg.num_warps,
+        NUM_STAGES=cfg.num_stages, STAGED=FP8_STAGED and fp8.kind == 3, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
