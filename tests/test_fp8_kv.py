@@ -216,7 +216,8 @@ def test_gqa_kernel_fp8_hardware_kind_interpreted(window_softcap, block_n, loop_
     extra = {}
     if window_softcap:
         extra = dict(query_kv_start=(lens - 40).clamp_min(0), softcap=5.0)
-    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1)
+    # 3 stages: BT_AHEAD applies (the interpreter has no software pipeline).
+    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=3)
     args = (q, kc, vc, bt, rows, lens, 32**-0.5)
     out, lse = paged_attention_kernel(*args, 3, config=cfg, k_scale=ks, v_scale=vs, **extra)
     ref_out, ref_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs, **extra)
@@ -388,7 +389,9 @@ def _outputs(a: VerifyArgs, kv_cache_dtype: str):
 def test_gpu_fp8_byte_conversion_ptx_equals_integer_ops(dtype, pack):
     _, hw = _converted(dtype, asm=True, device="cuda", pack=pack, hw_fp16=True)
     _, hw_ops = _converted(dtype, asm=False, device="cuda", hw_fp16=True)
-    assert torch.equal(hw.view(torch.int16), hw_ops.view(torch.int16))  # the hardware's cvt
+    nan = torch.arange(256, device="cuda").remainder(128) == 127  # e4m3fn's NaN bytes
+    assert hw[nan].isnan().all()  # (the integer operations give 480 there; no write makes them)
+    assert torch.equal(hw.view(torch.int16)[~nan], hw_ops.view(torch.int16)[~nan])
     _, ptx = _converted(dtype, asm=True, device="cuda", pack=pack)
     _, ops = _converted(dtype, asm=False, device="cuda")
     assert torch.equal(ptx.view(torch.int16), ops.view(torch.int16))

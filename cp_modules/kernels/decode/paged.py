@@ -36,9 +36,9 @@ two that the scales absorb: :mod:`cp_modules.kernels.decode.fp8`), and the produ
 for a half-precision cache; the key scale of the KV head is folded into the softmax scale and
 the value scale into the output (fp32 scales [Hkv], or [1] with a head stride of 0).
 
-The loop: each tile's block-table entries are loaded one tile ahead (:data:`BT_AHEAD`), so the
-software pipeline keeps two tiles in flight per program; for fp8 caches the tiles wholly in
-the visible range run without masks (:data:`UNMASKED_MAIN`).
+The fp8 loop: each tile's block-table entries are loaded one tile ahead (:data:`BT_AHEAD`), so
+the software pipeline keeps two tiles in flight per program, and the tiles wholly in the
+visible range run without masks (:data:`UNMASKED_MAIN`).
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ FP8_PROGRAMS_PER_SM = 16
 FP8_HW_FP16 = True
 # Each tile's block-table entries loaded one tile ahead (a loop-carried value), so that the
 # software pipeline can keep two K/V tiles in flight per program: with the entry loaded in the
-# tile's own iteration it keeps one (with num_stages >= 3; the unsplit bf16 tiles have 2 and
-# stay as they were: one buffer either way, and more instructions). Read at every launch.
+# tile's own iteration it keeps one (num_stages >= 3). fp8 caches only: on a bf16 cache it
+# measured 7 % faster at B=1 ctx=128k but 1.5 % slower at B=8 ctx=128k (Llama-3-8B heads,
+# docs/experiments/2026-12-03-fp8-decode-speed.md), so bf16 keeps its loop. Read at every
+# launch.
 BT_AHEAD = True
 # fp8 caches, one query a run: the tiles wholly inside the visible range loaded and scored
 # without masks (the first and the last tile of a split with them, unpipelined). Not for bf16
@@ -512,7 +514,7 @@ def _launch(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
-        QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD and cfg.num_stages >= 3,
+        QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD and kv_fp8 and cfg.num_stages >= 3,
         UNMASKED_MAIN=UNMASKED_MAIN and kv_fp8,
         NUM_STAGES=cfg.num_stages, STAGED=FP8_STAGED and fp8.kind == 3, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
