@@ -159,10 +159,11 @@ def _convert_bytes(
     tl.store(Y + offs, fp8_e4m3_bits_to(tl.load(X + offs), KIND, ASM, PACK))
 
 
-def _converted(dtype, asm, device="cpu", pack=4):
+def _converted(dtype, asm, device="cpu", pack=4, hw_fp16=False):
     x = torch.arange(256, dtype=torch.uint8, device=device)
-    y = torch.empty(256, dtype=dtype, device=device)
-    _convert_bytes[(1,)](x, y, N=256, KIND=fp8_bits_kind(dtype), ASM=asm, PACK=pack)
+    y = torch.empty(256, dtype=torch.float16 if hw_fp16 else dtype, device=device)
+    kind = fp8_bits_kind(dtype, hw_fp16)
+    _convert_bytes[(1,)](x, y, N=256, KIND=kind, ASM=asm, PACK=pack)
     return x, y
 
 
@@ -174,6 +175,63 @@ def test_fp8_byte_conversion_is_exact_interpreted(dtype):
     got = y.double() * 2.0 ** fp8_bias(dtype)
     assert torch.equal(got[finite], want[finite])
     assert torch.equal(got[finite].signbit(), want[finite].signbit())  # -0 stays -0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_hardware_kind_conversion_is_exact_interpreted(dtype):
+    """Kind 3 (the hardware's e4m3 -> fp16, bias 0) for bf16 and fp16 queries alike."""
+    assert fp8_bits_kind(dtype, hw_fp16=True) == 3 and fp8_bias(dtype, hw_fp16=True) == 0
+    assert fp8_bits_kind(torch.float32, hw_fp16=True) == 0  # fp32 queries keep fp32 products
+    x, y = _converted(dtype, asm=False, hw_fp16=True)
+    want = x.view(FP8_DTYPE).double()
+    finite = want.isfinite()
+    assert y.dtype == torch.float16
+    assert torch.equal(y.double()[finite], want[finite])
+    assert torch.equal(y.double()[finite].signbit(), want[finite].signbit())
+
+
+@pytest.fixture(params=[False, True], ids=["old-loop", "ahead-unmasked"])
+def loop_flags(request, monkeypatch):
+    """The GQA kernel's loop with and without block-table entries one tile ahead and the
+    unmasked middle tiles (BT_AHEAD, UNMASKED_MAIN)."""
+    import cp_modules.kernels.decode.paged as gqa_kernels
+
+    monkeypatch.setattr(gqa_kernels, "BT_AHEAD", request.param)
+    monkeypatch.setattr(gqa_kernels, "UNMASKED_MAIN", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("block_n", [16, 32], ids=["tile=block", "tile=2-blocks"])
+@pytest.mark.parametrize("window_softcap", [False, True], ids=["plain", "window-softcap"])
+def test_gqa_kernel_fp8_hardware_kind_interpreted(window_softcap, block_n, loop_flags):
+    """The kind-3 path (each query row brought into fp16's range by a power of two) with both
+    loops: within twice a same-dtype reference's error, and the same bits for queries 2**13
+    times larger under a 2**13 times smaller scale (whose q * k overflow fp16 as they are).
+    fp16 queries: the interpreter truncates fp32 -> bf16 stores (bf16 runs on the GPU)."""
+    kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard(lengths=(1, 70, 130, 97))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(rows.numel(), 8, 32, generator=g)
+    q[2] *= 1e-4  # fp16 subnormals
+    q = q.to(torch.float16)
+    extra = {}
+    if window_softcap:
+        extra = dict(query_kv_start=(lens - 40).clamp_min(0), softcap=5.0)
+    # 3 stages: BT_AHEAD applies (the interpreter has no software pipeline).
+    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=3)
+    args = (q, kc, vc, bt, rows, lens, 32**-0.5)
+    out, lse = paged_attention_kernel(*args, 3, config=cfg, k_scale=ks, v_scale=vs, **extra)
+    ref_out, ref_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs, **extra)
+    same_out, same_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs, upcast=False,
+                                             **extra)  # fmt: skip
+    eo = (out.float() - ref_out.float()).abs().max().item()
+    bo = (same_out.float() - ref_out.float()).abs().max().item()
+    assert eo <= 2 * bo + 1e-6, (eo, bo)
+    assert (lse - ref_lse).abs().max().item() <= 2 * (same_lse - ref_lse).abs().max().item() + 1e-5
+    big = (q.float() * 2.0**13).to(torch.float16)
+    assert torch.equal(big.float(), q.float() * 2.0**13)
+    out2, lse2 = paged_attention_kernel(big, *args[1:6], 32**-0.5 * 2.0**-13, 3, config=cfg,
+                                        k_scale=ks, v_scale=vs, **extra)  # fmt: skip
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
 
 
 def test_gqa_kernel_on_fp8_cache_half_queries_interpreted():
@@ -329,6 +387,11 @@ def _outputs(a: VerifyArgs, kv_cache_dtype: str):
 @pytest.mark.parametrize("pack", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_fp8_byte_conversion_ptx_equals_integer_ops(dtype, pack):
+    _, hw = _converted(dtype, asm=True, device="cuda", pack=pack, hw_fp16=True)
+    _, hw_ops = _converted(dtype, asm=False, device="cuda", hw_fp16=True)
+    nan = torch.arange(256, device="cuda").remainder(128) == 127  # e4m3fn's NaN bytes
+    assert hw[nan].isnan().all()  # (the integer operations give 480 there; no write makes them)
+    assert torch.equal(hw.view(torch.int16)[~nan], hw_ops.view(torch.int16)[~nan])
     _, ptx = _converted(dtype, asm=True, device="cuda", pack=pack)
     _, ops = _converted(dtype, asm=False, device="cuda")
     assert torch.equal(ptx.view(torch.int16), ops.view(torch.int16))
@@ -395,6 +458,58 @@ def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, m
         assert (l_ - r_l).abs().max().item() <= 2 * (s_l - r_l).abs().max().item() + 1e-4
     with pytest.raises(ValueError, match="takes bf16/fp16 caches, not fp8"):
         paged_mla_attention(*margs, scale=0.07, kv_lora_rank=512, kernel="gluon", kv_scale=sc)
+
+
+_LOOP_VARIANTS = {
+    "old": dict(BT_AHEAD=False, UNMASKED_MAIN=False, FP8_HW_FP16=False),
+    "hw16-N128": dict(FP8_STAGED=False, FP8_BLOCK_N=128),
+    "hw16-staged-N128": dict(FP8_STAGED=True, FP8_BLOCK_N=128),
+    "hw16-staged-N64": dict(FP8_STAGED=True, FP8_BLOCK_N=64),
+    "hw16-N64": dict(FP8_STAGED=False, FP8_BLOCK_N=64),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(_LOOP_VARIANTS))
+@pytest.mark.parametrize("case", ["plain-Q1", "window-softcap-Q1", "window-Q4"])
+def test_gpu_fp8_gqa_loop_variants_match_reference(variant, case, monkeypatch):
+    """The GQA kernel's loop and conversion switches on an fp8 cache (bf16 queries, split
+    counts chosen, lengths that end mid-tile, a window that starts mid-tile, runs of 4): the
+    2x rule against the fp32 reference."""
+    import cp_modules.kernels.decode.paged as gqa_kernels
+
+    for name, value in _LOOP_VARIANTS[variant].items():
+        monkeypatch.setattr(gqa_kernels, name, value)
+    torch.manual_seed(1)
+    dev, hkv, d, bs, hq = "cuda", 8, 128, 64, 32
+    q_len = 4 if case.endswith("Q4") else 1
+    nb, ends = 300, [1, 700, 5000, 64, 2049]
+    k = torch.randn(nb * bs, hkv, d, device=dev).to(torch.bfloat16) * 4
+    v = torch.randn(nb * bs, hkv, d, device=dev).to(torch.bfloat16)
+    ks = kv_scale(torch.linspace(0.5, 2.0, hkv), hkv, device=dev)
+    vs = kv_scale(0.7, hkv, device=dev)
+    kc, vc = (torch.zeros(nb, bs, hkv, d, dtype=FP8_DTYPE, device=dev) for _ in range(2))
+    write_kv_cache(k, v, kc, vc, torch.randperm(nb * bs, device=dev), ks, vs)
+    bt = torch.stack([torch.randperm(nb, device=dev)[:100] for _ in ends]).to(torch.int32)
+    rows = torch.arange(len(ends), device=dev, dtype=torch.int32).repeat_interleave(q_len)
+    steps = torch.arange(q_len, device=dev) - q_len + 1
+    lens = (torch.tensor(ends, device=dev)[:, None] + steps).clamp_min(0).flatten()
+    q = torch.randn(rows.numel(), hq, d, device=dev).to(torch.bfloat16)
+    extra: dict = {}
+    if case.startswith("window"):
+        extra["query_kv_start"] = (lens - 333).clamp_min(0)
+    if "softcap" in case:
+        extra["softcap"] = 20.0
+    args = (q, kc, vc, bt, rows, lens)
+    out, lse = paged_attention(*args, scale=d**-0.5, k_scale=ks, v_scale=vs, query_len=q_len,
+                               **extra)  # fmt: skip
+    ref_out, ref_lse = paged_attention_ref(*args, d**-0.5, k_scale=ks, v_scale=vs, **extra)
+    same_out, same_lse = paged_attention_ref(*args, d**-0.5, k_scale=ks, v_scale=vs, upcast=False,
+                                             **extra)  # fmt: skip
+    eo = (out.float() - ref_out.float()).abs().max().item()
+    bo = (same_out.float() - ref_out.float()).abs().max().item()
+    assert eo <= 2 * bo + 1e-4, (eo, bo)
+    assert (lse - ref_lse).abs().max().item() <= 2 * (same_lse - ref_lse).abs().max().item() + 1e-4
 
 
 def test_fp8_on_a_gpu_without_fp8_and_bad_recipe_option_raise(monkeypatch):

@@ -128,7 +128,9 @@ def test_runs_on_an_fp8_cache_match_reference_interpreted(k_transposed):
         write_kv_cache(k, torch.randn(n, hkv, d, generator=g), kc, vc, slots, ks, vs)
     rows, start, kv_len, _ = run_queries(lengths, q_len, 1, 0, 1, window=20)
     q = torch.randn(rows.numel(), 8, d, generator=g)
-    cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    # 3 stages: the fp8 loop with block-table entries one tile ahead (BT_AHEAD); the
+    # interpreter has no software pipeline.
+    cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=3)
     kw = {"query_kv_start": start, "softcap": 5.0, "k_scale": ks, "v_scale": vs}
     out, lse = paged_attention_kernel(q, kc, vc, bt, rows, kv_len, d**-0.5, 2, config=cfg,
                                       query_len=q_len, **kw)  # fmt: skip

@@ -2,6 +2,7 @@
 """Where the fp8 GQA paged decode's time goes: split counts and tiles, bf16 beside fp8.
 
     python tools/probes/probe_fp8_decode.py --out DIR
+    python tools/probes/probe_fp8_decode.py --out DIR --loops   # the loop/conversion switches
 
 For Llama-3-8B decode attention (32 query heads, 8 KV heads, D = 128, block size 64) at a few
 batch x context shapes, times the Triton kernel (CUDA-graph replay, median) over split counts
@@ -19,7 +20,17 @@ import sys
 import torch
 import triton
 
-from benchmarks.bench_fp8_kv import BS, GQA_D, GQA_HKV, GQA_HQ, GQA_SCALE, _inputs, graph_ms
+import cp_modules.kernels.decode.paged as gqa
+from benchmarks.bench_fp8_kv import (
+    BS,
+    GQA_D,
+    GQA_HKV,
+    GQA_HQ,
+    GQA_SCALE,
+    _check,
+    _inputs,
+    graph_ms,
+)
 from benchmarks.common import write_results
 from cp_modules.cache.kv_dtype import kv_scale, quantize_fp8
 from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
@@ -28,12 +39,90 @@ from cp_modules.reference.paged_decode import paged_attention_ref
 SHAPES = [(8, 131072), (256, 4096)]
 SPLITS = {(8, 131072): [5, 10, 20, 40], (256, 4096): [1, 2]}
 TILES = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 128, 4, 4), (16, 256, 8, 3)]
+# --loops: the default launch (op-chosen splits and tiles) with the switches of paged.py.
+LOOP_SHAPES = [(8, 131072), (1, 131072), (256, 4096)]
+_ALL: dict[str, object] = dict(BT_AHEAD=True, UNMASKED_MAIN=True, FP8_HW_FP16=True)
+LOOP_VARIANTS: dict[str, dict[str, object]] = {
+    "old": dict(BT_AHEAD=False, UNMASKED_MAIN=False, FP8_HW_FP16=False, FP8_STAGED=False),
+    "ahead": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=False, FP8_STAGED=False),
+    "ahead+hw16": dict(BT_AHEAD=True, UNMASKED_MAIN=False, FP8_HW_FP16=True, FP8_STAGED=False),
+    "all": dict(_ALL, FP8_STAGED=False),
+    "all N64": dict(_ALL, FP8_STAGED=False, FP8_BLOCK_N=64),
+    "all staged": dict(_ALL, FP8_STAGED=True),
+    "all staged N64": dict(_ALL, FP8_STAGED=True, FP8_BLOCK_N=64),
+    "all staged N64 pps32": dict(_ALL, FP8_STAGED=True, FP8_BLOCK_N=64, FP8_PROGRAMS_PER_SM=32),
+}
+
+
+def loops(out: str, shapes: int) -> int:
+    rows: dict = {}
+    ones = kv_scale(1.0, GQA_HKV, device="cuda")
+    for b, c in LOOP_SHAPES[:shapes]:
+        nb = b * triton.cdiv(c, BS) + 1
+        shape = (nb, BS, GQA_HKV, GQA_D)
+        kb = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
+        vb = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
+        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)
+        q, bt, seq, lens = _inputs(b, c, GQA_HQ, GQA_D, nb)
+        read8 = float(lens.double().sum()) * GQA_HKV * GQA_D * 2
+
+        def ref8(q, bt, seq, lens, upcast, k8=k8, v8=v8):
+            return paged_attention_ref(q, k8, v8, bt, seq, lens, GQA_SCALE, upcast=upcast,
+                                       k_scale=ones, v_scale=ones)  # fmt: skip
+
+        def ref16(q, bt, seq, lens, upcast, kb=kb, vb=vb):
+            return paged_attention_ref(q, kb, vb, bt, seq, lens, GQA_SCALE, upcast=upcast)
+
+        for name, flags in LOOP_VARIANTS.items():
+            saved = {k: getattr(gqa, k) for k in flags}
+            for k, val in flags.items():
+                setattr(gqa, k, val)
+            try:
+
+                def run8(q, bt, seq, lens, k8=k8, v8=v8):
+                    return paged_attention_kernel(q, k8, v8, bt, seq, lens, GQA_SCALE,
+                                                  k_scale=ones, v_scale=ones)  # fmt: skip
+
+                def run16(q, bt, seq, lens, kb=kb, vb=vb):
+                    return paged_attention_kernel(q, kb, vb, bt, seq, lens, GQA_SCALE)
+
+                fp8_only = name not in ("old", "ahead", "all")
+                c8 = _check(run8, ref8, q, bt, seq, lens)
+                c16 = {"ok": True} if fp8_only else _check(run16, ref16, q, bt, seq, lens)
+                if not (c8["ok"] and c16["ok"]):
+                    print(f"B={b} ctx={c} {name}: FAILED check {c8} {c16}", flush=True)
+                    continue
+                args = (q, bt, seq, lens)
+                t8 = graph_ms(lambda f=run8, a=args: f(*a))
+                t16 = float("nan") if fp8_only else graph_ms(lambda f=run16, a=args: f(*a))
+            except Exception as e:
+                print(f"B={b} ctx={c} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            finally:
+                for k, val in saved.items():
+                    setattr(gqa, k, val)
+            key = f"B={b} ctx={c} {name}"
+            rows[key] = {"fp8_ms": t8, "bf16_ms": t16, "fp8_TBps": read8 / t8 / 1e9,
+                         "bf16_TBps": 2 * read8 / t16 / 1e9, "speedup": t16 / t8,
+                         "err8": c8.get("err_out"), "err16": c16.get("err_out")}  # fmt: skip
+            print(f"{key}: fp8 {t8:.4f} ms {read8 / t8 / 1e9:.2f} TB/s | bf16 {t16:.4f} ms "
+                  f"{2 * read8 / t16 / 1e9:.2f} TB/s | x{t16 / t8:.2f} | err {c8['err_out']:.1e}",
+                  flush=True)  # fmt: skip
+        del kb, vb, k8, v8
+        torch.cuda.empty_cache()
+        path = write_results("fp8-decode-loops", {"rows": rows}, out)  # after every shape
+    print(path, flush=True)
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--loops", action="store_true")
+    ap.add_argument("--shapes", type=int, default=len(LOOP_SHAPES), help="--loops: first N")
     a = ap.parse_args()
+    if a.loops:
+        return loops(a.out, a.shapes)
     rows: dict = {}
     ones = kv_scale(1.0, GQA_HKV, device="cuda")
     for b, c in SHAPES:

@@ -29,28 +29,41 @@ programs write fp32 partials that the LSE merge family's split merge
 fused into this kernel). An empty range yields out = 0 and lse = -inf. Nothing here syncs with
 the host, so the launch is CUDA-graph safe.
 
-fp8 (e4m3) caches: each K/V tile is read as bytes and converted to ``q``'s dtype by integer
-operations right after its load (exact up to a power of two that the scales absorb:
-:mod:`cp_modules.kernels.decode.fp8`), and the products run as for a bf16 cache; the key scale
-of the KV head is folded into the softmax scale and the value scale into the output (fp32
-scales [Hkv], or [1] with a head stride of 0).
+fp8 (e4m3) caches: each K/V tile is read as bytes and converted right after its load, for
+bf16/fp16 queries to fp16 by the hardware (the query rows brought into fp16 by powers of two,
+:data:`FP8_HW_FP16`), else to the query's type by integer operations (exact up to a power of
+two that the scales absorb: :mod:`cp_modules.kernels.decode.fp8`), and the products run as
+for a half-precision cache; the key scale of the KV head is folded into the softmax scale and
+the value scale into the output (fp32 scales [Hkv], or [1] with a head stride of 0).
+
+The fp8 loop: each tile's block-table entries are loaded one tile ahead (:data:`BT_AHEAD`), so
+the software pipeline keeps two tiles in flight per program, and the tiles wholly in the
+visible range run without masks (:data:`UNMASKED_MAIN`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from cp_modules.kernels.decode.fp8 import (
-    fp8_bias,
-    fp8_bits_kind,
+    NO_FP8,
+    Fp8LaunchArgs,
     fp8_e4m3_bits_to,
-    fp8_query_shift,
+    fp8_scale_args,
+)
+from cp_modules.kernels.decode.fp8 import fp8_launch_args as _fp8_launch_args
+from cp_modules.kernels.decode.tiles import (  # noqa: F401 (re-exported)
+    _MIN_SPLIT_TOKENS,
+    DecodeConfig,
+    _num_sms,
+    _pow2,
+    choose_num_splits,
+    default_config,
+    mla_default_config,
 )
 from cp_modules.kernels.merge import merge_splits_triton
 
@@ -64,10 +77,6 @@ __all__ = [
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
-# Splits are never shorter than this many tokens: shorter ones cost more in the merge than
-# they win in parallelism.
-_MIN_SPLIT_TOKENS = 256
-_MAX_SPLITS = 64
 # fp8 caches: load each key tile as [Dk, N] (vLLM's Triton decode does) instead of [N, Dk] and
 # a transpose; read at every launch. On by measurement: 1-6 % faster on the H200 on all five
 # bench_fp8_kv shapes (benchmarks/results/fp8-kv-2026-12-02.txt).
@@ -81,6 +90,31 @@ FP8_DEQUANT_ASM = True
 # (Llama-3-8B heads, B=8 ctx=128k) 5 splits read 2.0 TB/s, 10: 2.3, 20: 2.5, 40: 2.6
 # (tools/probes/probe_fp8_decode.py, benchmarks/results/fp8-decode-probe-2026-12-03.json).
 FP8_PROGRAMS_PER_SM = 16
+# fp8 caches with bf16/fp16 queries: e4m3 -> fp16 by the hardware (one instruction per two
+# bytes) and the products in fp16 (kernels.decode.fp8's kind 3; the kernel brings each query
+# row into fp16 by a power of two); off: the integer conversion to the query's type. Read at
+# every launch.
+FP8_HW_FP16 = True
+# Each tile's block-table entries loaded one tile ahead (a loop-carried value), so that the
+# software pipeline can keep two K/V tiles in flight per program: with the entry loaded in the
+# tile's own iteration it keeps one (num_stages >= 3). fp8 caches only: on a bf16 cache it
+# measured 7 % faster at B=1 ctx=128k but 1.5 % slower at B=8 ctx=128k (Llama-3-8B heads,
+# docs/experiments/2026-12-03-fp8-decode-speed.md), so bf16 keeps its loop. Read at every
+# launch.
+BT_AHEAD = True
+# fp8 caches, one query a run: the tiles wholly inside the visible range loaded and scored
+# without masks (the first and the last tile of a split with them, unpipelined). Not for bf16
+# caches: the unpipelined masked tiles cost a bf16 tile registers (the unsplit 8-warp tile
+# went from 128 to 172, half the programs per SM) and it saves no instructions there. Read at
+# every launch.
+UNMASKED_MAIN = True
+# fp8 caches on the hardware conversion: the key ([Dk, N] loads) and value tiles converted in
+# their load's layout and staged in shared memory as fp16, so the products read 16-bit
+# operands by ldmatrix (the values otherwise come one byte at a time); a staging buffer more.
+# Read at every launch.
+FP8_STAGED = False
+# fp8 caches: tokens per tile of the default launch (4 warps).
+FP8_BLOCK_N = 128
 
 
 @triton.jit
@@ -90,6 +124,134 @@ def _tanh(x):
     e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
     y = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _tiles(
+    q, q_pe, K, V, bt_row, kvh, kv_start, kv_len, has_gap, first, p_lo, p_hi, m_i, l_i, acc,
+    qk_scale, softcap, offs_dk, dk_mask, offs_pe, pe_mask, offs_dv, dv_mask,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    PAGE: tl.constexpr, DK: tl.constexpr, DPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_IS_K: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, K_T: tl.constexpr,
+    FP8_KIND: tl.constexpr, FP8_ASM: tl.constexpr, P_SHIFT: tl.constexpr,
+    QUERY_LEN: tl.constexpr, MASKED: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr,
+    STAGED: tl.constexpr,
+):  # fmt: skip
+    """The tiles of ``[p_lo, p_hi)`` into the running (m, l, acc); ``MASKED`` False: every
+    key of each tile lies in every row's range. ``AHEAD``: block-table entries one tile ahead.
+    ``STAGES``: the loop's software-pipeline depth."""
+    blk_next = p_lo  # (replaced before use)
+    if AHEAD:
+        # The first tile's entries (none past the range, nor before the first visible key).
+        offs_a = p_lo + tl.arange(0, BLOCK_N)
+        if PAGE % BLOCK_N == 0:
+            blk_next = tl.load(bt_row + p_lo // PAGE, mask=p_lo < p_hi, other=0)
+        else:
+            blk_next = tl.load(bt_row + offs_a // PAGE, mask=(offs_a < p_hi) & (offs_a >= first),
+                               other=0)  # fmt: skip
+    for n0 in tl.range(p_lo, p_hi, BLOCK_N, num_stages=STAGES):
+        if AHEAD:
+            # This tile's entries were loaded one iteration ago; load the next tile's now.
+            blk_cur = blk_next.to(tl.int64)
+            offs_a = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            if PAGE % BLOCK_N == 0:
+                blk_next = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < p_hi,
+                                   other=0)  # fmt: skip
+            else:
+                blk_next = tl.load(bt_row + offs_a // PAGE,
+                                   mask=(offs_a < p_hi) & (offs_a >= first), other=0)  # fmt: skip
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_mask = (offs_n < p_hi) & (offs_n >= first)
+        else:
+            n_mask = tl.full([BLOCK_N], 1, tl.int1)
+        if QUERY_LEN > 1:
+            # Each row's own range; with a gap only the keys some row sees are loaded (a key
+            # between two rows' ranges may be a slot nobody wrote).
+            s_mask = (
+                n_mask[None, :]
+                & (offs_n[None, :] >= kv_start[:, None])
+                & (offs_n[None, :] < kv_len[:, None])
+            )
+            if has_gap:
+                n_mask = tl.max(s_mask.to(tl.int32), 0) > 0
+        else:
+            s_mask = n_mask[None, :]
+        if PAGE % BLOCK_N == 0:
+            # The tile lies in one block, which holds a visible key.
+            if AHEAD:
+                blk = blk_cur
+            else:
+                blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            in_page = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_tok = blk * stride_kb + in_page * stride_ks
+            v_tok = blk * stride_vb + in_page * stride_vs
+        else:
+            if AHEAD:
+                blk = blk_cur
+            else:
+                blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = (offs_n % PAGE).to(tl.int64)
+            k_tok = blk * stride_kb + in_page * stride_ks
+            v_tok = blk * stride_vb + in_page * stride_vs
+        if K_T:
+            # The key tile loaded as [Dk, N] (the product's B operand as it is, no transpose).
+            kt_ptrs = K + k_tok[None, :] + kvh * stride_kh + offs_dk[:, None]
+            kt = tl.load(kt_ptrs, mask=n_mask[None, :] & dk_mask[:, None], other=0)
+            if KV_FP8:
+                kt = fp8_e4m3_bits_to(kt, FP8_KIND, FP8_ASM, 8 if STAGED else 4)
+            s = tl.dot(q, kt, input_precision=PRECISION)
+        else:
+            k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
+            k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0)
+            if KV_FP8:
+                k = fp8_e4m3_bits_to(k, FP8_KIND, FP8_ASM)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if DPE > 0:
+            k_pe = tl.load(
+                K + k_tok[:, None] + kvh * stride_kh + DK + offs_pe[None, :],
+                mask=n_mask[:, None] & pe_mask[None, :],
+                other=0,
+            )
+            if KV_FP8:
+                k_pe = fp8_e4m3_bits_to(k_pe, FP8_KIND, FP8_ASM)
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+        if SOFTCAP:
+            # qk_scale is scale / c here and softcap is c * log2(e): c * tanh(s / c) in base 2.
+            s = _tanh(s * qk_scale) * softcap
+        else:
+            s = s * qk_scale
+        if MASKED:
+            s = tl.where(s_mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if QUERY_LEN > 1:
+            # A row that has seen no key yet (its range starts later) keeps m = -inf: shift by
+            # 0 instead, so that its alpha and p are 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new  # every visited tile holds a key of the one query
+        alpha = tl.exp2(m_i - m_use)
+        if P_SHIFT > 0:
+            # P times 2**P_SHIFT, so that P @ v_bits stays clear of fp32's subnormals.
+            p = tl.exp2(s - (m_use - P_SHIFT)[:, None])
+        else:
+            p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(
+                V + v_tok[:, None] + kvh * stride_vh + offs_dv[None, :],
+                mask=n_mask[:, None] & dv_mask[None, :],
+                other=0,
+            )
+            if KV_FP8 and FP8_KIND == 3 and not STAGED:
+                v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 4)
+            elif KV_FP8:
+                v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 8)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -151,6 +313,10 @@ def _paged_attn_kernel(
     FP8_ASM: tl.constexpr = False,
     P_SHIFT: tl.constexpr = 0,
     QUERY_LEN: tl.constexpr = 1,
+    BT_AHEAD: tl.constexpr = False,
+    UNMASKED_MAIN: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr = 3,
+    STAGED: tl.constexpr = False,
 ):
     # Axis 0 enumerates (run, KV head, row tile) with row tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -180,6 +346,7 @@ def _paged_attn_kernel(
     last = tl.max(tl.where(live, kv_len, 0), 0)
     lo = (first // BLOCK_N) * BLOCK_N
     hi = tl.where(first < max_kv_len, last, lo)
+    has_gap = False
     if QUERY_LEN > 1:
         # Do the rows' ranges leave a gap in [first, last)? Its first key would be a row's end
         # that no row covers (s <= end < len). Consecutive positions of one request leave
@@ -198,13 +365,23 @@ def _paged_attn_kernel(
     dk_mask = offs_dk < DK
     q_rows = Q + t[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_rows + offs_dk[None, :], mask=h_mask[:, None] & dk_mask[None, :], other=0.0)
+    offs_pe = tl.arange(0, BLOCK_DPE)
+    pe_mask = offs_pe < DPE
+    q_pe = q
     if DPE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        pe_mask = offs_pe < DPE
         q_pe = tl.load(
             q_rows + DK + offs_pe[None, :], mask=h_mask[:, None] & pe_mask[None, :], other=0.0
         )
-    if KV_FP8:
+    if KV_FP8 and FP8_KIND == 3:
+        # Each row into fp16 exactly: times 2**sh, which brings its largest |q| to
+        # [2**14, 2**15) (kernels.decode.fp8); the row's scores are divided by it.
+        tl.static_assert(DPE == 0)
+        qf = q.to(tl.float32)
+        ex = ((tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        sh = tl.minimum(tl.maximum(14 - ex, -126), 126)
+        q = (qf * ((sh + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        row_scale = ((127 - sh) << 23).to(tl.float32, bitcast=True)[:, None]
+    elif KV_FP8:
         # The keys' 2**-bias (see kernels.decode.fp8): part of it onto the query, exactly.
         q = (q.to(tl.float32) * q_mult).to(q.dtype)
         if DPE > 0:
@@ -219,86 +396,31 @@ def _paged_attn_kernel(
     if KV_FP8:
         # Dequantization: the key scale multiplies the scores, the value scale the output.
         qk_scale = qk_scale * tl.load(K_SCALE + kvh * stride_ksh)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = (offs_n < end) & (offs_n >= first)
-        if QUERY_LEN > 1:
-            # Each row's own range; with a gap only the keys some row sees are loaded (a key
-            # between two rows' ranges may be a slot nobody wrote).
-            s_mask = (
-                n_mask[None, :]
-                & (offs_n[None, :] >= kv_start[:, None])
-                & (offs_n[None, :] < kv_len[:, None])
-            )
-            if has_gap:
-                n_mask = tl.max(s_mask.to(tl.int32), 0) > 0
+        if FP8_KIND == 3:
+            qk_scale = qk_scale * row_scale
+    # With one query a run, the tiles wholly inside [first, end) take no masks: the loop runs
+    # in three parts, the first tile when it starts before the first key, the unmasked tiles,
+    # and the last tile when it ends past the range (each masked part at most one tile).
+    parts: tl.constexpr = 3 if QUERY_LEN == 1 and UNMASKED_MAIN else 1
+    mid_lo = start + tl.where(start < first, BLOCK_N, 0)
+    mid_hi = mid_lo + tl.maximum(end - mid_lo, 0) // BLOCK_N * BLOCK_N
+    for part in tl.static_range(parts):
+        if parts == 1:
+            p_lo, p_hi = start, end
+        elif part == 0:
+            p_lo, p_hi = start, tl.minimum(mid_lo, end)
+        elif part == 1:
+            p_lo, p_hi = mid_lo, mid_hi
         else:
-            s_mask = n_mask[None, :]
-        if PAGE % BLOCK_N == 0:
-            # The tile lies in one block, which holds a visible key.
-            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
-            in_page = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
-            k_tok = blk * stride_kb + in_page * stride_ks
-            v_tok = blk * stride_vb + in_page * stride_vs
-        else:
-            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-            in_page = (offs_n % PAGE).to(tl.int64)
-            k_tok = blk * stride_kb + in_page * stride_ks
-            v_tok = blk * stride_vb + in_page * stride_vs
-        if K_T:
-            # The key tile loaded as [Dk, N] (the product's B operand as it is, no transpose).
-            kt_ptrs = K + k_tok[None, :] + kvh * stride_kh + offs_dk[:, None]
-            kt = tl.load(kt_ptrs, mask=n_mask[None, :] & dk_mask[:, None], other=0)
-            if KV_FP8:
-                kt = fp8_e4m3_bits_to(kt, FP8_KIND, FP8_ASM)
-            s = tl.dot(q, kt, input_precision=PRECISION)
-        else:
-            k_ptrs = K + k_tok[:, None] + kvh * stride_kh + offs_dk[None, :]
-            k = tl.load(k_ptrs, mask=n_mask[:, None] & dk_mask[None, :], other=0)
-            if KV_FP8:
-                k = fp8_e4m3_bits_to(k, FP8_KIND, FP8_ASM)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if DPE > 0:
-            k_pe = tl.load(
-                K + k_tok[:, None] + kvh * stride_kh + DK + offs_pe[None, :],
-                mask=n_mask[:, None] & pe_mask[None, :],
-                other=0,
-            )
-            if KV_FP8:
-                k_pe = fp8_e4m3_bits_to(k_pe, FP8_KIND, FP8_ASM)
-            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
-        if SOFTCAP:
-            # qk_scale is scale / c here and softcap is c * log2(e): c * tanh(s / c) in base 2.
-            s = _tanh(s * qk_scale) * softcap
-        else:
-            s = s * qk_scale
-        s = tl.where(s_mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if QUERY_LEN > 1:
-            # A row that has seen no key yet (its range starts later) keeps m = -inf: shift by
-            # 0 instead, so that its alpha and p are 0, not NaN.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new  # every visited tile holds a key of the one query
-        alpha = tl.exp2(m_i - m_use)
-        if P_SHIFT > 0:
-            # P times 2**P_SHIFT, so that P @ v_bits stays clear of fp32's subnormals.
-            p = tl.exp2(s - (m_use - P_SHIFT)[:, None])
-        else:
-            p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_IS_K:
-            v = k
-        else:
-            v = tl.load(
-                V + v_tok[:, None] + kvh * stride_vh + offs_dv[None, :],
-                mask=n_mask[:, None] & dv_mask[None, :],
-                other=0,
-            )
-            if KV_FP8:
-                v = fp8_e4m3_bits_to(v, FP8_KIND, FP8_ASM, 8)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+            p_lo, p_hi = mid_hi, end
+        m_i, l_i, acc = _tiles(
+            q, q_pe, K, V, bt_row, kvh, kv_start, kv_len, has_gap, first, p_lo, p_hi, m_i,
+            l_i, acc, qk_scale, softcap, offs_dk, dk_mask, offs_pe, pe_mask, offs_dv, dv_mask,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, DK, DPE, BLOCK_N, V_IS_K, SOFTCAP, PRECISION, KV_FP8, K_T, FP8_KIND, FP8_ASM,
+            P_SHIFT, QUERY_LEN, (parts == 1) | (part != 1), BT_AHEAD & ((parts == 1) | (part == 1)),
+            NUM_STAGES if (parts == 1) | (part == 1) else 1, STAGED,
+        )  # fmt: skip
 
     nonempty = l_i > 0.0
     if KV_FP8:
@@ -316,95 +438,6 @@ def _paged_attn_kernel(
         tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
     else:
         tl.store(l_ptrs, lse2, mask=h_mask)
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Tile sizes and launch parameters of the split kernel.
-
-    ``split_scores`` (MLA only): spread the score tile over the warps by columns instead of
-    computing it in every warp group; None picks it from the tile (64 heads on 8 warps).
-    """
-
-    block_h: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    split_scores: bool | None = None
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
-
-
-@functools.lru_cache(maxsize=256)
-def default_config(group: int, dk: int, dv: int, dpe: int, split: bool = True) -> DecodeConfig:
-    """Tiles for ``group`` rows per KV head (query heads per KV head times the queries of a
-    run, see :func:`paged_attention_kernel`'s ``query_len``) and these head dims.
-
-    A rope part (``dpe > 0``) means the MLA kernel: :func:`mla_default_config`. ``split``
-    says whether the KV range is cut into several splits (see :func:`choose_num_splits`); the
-    head tile does not depend on it, so the split count can be chosen first.
-
-    Why these tiles (measured): ``docs/switch-points.md``.
-    """
-    if dpe > 0:
-        return mla_default_config(group)
-    block_h = min(64, max(16, _pow2(group)))
-    if dk + dpe > 256 or dv > 256:
-        # Wide rows: a [BLOCK_H, Dv] fp32 accumulator lives in registers, so keep the head
-        # tile small and give it more warps.
-        return DecodeConfig(block_h=min(block_h, 32), block_n=32, num_warps=8, num_stages=2)
-    if max(dk, dv) > 128:
-        return DecodeConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3)
-    if not split:
-        return DecodeConfig(block_h=block_h, block_n=128, num_warps=8, num_stages=2)
-    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=3)
-
-
-@functools.lru_cache(maxsize=64)
-def mla_default_config(heads: int) -> DecodeConfig:
-    """MLA tiles (latent 576 in / 512 out) for ``heads`` query heads.
-
-    The [BLOCK_H, 512] fp32 accumulator fills half the register file at 64 heads, so 64 heads
-    take 8 warps (two warp groups, each holding half of the output columns; the tensor-core
-    tile is 64 rows high). Q (72 KiB) and two 64-token latent tiles (2 x 72 KiB) fill shared
-    memory. Measurements: ``docs/switch-points.md``.
-    """
-    block_h = min(64, max(16, _pow2(heads)))
-    if block_h >= 64:
-        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
-    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=2)
-
-
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
-def choose_num_splits(
-    num_programs: int, max_kv_len: int, num_sms: int, programs_per_sm: int | None = None
-) -> int:
-    """KV splits for ``num_programs`` (query, head-tile) programs from static quantities only.
-
-    Aims at about two waves of programs over the SMs (a bf16/fp16 cache: one split once the
-    programs fill the SMs), or at ``programs_per_sm`` programs per SM when given (an fp8 cache,
-    :data:`FP8_PROGRAMS_PER_SM`), never cuts the longest addressable range (``max_kv_len``,
-    from the block table's width) into pieces shorter than ``_MIN_SPLIT_TOKENS``, and caps the
-    count at ``_MAX_SPLITS``.
-    """
-    if num_programs <= 0 or (programs_per_sm is None and num_programs >= num_sms):
-        return 1
-    want = triton.cdiv((programs_per_sm or 2) * num_sms, num_programs)
-    cap = max(1, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS))
-    return max(1, min(want, cap, _MAX_SPLITS))
 
 
 def _launch(
@@ -450,7 +483,7 @@ def _launch(
             programs, max_kv_len, _num_sms(q.device), FP8_PROGRAMS_PER_SM if kv_fp8 else None
         )
     if config is None and kv_fp8 and dpe == 0 and max(dk, dv) <= 128:
-        cfg = DecodeConfig(block_h=cfg.block_h, block_n=128, num_warps=4, num_stages=3)
+        cfg = DecodeConfig(block_h=cfg.block_h, block_n=FP8_BLOCK_N, num_warps=4, num_stages=3)
     elif config is None and num_splits == 1:
         cfg = default_config(rows, dk, dv, dpe, split=False)  # same head tile
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -459,7 +492,8 @@ def _launch(
     has_start = query_kv_start is not None
     k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
     ks, vs, sks, svs = fp8_scale_args(k, k_scale, v_scale)
-    fp8 = fp8_launch_args(q.dtype, q.device) if kv_fp8 else _NO_FP8
+    hw16 = FP8_HW_FP16 and dpe == 0
+    fp8 = fp8_launch_args(q.dtype, q.device, hw16) if kv_fp8 else _NO_FP8
     if kv_fp8:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     qk_scale = scale / softcap if softcap else scale * _LOG2E
@@ -480,58 +514,25 @@ def _launch(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
-        QUERY_LEN=query_len, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD and kv_fp8 and cfg.num_stages >= 3,
+        UNMASKED_MAIN=UNMASKED_MAIN and kv_fp8,
+        NUM_STAGES=cfg.num_stages, STAGED=FP8_STAGED and fp8.kind == 3, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse
 
 
-@dataclass(frozen=True)
-class Fp8LaunchArgs:
-    """How a decode launch folds the integer e4m3 conversion's ``2**-bias`` into its scales
-    (:mod:`cp_modules.kernels.decode.fp8`): the query times ``q_mult``, the scores' scale times
-    ``score_mult``, P times ``2**p_shift``, the output times ``out_mult``."""
-
-    kind: int
-    asm: bool
-    q_mult: float
-    score_mult: float
-    p_shift: int
-    out_mult: float
+_NO_FP8 = NO_FP8
 
 
-_NO_FP8 = Fp8LaunchArgs(kind=1, asm=False, q_mult=1.0, score_mult=1.0, p_shift=0, out_mult=1.0)
-
-
-def fp8_launch_args(q_dtype: torch.dtype, device: torch.device) -> Fp8LaunchArgs:
-    """The fp8 conversion's launch arguments for queries of ``q_dtype`` on ``device`` (the PTX
-    on CUDA; CPU tensors only reach a kernel under the interpreter, which runs Triton ops)."""
-    bias, shift = fp8_bias(q_dtype), fp8_query_shift(q_dtype)
-    return Fp8LaunchArgs(
-        kind=fp8_bits_kind(q_dtype),
-        asm=FP8_DEQUANT_ASM and device.type == "cuda",
-        q_mult=2.0**shift,
-        score_mult=2.0 ** (bias - shift),
-        p_shift=shift,
-        out_mult=2.0**bias,
-    )
-
-
-def fp8_scale_args(
-    cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(key scales, value scales, their head strides) for a decode launch: for an fp8 cache the
-    fp32 scales ([Hkv] or [1], stride 0; None: 1.0), else placeholders the kernel never reads."""
-    if cache.dtype != torch.float8_e4m3fn:
-        return cache, cache, 0, 0
-    one = None
-    if k_scale is None or v_scale is None:
-        one = torch.ones(1, dtype=torch.float32, device=cache.device)
-    ks = k_scale if k_scale is not None else one
-    vs = v_scale if v_scale is not None else one
-    assert ks is not None and vs is not None
-    return ks, vs, int(ks.numel() > 1), int(vs.numel() > 1)
+def fp8_launch_args(
+    q_dtype: torch.dtype, device: torch.device, hw_fp16: bool = False
+) -> Fp8LaunchArgs:
+    """The fp8 conversion's launch arguments (:func:`~cp_modules.kernels.decode.fp8.
+    fp8_launch_args`) with the PTX as :data:`FP8_DEQUANT_ASM` says."""
+    return _fp8_launch_args(q_dtype, device, asm=FP8_DEQUANT_ASM, hw_fp16=hw_fp16)
 
 
 def _split_buffers(

@@ -1,0 +1,106 @@
+"""Tiles and split counts of the decode kernels (re-exported by
+:mod:`cp_modules.kernels.decode.paged`, whose kernel they were first written for)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+__all__ = ["DecodeConfig", "choose_num_splits", "default_config", "mla_default_config"]
+
+# Splits are never shorter than this many tokens: shorter ones cost more in the merge than
+# they win in parallelism.
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes and launch parameters of the split kernel.
+
+    ``split_scores`` (MLA only): spread the score tile over the warps by columns instead of
+    computing it in every warp group; None picks it from the tile (64 heads on 8 warps).
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_scores: bool | None = None
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+@functools.lru_cache(maxsize=256)
+def default_config(group: int, dk: int, dv: int, dpe: int, split: bool = True) -> DecodeConfig:
+    """Tiles for ``group`` rows per KV head (query heads per KV head times the queries of a
+    run, see :func:`paged_attention_kernel`'s ``query_len``) and these head dims.
+
+    A rope part (``dpe > 0``) means the MLA kernel: :func:`mla_default_config`. ``split``
+    says whether the KV range is cut into several splits (see :func:`choose_num_splits`); the
+    head tile does not depend on it, so the split count can be chosen first.
+
+    Why these tiles (measured): ``docs/switch-points.md``.
+    """
+    if dpe > 0:
+        return mla_default_config(group)
+    block_h = min(64, max(16, _pow2(group)))
+    if dk + dpe > 256 or dv > 256:
+        # Wide rows: a [BLOCK_H, Dv] fp32 accumulator lives in registers, so keep the head
+        # tile small and give it more warps.
+        return DecodeConfig(block_h=min(block_h, 32), block_n=32, num_warps=8, num_stages=2)
+    if max(dk, dv) > 128:
+        return DecodeConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3)
+    if not split:
+        return DecodeConfig(block_h=block_h, block_n=128, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=3)
+
+
+@functools.lru_cache(maxsize=64)
+def mla_default_config(heads: int) -> DecodeConfig:
+    """MLA tiles (latent 576 in / 512 out) for ``heads`` query heads.
+
+    The [BLOCK_H, 512] fp32 accumulator fills half the register file at 64 heads, so 64 heads
+    take 8 warps (two warp groups, each holding half of the output columns; the tensor-core
+    tile is 64 rows high). Q (72 KiB) and two 64-token latent tiles (2 x 72 KiB) fill shared
+    memory. Measurements: ``docs/switch-points.md``.
+    """
+    block_h = min(64, max(16, _pow2(heads)))
+    if block_h >= 64:
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=2)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def choose_num_splits(
+    num_programs: int, max_kv_len: int, num_sms: int, programs_per_sm: int | None = None
+) -> int:
+    """KV splits for ``num_programs`` (query, head-tile) programs from static quantities only.
+
+    Aims at about two waves of programs over the SMs (a bf16/fp16 cache: one split once the
+    programs fill the SMs), or at ``programs_per_sm`` programs per SM when given (an fp8 cache,
+    :data:`FP8_PROGRAMS_PER_SM`), never cuts the longest addressable range (``max_kv_len``,
+    from the block table's width) into pieces shorter than ``_MIN_SPLIT_TOKENS``, and caps the
+    count at ``_MAX_SPLITS``.
+    """
+    if num_programs <= 0 or (programs_per_sm is None and num_programs >= num_sms):
+        return 1
+    want = triton.cdiv((programs_per_sm or 2) * num_sms, num_programs)
+    cap = max(1, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap, _MAX_SPLITS))
