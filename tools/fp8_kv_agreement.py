@@ -90,12 +90,15 @@ class Quant:
     the calibration), "token" / "token-head" (dynamic, amax / 448 of the written token over
     heads and D / over D). ``offset`` subtracted before quantizing (smoothing): None, "layer"
     (static [D]), "head" (static [H, D]), "prompt" (the request's prompt keys' mean [H, D]).
-    ``rotate``: stored as ``x @ Hd`` (the normalized Hadamard matrix), read back ``@ Hd.T``.
+    ``rotate`` (after the offset, before the scale): "hadamard", stored as ``x @ R`` with ``R``
+    the normalized Hadamard matrix [D, D]; "signed", ``R = diag(s) Hd`` with fixed random signs
+    ``s`` (QuaRot's randomized Hadamard); read back ``@ R.T``. Queries need no change in the
+    simulation: ``q . (y R^T) = (q R) . y``, what a kernel reading ``y`` with ``q R`` computes.
     """
 
     scale: str = "1.0"
     offset: str | None = None
-    rotate: bool = False
+    rotate: str | None = None
 
     def round(self, x: torch.Tensor, name: str, layer: int, plen: int, st: Stats) -> torch.Tensor:
         m: torch.Tensor | float = 0.0
@@ -106,9 +109,11 @@ class Quant:
         elif self.offset == "prompt":
             m = x[:, 1:plen].mean(1, keepdim=True)
         y = x - m
-        if self.rotate:
-            y = y @ _hadamard(x.shape[-1])
-        return _dequant(y, self._scale(y, name, layer, st), self.rotate) + m
+        if self.rotate is None:
+            return fp8_round(y, self._scale(y, name, layer, st)) + m
+        r = _rotation(self.rotate, x.shape[-1])
+        y = y @ r
+        return fp8_round(y, self._scale(y, name, layer, st)) @ r.T + m
 
     def _scale(self, y: torch.Tensor, name: str, layer: int, st: Stats) -> torch.Tensor | float:
         if self.scale == "1.0":
@@ -123,9 +128,15 @@ class Quant:
         return (y.abs().amax(dim=dims, keepdim=True) / FP8_MAX).clamp_min(1e-12)
 
 
-def _dequant(y: torch.Tensor, scale: torch.Tensor | float, rotated: bool) -> torch.Tensor:
-    out = fp8_round(y, scale)
-    return out @ _hadamard(y.shape[-1]).T if rotated else out
+def _rotation(kind: str, d: int) -> torch.Tensor:
+    """The orthogonal [D, D] ``R`` of ``Quant.rotate``."""
+    h = _hadamard(d)
+    if kind == "hadamard":
+        return h
+    assert kind == "signed", kind
+    g = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+    return signs[:, None] * h
 
 
 def _hadamard(d: int) -> torch.Tensor:
@@ -160,6 +171,30 @@ class Cache:
 
 
 TH = Quant("token-head")
+HAD, SGN = Quant(rotate="hadamard"), Quant(rotate="signed")
+HTH, STH = Quant("token-head", rotate="hadamard"), Quant("token-head", rotate="signed")
+PHTH, SHTH = Quant("token-head", "prompt", "hadamard"), Quant("token-head", "head", "hadamard")
+# Rotations alone and combined with per-token-head scales, the sink in bf16 and smoothing.
+ROTATED: dict[str, Cache] = {
+    "fp8 K+V Hadamard-rotated, per-tensor 1.0": Cache(HAD, HAD),
+    "fp8 K+V signed-Hadamard-rotated, per-tensor 1.0": Cache(SGN, SGN),
+    "fp8 K+V signed-Hadamard-rotated, token-head": Cache(STH, STH),
+    "fp8 K Hadamard-rotated, V not, token-head": Cache(HTH, TH),
+    "fp8 K+V Hadamard-rotated, per-tensor 1.0, sink bf16": Cache(HAD, HAD, sink=True),
+    "fp8 K+V Hadamard-rotated, token-head, sink bf16": Cache(HTH, HTH, sink=True),
+    "fp8 K+V signed-Hadamard-rotated, token-head, sink bf16": Cache(STH, STH, sink=True),
+    "fp8 K+V smooth prompt, Hadamard-rotated, token-head": Cache(PHTH, PHTH),
+    "fp8 K+V smooth prompt, Hadamard-rotated, token-head, sink bf16": Cache(PHTH, PHTH, sink=True),
+    "fp8 K+V smooth static per-KV-head, Hadamard-rotated, token-head, sink bf16": Cache(
+        SHTH, SHTH, sink=True
+    ),
+    "fp8 K+V smooth static per-KV-head, per-tensor 1.0, sink bf16": Cache(
+        Quant(offset="head"), Quant(offset="head"), sink=True
+    ),
+    "fp8 K+V smooth static per-KV-head, Hadamard-rotated, per-tensor 1.0, sink bf16": Cache(
+        Quant(offset="head", rotate="hadamard"), Quant(offset="head", rotate="hadamard"), sink=True
+    ),
+}
 VARIANTS: dict[str, Cache] = {
     "fp32": Cache(exact=True),
     "bf16": Cache(),
@@ -188,7 +223,7 @@ VARIANTS: dict[str, Cache] = {
         Quant("token-head", "prompt"), Quant("token-head", "prompt")
     ),
     "fp8 K+V Hadamard-rotated, token-head": Cache(
-        Quant("token-head", rotate=True), Quant("token-head", rotate=True)
+        Quant("token-head", rotate="hadamard"), Quant("token-head", rotate="hadamard")
     ),
     "fp8 per-token-head, sink token bf16": Cache(TH, TH, sink=True),
     "fp8 K+V smooth static per-KV-head, token-head, sink bf16": Cache(
@@ -197,6 +232,7 @@ VARIANTS: dict[str, Cache] = {
     "fp8 K+V smooth prompt per-KV-head, token-head, sink bf16": Cache(
         Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=True
     ),
+    **ROTATED,
     "fp8 K only (V bf16), token-head": Cache(TH, None),
     "fp8 V only (K bf16), token-head": Cache(None, TH),
     "fp8 V only (K bf16), token-head, sink bf16": Cache(None, TH, sink=True),
