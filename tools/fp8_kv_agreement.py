@@ -2,8 +2,10 @@
 """fp8 (e4m3) KV-cache variants on SmolLM2-135M-Instruct: teacher-forced top-1 agreement (CPU).
 
     PYTHONPATH=.:recipes python tools/fp8_kv_agreement.py [--variants 'a;b'] [--prompts 16]
+        [--new 34] [--outliers]
 
-About 13 minutes for every variant on two cores (the results: docs/experiments/
+About 13 minutes for every variant on two cores under load (2.5 minutes for 15 variants on
+idle cores) (the results: docs/experiments/
 2026-12-02-fp8-kv-scaling.md, 2026-12-03).
 
 A simulation of the paged cache in plain PyTorch: the HF model (the project's GGUF, fp32) runs
@@ -90,12 +92,15 @@ class Quant:
     the calibration), "token" / "token-head" (dynamic, amax / 448 of the written token over
     heads and D / over D). ``offset`` subtracted before quantizing (smoothing): None, "layer"
     (static [D]), "head" (static [H, D]), "prompt" (the request's prompt keys' mean [H, D]).
-    ``rotate``: stored as ``x @ Hd`` (the normalized Hadamard matrix), read back ``@ Hd.T``.
+    ``rotate`` (after the offset, before the scale): "hadamard", stored as ``x @ R`` with ``R``
+    the normalized Hadamard matrix [D, D]; "signed", ``R = diag(s) Hd`` with fixed random signs
+    ``s`` (QuaRot's randomized Hadamard); read back ``@ R.T``. Queries need no change in the
+    simulation: ``q . (y R^T) = (q R) . y``, what a kernel reading ``y`` with ``q R`` computes.
     """
 
     scale: str = "1.0"
     offset: str | None = None
-    rotate: bool = False
+    rotate: str | None = None
 
     def round(self, x: torch.Tensor, name: str, layer: int, plen: int, st: Stats) -> torch.Tensor:
         m: torch.Tensor | float = 0.0
@@ -106,9 +111,11 @@ class Quant:
         elif self.offset == "prompt":
             m = x[:, 1:plen].mean(1, keepdim=True)
         y = x - m
-        if self.rotate:
-            y = y @ _hadamard(x.shape[-1])
-        return _dequant(y, self._scale(y, name, layer, st), self.rotate) + m
+        if self.rotate is None:
+            return fp8_round(y, self._scale(y, name, layer, st)) + m
+        r = _rotation(self.rotate, x.shape[-1])
+        y = y @ r
+        return fp8_round(y, self._scale(y, name, layer, st)) @ r.T + m
 
     def _scale(self, y: torch.Tensor, name: str, layer: int, st: Stats) -> torch.Tensor | float:
         if self.scale == "1.0":
@@ -123,9 +130,15 @@ class Quant:
         return (y.abs().amax(dim=dims, keepdim=True) / FP8_MAX).clamp_min(1e-12)
 
 
-def _dequant(y: torch.Tensor, scale: torch.Tensor | float, rotated: bool) -> torch.Tensor:
-    out = fp8_round(y, scale)
-    return out @ _hadamard(y.shape[-1]).T if rotated else out
+def _rotation(kind: str, d: int) -> torch.Tensor:
+    """The orthogonal [D, D] ``R`` of ``Quant.rotate``."""
+    h = _hadamard(d)
+    if kind == "hadamard":
+        return h
+    assert kind == "signed", kind
+    g = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+    return signs[:, None] * h
 
 
 def _hadamard(d: int) -> torch.Tensor:
@@ -160,6 +173,30 @@ class Cache:
 
 
 TH = Quant("token-head")
+HAD, SGN = Quant(rotate="hadamard"), Quant(rotate="signed")
+HTH, STH = Quant("token-head", rotate="hadamard"), Quant("token-head", rotate="signed")
+PHTH, SHTH = Quant("token-head", "prompt", "hadamard"), Quant("token-head", "head", "hadamard")
+# Rotations alone and combined with per-token-head scales, the sink in bf16 and smoothing.
+ROTATED: dict[str, Cache] = {
+    "fp8 K+V Hadamard-rotated, per-tensor 1.0": Cache(HAD, HAD),
+    "fp8 K+V signed-Hadamard-rotated, per-tensor 1.0": Cache(SGN, SGN),
+    "fp8 K+V signed-Hadamard-rotated, token-head": Cache(STH, STH),
+    "fp8 K Hadamard-rotated, V not, token-head": Cache(HTH, TH),
+    "fp8 K+V Hadamard-rotated, per-tensor 1.0, sink bf16": Cache(HAD, HAD, sink=True),
+    "fp8 K+V Hadamard-rotated, token-head, sink bf16": Cache(HTH, HTH, sink=True),
+    "fp8 K+V signed-Hadamard-rotated, token-head, sink bf16": Cache(STH, STH, sink=True),
+    "fp8 K+V smooth prompt, Hadamard-rotated, token-head": Cache(PHTH, PHTH),
+    "fp8 K+V smooth prompt, Hadamard-rotated, token-head, sink bf16": Cache(PHTH, PHTH, sink=True),
+    "fp8 K+V smooth static per-KV-head, Hadamard-rotated, token-head, sink bf16": Cache(
+        SHTH, SHTH, sink=True
+    ),
+    "fp8 K+V smooth static per-KV-head, per-tensor 1.0, sink bf16": Cache(
+        Quant(offset="head"), Quant(offset="head"), sink=True
+    ),
+    "fp8 K+V smooth static per-KV-head, Hadamard-rotated, per-tensor 1.0, sink bf16": Cache(
+        Quant(offset="head", rotate="hadamard"), Quant(offset="head", rotate="hadamard"), sink=True
+    ),
+}
 VARIANTS: dict[str, Cache] = {
     "fp32": Cache(exact=True),
     "bf16": Cache(),
@@ -188,7 +225,7 @@ VARIANTS: dict[str, Cache] = {
         Quant("token-head", "prompt"), Quant("token-head", "prompt")
     ),
     "fp8 K+V Hadamard-rotated, token-head": Cache(
-        Quant("token-head", rotate=True), Quant("token-head", rotate=True)
+        Quant("token-head", rotate="hadamard"), Quant("token-head", rotate="hadamard")
     ),
     "fp8 per-token-head, sink token bf16": Cache(TH, TH, sink=True),
     "fp8 K+V smooth static per-KV-head, token-head, sink bf16": Cache(
@@ -197,6 +234,7 @@ VARIANTS: dict[str, Cache] = {
     "fp8 K+V smooth prompt per-KV-head, token-head, sink bf16": Cache(
         Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=True
     ),
+    **ROTATED,
     "fp8 K only (V bf16), token-head": Cache(TH, None),
     "fp8 V only (K bf16), token-head": Cache(None, TH),
     "fp8 V only (K bf16), token-head, sink bf16": Cache(None, TH, sink=True),
@@ -213,6 +251,7 @@ class Sim:
         self.plen = 0
         self.errors: list[tuple[int, float]] = []
         self.capture: Stats | None = None
+        self.probe: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None  # (layer, q, k)
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         # query [1, Hq, Tq, D], key/value [1, H, S, D] (post-RoPE, the whole sequence so far)
@@ -220,6 +259,8 @@ class Sim:
         q, k, v = query[0].float(), key[0].float(), value[0].float()
         if self.capture is not None:
             self.capture.add(layer, k, v)
+        if self.probe is not None:
+            self.probe.append((layer, q, k))
         tq, s = q.shape[1], k.shape[1]
         pos = torch.arange(s - tq, s)
         decode = pos >= self.plen
@@ -328,11 +369,53 @@ def measure(model, sim, prompts, ref_name: str, names: list[str], new: int) -> l
     return rows
 
 
+@torch.no_grad()
+def outlier_factors(model, sim: Sim, prompts: list[list[int]], queries: int = 8) -> None:
+    """Prints, per layer, how much q and k share outlier channels, in each rotation's basis.
+
+    A score's rounding error is ``sum_c q_c k_c eps_c`` (``eps_c`` independent, of equal
+    variance), so its spread is ``sqrt(sum_c q_c^2 k_c^2)``: ``F = sqrt(D sum_c q_c^2 k_c^2) /
+    (|q| |k|)`` is 1 where the products are spread evenly (what an orthogonal rotation brings
+    about) and up to ``sqrt(D)`` where one shared channel carries them. Mean over each prompt's
+    last ``queries`` queries and over its keys after the first ("rest"), and for the first
+    (the sink).
+    """
+    sim.probe, sim.plen = [], 10**9
+    for ids in prompts:
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+    probe, sim.probe = sim.probe, None
+    d = probe[0][1].shape[-1]
+    rots = {"none": torch.eye(d), "hadamard": _rotation("hadamard", d),
+            "signed": _rotation("signed", d)}  # fmt: skip
+    sums: dict[tuple[int, str], list[float]] = {}
+    for layer, q, k in probe:
+        g = q.shape[0] // k.shape[0]
+        for name, r in rots.items():
+            qq, kk = q[:, -queries:] @ r, k.repeat_interleave(g, 0) @ r
+            f = torch.einsum("htc,hsc->hts", qq**2, kk**2).sqrt() * math.sqrt(d)
+            f = f / (qq.norm(dim=-1)[:, :, None] * kk.norm(dim=-1)[:, None, :])
+            acc = sums.setdefault((layer, name), [0.0, 0.0, 0.0])
+            acc[0] += float(f[:, :, 1:].mean())
+            acc[1] += float(f[:, :, 0].mean())
+            acc[2] += 1
+    print("| layer | " + " | ".join(f"F {n} rest / sink" for n in rots) + " |")
+    for layer in sorted({la for la, _ in sums}):
+        cells = [f"{sums[(layer, n)][0] / sums[(layer, n)][2]:.2f} / "
+                 f"{sums[(layer, n)][1] / sums[(layer, n)][2]:.2f}" for n in rots]  # fmt: skip
+        print(f"| {layer} | " + " | ".join(cells) + " |")
+    for n in rots:
+        rows = [v for (_, m), v in sums.items() if m == n]
+        rest = sum(v[0] / v[2] for v in rows) / len(rows)
+        sink = sum(v[1] / v[2] for v in rows) / len(rows)
+        print(f"mean over layers, {n}: rest {rest:.3f}, sink {sink:.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=";".join(v for v in VARIANTS if v.startswith("fp8")))
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=34)
+    ap.add_argument("--outliers", action="store_true", help="only print outlier_factors")
     a = ap.parse_args()
     sys.path.insert(0, "tests")
     from test_fp8_kv_smollm2 import QUESTIONS
@@ -342,6 +425,9 @@ def main() -> int:
     calibrate(model, sim, chat_ids(tok, CALIBRATION))
     prompts = chat_ids(tok, QUESTIONS[: a.prompts])
     print(f"loaded and calibrated in {time.time() - t0:.0f} s", flush=True)
+    if a.outliers:
+        outlier_factors(model, sim, prompts)
+        return 0
     print("| variant | reference | agreement | positions | mean rel. attn err | max |")
     measure(model, sim, prompts, "fp32", ["bf16"], a.new)
     measure(model, sim, prompts, "bf16", a.variants.split(";"), a.new)
