@@ -4,9 +4,8 @@
     PYTHONPATH=.:recipes python tools/fp8_kv_agreement.py [--variants 'a;b'] [--prompts 16]
         [--new 34] [--outliers]
 
-About 13 minutes for every variant on two cores under load (2.5 minutes for 15 variants on
-idle cores) (the results: docs/experiments/
-2026-12-02-fp8-kv-scaling.md, 2026-12-03).
+About 13 minutes for every variant on two cores under load, 2.5 minutes for 15 variants on idle
+ones (the results: docs/experiments/2026-12-02-fp8-kv-scaling.md, 2026-12-03).
 
 A simulation of the paged cache in plain PyTorch: the HF model (the project's GGUF, fp32) runs
 with an attention function that attends with the K/V a cache would hand back. As in the
@@ -177,7 +176,8 @@ TH = Quant("token-head")
 HAD, SGN = Quant(rotate="hadamard"), Quant(rotate="signed")
 HTH, STH = Quant("token-head", rotate="hadamard"), Quant("token-head", rotate="signed")
 PHTH, SHTH = Quant("token-head", "prompt", "hadamard"), Quant("token-head", "head", "hadamard")
-# Rotations alone and combined with per-token-head scales, the sink in bf16 and smoothing.
+# Rotations alone and combined with per-token-head scales, the sink in bf16 and smoothing; and
+# more of the prompt in bf16 (21 tokens: the system prompt of SmolLM2's chat template).
 ROTATED: dict[str, Cache] = {
     "fp8 K+V Hadamard-rotated, per-tensor 1.0": Cache(HAD, HAD),
     "fp8 K+V signed-Hadamard-rotated, per-tensor 1.0": Cache(SGN, SGN),
