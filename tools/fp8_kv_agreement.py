@@ -4,9 +4,8 @@
     PYTHONPATH=.:recipes python tools/fp8_kv_agreement.py [--variants 'a;b'] [--prompts 16]
         [--new 34] [--outliers]
 
-About 13 minutes for every variant on two cores under load (2.5 minutes for 15 variants on
-idle cores) (the results: docs/experiments/
-2026-12-02-fp8-kv-scaling.md, 2026-12-03).
+About 13 minutes for every variant on two cores under load, 2.5 minutes for 15 variants on idle
+ones (the results: docs/experiments/2026-12-02-fp8-kv-scaling.md, 2026-12-03).
 
 A simulation of the paged cache in plain PyTorch: the HF model (the project's GGUF, fp32) runs
 with an attention function that attends with the K/V a cache would hand back. As in the
@@ -152,11 +151,12 @@ def _hadamard(d: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Cache:
     """A cache: ``k`` / ``v`` stored in e4m3 as given, None: in bf16 (``None, None``: fp32,
-    unrounded, with ``exact``); ``sink``: the first token of the request kept in bf16."""
+    unrounded, with ``exact``); ``sink``: the request's first ``sink`` tokens kept in bf16 (1: the
+    attention sink)."""
 
     k: Quant | None = None
     v: Quant | None = None
-    sink: bool = False
+    sink: int = 0
     exact: bool = False
 
     def read(self, layer: int, k: torch.Tensor, v: torch.Tensor, plen: int, st: Stats):
@@ -167,7 +167,7 @@ class Cache:
         for name, x, qz in (("k", k, self.k), ("v", v, self.v)):
             y = x.bfloat16().float() if qz is None else qz.round(x, name, layer, plen, st)
             if self.sink and qz is not None:
-                y[:, 0] = x[:, 0].bfloat16().float()
+                y[:, : self.sink] = x[:, : self.sink].bfloat16().float()
             out.append(y)
         return out[0], out[1]
 
@@ -176,25 +176,37 @@ TH = Quant("token-head")
 HAD, SGN = Quant(rotate="hadamard"), Quant(rotate="signed")
 HTH, STH = Quant("token-head", rotate="hadamard"), Quant("token-head", rotate="signed")
 PHTH, SHTH = Quant("token-head", "prompt", "hadamard"), Quant("token-head", "head", "hadamard")
-# Rotations alone and combined with per-token-head scales, the sink in bf16 and smoothing.
+# Rotations alone and combined with per-token-head scales, the sink in bf16 and smoothing; and
+# more of the prompt in bf16 (21 tokens: the system prompt of SmolLM2's chat template).
 ROTATED: dict[str, Cache] = {
     "fp8 K+V Hadamard-rotated, per-tensor 1.0": Cache(HAD, HAD),
     "fp8 K+V signed-Hadamard-rotated, per-tensor 1.0": Cache(SGN, SGN),
     "fp8 K+V signed-Hadamard-rotated, token-head": Cache(STH, STH),
     "fp8 K Hadamard-rotated, V not, token-head": Cache(HTH, TH),
-    "fp8 K+V Hadamard-rotated, per-tensor 1.0, sink bf16": Cache(HAD, HAD, sink=True),
-    "fp8 K+V Hadamard-rotated, token-head, sink bf16": Cache(HTH, HTH, sink=True),
-    "fp8 K+V signed-Hadamard-rotated, token-head, sink bf16": Cache(STH, STH, sink=True),
+    "fp8 K+V Hadamard-rotated, per-tensor 1.0, sink bf16": Cache(HAD, HAD, sink=1),
+    "fp8 K+V Hadamard-rotated, token-head, sink bf16": Cache(HTH, HTH, sink=1),
+    "fp8 K+V signed-Hadamard-rotated, token-head, sink bf16": Cache(STH, STH, sink=1),
     "fp8 K+V smooth prompt, Hadamard-rotated, token-head": Cache(PHTH, PHTH),
-    "fp8 K+V smooth prompt, Hadamard-rotated, token-head, sink bf16": Cache(PHTH, PHTH, sink=True),
+    "fp8 K+V smooth prompt, Hadamard-rotated, token-head, sink bf16": Cache(PHTH, PHTH, sink=1),
     "fp8 K+V smooth static per-KV-head, Hadamard-rotated, token-head, sink bf16": Cache(
-        SHTH, SHTH, sink=True
+        SHTH, SHTH, sink=1
+    ),
+    "fp8 per-token-head, first 4 tokens bf16": Cache(TH, TH, sink=4),
+    "fp8 per-token-head, system prompt (21 tokens) bf16": Cache(TH, TH, sink=21),
+    "fp8 K+V smooth prompt, token-head, first 4 tokens bf16": Cache(
+        Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=4
+    ),
+    "fp8 K+V smooth prompt, token-head, system prompt (21 tokens) bf16": Cache(
+        Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=21
+    ),
+    "fp8 K+V smooth prompt, Hadamard-rotated, token-head, system prompt (21 tokens) bf16": Cache(
+        PHTH, PHTH, sink=21
     ),
     "fp8 K+V smooth static per-KV-head, per-tensor 1.0, sink bf16": Cache(
-        Quant(offset="head"), Quant(offset="head"), sink=True
+        Quant(offset="head"), Quant(offset="head"), sink=1
     ),
     "fp8 K+V smooth static per-KV-head, Hadamard-rotated, per-tensor 1.0, sink bf16": Cache(
-        Quant(offset="head", rotate="hadamard"), Quant(offset="head", rotate="hadamard"), sink=True
+        Quant(offset="head", rotate="hadamard"), Quant(offset="head", rotate="hadamard"), sink=1
     ),
 }
 VARIANTS: dict[str, Cache] = {
@@ -227,17 +239,17 @@ VARIANTS: dict[str, Cache] = {
     "fp8 K+V Hadamard-rotated, token-head": Cache(
         Quant("token-head", rotate="hadamard"), Quant("token-head", rotate="hadamard")
     ),
-    "fp8 per-token-head, sink token bf16": Cache(TH, TH, sink=True),
+    "fp8 per-token-head, sink token bf16": Cache(TH, TH, sink=1),
     "fp8 K+V smooth static per-KV-head, token-head, sink bf16": Cache(
-        Quant("token-head", "head"), Quant("token-head", "head"), sink=True
+        Quant("token-head", "head"), Quant("token-head", "head"), sink=1
     ),
     "fp8 K+V smooth prompt per-KV-head, token-head, sink bf16": Cache(
-        Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=True
+        Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=1
     ),
     **ROTATED,
     "fp8 K only (V bf16), token-head": Cache(TH, None),
     "fp8 V only (K bf16), token-head": Cache(None, TH),
-    "fp8 V only (K bf16), token-head, sink bf16": Cache(None, TH, sink=True),
+    "fp8 V only (K bf16), token-head, sink bf16": Cache(None, TH, sink=1),
 }
 
 
