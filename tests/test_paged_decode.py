@@ -787,6 +787,21 @@ def test_gpu_gluon_mla_trace_stamps_each_program_in_order():
     assert ((t[:, 6] >= 0) & (t[:, 6] < sms)).all()
 
 
+def _mla_tile_edge_case(bs: int, seed: int):
+    """128-head MLA decode inputs whose lengths end mid-tile, on a tile boundary and one row
+    into a tile, with NaN in every unwritten slot: (args, fp32 reference, same-dtype one)."""
+    lengths = [1, 63, 64, 65, 127, 640, 1000, 4033]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shard = build_shard(lengths, bs=bs, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
+                        device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
+    assert shard.caches[0].isnan().any()
+    rows = torch.arange(len(lengths), device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    q = torch.randn(len(lengths), 128, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
+    return args, paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
 @pytest.mark.parametrize("variant", ["loader2-r232-early-pz", "loader-r232-early-pz"])
@@ -801,16 +816,7 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
         paged_mla_attention_gluon,
     )
 
-    lengths = [1, 63, 64, 65, 127, 640, 1000, 4033]
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    shard = build_shard(lengths, bs=bs, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
-                        device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
-    assert shard.caches[0].isnan().any()
-    rows = torch.arange(len(lengths), device="cuda", dtype=torch.int32)
-    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
-    q = torch.randn(len(lengths), 128, 576, device="cuda", generator=gen).to(torch.bfloat16)
-    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
-    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    args, ref, same = _mla_tile_edge_case(bs, seed=8)
     base = GLUON_MLA_VARIANTS["loader2-r232-early"]
     for splits in (None, 1, 3, 7, 40):
         out, lse = paged_mla_attention_gluon(*args, splits, config=GLUON_MLA_VARIANTS[variant])
@@ -836,16 +842,7 @@ def test_gpu_gluon_mla_scale_p_matches_reference_at_tile_edges(variant, bs):
         paged_mla_attention_gluon,
     )
 
-    lengths = [1, 63, 64, 65, 127, 640, 1000, 4033]
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    shard = build_shard(lengths, bs=bs, d=1, rank=0, interleave=1, dtype=torch.bfloat16,
-                        device="cuda", mla=(512, 64), gen=gen)  # fmt: skip
-    assert shard.caches[0].isnan().any()
-    rows = torch.arange(len(lengths), device="cuda", dtype=torch.int32)
-    kv_len = torch.tensor(lengths, device="cuda", dtype=torch.int32)
-    q = torch.randn(len(lengths), 128, 576, device="cuda", generator=gen).to(torch.bfloat16)
-    args = (q, shard.caches[0], shard.block_table, rows, kv_len, 192**-0.5, 512)
-    ref, same = paged_mla_attention_ref(*args), paged_mla_attention_ref(*args, upcast=False)
+    args, ref, same = _mla_tile_edge_case(bs, seed=9)
     config = GLUON_MLA_VARIANTS[variant]
     for splits in (None, 1, 3, 7, 40):
         out, lse = paged_mla_attention_gluon(*args, splits, config=config)
