@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from cp_modules.config import ParallelConfig
 from cp_modules.modules import CPRuntime, CPStepMetadata, build_step_metadata
+from cp_modules.partition.plan import _to_device
 
 __all__ = [
     "IGNORE_INDEX",
@@ -233,10 +234,9 @@ class CPTrainingContext:
         flat_ids = ids.reshape(-1).to(self.device, torch.int64)
         if labels is None:
             flat_labels = torch.cat([flat_ids[1:], flat_ids.new_full((1,), IGNORE_INDEX)])
-            ends = torch.from_numpy(np.cumsum(doc_lens) - 1)
-            if self.device.type == "cuda":  # a pageable copy would wait for the stream
-                ends = ends.pin_memory().to(self.device, non_blocking=True)
-            flat_labels[ends.to(self.device)] = IGNORE_INDEX
+            # Pinned and asynchronous off the CPU: a pageable copy would wait for the stream.
+            ends = _to_device({"ends": np.cumsum(doc_lens) - 1}, self.device)["ends"]
+            flat_labels[ends] = IGNORE_INDEX
         else:
             flat_labels = labels.reshape(-1).to(self.device, torch.int64)
 
