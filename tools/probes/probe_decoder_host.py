@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+import traceback
 import warnings
 
 import torch
@@ -55,12 +56,20 @@ def main() -> None:
         cp_fn(), hf_fn()
     torch.cuda.synchronize()
     syncs: list[str] = []
-    with warnings.catch_warnings(record=True) as w:
+    stacks: list[str] = []
+
+    def _keep(message, category, filename, lineno, file=None, line=None):
+        # Where each synchronising call came from: the Python frames of this project and HF.
+        frames = [f for f in traceback.format_stack()[:-1] if "/torch/" not in f]
+        stacks.append(str(message).splitlines()[0][:160] + "\n" + "".join(frames[-6:]))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = _keep
         torch.cuda.set_sync_debug_mode(1)
         cp_fn()
         torch.cuda.set_sync_debug_mode(0)
-        syncs = [str(x.message).splitlines()[0][:200] for x in w]
+    syncs = stacks
     torch.cuda.synchronize()
     res: dict = {"model": a.model, "seq": a.seq, "cp step syncs": len(syncs), "sync messages": syncs[:20]}
     shard = []
