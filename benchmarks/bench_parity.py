@@ -18,7 +18,8 @@ below 1 CP is faster):
   - ``prefill``: the base model's forward on one 16k-token prompt (warm: same length each time).
   - ``new-length prefill``: the first call on a prompt of a length not seen before (16k + 64·i,
     i = 1..12, the median of the twelve): plan building, kernel plan builds (cuDNN) and
-    allocator growth included.
+    allocator growth included (the side that meets a length first grows the allocator's
+    pool for both, so which side goes first alternates from one length to the next).
   - ``training``: forward, loss and backward of the causal LM on one 8k-token row (CP:
     ``CPTrainingContext.single().shard_batch`` + ``lm_cross_entropy``; HF: ``labels=``).
   - ``engine``: ``GenerationEngine`` against HF ``generate`` (greedy, every request runs to
@@ -200,7 +201,10 @@ def prefill_rows(name: str, quick: bool, metrics: dict, profile: str | None = No
         for i in range(1, 4 if quick else 13):
             m = n + 64 * i + (7 if i % 2 else 0)
             x = torch.randint(0, vocab, (m,), device=DEV, generator=g)
-            for side, fn, acc in ((cp, _cp_prefill, new_cp), (hf, _hf_prefill, new_hf)):
+            # The side that runs a longer length first grows the caching allocator's pool
+            # (cudaMalloc) and the other reuses it: the order alternates with the length.
+            sides = [(cp, _cp_prefill, new_cp), (hf, _hf_prefill, new_hf)]
+            for side, fn, acc in sides if i % 2 else sides[::-1]:
                 _sync()
                 t0 = time.perf_counter()
                 fn(side, x)

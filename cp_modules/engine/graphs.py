@@ -34,6 +34,7 @@ from cp_modules.cache.dcp import dcp_query_kv_len, dcp_slot_mapping
 from cp_modules.engine.rows import gather_rows
 from cp_modules.engine.sampling import accept_greedy
 from cp_modules.engine.scheduler import Request, StepBatch
+from cp_modules.pinned import pinned_copy
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
 __all__ = ["BUCKETS", "DecodeGraph", "DecodeServer", "bucket_of", "decode_batch", "graph_width"]
@@ -222,7 +223,7 @@ class DecodeGraph:
         pinned = dev.type == "cuda"
 
         def up(x: torch.Tensor) -> torch.Tensor:
-            return (x.pin_memory() if pinned else x).to(dev, non_blocking=pinned)
+            return (pinned_copy(x) if pinned else x).to(dev, non_blocking=pinned)
 
         self.ids[:b].copy_(up(batch.input_ids.to(torch.long)), non_blocking=pinned)
         self.ids[b:].zero_()
@@ -243,7 +244,7 @@ class DecodeGraph:
         pinned = self.ids.device.type == "cuda"
         table = torch.zeros(self.bucket, self.width, dtype=torch.int32)
         table[:b, :m] = block_table
-        self.block_table.copy_(table.pin_memory() if pinned else table, non_blocking=pinned)
+        self.block_table.copy_(pinned_copy(table) if pinned else table, non_blocking=pinned)
 
     def staged_tokens(self):
         """Numpy views ``(ids, positions)`` [Bp, Q] of the host staging buffer that
@@ -275,7 +276,7 @@ class DecodeGraph:
         pinned = self.ids.device.type == "cuda"
         for w, buf in self.window_tables.items():
             rows = tables[w].to(torch.int32)
-            src = (rows.pin_memory() if pinned else rows).to(buf.device, non_blocking=pinned)
+            src = (pinned_copy(rows) if pinned else rows).to(buf.device, non_blocking=pinned)
             buf.zero_()
             buf[: rows.shape[0], : rows.shape[1]].copy_(src, non_blocking=pinned)
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cp_modules.pinned import pinned_copy
+
 __all__ = ["SEGMENT_FIELDS", "PCPPlan", "plan_pcp"]
 
 # Columns of ``PCPPlan.segments``: one row per (request, head|tail) segment. ``q_start/q_len``
@@ -170,7 +172,7 @@ def _packed_to_device(
         flat = [arrays[k].astype(np_dtype, copy=False).reshape(-1) for k in names]
         host = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, np_dtype))
         pinned = device.type == "cuda" and torch.cuda.is_available()
-        buf = host.pin_memory().to(device, non_blocking=True) if pinned else host.to(device)
+        buf = pinned_copy(host).to(device, non_blocking=True) if pinned else host.to(device)
         start = 0
         for k, f in zip(names, flat):
             view = buf[start : start + f.size].view(arrays[k].shape)

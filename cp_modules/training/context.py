@@ -236,7 +236,8 @@ class CPTrainingContext:
             flat_labels = torch.cat([flat_ids[1:], flat_ids.new_full((1,), IGNORE_INDEX)])
             # Pinned and asynchronous off the CPU: a pageable copy would wait for the stream.
             ends = _to_device({"ends": np.cumsum(doc_lens) - 1}, self.device)["ends"]
-            flat_labels[ends] = IGNORE_INDEX
+            # index_fill_, not ``flat_labels[ends] = ...``: that index_put waited for the GPU.
+            flat_labels.index_fill_(0, ends, IGNORE_INDEX)
         else:
             flat_labels = labels.reshape(-1).to(self.device, torch.int64)
 

@@ -71,7 +71,12 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode(0)
     syncs = stacks
     torch.cuda.synchronize()
-    res: dict = {"model": a.model, "seq": a.seq, "cp step syncs": len(syncs), "sync messages": syncs[:20]}
+    res: dict = {
+        "model": a.model,
+        "seq": a.seq,
+        "cp step syncs": len(syncs),
+        "sync messages": syncs[:20],
+    }
     shard = []
     for _ in range(a.reps):
         torch.cuda.synchronize()

@@ -98,7 +98,9 @@ def main() -> None:
         "torch": torch.__version__,
         "model": a.model,
         "median first ms": {s: statistics.median(c["ms"] for c in v) for s, v in unprof.items()},
-        "median warm ms": {s: statistics.median(c["warm ms"] for c in v) for s, v in unprof.items()},
+        "median warm ms": {
+            s: statistics.median(c["warm ms"] for c in v) for s, v in unprof.items()
+        },
         "calls": calls,
     }
     res["first cp / hf"] = res["median first ms"]["cp"] / res["median first ms"]["hf"]

@@ -43,6 +43,7 @@ import torch
 
 from cp_modules.kernels.merge import merge_partials_into
 from cp_modules.kernels.prefill.grad_assembly import sole_piece
+from cp_modules.pinned import pinned_copy
 from cp_modules.reference.pcp_attention import (
     PrefillInputs,
     attention_with_lse,
@@ -164,7 +165,7 @@ def _to_device(
     host-to-device copy for all of them, then typed views."""
     host = torch.from_numpy(np.concatenate([x for x, _ in parts.values()]).astype(np.int64))
     if torch.device(device).type == "cuda":
-        host = host.pin_memory()
+        host = pinned_copy(host)
     dev = host.to(device, non_blocking=True)
     views, at = {}, 0
     for name, (x, dtype) in parts.items():
