@@ -24,6 +24,40 @@ import torch
 from benchmarks import bench_parity
 
 
+def _host_ms(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def _shard_parts(ctx, ids: torch.Tensor, reps: int) -> dict:
+    """Host ms of shard_batch's parts and of the ways to stage a small host array."""
+    import numpy as np
+
+    from cp_modules.partition.plan import _to_device
+    from cp_modules.pinned import pinned_copy
+    from cp_modules.step import build_step_metadata
+
+    dev = ids.device
+    small = torch.arange(8, dtype=torch.int64)
+    arrays = {"a": np.arange(4, dtype=np.int64), "b": np.ones(3, dtype=bool)}
+    n = [int(ids.numel())]
+    parts = {
+        "build_step_metadata": lambda: build_step_metadata(ctx.runtime, n, device=dev),
+        "plan _to_device (2 arrays)": lambda: _to_device(arrays, dev),
+        "pin_memory() + copy": lambda: small.pin_memory().to(dev, non_blocking=True),
+        "pinned_copy + copy": lambda: pinned_copy(small).to(dev, non_blocking=True),
+        "pageable copy": lambda: small.to(dev),
+        "torch.arange on device": lambda: torch.arange(n[0], device=dev),
+        "one elementwise launch": lambda: ids.ne(0),
+    }
+    return {f"host ms {k}": _host_ms(fn, reps) for k, fn in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b")
@@ -84,6 +118,16 @@ def main() -> None:
         ctx.shard_batch({"input_ids": ids})
         shard.append(time.perf_counter() - t0)
     res["cp shard_batch host ms"] = statistics.median(shard) * 1e3
+    res.update(_shard_parts(ctx, ids, a.reps))
+    if a.out:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                ctx.shard_batch({"input_ids": ids})
+            torch.cuda.synchronize()
+        with open(f"{a.out}/shard-batch-profile-{a.model}-{a.seq}.txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     wall: dict = {"cp": [], "hf": []}
     gpu: dict = {"cp": [], "hf": []}
     for _ in range(a.reps):
