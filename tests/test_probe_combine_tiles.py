@@ -68,21 +68,36 @@ def test_summary_without_peer_has_no_ratio(probe):
     assert s["same_tile_for_every_n"][512][0]["worst_ratio"] is None
 
 
-def test_dry_run_checks_tiles_against_the_reference(tmp_path):
+def _dry(tmp_path, *args):
     res = subprocess.run(
         [sys.executable, str(PROBE), "--dry", "--dry-tiles", "1", "--dry-batch", "1",
-         "--out", str(tmp_path)],
+         "--out", str(tmp_path), *args],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     (path,) = tmp_path.glob("combine-tiles-dry-*.json")
-    report = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def test_dry_run_checks_tiles_against_the_reference(tmp_path):
+    report = _dry(tmp_path)
     assert report["dry"] and set(report["shapes"]) == {
         f"D{d}_N{n}" for d in (128, 512) for n in (2, 4, 8)
     }
-    for row in report["shapes"].values():
+    assert report["skipped"] == []
+    for key, row in report["shapes"].items():
         assert {"default", "op"} <= set(row["checks"]) and len(row["checks"]) >= 3
         assert all(c["ok"] for c in row["checks"].values()), row["checks"]
+        # two passes: every checked call has two (wall) times
+        assert set(row["cp_us"]) == set(row["checks"])
+        assert all(len(v) == 2 and all(t > 0 for t in v) for v in row["cp_us"].values())
+        assert report["summary"]["per_shape"][key]["default"]["us"] > 0
+
+
+def test_dry_run_past_its_budget_records_the_skipped_passes(tmp_path):
+    report = _dry(tmp_path, "--budget-s", "0", "--passes", "1")
+    assert len(report["skipped"]) == 6 and all("time budget" in s for s in report["skipped"])
+    assert all(row["cp_us"] == {} for row in report["shapes"].values())
 
 
 def test_peer_calls_pass_flashinfer_its_own_layout(probe, monkeypatch):
