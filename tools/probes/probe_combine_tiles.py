@@ -5,7 +5,7 @@ Run from the repository root on a CUDA machine (after ``tools/build_peers.py`` t
 FlashInfer; without it only this project's kernel is timed):
 
     python tools/probes/probe_combine_tiles.py [--jobs 12] [--passes 2] [--budget-s 300]
-    TRITON_INTERPRET=1 python tools/probes/probe_combine_tiles.py --dry   # CPU: checks only
+    python tools/probes/probe_combine_tiles.py --dry   # CPU (TRITON_INTERPRET=1): checks only
 
 The kernel is ``cp_modules.kernels.merge.lse_combine_triton`` (what ``cp::lse_combine`` runs),
 with the three launch parameters it takes: rows a program (``block_rows``), columns a program
