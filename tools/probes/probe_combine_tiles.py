@@ -28,8 +28,9 @@ measurements), the default's and the fastest tiles' (mean of the passes), each w
 ``cp / FlashInfer`` ratio. The launch config depends on D only (not on N), so it also ranks, for
 each D, the tiles by their worst ratio over the three N. Nothing is applied to the kernel.
 
-Writes ``OUT/combine-tiles-<date>.json`` (date, GPU, torch, triton, peers' versions, the grid,
-every measurement and the summary) and prints the summary. ``--dry`` (which sets
+Writes ``OUT/combine-tiles-<date>.json`` after the checks and after every pass (date, GPU,
+torch, triton, the peers' versions, the grid, every measurement and the summary) and prints
+the summary. ``--dry`` (which sets
 ``TRITON_INTERPRET=1``) runs the kernel on the CPU on a few tokens and a few tiles a shape:
 the grid, the checks, the passes and the summary are exercised, with the wall time of one
 interpreted call in place of a GPU time (``combine-tiles-dry-<date>.json``; it means nothing).
@@ -267,6 +268,15 @@ def print_summary(summary: dict, log) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def save(report: dict, out: str) -> Path:
+    """Write the report (with its summary so far) to ``out/combine-tiles[-dry]-<date>.json``."""
+    report["summary"] = summarize(report)
+    path = Path(out) / f"combine-tiles{'-dry' if report['dry'] else ''}-{report['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
+    return path
+
+
 def run(a) -> dict:
     import torch
     import triton
@@ -323,6 +333,7 @@ def run(a) -> dict:
         ok_peers = {k: fn for k, fn in peers.items() if row["peer_checks"][k]["ok"]}
         cases[(d, n)] = (ok_calls, ok_peers)
         report["shapes"][f"D{d}_N{n}"] = row
+    save(report, a.out)  # the checks, before any time
     timer = wall_us if a.dry else timed
     for p in range(a.passes):
         order = list(cases) if p % 2 == 0 else list(cases)[::-1]
@@ -340,7 +351,7 @@ def run(a) -> dict:
             for k, fn in ok_peers.items():
                 row["peer_us"].setdefault(k, []).append(timer(fn))
             log(f"pass {p} D={d} N={n}: {len(names)} tiles at {time.monotonic() - t0:.0f} s")
-    report["summary"] = summarize(report)
+        save(report, a.out)  # after every pass, so that a run cut short leaves its times
     return report
 
 
@@ -375,14 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         print("probe_combine_tiles: skipped: no CUDA device (--dry checks on the CPU)")
         return 0
     report = run(a)
+    path = save(report, a.out)
     print_summary(report["summary"], print)
-    name = f"combine-tiles{'-dry' if a.dry else ''}-{report['date']}.json"
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / name).write_text(json.dumps(report, indent=1, default=str))
     bad = [f"{k} {t}" for k, r in report["shapes"].items() for t, c in r["checks"].items()
            if not c["ok"]]  # fmt: skip
-    print(f"wrote {out / name}; {len(bad)} failed checks" + (f": {bad}" if bad else ""))
+    print(f"wrote {path}; {len(bad)} failed checks" + (f": {bad}" if bad else ""))
     return 1 if bad else 0
 
 
