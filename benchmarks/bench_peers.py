@@ -373,21 +373,31 @@ def run_gqa(versions: dict, log, models=GQA_MODELS, shapes=GQA_SHAPES) -> list[d
 # LSE combine / merge_states
 
 
+def combine_case(d: int, n: int, batch: int = COMBINE_B, device: str = "cuda", dtype=DTYPE):
+    """The combine section's inputs for one shape: ``(po, pl, ref, same, work)``: partials
+    ``[N, batch, 128 / N, D]``, base-2 LSEs ``[N, batch, 128 / N]`` fp32, the fp32 reference
+    (out, lse), the same-dtype reference and the bytes read and written."""
+    from cp_modules.reference.lse_merge import lse_combine_reference, lse_weights_reference
+
+    h = COMBINE_HEADS // n
+    g = torch.Generator(device=device).manual_seed(2)
+    po = torch.randn(n, batch, h, d, device=device, generator=g).to(dtype)
+    pl = 4 * torch.randn(n, batch, h, device=device, generator=g)
+    ref = lse_combine_reference(po.float(), pl, base2=True)
+    w, _ = lse_weights_reference(pl, base2=True)
+    same = (torch.where(w[..., None] > 0, po * w.to(dtype)[..., None], 0).sum(0), ref[1])
+    work = (n * batch * h * d + batch * h * d) * po.element_size() + (n + 1) * batch * h * 4
+    return po, pl, ref, same, work
+
+
 def run_combine(versions: dict, log) -> list[dict]:
     from cp_modules.ops.lse_combine import lse_combine
-    from cp_modules.reference.lse_merge import lse_combine_reference, lse_weights_reference
 
     rows = []
     for d in COMBINE_DIMS:
         for n in COMBINE_NS:
             h = COMBINE_HEADS // n
-            g = torch.Generator(device="cuda").manual_seed(2)
-            po = torch.randn(n, COMBINE_B, h, d, device="cuda", generator=g).to(DTYPE)
-            pl = 4 * torch.randn(n, COMBINE_B, h, device="cuda", generator=g)
-            ref = lse_combine_reference(po.float(), pl, base2=True)
-            w, _ = lse_weights_reference(pl, base2=True)
-            same = (torch.where(w[..., None] > 0, po * w.to(DTYPE)[..., None], 0).sum(0), ref[1])
-            work = (n * COMBINE_B * h * d + COMBINE_B * h * d) * 2 + (n + 1) * COMBINE_B * h * 4
+            po, pl, ref, same, work = combine_case(d, n)
             row = {"d": d, "n": n, "batch": COMBINE_B, "heads": h, "impl": {}}
             rows.append(row)
             if _out_of_time(row):

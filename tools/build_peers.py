@@ -111,6 +111,9 @@ def build_flashinfer_aot(site: Path, out: Path, log) -> None:
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/fi_ws_aot")
     cuda_home = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    # FlashInfer takes CUDA_HOME from `which nvcc` when it is unset: an nvcc wrapper in
+    # /usr/local/bin gives /usr/local, whose lib64 holds no libcudart to link against.
+    os.environ["CUDA_HOME"] = str(cuda_home)
     if not any((cuda_home / d / "libcuda.so").exists() for d in ("lib64", "lib64/stubs")):
         stub = Path("/tmp/peers_stubs")
         stub.mkdir(parents=True, exist_ok=True)
@@ -163,16 +166,19 @@ def compile_flashmla_objects(src: Path, out: Path, jobs: int, log) -> list[Path]
     torch_like = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                   "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
                   "--expt-relaxed-constexpr", "--compiler-options", "-fPIC"]  # fmt: skip
-    procs, objs = [], []
-    for s in FLASHMLA_SOURCES:
-        obj = out / (Path(s).stem + ".o")
-        cmd = ["nvcc", *inc, *torch_like, *FLASHMLA_NVCC, "-c", str(src / s), "-o", str(obj)]
-        procs.append((obj, subprocess.Popen(cmd)))
-        objs.append(obj)
+    objs = [out / (Path(s).stem + ".o") for s in FLASHMLA_SOURCES]
     t0 = time.time()
-    for obj, p in procs:
+    running: list[tuple[Path, subprocess.Popen]] = []
+    for s, obj in zip(FLASHMLA_SOURCES, objs):  # at most ``jobs`` nvcc at a time
+        while len(running) >= max(1, jobs):
+            done, p = running.pop(0)
+            if p.wait():
+                raise RuntimeError(f"nvcc failed on {done.stem}.cu")
+        cmd = ["nvcc", *inc, *torch_like, *FLASHMLA_NVCC, "-c", str(src / s), "-o", str(obj)]
+        running.append((obj, subprocess.Popen(cmd)))
+    for done, p in running:
         if p.wait():
-            raise RuntimeError(f"nvcc failed on {obj.stem}.cu")
+            raise RuntimeError(f"nvcc failed on {done.stem}.cu")
     (out / "NVCC_VERSION").write_text(subprocess.check_output(["nvcc", "--version"], text=True))
     log(f"flashmla: objects in {out} after {time.time() - t0:.0f} s")
     return objs
