@@ -34,7 +34,7 @@ from triton.testing import do_bench
 from benchmarks.common import RESULTS
 from cp_modules.kernels.merge import (
     correct_attn_out_triton,
-    lse_combine_launch_config,
+    lse_combine_tile,
     lse_combine_triton,
 )
 from cp_modules.ops.dcp_comm import DCPCommSpec, dcp_a2a_send_buffers
@@ -152,9 +152,7 @@ def bench_shape(n: int, d: int, metrics: dict, sweep: bool) -> None:
     t = graph_us([lambda o=o, lg=lg: lse_combine_triton(o, lg) for o, lg in inputs])
     metrics[f"lse_combine_us_{tag}"] = t
     metrics[f"lse_combine_GBps_{tag}"] = comb_bytes / t / 1e3
-    metrics[f"lse_combine_config_{tag}"] = "R{}-BD{}-W{}".format(
-        *lse_combine_launch_config(d, esize)
-    )
+    metrics[f"lse_combine_config_{tag}"] = "R{}-BD{}-W{}".format(*lse_combine_tile(d, esize))
     t = graph_us([lambda v=v: lse_combine_triton(*v) for v in views])
     metrics[f"lse_combine_packed_us_{tag}"] = t
     metrics[f"lse_combine_packed_GBps_{tag}"] = comb_bytes / t / 1e3

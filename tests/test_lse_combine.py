@@ -334,8 +334,17 @@ kernel_test = pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs CUDA or TR
         (3, 4, 2, 24, 4, 16, False),  # D split in two tiles, the second masked
         (8, 2, 3, 16, 4, 16, True),  # rows not a multiple of BLOCK_R
         (4, 3, 2, 40, None, None, False),  # default launch config, D not a power of two
+        (2, 3, 3, 128, None, None, False),  # the measured tile at D = 128 (16-bit partials)
+        (3, 1, 3, 512, None, None, True),  # D = 512: one row, two 256-column programs a row
     ],
-    ids=["N1-B3-H2-D16", "N3-B4-H2-D24", "N8-B2-H3-D16-base2", "N4-B3-H2-D40-default"],
+    ids=[
+        "N1-B3-H2-D16",
+        "N3-B4-H2-D24",
+        "N8-B2-H3-D16-base2",
+        "N4-B3-H2-D40-default",
+        "N2-B3-H3-D128-default",
+        "N3-B1-H3-D512-default-base2",
+    ],  # fmt: skip
 )
 def test_combine_kernel_matches_reference(dtype, n, b, h, d, block_rows, block_d, base2):
     from cp_modules.kernels.merge import lse_combine_triton

@@ -23,10 +23,11 @@ def probe():
 
 @pytest.mark.parametrize("d", [128, 512])
 def test_grid_holds_the_default_and_stays_in_bounds(probe, d):
-    from cp_modules.kernels.merge import lse_combine_launch_config
+    from cp_modules.kernels.merge import lse_combine_launch_config, lse_combine_tile
 
     grid = probe.tiles(d)
     assert lse_combine_launch_config(d, 2) in grid
+    assert lse_combine_tile(d, 2) in grid
     assert len(set(grid)) == len(grid)
     for rows, cols, warps in grid:
         assert cols in (d, d // 2, d // 4) and cols >= probe.MIN_COLS

@@ -41,6 +41,7 @@ from cp_modules.reference.lse_merge import merge_partials_reference
 __all__ = [
     "correct_attn_out_triton",
     "lse_combine_launch_config",
+    "lse_combine_tile",
     "lse_combine_triton",
     "merge_partials_into",
     "merge_partials_triton",
@@ -328,6 +329,22 @@ def lse_combine_launch_config(head_dim: int, elem_size: int) -> tuple[int, int, 
     return block_r, block_d, 4
 
 
+# Tiles measured fastest for the combine on an H200 (16-bit partials, B * H = 32 * 128 and
+# 64 * 128 rows, N = 2/4/8; `tools/probes/probe_combine_tiles.py`,
+# `benchmarks/results/combine-tiles-2026-12-03.json`): small programs of 8 elements a thread.
+# D = 128: 8 rows of 4 warps (the formula above gives 32 rows: up to 8 % slower); D = 512: one
+# row of 256 columns on one warp, two programs a row (the formula's 8 rows x 512: 9-23 %
+# slower). Other head dims and element sizes keep the formula.
+_COMBINE_TILES = {(128, 2): (8, 128, 4), (512, 2): (1, 256, 1)}
+
+
+def lse_combine_tile(head_dim: int, elem_size: int) -> tuple[int, int, int]:
+    """The combine's ``(BLOCK_R, BLOCK_D, num_warps)``: a measured tile, else the formula."""
+    return _COMBINE_TILES.get((head_dim, elem_size)) or lse_combine_launch_config(
+        head_dim, elem_size
+    )
+
+
 def lse_combine_triton(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
@@ -340,7 +357,8 @@ def lse_combine_triton(
     """Launch the combine: ``[N, B, H, D]`` + ``[N, B, H]`` fp32 -> ``[B, H, D]`` + ``[B, H]`` fp32.
 
     ``partial_out`` may be any strided view whose last dim is contiguous; ``partial_lse`` any
-    strided fp32 view. The block sizes and warps default to :func:`lse_combine_launch_config`.
+    strided fp32 view. The block sizes and warps default to the tiles measured fastest (16-bit
+    partials at D = 128 and 512), else :func:`lse_combine_launch_config`.
     """
     n, b, h, d = partial_out.shape
     assert partial_out.stride(-1) == 1, "the head dim of partial_out must be contiguous"
@@ -350,7 +368,7 @@ def lse_combine_triton(
     rows = b * h
     if rows == 0:
         return out, out_lse
-    cfg_r, cfg_d, cfg_w = lse_combine_launch_config(d, partial_out.element_size())
+    cfg_r, cfg_d, cfg_w = lse_combine_tile(d, partial_out.element_size())
     block_r = block_rows or cfg_r
     block_d = block_d or cfg_d
     grid = (triton.cdiv(rows, block_r), triton.cdiv(d, block_d))

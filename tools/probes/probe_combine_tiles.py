@@ -11,7 +11,7 @@ The kernel is ``cp_modules.kernels.merge.lse_combine_triton`` (what ``cp::lse_co
 with the three launch parameters it takes: rows a program (``block_rows``), columns a program
 (``block_d``) and ``num_warps``. The grid, for each D: rows {1 .. 64}, columns {D, D/2, D/4}
 (at least 32) and warps {1, 2, 4, 8}, keeping the tiles of 4 to 64 elements a thread. The
-default launch config (``lse_combine_launch_config``) is timed as ``default``, and the public
+default launch config (``lse_combine_tile``) is timed as ``default``, and the public
 op as bench_peers calls it as ``op``.
 
 The shapes and inputs are bench_peers' combine section (``bench_peers.combine_case``: B = 512
@@ -89,7 +89,7 @@ def shapes() -> list[tuple[int, int]]:
 
 def plan(dry: bool, dry_tiles: int) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
     """The tiles of each shape; in a dry run the default and ``dry_tiles`` spread over the grid."""
-    from cp_modules.kernels.merge import lse_combine_launch_config
+    from cp_modules.kernels.merge import lse_combine_tile
 
     out = {}
     for d, n in shapes():
@@ -97,7 +97,7 @@ def plan(dry: bool, dry_tiles: int) -> dict[tuple[int, int], list[tuple[int, int
         if dry:
             step = max(1, len(grid) // max(1, dry_tiles))
             grid = grid[::step][:dry_tiles]
-        default = lse_combine_launch_config(d, 2)
+        default = lse_combine_tile(d, 2)
         out[(d, n)] = sorted(set(grid) | {default})
     return out
 
@@ -310,15 +310,15 @@ def run(a) -> dict:
     cases = {}
     for (d, n), cfgs in todo.items():
         po, pl, ref, same, work = bp.combine_case(d, n, batch=batch, device=device, dtype=dtype)
-        from cp_modules.kernels.merge import lse_combine_launch_config
+        from cp_modules.kernels.merge import lse_combine_tile
         from cp_modules.ops.lse_combine import lse_combine
 
         calls = {name_of(c): cp_call(po, pl, c) for c in cfgs}
-        calls["default"] = cp_call(po, pl, lse_combine_launch_config(d, po.element_size()))
+        calls["default"] = cp_call(po, pl, lse_combine_tile(d, po.element_size()))
         calls["op"] = partial(lse_combine, po, pl, return_lse=True, base="2")
         peers = peer_calls(po, pl, n) if have_fi else {}
         row = {"d": d, "n": n, "heads": bp.COMBINE_HEADS // n, "bytes": work,
-               "default_tile": lse_combine_launch_config(d, po.element_size()),
+               "default_tile": lse_combine_tile(d, po.element_size()),
                "checks": {}, "peer_checks": {}, "cp_us": {}, "peer_us": {}}  # fmt: skip
         for name, fn in calls.items():
             row["checks"][name] = check(fn, ref, same)
