@@ -238,8 +238,40 @@ def plan_pcp(
     num_reqs = int(n.size)
     is_decode = (n <= decode_threshold) & (computed > 0)
     if P == 1 and num_reqs:
-        return _plan_one_rank(n, computed, is_decode, device)
+        return _plan_one_rank_cached(n, computed, is_decode, device)
     return _plan_split(n, computed, P, r, is_decode, device)
+
+
+# The last one-rank plans built on a GPU, by their batch. A training loop at pcp = 1 plans
+# the same batch shape every step; a plan's tensors are read-only, so the same plan serves
+# each of those steps (the step metadata around it, and its handle, stay per step) and the
+# step starts without host-to-device copies. Bounded, so varying batches (decode steps)
+# only cycle through it.
+_ONE_RANK_PLANS: dict[tuple, PCPPlan] = {}
+_ONE_RANK_PLANS_KEPT = 8
+
+
+def _plan_one_rank_cached(
+    n: np.ndarray, computed: np.ndarray, is_decode: np.ndarray, device: torch.device | str | None
+) -> PCPPlan:
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        # CPU plans cost no copies; a plan made while a CUDA graph is captured lives in the
+        # graph's memory pool.
+        return _plan_one_rank(n, computed, is_decode, device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    # Inference tensors cannot be saved for a backward: plans made under inference_mode are
+    # kept apart from the others.
+    key = (n.tobytes(), computed.tobytes(), is_decode.tobytes(), dev,
+           torch.is_inference_mode_enabled())  # fmt: skip
+    plan = _ONE_RANK_PLANS.pop(key, None)
+    if plan is None:
+        plan = _plan_one_rank(n, computed, is_decode, dev)
+        if len(_ONE_RANK_PLANS) >= _ONE_RANK_PLANS_KEPT:
+            _ONE_RANK_PLANS.pop(next(iter(_ONE_RANK_PLANS)))
+    _ONE_RANK_PLANS[key] = plan  # the newest last
+    return plan
 
 
 def _plan_split(

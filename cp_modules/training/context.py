@@ -233,17 +233,29 @@ class CPTrainingContext:
         doc_lens = document_lengths(ids.shape, position_ids)
         flat_ids = ids.reshape(-1).to(self.device, torch.int64)
         if labels is None:
-            flat_labels = torch.cat([flat_ids[1:], flat_ids.new_full((1,), IGNORE_INDEX)])
-            # Pinned and asynchronous off the CPU: a pageable copy would wait for the stream.
-            ends = _to_device({"ends": np.cumsum(doc_lens) - 1}, self.device)["ends"]
+            # The next token (the roll puts the first token last: every document's last
+            # token, the row's last among them, is then set to IGNORE_INDEX).
+            flat_labels = flat_ids.roll(-1)
+            if len(doc_lens) == ids.shape[0] and ids.shape[1] > 0:
+                # One document a row: its ends are every S-th token (no host copy).
+                s = ids.shape[1]
+                ends = torch.arange(s - 1, ids.numel(), s, device=flat_ids.device)
+            else:
+                # Pinned and asynchronous off the CPU: a pageable copy waits for the stream.
+                ends = _to_device({"ends": np.cumsum(doc_lens) - 1}, self.device)["ends"]
             # index_fill_, not ``flat_labels[ends] = ...``: that index_put waited for the GPU.
             flat_labels.index_fill_(0, ends, IGNORE_INDEX)
         else:
             flat_labels = labels.reshape(-1).to(self.device, torch.int64)
 
         meta = build_step_metadata(self.runtime, doc_lens.tolist(), device=self.device)
-        idx = meta.token_indices
-        local_labels = flat_labels[idx].masked_fill(~meta.plan.local_valid, IGNORE_INDEX)
+        if meta.plan.pcp_size == 1:
+            # One rank: the local tokens are the batch's, in order, none of them padding.
+            local_ids, local_labels = flat_ids, flat_labels
+        else:
+            idx = meta.token_indices
+            local_ids = flat_ids[idx]
+            local_labels = flat_labels[idx].masked_fill(~meta.plan.local_valid, IGNORE_INDEX)
         count = (flat_labels != IGNORE_INDEX).sum().to(torch.float32)
         if self.dp_group is not None:
             dist.all_reduce(count, group=self.dp_group)
@@ -251,7 +263,7 @@ class CPTrainingContext:
         count = count.clamp_min(1.0)
         extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
         return CPBatch(
-            input_ids=flat_ids[idx],
+            input_ids=local_ids,
             labels=local_labels,
             positions=meta.positions,
             meta=meta,
