@@ -242,11 +242,14 @@ def plan_pcp(
     return _plan_split(n, computed, P, r, is_decode, device)
 
 
-# The last one-rank plans built on a GPU, by their batch. A training loop at pcp = 1 plans
-# the same batch shape every step; a plan's tensors are read-only, so the same plan serves
-# each of those steps (the step metadata around it, and its handle, stay per step) and the
-# step starts without host-to-device copies. Bounded, so varying batches (decode steps)
-# only cycle through it.
+# The last one-rank plans built on a GPU with autograd on, by their batch. A training loop at
+# pcp = 1 plans the same batch shape every step; a plan's tensors are read-only, so the same
+# plan serves each of those steps (the step metadata around it, and its handle, stay per step)
+# and the step starts without host-to-device copies. Only with autograd on: what is kept per
+# plan (``ops.pcp_policy.PlanState``) includes the cuDNN rental's call counts, and a forward
+# that autograd differentiates rents nothing, while an inference plan kept over calls would
+# go on renting FlashAttention-2 where a fresh plan of a shape seen before takes cuDNN at once.
+# Bounded, so varying batches only cycle through it.
 _ONE_RANK_PLANS: dict[tuple, PCPPlan] = {}
 _ONE_RANK_PLANS_KEPT = 8
 
@@ -255,16 +258,17 @@ def _plan_one_rank_cached(
     n: np.ndarray, computed: np.ndarray, is_decode: np.ndarray, device: torch.device | str | None
 ) -> PCPPlan:
     dev = torch.device("cpu" if device is None else device)
-    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if (
+        dev.type != "cuda"
+        or not torch.is_grad_enabled()
+        or torch.cuda.is_current_stream_capturing()
+    ):
         # CPU plans cost no copies; a plan made while a CUDA graph is captured lives in the
         # graph's memory pool.
         return _plan_one_rank(n, computed, is_decode, device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    # Inference tensors cannot be saved for a backward: plans made under inference_mode are
-    # kept apart from the others.
-    key = (n.tobytes(), computed.tobytes(), is_decode.tobytes(), dev,
-           torch.is_inference_mode_enabled())  # fmt: skip
+    key = (n.tobytes(), computed.tobytes(), is_decode.tobytes(), dev)
     plan = _ONE_RANK_PLANS.pop(key, None)
     if plan is None:
         plan = _plan_one_rank(n, computed, is_decode, dev)
