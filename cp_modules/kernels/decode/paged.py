@@ -102,6 +102,9 @@ FP8_HW_FP16 = True
 # docs/experiments/2026-12-03-fp8-decode-speed.md), so bf16 keeps its loop. Read at every
 # launch.
 BT_AHEAD = True
+# The same for bf16/fp16 caches (off: see above; a switch for tuning probes). Read at every
+# launch.
+BF16_BT_AHEAD = False
 # fp8 caches, one query a run: the tiles wholly inside the visible range loaded and scored
 # without masks (the first and the last tile of a split with them, unpipelined). Not for bf16
 # caches: the unpipelined masked tiles cost a bf16 tile registers (the unsplit 8-warp tile
@@ -514,7 +517,8 @@ def _launch(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
-        QUERY_LEN=query_len, BT_AHEAD=BT_AHEAD and kv_fp8 and cfg.num_stages >= 3,
+        QUERY_LEN=query_len,
+        BT_AHEAD=(BT_AHEAD if kv_fp8 else BF16_BT_AHEAD) and cfg.num_stages >= 3,
         UNMASKED_MAIN=UNMASKED_MAIN and kv_fp8,
         NUM_STAGES=cfg.num_stages, STAGED=FP8_STAGED and fp8.kind == 3, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
