@@ -193,15 +193,25 @@ def test_write_and_decode_compile_fullgraph_on_token_minor_cache():
 # GPU
 
 
+_GPU_SWITCHES = {
+    "default": {},
+    "int-conversion": dict(FP8_HW_FP16=False),  # bf16 products, the PTX integer conversion
+    "old-loop": dict(BT_AHEAD=False, UNMASKED_MAIN=False),
+    "N64": dict(FP8_BLOCK_N=64),
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("switches", list(_GPU_SWITCHES))
 @pytest.mark.parametrize("bs", [16, 64, 128], ids=lambda b: f"bs{b}")
 @pytest.mark.parametrize("case", ["plain-Q1", "window-softcap-Q1", "window-Q4"])
-def test_gpu_fp8_decode_token_minor(bs, case):
-    """The default launch (128-token tiles: 8, 2 or 1 blocks a tile) on a token-minor fp8
-    value cache: the 2x rule against the fp32 reference, and the [NB, BS, Hkv, D] cache's
-    result within the same bound (the products' order is the same; the bits may differ only
-    where the compiler fuses differently); written by the Triton kernel byte for byte as the
-    reference writes; CUDA-graph replay equal to the eager call."""
+def test_gpu_fp8_decode_token_minor(bs, case, switches, monkeypatch):
+    """The op's launch (128-token tiles: 8, 2 or 1 blocks a tile; the kernel's switches) on a
+    token-minor fp8 value cache: the 2x rule against the fp32 reference, and the
+    [NB, BS, Hkv, D] cache's result within the same bound; written by the Triton kernel byte
+    for byte as the reference writes; a CUDA-graph replay equal to the eager call."""
+    for name, value in _GPU_SWITCHES[switches].items():
+        monkeypatch.setattr(gqa_kernels, name, value)
     torch.manual_seed(2)
     dev, hkv, d, hq = "cuda", 8, 128, 32
     q_len = 4 if case.endswith("Q4") else 1

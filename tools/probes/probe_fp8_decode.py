@@ -4,6 +4,7 @@
     python tools/probes/probe_fp8_decode.py --out DIR
     python tools/probes/probe_fp8_decode.py --out DIR --loops   # the loop/conversion switches
                                                               # and value-cache layouts
+    python tools/probes/probe_fp8_decode.py --out DIR --writes  # cache writes, both layouts
 
 For Llama-3-8B decode attention (32 query heads, 8 KV heads, D = 128, block size 64) at a few
 batch x context shapes, times the Triton kernel (CUDA-graph replay, median) over split counts
@@ -33,9 +34,10 @@ from benchmarks.bench_fp8_kv import (
     graph_ms,
 )
 from benchmarks.common import write_results
-from cp_modules.cache.kv_dtype import kv_scale, quantize_fp8
-from cp_modules.cache.paged import to_token_minor
+from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
+from cp_modules.cache.paged import allocate_kv_cache, to_token_minor
 from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
+from cp_modules.ops.kv_cache import write_kv_cache
 from cp_modules.reference.paged_decode import paged_attention_ref
 
 SHAPES = [(8, 131072), (256, 4096)]
@@ -129,14 +131,50 @@ def loops(out: str, shapes: int) -> int:
     return 0
 
 
+WRITE_TOKENS = [8, 256, 32768]  # a decode step of B=8 and B=256, a 32k-token prefill chunk
+
+
+def writes(out: str) -> int:
+    """``cp::write_kv_cache`` into fp8 caches, the value cache in both layouts: one request's
+    consecutive positions through a shuffled block table (a prefill chunk) or one token each of
+    T requests (a decode step), CUDA-graph replays."""
+    rows: dict = {}
+    ones = kv_scale(1.0, GQA_HKV, device="cuda")
+    nb = 4096
+    k8, v_minor = allocate_kv_cache(nb, BS, GQA_HKV, GQA_D, dtype=FP8_DTYPE, device="cuda")
+    v_rows = torch.zeros_like(k8)
+    perm = torch.randperm(nb, device="cuda")
+    for t in WRITE_TOKENS:
+        k = torch.randn(t, GQA_HKV, GQA_D, device="cuda").to(torch.bfloat16)
+        v = torch.randn_like(k)
+        if t > 1024:
+            pos = torch.arange(t, device="cuda")
+            slots = perm[pos // BS] * BS + pos % BS
+        else:
+            slots = perm[:t] * BS + 17
+        for name, vc in (("[NB, BS, Hkv, D]", v_rows), ("token-minor", v_minor)):
+            args = (k, v, k8, vc, slots, ones, ones)
+            ms = graph_ms(lambda a=args: write_kv_cache(*a))
+            rows[f"write T={t} V {name}"] = {"ms": ms, "GBps": 2 * k.numel() / ms / 1e6}
+            print(f"write T={t} V {name}: {ms * 1e3:.1f} us", flush=True)
+        same = torch.equal(v_rows.view(torch.uint8), v_minor.view(torch.uint8))
+        rows[f"write T={t} same bytes"] = same
+        print(f"write T={t}: the same values in both layouts: {same}", flush=True)
+    print(write_results("fp8-kv-writes", {"rows": rows}, out), flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--loops", action="store_true")
+    ap.add_argument("--writes", action="store_true", help="the cache writes in both layouts")
     ap.add_argument("--shapes", type=int, default=len(LOOP_SHAPES), help="--loops: first N")
     a = ap.parse_args()
     if a.loops:
         return loops(a.out, a.shapes)
+    if a.writes:
+        return writes(a.out)
     rows: dict = {}
     ones = kv_scale(1.0, GQA_HKV, device="cuda")
     for b, c in SHAPES:
