@@ -77,12 +77,14 @@ class _WarmupOnly:
         return compile_only
 
 
-def compile_launch(batch: int, ctx: int, fp8: bool, token_minor: bool, query_len: int = 1):
+def compile_launch(
+    batch: int, ctx: int, fp8: bool, token_minor: bool, query_len: int = 1, bs: int = BS
+):
     """The compiled kernel of the default launch for ``batch`` queries of ``ctx`` tokens (runs
     of ``query_len`` queries of one request)."""
-    width = triton.cdiv(ctx, BS)
+    width = triton.cdiv(ctx, bs)
     dtype = FP8_DTYPE if fp8 else torch.bfloat16
-    kc = torch.zeros(2, BS, HKV, D, dtype=dtype)
+    kc = torch.zeros(2, bs, HKV, D, dtype=dtype)
     vc = to_token_minor(kc) if token_minor else kc.clone()
     q = torch.zeros(batch, HQ, D, dtype=torch.bfloat16)
     bt = torch.zeros(batch, width, dtype=torch.int32)
@@ -164,6 +166,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--query-len", type=int, default=1, help="queries per run (speculative)")
+    ap.add_argument("--block-size", type=int, default=BS)
     ap.add_argument("--bf16", action="store_true", help="also the bf16 cache's kernel")
     ap.add_argument("--set", action="append", default=[], help="NAME=VALUE of paged.py")
     ap.add_argument("--out", help="keep TTGIR, PTX and SASS here")
@@ -174,10 +177,11 @@ def main() -> int:
     cases = [("fp8 V [NB, BS, Hkv, D]", True, False), ("fp8 V token-minor", True, True)]
     if a.bf16:
         cases += [("bf16", False, False), ("bf16 V token-minor", False, True)]
-    print(f"triton {triton.__version__}, B={a.batch} ctx={a.ctx} query_len={a.query_len}, "
+    print(f"triton {triton.__version__}, B={a.batch} ctx={a.ctx} query_len={a.query_len} "
+          f"block size {a.block_size}, "
           f"sets {a.set or 'none'}")  # fmt: skip
     for label, fp8, tm in cases:
-        kernel = compile_launch(a.batch, a.ctx, fp8, tm, a.query_len)
+        kernel = compile_launch(a.batch, a.ctx, fp8, tm, a.query_len, a.block_size)
         sass = sass_of(kernel)
         md = kernel.metadata
         print(f"[{label}] {md.num_warps} warps, {md.num_stages} stages, shared {md.shared} B, "
