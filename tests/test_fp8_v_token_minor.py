@@ -289,3 +289,27 @@ def test_gpu_fp8_token_minor_nan_slots_stay_hidden():
         ref = paged_attention_ref(q, kc, vt, bt, rows, lens, d**-0.5,
                                   query_kv_start=(lens - 150).clamp_min(0))  # fmt: skip
         assert (out.float() - ref[0].float()).abs().max().item() < 2e-2
+
+
+def test_compiled_engine_on_token_minor_fp8_cache_equals_eager_and_reuses_its_graphs():
+    """The engine's compiled decode with an fp8 cache (its value cache a token-minor view;
+    view, storage and scales marked static, the block count unbacked): the eager engine's
+    tokens, and a larger batch (a larger cache) reuses the graphs."""
+    from test_engine import MAX_NEW, _engine, _prompts
+
+    from cp_modules.engine import SamplingParams
+    from cp_modules.modules.hf_swap import kv_cache_tensors
+
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    eager = _engine("llama", kv_cache_dtype="fp8_e4m3")
+    want = eager.generate(prompts, params).outputs
+    assert any(is_token_minor(c) for c in kv_cache_tensors(eager.model))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    engine = _engine("llama", kv_cache_dtype="fp8_e4m3", compile=True, compile_backend="aot_eager")
+    engine.generate(_prompts((5, 11), seed=4), SamplingParams(max_new_tokens=3))
+    assert counters["stats"]["unique_graphs"] == 3  # prefill, decode, decode of one token
+    assert engine.generate(prompts, params).outputs == want
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]

@@ -65,6 +65,7 @@ __all__ = [
     "kv_cache_bytes_per_block_of",
     "cp_attention_layers",
     "free_kv_caches",
+    "kv_cache_scale_tensors",
     "kv_cache_tensors",
     "parallelize_non_attention",
     "swap_attention",
@@ -566,6 +567,17 @@ def free_kv_caches(model: nn.Module) -> None:
         else:
             layer.kv_cache = None
             layer.kv_cache_scale = None
+
+
+def kv_cache_scale_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every fp8 KV-cache scale tensor of ``model``'s cp layers (to mark for torch.compile)."""
+    out: list[torch.Tensor] = []
+    for layer in cp_attention_layers(model):
+        b = getattr(layer, "cp_binding", None)
+        scales = b.caches.scales.get(b.layer_idx) if b is not None else layer.kv_cache_scale
+        if scales is not None:
+            out.extend(scales if isinstance(scales, tuple) else (scales,))
+    return out
 
 
 def kv_cache_tensors(model: nn.Module) -> list[torch.Tensor]:
