@@ -483,7 +483,9 @@ def allocate_kv_caches(
     local KV head; MLA layers use ``k_scale`` for the latent), else 1.0.
 
     Interface-served layers get ``(k_cache, v_cache)`` ``[NB, BS, Hkv_local, D]`` in
-    ``model.cp_kv_caches`` by ``layer_idx``; MLA layers a latent cache ``[NB, BS, Rk + Dr]``.
+    ``model.cp_kv_caches`` by ``layer_idx`` (an fp8 ``v_cache`` token-minor:
+    :func:`~cp_modules.cache.paged.allocate_kv_cache`); MLA layers a latent cache
+    ``[NB, BS, Rk + Dr]``.
     ``window_num_blocks`` (window W -> blocks) sizes the caches of the layers of window W
     instead (a layer group whose cache keeps only its window).
 

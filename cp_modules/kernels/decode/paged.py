@@ -38,8 +38,8 @@ the value scale into the output (fp32 scales [Hkv], or [1] with a head stride of
 
 The fp8 loop: each tile's block-table entries are loaded one tile ahead (:data:`BT_AHEAD`), so
 the software pipeline keeps two tiles in flight per program, and the tiles wholly in the
-visible range run without masks (:data:`UNMASKED_MAIN`).
-"""
+visible range run without masks (:data:`UNMASKED_MAIN`). A token-minor value cache (token
+stride 1, fp8's default layout) is read along the tokens: :mod:`~.token_minor`."""
 
 from __future__ import annotations
 
