@@ -17,7 +17,9 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
 - ``paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) B=<B> ctx=<ctx>``: Llama-3-8B
   decode attention (32 query heads, 8 KV heads, D=128, block size 64), bf16 time / fp8 time.
 - ``paged decode gqa fp8 KV TB/s (CUDA graph) B=<B> ctx=<ctx>``: the fp8 cache's bytes the
-  kernel reads (K and V, one byte each) per second.
+  kernel reads (K and V, one byte each) per second. The fp8 caches come from
+  ``allocate_kv_cache`` (the value cache token-minor as ``FP8_V_TOKEN_MINOR`` says); rows
+  ``variant V_TOKEN_MINOR=<the other> ...`` time the same values in the other layout.
 - ``paged decode mla fp8 KV TFLOP/s (128 heads) B=<B> ctx=<ctx>`` and the bf16 row of the same
   run (``paged decode mla bf16 KV TFLOP/s (128 heads) ...``: the default kernel, Gluon on
   Hopper); fp8 MLA decode runs the Triton kernel.
@@ -32,6 +34,7 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 
@@ -44,6 +47,7 @@ import cp_modules.kernels.decode.paged as gqa_kernels
 from benchmarks.common import RESULTS, write_results
 from benchmarks.fp8_kv_logits import NAMES, logits_error_rows
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
+from cp_modules.cache.paged import allocate_kv_cache, is_token_minor, to_token_minor
 from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.paged_decode import paged_attention, paged_mla_attention
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
@@ -126,6 +130,28 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
         setattr(module, flag, default)
 
 
+def _layout_variant(key, fp8, ref8, v8, args, t16, read8, rows, checks):
+    """The fp8 kernel on the other value-cache layout (a copy of ``v8``: token-minor <->
+    [NB, BS, Hkv, D]), checked and timed like :func:`_variant`: rows ``variant
+    V_TOKEN_MINOR=<value> ...``."""
+    minor = is_token_minor(v8)
+    other = v8.contiguous() if minor else to_token_minor(v8)
+    label = f"V_TOKEN_MINOR={not minor}"
+    run = functools.partial(fp8, v8=other)
+    ref = functools.partial(ref8, v8=other)
+    chk = _check(run, ref, *args)
+    checks[f"{key} variant {label}"] = chk
+    if chk["ok"]:
+        t = graph_ms(lambda: run(*args))
+        rows[f"variant {label} fp8 KV speed-up over bf16 {key}"] = t16 / t
+        rows[f"variant {label} fp8 KV TB/s {key}"] = read8 / t / 1e9
+        print(f"  {key} variant {label}: {t:.4f} ms x{t16 / t:.2f} {read8 / t / 1e9:.2f} TB/s",
+              flush=True)  # fmt: skip
+    else:
+        print(f"  {key} variant {label}: FAILED check {chk}", flush=True)
+    del other
+
+
 def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
     ok_all = True
     ones = kv_scale(1.0, GQA_HKV, device=DEVICE)
@@ -134,7 +160,10 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
         shape = (nb, BS, GQA_HKV, GQA_D)
         kb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
         vb = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
-        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)
+        # The engine's layouts (allocate_kv_cache: the value cache token-minor by default).
+        k8, v8 = allocate_kv_cache(nb, BS, GQA_HKV, GQA_D, dtype=FP8_DTYPE, device=DEVICE)
+        k8.copy_(quantize_fp8(kb, ones))
+        v8.copy_(quantize_fp8(vb, ones))
         q, bt, seq, lens = _inputs(b, c, GQA_HQ, GQA_D, nb)
 
         def bf16(q, bt, seq, lens, kb=kb, vb=vb):
@@ -169,6 +198,8 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
                  checks)  # fmt: skip
         _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
                  checks, flag="FP8_DEQUANT_ASM")  # fmt: skip
+        _layout_variant(f"gqa {key}", fp8, ref8, v8, (q, bt, seq, lens), t16, read8, rows,
+                        checks)  # fmt: skip
         rows[f"paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) {key}"] = t16 / t8
         rows[f"paged decode gqa fp8 KV TB/s (CUDA graph) {key}"] = read8 / t8 / 1e9
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9

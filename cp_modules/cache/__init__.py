@@ -17,8 +17,10 @@ from cp_modules.cache.paged import (
     allocate_kv_cache,
     allocate_mla_cache,
     dcp_token_capacity,
+    is_token_minor,
     kv_cache_bytes_per_block,
     num_blocks_for_memory,
+    to_token_minor,
 )
 
 __all__ = [
@@ -35,7 +37,9 @@ __all__ = [
     "dcp_scheduler_block_size",
     "dcp_slot_mapping",
     "dcp_token_capacity",
+    "is_token_minor",
     "kv_cache_bytes_per_block",
     "local_seq_len",
     "num_blocks_for_memory",
+    "to_token_minor",
 ]

@@ -4,7 +4,11 @@ Shape letters: NB = physical blocks, BS = tokens per block, Hkv = KV heads, D = 
 R = block-table rows (requests), M = block-table entries per row.
 
 Cache layouts:
-    GQA/MHA: ``k_cache``, ``v_cache``: [NB, BS, Hkv, D].
+    GQA/MHA: ``k_cache``, ``v_cache``: [NB, BS, Hkv, D]. An fp8 ``v_cache`` is stored
+             token-minor (:data:`FP8_V_TOKEN_MINOR`): its storage is [NB, Hkv, D, BS]
+             contiguous and the cache is that storage's ``.permute(0, 3, 1, 2)`` view, so it
+             keeps the logical shape (torch code indexes it as any other) while the decode
+             kernel's P @ V reads the tokens, its contraction dimension, as contiguous bytes.
     MLA:     ``cache``: [NB, BS, kv_lora_rank + rope_dim]; the latent ``kv_c`` first, then the
              shared rope key ``k_pe``, so absorbed decode reads one contiguous row per token
              (576 elements for DeepSeek-V2/V3) and uses its first ``kv_lora_rank`` as V.
@@ -22,6 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from cp_modules.cache.dcp import dcp_num_blocks
+from cp_modules.cache.kv_dtype import is_fp8
 
 __all__ = [
     "BlockAllocator",
@@ -30,9 +35,17 @@ __all__ = [
     "allocate_kv_cache",
     "allocate_mla_cache",
     "dcp_token_capacity",
+    "is_token_minor",
     "kv_cache_bytes_per_block",
     "num_blocks_for_memory",
+    "to_token_minor",
 ]
+
+# fp8 GQA/MHA value caches stored token-minor (see the module docstring); off: [NB, BS, Hkv, D]
+# contiguous like every other cache. Read at every allocation. The decode kernel's value tile
+# then enters P @ V as contiguous bytes along the tokens instead of one byte at a time
+# (docs/experiments/2026-12-03-fp8-decode-speed.md).
+FP8_V_TOKEN_MINOR = True
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -230,8 +243,13 @@ def allocate_kv_cache(
     *,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
+    v_token_minor: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed GQA/MHA caches ``k_cache, v_cache``: [NB, BS, Hkv, D] each.
+
+    ``v_token_minor``: store ``v_cache`` token-minor (a view of [NB, Hkv, D, BS] storage,
+    strides ``(Hkv * D * BS, 1, D * BS, BS)``); None: for fp8 caches as
+    :data:`FP8_V_TOKEN_MINOR` says, never for others. ``k_cache`` is always contiguous.
 
     Raises:
         ValueError: for sizes < 1.
@@ -243,11 +261,27 @@ def allocate_kv_cache(
         ("head_dim", head_dim),
     ):
         _check_positive(name, v)
+    if v_token_minor is None:
+        v_token_minor = FP8_V_TOKEN_MINOR and is_fp8(dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return (
-        torch.zeros(shape, dtype=dtype, device=device),
-        torch.zeros(shape, dtype=dtype, device=device),
+    k_cache = torch.zeros(shape, dtype=dtype, device=device)
+    if not v_token_minor:
+        return k_cache, torch.zeros(shape, dtype=dtype, device=device)
+    storage = torch.zeros(
+        (num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device
     )
+    return k_cache, storage.permute(0, 3, 1, 2)
+
+
+def is_token_minor(cache: torch.Tensor) -> bool:
+    """Whether a [NB, BS, H, D] cache is stored token-minor (its token stride is 1, BS > 1)."""
+    return cache.dim() == 4 and cache.shape[1] > 1 and cache.stride(1) == 1
+
+
+def to_token_minor(cache: torch.Tensor) -> torch.Tensor:
+    """A token-minor copy (:func:`allocate_kv_cache`'s ``v_token_minor``) of a [NB, BS, H, D]
+    cache: the same values, storage [NB, H, D, BS]."""
+    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
 def allocate_mla_cache(

@@ -40,6 +40,7 @@ from cp_modules.modules.hf_swap import (
     allocate_kv_caches,
     cp_attention_layers,
     kv_cache_bytes_per_block_of,
+    kv_cache_scale_tensors,
     kv_cache_tensors,
 )
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
@@ -239,8 +240,12 @@ class GenerationEngine:
             # batch: unbacked, so a larger cache reuses the graphs and duck sizing never ties it
             # to a token count that happens to be equal.
             for c in kv_cache_tensors(self.model):
-                torch._dynamo.mark_static(c)
-                torch._dynamo.decorators.mark_unbacked(c, 0)
+                # A token-minor cache is a view: its storage is an input of the graphs too.
+                for t in (c,) if c._base is None else (c, c._base):
+                    torch._dynamo.mark_static(t)
+                    torch._dynamo.decorators.mark_unbacked(t, 0)
+            for s in kv_cache_scale_tensors(self.model):
+                torch._dynamo.mark_static(s)  # (else duck sizing ties Hkv to a token count)
         self._cache_blocks = num_blocks
         return num_blocks
 

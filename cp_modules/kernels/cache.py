@@ -3,7 +3,9 @@
 Shape letters: T = new tokens, H = heads per token row, D = elements per head, BS = tokens per
 block. One program stores one token: two source rows [H, D0] and [H, D1] go to their cache
 rows at column offsets, which covers GQA (K into one cache, V into the other) and MLA (latent and
-rope key side by side in one cache row) with one launch. Slot -1 stores nothing.
+rope key side by side in one cache row) with one launch. Slot -1 stores nothing. The caches are
+written through all their strides (a token-minor V cache, :func:`~cp_modules.cache.paged.
+allocate_kv_cache`, has a head-dim stride of BS).
 
 An fp8 cache (``torch.float8_e4m3fn``) stores ``x / scale`` saturated to +-448 and rounded to
 nearest even, ``scale`` one fp32 value per head row (a scalar scale: a stride of 0).
@@ -56,9 +58,11 @@ def _write_cache_kernel(
     stride_d0b,
     stride_d0s,
     stride_d0h,
+    stride_d0d,
     stride_d1b,
     stride_d1s,
     stride_d1h,
+    stride_d1d,
     COL0: tl.constexpr,
     COL1: tl.constexpr,
     NUM_H: tl.constexpr,
@@ -85,7 +89,7 @@ def _write_cache_kernel(
             # IEEE division (``/`` is approximate on the GPU): the reference's quotient.
             x0 = tl.div_rn(x0.to(tl.float32), tl.broadcast_to(sc0[:, None], x0.shape))
             x0 = _round_to_e4m3(tl.clamp(x0, -448.0, 448.0))
-        tl.store(dst0 + d0[None, :], x0.to(DST0.dtype.element_ty), mask=m0)
+        tl.store(dst0 + d0[None, :] * stride_d0d, x0.to(DST0.dtype.element_ty), mask=m0)
         d1 = tl.arange(0, BLOCK_D1)
         m1 = (h[:, None] < NUM_H) & (d1[None, :] < D1)
         x1 = tl.load(SRC1 + t * stride_s1t + h[:, None] * stride_s1h + d1[None, :], mask=m1)
@@ -94,7 +98,7 @@ def _write_cache_kernel(
             sc1 = tl.load(SCALE1 + h * stride_sc1, mask=h < NUM_H, other=1.0)
             x1 = tl.div_rn(x1.to(tl.float32), tl.broadcast_to(sc1[:, None], x1.shape))
             x1 = _round_to_e4m3(tl.clamp(x1, -448.0, 448.0))
-        tl.store(dst1 + d1[None, :], x1.to(DST1.dtype.element_ty), mask=m1)
+        tl.store(dst1 + d1[None, :] * stride_d1d, x1.to(DST1.dtype.element_ty), mask=m1)
 
 
 def _pow2(n: int) -> int:
@@ -126,20 +130,19 @@ def write_kv_cache_kernel(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store ``k, v`` [T, Hkv, D] (last dim contiguous) into [NB, BS, Hkv, D] caches.
+    """Store ``k, v`` [T, Hkv, D] (last dim contiguous) into [NB, BS, Hkv, D] caches of any
+    strides (e.g. a token-minor V cache).
 
     fp8 caches: ``k_scale``, ``v_scale`` fp32 [Hkv] or [1] (None: 1.0)."""
     t, h, d = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if t == 0:
         return
     quant, (ks, vs, sk, sv) = _scales(k_cache, k_scale, v_scale)
     _write_cache_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs, sk, sv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_cache.stride(), *v_cache.stride(),
         COL0=0, COL1=0, NUM_H=h, D0=d, D1=v.shape[-1],
         BLOCK_H=_pow2(h), BLOCK_D0=_pow2(d), BLOCK_D1=_pow2(v.shape[-1]),
         PAGE=k_cache.shape[1], QUANT=quant,
@@ -165,8 +168,8 @@ def write_mla_cache_kernel(
     _write_cache_kernel[(t,)](
         kv_c, k_pe, cache, cache, slot_mapping, s0, s1, st0, st1,
         kv_c.stride(0), 0, k_pe.stride(0), 0,
-        cache.stride(0), cache.stride(1), 0,
-        cache.stride(0), cache.stride(1), 0,
+        cache.stride(0), cache.stride(1), 0, 1,
+        cache.stride(0), cache.stride(1), 0, 1,
         COL0=0, COL1=r, NUM_H=1, D0=r, D1=p,
         BLOCK_H=1, BLOCK_D0=_pow2(r), BLOCK_D1=_pow2(p),
         PAGE=cache.shape[1], QUANT=quant,

@@ -65,6 +65,7 @@ __all__ = [
     "kv_cache_bytes_per_block_of",
     "cp_attention_layers",
     "free_kv_caches",
+    "kv_cache_scale_tensors",
     "kv_cache_tensors",
     "parallelize_non_attention",
     "swap_attention",
@@ -482,7 +483,9 @@ def allocate_kv_caches(
     local KV head; MLA layers use ``k_scale`` for the latent), else 1.0.
 
     Interface-served layers get ``(k_cache, v_cache)`` ``[NB, BS, Hkv_local, D]`` in
-    ``model.cp_kv_caches`` by ``layer_idx``; MLA layers a latent cache ``[NB, BS, Rk + Dr]``.
+    ``model.cp_kv_caches`` by ``layer_idx`` (an fp8 ``v_cache`` token-minor:
+    :func:`~cp_modules.cache.paged.allocate_kv_cache`); MLA layers a latent cache
+    ``[NB, BS, Rk + Dr]``.
     ``window_num_blocks`` (window W -> blocks) sizes the caches of the layers of window W
     instead (a layer group whose cache keeps only its window).
 
@@ -566,6 +569,17 @@ def free_kv_caches(model: nn.Module) -> None:
         else:
             layer.kv_cache = None
             layer.kv_cache_scale = None
+
+
+def kv_cache_scale_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every fp8 KV-cache scale tensor of ``model``'s cp layers (to mark for torch.compile)."""
+    out: list[torch.Tensor] = []
+    for layer in cp_attention_layers(model):
+        b = getattr(layer, "cp_binding", None)
+        scales = b.caches.scales.get(b.layer_idx) if b is not None else layer.kv_cache_scale
+        if scales is not None:
+            out.extend(scales if isinstance(scales, tuple) else (scales,))
+    return out
 
 
 def kv_cache_tensors(model: nn.Module) -> list[torch.Tensor]:

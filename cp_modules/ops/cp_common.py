@@ -158,8 +158,13 @@ def read_prefix(
     An fp8 cache's rows travel as fp8 bytes and are dequantized (``* scale``, [heads] or [1])
     to ``dtype`` after the gather; other caches come back as they are."""
     assert meta.prefix_read_slots is not None and meta.prefix_gather_index is not None
-    flat = cache.flatten(0, 1)
-    local = flat.index_select(0, meta.prefix_read_slots)
+    slots = meta.prefix_read_slots
+    if cache.stride(0) == cache.shape[1] * cache.stride(1):
+        local = cache.flatten(0, 1).index_select(0, slots)  # (a view: blocks of whole rows)
+    else:
+        # A token-minor cache (cache.paged.allocate_kv_cache): flattening would copy it all.
+        bs = cache.shape[1]
+        local = cache[torch.div(slots, bs, rounding_mode="floor"), slots % bs]
     fp8 = is_fp8(cache.dtype)
     dcp = meta.runtime.dcp
     if dcp is not None:

@@ -23,7 +23,7 @@ from cp_modules.kernels.cache import write_kv_cache_kernel, write_mla_cache_kern
 from cp_modules.ops._lib import lib
 from cp_modules.reference.kv_cache import write_kv_cache_ref, write_mla_cache_ref
 
-__all__ = ["write_kv_cache", "write_mla_cache"]
+__all__ = ["check_gqa_cache_layout", "write_kv_cache", "write_mla_cache"]
 
 lib.define(
     "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -84,6 +84,16 @@ def check_cache_scale(
         )
 
 
+def check_gqa_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError unless ``k_cache`` is contiguous in its last dim and ``v_cache`` in its last
+    dim or its token dim (token-minor, :func:`cp_modules.cache.paged.allocate_kv_cache`)."""
+    if k_cache.stride(-1) != 1 or (v_cache.stride(-1) != 1 and v_cache.stride(1) != 1):
+        raise ValueError(
+            "k_cache must be contiguous in its last dim and v_cache in its last dim or its token "
+            f"dim (token-minor); got strides {k_cache.stride()} and {v_cache.stride()}"
+        )
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -101,7 +111,8 @@ def write_kv_cache(
 
     Args:
         k, v: [T, Hkv, D] (any float dtype; cast to the cache dtype, quantized for fp8).
-        k_cache, v_cache: [NB, BS, Hkv, D], last dim contiguous; written in place.
+        k_cache, v_cache: [NB, BS, Hkv, D], last dim contiguous (``v_cache`` may be token-minor
+            instead: :func:`check_gqa_cache_layout`); written in place.
         slot_mapping: [T] int32/int64, ``block_id * BS + offset`` or -1.
         k_scale, v_scale: fp8 caches only: fp32 [Hkv] or [1] (None: 1.0).
 
@@ -122,8 +133,7 @@ def write_kv_cache(
             f"k has [Hkv, D]={list(k.shape[1:])} but the cache holds [Hkv, D]="
             f"{list(k_cache.shape[2:])}"
         )
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must be contiguous in their last dim")
+    check_gqa_cache_layout(k_cache, v_cache)
     _check_slots(slot_mapping, k.shape[0], k, v, k_cache, v_cache)
     check_cache_scale(k_scale, k_cache, k_cache.shape[2], "k_scale")
     check_cache_scale(v_scale, v_cache, v_cache.shape[2], "v_scale")

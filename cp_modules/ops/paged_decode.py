@@ -34,7 +34,7 @@ from cp_modules.kernels.decode.mla_gluon import (
 )
 from cp_modules.kernels.decode.paged import paged_attention_kernel
 from cp_modules.ops._lib import lib
-from cp_modules.ops.kv_cache import check_cache_scale
+from cp_modules.ops.kv_cache import check_cache_scale, check_gqa_cache_layout
 from cp_modules.policy import MLA_DECODE_KERNELS
 from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
 
@@ -144,8 +144,6 @@ def _check_common(
                 f"cache dtype {c.dtype} must equal q's dtype {q.dtype} or be "
                 f"torch.float8_e4m3fn (an fp8 cache)"
             )
-        if c.stride(-1) != 1:
-            raise ValueError("caches must be contiguous in their last dim")
     if block_table.dim() != 2 or block_table.dtype not in _INDEX_DTYPES:
         raise ValueError(
             f"block_table must be an int32/int64 [R, M] tensor, got {block_table.dtype} "
@@ -187,7 +185,8 @@ def paged_attention(
 
     Args:
         q: [T, Hq, D], fp16/bf16/fp32 (last dim contiguous).
-        k_cache, v_cache: [NB, BS, Hkv, D] in ``q``'s dtype or fp8 e4m3; Hq a multiple of Hkv.
+        k_cache, v_cache: [NB, BS, Hkv, D] in ``q``'s dtype or fp8 e4m3; Hq a multiple of Hkv;
+            last dims contiguous, or ``v_cache`` token-minor (its token stride 1).
         block_table: [R, M] int32/int64 physical block ids.
         query_seq_idx: [T] int32/int64 row of ``block_table`` of each query.
         query_kv_len: [T] int32/int64 local tokens each query sees (at most M * BS).
@@ -222,6 +221,7 @@ def paged_attention(
     if hq % hkv:
         raise ValueError(f"query heads Hq={hq} must be a multiple of the cache's KV heads {hkv}")
     _check_common(q, (k_cache, v_cache), block_table, query_seq_idx, query_kv_len, num_splits)
+    check_gqa_cache_layout(k_cache, v_cache)
     if q.is_cuda and q.shape[-1] < _MIN_CUDA_DIM:
         raise ValueError(
             f"the CUDA paged decode kernel takes head dims of at least {_MIN_CUDA_DIM} "
@@ -304,6 +304,8 @@ def paged_mla_attention(
             f"kv_lora_rank + rope_dim = {cache.shape[2]}), got {kv_lora_rank!r}"
         )
     _check_common(q, (cache,), block_table, query_seq_idx, query_kv_len, num_splits)
+    if cache.stride(-1) != 1:
+        raise ValueError(f"cache must be contiguous in its last dim, got strides {cache.stride()}")
     rope = cache.shape[2] - kv_lora_rank
     if q.is_cuda and min(kv_lora_rank, rope) < _MIN_CUDA_DIM:
         raise ValueError(

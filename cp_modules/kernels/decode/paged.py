@@ -38,8 +38,8 @@ the value scale into the output (fp32 scales [Hkv], or [1] with a head stride of
 
 The fp8 loop: each tile's block-table entries are loaded one tile ahead (:data:`BT_AHEAD`), so
 the software pipeline keeps two tiles in flight per program, and the tiles wholly in the
-visible range run without masks (:data:`UNMASKED_MAIN`).
-"""
+visible range run without masks (:data:`UNMASKED_MAIN`). A token-minor value cache (token
+stride 1, fp8's default layout) is read along the tokens: :mod:`~.token_minor`."""
 
 from __future__ import annotations
 
@@ -61,10 +61,12 @@ from cp_modules.kernels.decode.tiles import (  # noqa: F401 (re-exported)
     DecodeConfig,
     _num_sms,
     _pow2,
+    _split_buffers,
     choose_num_splits,
     default_config,
     mla_default_config,
 )
+from cp_modules.kernels.decode.token_minor import sub_entries, token_minor_value_tile
 from cp_modules.kernels.merge import merge_splits_triton
 
 __all__ = [
@@ -133,17 +135,19 @@ def _tanh(x):
 def _tiles(
     q, q_pe, K, V, bt_row, kvh, kv_start, kv_len, has_gap, first, p_lo, p_hi, m_i, l_i, acc,
     qk_scale, softcap, offs_dk, dk_mask, offs_pe, pe_mask, offs_dv, dv_mask,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
     PAGE: tl.constexpr, DK: tl.constexpr, DPE: tl.constexpr, BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, K_T: tl.constexpr,
     FP8_KIND: tl.constexpr, FP8_ASM: tl.constexpr, P_SHIFT: tl.constexpr,
     QUERY_LEN: tl.constexpr, MASKED: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr,
-    STAGED: tl.constexpr,
+    STAGED: tl.constexpr, V_T: tl.constexpr,
 ):  # fmt: skip
     """The tiles of ``[p_lo, p_hi)`` into the running (m, l, acc); ``MASKED`` False: every
     key of each tile lies in every row's range. ``AHEAD``: block-table entries one tile ahead.
-    ``STAGES``: the loop's software-pipeline depth."""
-    blk_next = p_lo  # (replaced before use)
+    ``STAGES``: the loop's software-pipeline depth. ``V_T``: a token-minor V cache (tiles
+    of ``SUBS`` whole blocks loaded by their entries: kernels.decode.token_minor)."""
+    SUBS: tl.constexpr = BLOCK_N // PAGE if V_T and PAGE < BLOCK_N and BLOCK_N % PAGE == 0 else 1
+    blk_next, vblk_next = p_lo, p_lo  # (replaced before use)
     if AHEAD:
         # The first tile's entries (none past the range, nor before the first visible key).
         offs_a = p_lo + tl.arange(0, BLOCK_N)
@@ -152,6 +156,8 @@ def _tiles(
         else:
             blk_next = tl.load(bt_row + offs_a // PAGE, mask=(offs_a < p_hi) & (offs_a >= first),
                                other=0)  # fmt: skip
+        if SUBS > 1:
+            vblk_next = sub_entries(bt_row, p_lo, p_hi, first, PAGE, SUBS)
     for n0 in tl.range(p_lo, p_hi, BLOCK_N, num_stages=STAGES):
         if AHEAD:
             # This tile's entries were loaded one iteration ago; load the next tile's now.
@@ -163,6 +169,12 @@ def _tiles(
             else:
                 blk_next = tl.load(bt_row + offs_a // PAGE,
                                    mask=(offs_a < p_hi) & (offs_a >= first), other=0)  # fmt: skip
+        vblk = n0  # (replaced when used)
+        if SUBS > 1 and AHEAD:
+            vblk = vblk_next.to(tl.int64)
+            vblk_next = sub_entries(bt_row, n0 + BLOCK_N, p_hi, first, PAGE, SUBS)
+        elif SUBS > 1:
+            vblk = sub_entries(bt_row, n0, p_hi, first, PAGE, SUBS).to(tl.int64)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
             n_mask = (offs_n < p_hi) & (offs_n >= first)
@@ -188,6 +200,8 @@ def _tiles(
                 blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
             in_page = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
             k_tok = blk * stride_kb + in_page * stride_ks
+            if V_T:  # (tile starts are multiples of BLOCK_N: aligned runs of tokens)
+                in_page = (tl.multiple_of(n0 % PAGE, BLOCK_N) + tl.arange(0, BLOCK_N)).to(tl.int64)
             v_tok = blk * stride_vb + in_page * stride_vs
         else:
             if AHEAD:
@@ -242,9 +256,14 @@ def _tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_IS_K:
             v = k
+        elif V_T:
+            v = token_minor_value_tile(
+                V + kvh * stride_vh, v_tok, vblk, n_mask, offs_dv, dv_mask, stride_vb, stride_vd,
+                PAGE, BLOCK_N, SUBS, KV_FP8, FP8_KIND, FP8_ASM, MASKED or QUERY_LEN > 1,
+            )  # fmt: skip
         else:
             v = tl.load(
-                V + v_tok[:, None] + kvh * stride_vh + offs_dv[None, :],
+                V + v_tok[:, None] + kvh * stride_vh + offs_dv[None, :] * stride_vd,
                 mask=n_mask[:, None] & dv_mask[None, :],
                 other=0,
             )
@@ -284,6 +303,7 @@ def _paged_attn_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_vd,
     stride_btr,
     stride_ot,
     stride_oh,
@@ -320,6 +340,7 @@ def _paged_attn_kernel(
     UNMASKED_MAIN: tl.constexpr = False,
     NUM_STAGES: tl.constexpr = 3,
     STAGED: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
     # Axis 0 enumerates (run, KV head, row tile) with row tiles fastest, so the tiles that
     # read the same K/V run side by side; it also has no 65535 limit on the query count.
@@ -419,10 +440,10 @@ def _paged_attn_kernel(
         m_i, l_i, acc = _tiles(
             q, q_pe, K, V, bt_row, kvh, kv_start, kv_len, has_gap, first, p_lo, p_hi, m_i,
             l_i, acc, qk_scale, softcap, offs_dk, dk_mask, offs_pe, pe_mask, offs_dv, dv_mask,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
             PAGE, DK, DPE, BLOCK_N, V_IS_K, SOFTCAP, PRECISION, KV_FP8, K_T, FP8_KIND, FP8_ASM,
             P_SHIFT, QUERY_LEN, (parts == 1) | (part != 1), BT_AHEAD & ((parts == 1) | (part == 1)),
-            NUM_STAGES if (parts == 1) | (part == 1) else 1, STAGED,
+            NUM_STAGES if (parts == 1) | (part == 1) else 1, STAGED, V_T,
         )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -458,7 +479,7 @@ def _launch(
     dv: int,
     page: int,
     stride_k: tuple[int, int, int],
-    stride_v: tuple[int, int, int],
+    stride_v: tuple[int, int, int, int],
     v_is_k: bool,
     num_splits: int | None,
     config: DecodeConfig | None,
@@ -494,6 +515,7 @@ def _launch(
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     has_start = query_kv_start is not None
     k_t = kv_fp8 and FP8_K_TRANSPOSED and not v_is_k and dpe == 0
+    v_t = not v_is_k and stride_v[1] == 1 and page > 1  # a token-minor V cache
     ks, vs, sks, svs = fp8_scale_args(k, k_scale, v_scale)
     hw16 = FP8_HW_FP16 and dpe == 0
     fp8 = fp8_launch_args(q.dtype, q.device, hw16) if kv_fp8 else _NO_FP8
@@ -520,8 +542,8 @@ def _launch(
         QUERY_LEN=query_len,
         BT_AHEAD=(BT_AHEAD if kv_fp8 else BF16_BT_AHEAD) and cfg.num_stages >= 3,
         UNMASKED_MAIN=UNMASKED_MAIN and kv_fp8,
-        NUM_STAGES=cfg.num_stages, STAGED=FP8_STAGED and fp8.kind == 3, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, STAGED=FP8_STAGED and fp8.kind == 3 and not v_t, V_T=v_t,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
@@ -537,20 +559,6 @@ def fp8_launch_args(
     """The fp8 conversion's launch arguments (:func:`~cp_modules.kernels.decode.fp8.
     fp8_launch_args`) with the PTX as :data:`FP8_DEQUANT_ASM` says."""
     return _fp8_launch_args(q_dtype, device, asm=FP8_DEQUANT_ASM, hw_fp16=hw_fp16)
-
-
-def _split_buffers(
-    out: torch.Tensor, lse: torch.Tensor, num_splits: int
-) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
-    """Where the split programs write: ``out``/``lse`` themselves, or fp32 partials."""
-    if num_splits == 1:
-        return out, lse, (out.stride(0), out.stride(1), 0), (lse.stride(0), lse.stride(1), 0)
-    t, hq, dv = out.shape
-    o_buf = torch.empty(t, hq, num_splits, dv, dtype=torch.float32, device=out.device)
-    l_buf = torch.empty(t, hq, num_splits, dtype=torch.float32, device=out.device)
-    so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
-    sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
-    return o_buf, l_buf, so, sl
 
 
 def paged_attention_kernel(
@@ -579,15 +587,17 @@ def paged_attention_kernel(
     (None: 1.0). ``query_len`` Q: queries ``[i * Q, (i + 1) * Q)`` form a run that one program
     serves (its K/V read once for them); they must share ``query_seq_idx`` (the result is the
     per-query result whatever their ranges; the last run may be shorter). Last dims must be
-    contiguous.
+    contiguous, but ``v_cache``'s may be token-minor instead (a token stride of 1: its tiles
+    are then loaded along the tokens).
     """
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert v_cache.stride(-1) == 1 or v_cache.stride(1) == 1
     _, page, hkv, d = k_cache.shape
     return _launch(
         q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
         num_kv_heads=hkv, dk=d, dpe=0, dv=v_cache.shape[-1], page=page,
         stride_k=(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
-        stride_v=(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+        stride_v=(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3)),
         v_is_k=False, num_splits=num_splits, config=config,
         query_kv_start=query_kv_start, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         query_len=query_len,

@@ -104,3 +104,17 @@ def choose_num_splits(
     want = triton.cdiv((programs_per_sm or 2) * num_sms, num_programs)
     cap = max(1, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, _MAX_SPLITS))
+
+
+def _split_buffers(
+    out: torch.Tensor, lse: torch.Tensor, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
+    """Where the split programs write: ``out``/``lse`` themselves, or fp32 partials."""
+    if num_splits == 1:
+        return out, lse, (out.stride(0), out.stride(1), 0), (lse.stride(0), lse.stride(1), 0)
+    t, hq, dv = out.shape
+    o_buf = torch.empty(t, hq, num_splits, dv, dtype=torch.float32, device=out.device)
+    l_buf = torch.empty(t, hq, num_splits, dtype=torch.float32, device=out.device)
+    so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
+    sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
+    return o_buf, l_buf, so, sl
