@@ -101,12 +101,9 @@ FP8_HW_FP16 = True
 # software pipeline can keep two K/V tiles in flight per program: with the entry loaded in the
 # tile's own iteration it keeps one (num_stages >= 3). fp8 caches only: on a bf16 cache it
 # measured 7 % faster at B=1 ctx=128k but 1.5 % slower at B=8 ctx=128k (Llama-3-8B heads,
-# docs/experiments/2026-12-03-fp8-decode-speed.md), so bf16 keeps its loop. Read at every
-# launch.
+# docs/experiments/2026-12-03-fp8-decode-speed.md), so bf16 keeps its loop. Read per launch.
 BT_AHEAD = True
-# The same for bf16/fp16 caches (off: see above; a switch for tuning probes). Read at every
-# launch.
-BF16_BT_AHEAD = False
+BF16_BT_AHEAD = False  # the same for bf16/fp16 caches (off: see above); read at every launch
 # fp8 caches, one query a run: the tiles wholly inside the visible range loaded and scored
 # without masks (the first and the last tile of a split with them, unpipelined). Not for bf16
 # caches: the unpipelined masked tiles cost a bf16 tile registers (the unsplit 8-warp tile
@@ -116,7 +113,6 @@ UNMASKED_MAIN = True
 # fp8 caches on the hardware conversion: the key ([Dk, N] loads) and value tiles converted in
 # their load's layout and staged in shared memory as fp16, so the products read 16-bit
 # operands by ldmatrix (the values otherwise come one byte at a time); a staging buffer more.
-# Read at every launch.
 FP8_STAGED = False
 # fp8 caches: tokens per tile of the default launch (4 warps).
 FP8_BLOCK_N = 128
