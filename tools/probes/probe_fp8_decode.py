@@ -22,6 +22,7 @@ import sys
 import torch
 import triton
 
+import cp_modules.kernels.cache as cache_kernels
 import cp_modules.kernels.decode.paged as gqa
 from benchmarks.bench_fp8_kv import (
     BS,
@@ -152,9 +153,13 @@ def writes(out: str) -> int:
             slots = perm[pos // BS] * BS + pos % BS
         else:
             slots = perm[:t] * BS + 17
-        for name, vc in (("[NB, BS, Hkv, D]", v_rows), ("token-minor", v_minor)):
+        layouts = [("[NB, BS, Hkv, D]", v_rows, True), ("token-minor", v_minor, True),
+                   ("token-minor one-token kernel", v_minor, False)]  # fmt: skip
+        for name, vc, grouped in layouts:
+            cache_kernels.WRITE_TOKEN_MINOR_GROUPED = grouped
             args = (k, v, k8, vc, slots, ones, ones)
             ms = graph_ms(lambda a=args: write_kv_cache(*a))
+            cache_kernels.WRITE_TOKEN_MINOR_GROUPED = True
             rows[f"write T={t} V {name}"] = {"ms": ms, "GBps": 2 * k.numel() / ms / 1e6}
             print(f"write T={t} V {name}: {ms * 1e3:.1f} us", flush=True)
         same = torch.equal(v_rows.view(torch.uint8), v_minor.view(torch.uint8))
