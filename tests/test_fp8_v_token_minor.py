@@ -57,12 +57,12 @@ def _writes(nb=4, bs=16, h=2, d=32, seed=0, prefill=False):
 @pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.float32], ids=["fp8", "fp32"])
 def test_write_kernel_bytes_equal_in_both_layouts_interpreted(dtype, grouped, prefill,
                                                               monkeypatch):  # fmt: skip
-    """Both write kernels of a token-minor V cache (WRITE_TOKEN_MINOR_GROUPED; the grouped
+    """Both write kernels of a token-minor V cache (WRITE_GROUPED_MIN_TOKENS; the grouped
     one's runs of consecutive slots and its other tokens): 59 tokens (not a multiple of 16),
     one skipped (slot -1), NaN where nothing is written."""
     import cp_modules.kernels.cache as cache_kernels
 
-    monkeypatch.setattr(cache_kernels, "WRITE_TOKEN_MINOR_GROUPED", grouped)
+    monkeypatch.setattr(cache_kernels, "WRITE_GROUPED_MIN_TOKENS", 0 if grouped else 10**9)
     k, v, slots = _writes(prefill=prefill)
     ks = vs = None
     if dtype == FP8_DTYPE:
@@ -337,7 +337,7 @@ def test_gpu_write_kernels_token_minor_bytes(grouped, monkeypatch):
     of consecutive slots (block size 64, positions from 5): the reference's bytes."""
     import cp_modules.kernels.cache as cache_kernels
 
-    monkeypatch.setattr(cache_kernels, "WRITE_TOKEN_MINOR_GROUPED", grouped)
+    monkeypatch.setattr(cache_kernels, "WRITE_GROUPED_MIN_TOKENS", 0 if grouped else 10**9)
     dev, nb, bs, hkv, d = "cuda", 64, 64, 8, 128
     ks = kv_scale(torch.linspace(0.5, 2.0, hkv), hkv, device=dev)
     vs = kv_scale(0.02, hkv, device=dev)

@@ -19,10 +19,11 @@ import triton.language as tl
 
 __all__ = ["write_kv_cache_kernel", "write_mla_cache_kernel"]
 
-# A token-minor V cache (token stride 1) written by a kernel that stores 16 tokens a program,
-# tokens fastest (consecutive slots: consecutive bytes); off: the one-token kernel through the
-# strides (one byte per (head, dim) row and token). Read at every write.
-WRITE_TOKEN_MINOR_GROUPED = True
+# A token-minor V cache (token stride 1) is written 16 tokens a program from this many tokens
+# on (prefill chunks: consecutive slots of a block write consecutive bytes), and one token a
+# program below (a decode step's tokens sit in different blocks; more programs in flight),
+# through the strides: one byte per (head, dim) row and token. Read at every write.
+WRITE_GROUPED_MIN_TOKENS = 512
 _TOKENS = 16
 
 
@@ -194,7 +195,7 @@ def write_kv_cache_kernel(
         return
     quant, (ks, vs, sk, sv) = _scales(k_cache, k_scale, v_scale)
     page = k_cache.shape[1]
-    if WRITE_TOKEN_MINOR_GROUPED and v_cache.stride(1) == 1 and page > 1:
+    if t >= WRITE_GROUPED_MIN_TOKENS and v_cache.stride(1) == 1 and page > 1:
         _write_token_minor_kernel[(triton.cdiv(t, _TOKENS),)](
             k, v, k_cache, v_cache, slot_mapping, ks, vs, sk, sv, k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -153,13 +153,15 @@ def writes(out: str) -> int:
             slots = perm[pos // BS] * BS + pos % BS
         else:
             slots = perm[:t] * BS + 17
-        layouts = [("[NB, BS, Hkv, D]", v_rows, True), ("token-minor", v_minor, True),
-                   ("token-minor one-token kernel", v_minor, False)]  # fmt: skip
-        for name, vc, grouped in layouts:
-            cache_kernels.WRITE_TOKEN_MINOR_GROUPED = grouped
+        default = cache_kernels.WRITE_GROUPED_MIN_TOKENS
+        layouts = [("[NB, BS, Hkv, D]", v_rows, default), ("token-minor", v_minor, default),
+                   ("token-minor 16-token programs", v_minor, 0),
+                   ("token-minor one-token programs", v_minor, 10**9)]  # fmt: skip
+        for name, vc, min_tokens in layouts:
+            cache_kernels.WRITE_GROUPED_MIN_TOKENS = min_tokens
             args = (k, v, k8, vc, slots, ones, ones)
             ms = graph_ms(lambda a=args: write_kv_cache(*a))
-            cache_kernels.WRITE_TOKEN_MINOR_GROUPED = True
+            cache_kernels.WRITE_GROUPED_MIN_TOKENS = default
             rows[f"write T={t} V {name}"] = {"ms": ms, "GBps": 2 * k.numel() / ms / 1e6}
             print(f"write T={t} V {name}: {ms * 1e3:.1f} us", flush=True)
         same = torch.equal(v_rows.view(torch.uint8), v_minor.view(torch.uint8))
