@@ -37,18 +37,33 @@ def test_allocation_layouts_and_the_switch(monkeypatch):
     assert t._base is not None and t._base.is_contiguous()  # a view of its own storage
 
 
-def _writes(nb=4, bs=16, h=2, d=32, seed=0):
+def _writes(nb=4, bs=16, h=2, d=32, seed=0, prefill=False):
+    """Tokens at random slots (one skipped), or ``prefill``: positions 0.. of one request
+    through a shuffled block table (16 consecutive slots of one block, a run with a skipped
+    token, a shorter last run)."""
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(nb * bs, generator=g)[: nb * bs - 5]
-    slots[3] = -1
+    if prefill:
+        pos = torch.arange(nb * bs - 5)
+        slots = torch.randperm(nb, generator=g)[pos // bs] * bs + pos % bs
+    slots[40 if prefill else 3] = -1
     k = torch.randn(slots.numel(), h, d, generator=g) * 30
     v = torch.randn(slots.numel(), h, d, generator=g) * 0.05
     return k, v, slots
 
 
+@pytest.mark.parametrize("prefill", [False, True], ids=["random-slots", "prefill-slots"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["16-token-programs", "one-token"])
 @pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.float32], ids=["fp8", "fp32"])
-def test_write_kernel_bytes_equal_in_both_layouts_interpreted(dtype):
-    k, v, slots = _writes()
+def test_write_kernel_bytes_equal_in_both_layouts_interpreted(dtype, grouped, prefill,
+                                                              monkeypatch):  # fmt: skip
+    """Both write kernels of a token-minor V cache (WRITE_GROUPED_MIN_TOKENS; the grouped
+    one's runs of consecutive slots and its other tokens): 59 tokens (not a multiple of 16),
+    one skipped (slot -1), NaN where nothing is written."""
+    import cp_modules.kernels.cache as cache_kernels
+
+    monkeypatch.setattr(cache_kernels, "WRITE_GROUPED_MIN_TOKENS", 0 if grouped else 10**9)
+    k, v, slots = _writes(prefill=prefill)
     ks = vs = None
     if dtype == FP8_DTYPE:
         ks, vs = kv_scale(torch.tensor([1.0, 0.3]), 2), kv_scale(0.01, 2)
@@ -313,3 +328,28 @@ def test_compiled_engine_on_token_minor_fp8_cache_equals_eager_and_reuses_its_gr
     assert counters["stats"]["unique_graphs"] == 3  # prefill, decode, decode of one token
     assert engine.generate(prompts, params).outputs == want
     assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [True, False], ids=["16-token-programs", "one-token"])
+def test_gpu_write_kernels_token_minor_bytes(grouped, monkeypatch):
+    """The Triton writes into a token-minor fp8 value cache, random slots and a prefill's runs
+    of consecutive slots (block size 64, positions from 5): the reference's bytes."""
+    import cp_modules.kernels.cache as cache_kernels
+
+    monkeypatch.setattr(cache_kernels, "WRITE_GROUPED_MIN_TOKENS", 0 if grouped else 10**9)
+    dev, nb, bs, hkv, d = "cuda", 64, 64, 8, 128
+    ks = kv_scale(torch.linspace(0.5, 2.0, hkv), hkv, device=dev)
+    vs = kv_scale(0.02, hkv, device=dev)
+    pos = torch.arange(5, nb * bs - 7, device=dev)
+    prefill = torch.randperm(nb, device=dev)[pos // bs] * bs + pos % bs
+    for slots in (torch.randperm(nb * bs, device=dev)[:1000], prefill):
+        slots[7] = -1
+        k = torch.randn(slots.numel(), hkv, d, device=dev).to(torch.bfloat16) * 30
+        v = torch.randn_like(k) * 0.05
+        kc, vt = allocate_kv_cache(nb, bs, hkv, d, dtype=FP8_DTYPE, device=dev)
+        kr, vr = allocate_kv_cache(nb, bs, hkv, d, dtype=FP8_DTYPE)
+        write_kv_cache(k, v, kc, vt, slots, ks, vs)
+        write_kv_cache(k.cpu(), v.cpu(), kr, vr, slots.cpu(), ks.cpu(), vs.cpu())
+        assert torch.equal(kc.cpu().view(torch.uint8), kr.view(torch.uint8))
+        assert torch.equal(vt._base.cpu().view(torch.uint8), vr._base.view(torch.uint8))

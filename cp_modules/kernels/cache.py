@@ -19,6 +19,13 @@ import triton.language as tl
 
 __all__ = ["write_kv_cache_kernel", "write_mla_cache_kernel"]
 
+# A token-minor V cache (token stride 1) is written 16 tokens a program from this many tokens
+# on (prefill chunks: consecutive slots of a block write consecutive bytes), and one token a
+# program below (a decode step's tokens sit in different blocks; more programs in flight),
+# through the strides: one byte per (head, dim) row and token. Read at every write.
+WRITE_GROUPED_MIN_TOKENS = 512
+_TOKENS = 16
+
 
 @triton.jit
 def _round_to_e4m3(x):
@@ -101,6 +108,54 @@ def _write_cache_kernel(
         tl.store(dst1 + d1[None, :] * stride_d1d, x1.to(DST1.dtype.element_ty), mask=m1)
 
 
+@triton.jit
+def _quantized(x, SCALE, stride_sc, h, NUM_H: tl.constexpr, QUANT: tl.constexpr, DST):
+    """``x`` [..., H, D] as stored in ``DST``'s type (fp8: over the head's scale, saturated and
+    rounded as :func:`_write_cache_kernel` does)."""
+    if QUANT:
+        sc = tl.load(SCALE + h * stride_sc, mask=h < NUM_H, other=1.0)
+        x = tl.div_rn(x.to(tl.float32), tl.broadcast_to(sc[None, :, None], x.shape))
+        x = _round_to_e4m3(tl.clamp(x, -448.0, 448.0))
+    return x.to(DST.dtype.element_ty)
+
+
+@triton.jit
+def _write_token_minor_kernel(
+    K, V, KC, VC, SLOTS, KS, VS, stride_ksh, stride_vsh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vch, stride_vcd,
+    num_tokens, NUM_H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """``TOKENS`` tokens a program into a row-major K cache and a token-minor V cache (token
+    stride 1); tokens at consecutive slots of one block write each V row's bytes together."""
+    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    ok = slot >= 0
+    blk = slot // PAGE
+    off = slot % PAGE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = ok[:, None, None] & (h < NUM_H)[None, :, None] & (d < D)[None, None, :]
+    rows = t[:, None, None]
+    x = tl.load(K + rows * stride_kt + h[None, :, None] * stride_kh + d[None, None, :], mask=m)
+    x = _quantized(x, KS, stride_ksh, h, NUM_H, QUANT, KC)
+    dst = KC + blk[:, None, None] * stride_kcb + off[:, None, None] * stride_kcs
+    tl.store(dst + h[None, :, None] * stride_kch + d[None, None, :], x, mask=m)
+    y = tl.load(V + rows * stride_vt + h[None, :, None] * stride_vh + d[None, None, :], mask=m)
+    y = _quantized(y, VS, stride_vsh, h, NUM_H, QUANT, VC)
+    row = h[None, :, None] * stride_vch + d[None, None, :] * stride_vcd
+    # The program's tokens at consecutive slots of one block (a prefill's): their bytes of a
+    # row are consecutive, which the compiler sees from the offsets and spreads the tokens
+    # over the threads; else each token is stored at its own slot.
+    s0 = tl.load(SLOTS + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
+    run = tl.min((slot == s0 + tl.arange(0, TOKENS)).to(tl.int32), 0) == 1
+    if run & (s0 >= 0) & (s0 % PAGE + TOKENS <= PAGE):
+        dst = VC + (s0 // PAGE) * stride_vcb + s0 % PAGE + tl.arange(0, TOKENS)[:, None, None]
+        tl.store(dst + row, y, mask=m)
+    else:
+        tl.store(VC + (blk * stride_vcb + off)[:, None, None] + row, y, mask=m)
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
@@ -139,6 +194,15 @@ def write_kv_cache_kernel(
     if t == 0:
         return
     quant, (ks, vs, sk, sv) = _scales(k_cache, k_scale, v_scale)
+    page = k_cache.shape[1]
+    if t >= WRITE_GROUPED_MIN_TOKENS and v_cache.stride(1) == 1 and page > 1:
+        _write_token_minor_kernel[(triton.cdiv(t, _TOKENS),)](
+            k, v, k_cache, v_cache, slot_mapping, ks, vs, sk, sv, k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(2), v_cache.stride(3), t, NUM_H=h, D=d,
+            BLOCK_H=_pow2(h), BLOCK_D=_pow2(d), PAGE=page, TOKENS=_TOKENS, QUANT=quant,
+        )  # fmt: skip
+        return
     _write_cache_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs, sk, sv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -22,6 +22,7 @@ import sys
 import torch
 import triton
 
+import cp_modules.kernels.cache as cache_kernels
 import cp_modules.kernels.decode.paged as gqa
 from benchmarks.bench_fp8_kv import (
     BS,
@@ -152,9 +153,15 @@ def writes(out: str) -> int:
             slots = perm[pos // BS] * BS + pos % BS
         else:
             slots = perm[:t] * BS + 17
-        for name, vc in (("[NB, BS, Hkv, D]", v_rows), ("token-minor", v_minor)):
+        default = cache_kernels.WRITE_GROUPED_MIN_TOKENS
+        layouts = [("[NB, BS, Hkv, D]", v_rows, default), ("token-minor", v_minor, default),
+                   ("token-minor 16-token programs", v_minor, 0),
+                   ("token-minor one-token programs", v_minor, 10**9)]  # fmt: skip
+        for name, vc, min_tokens in layouts:
+            cache_kernels.WRITE_GROUPED_MIN_TOKENS = min_tokens
             args = (k, v, k8, vc, slots, ones, ones)
             ms = graph_ms(lambda a=args: write_kv_cache(*a))
+            cache_kernels.WRITE_GROUPED_MIN_TOKENS = default
             rows[f"write T={t} V {name}"] = {"ms": ms, "GBps": 2 * k.numel() / ms / 1e6}
             print(f"write T={t} V {name}: {ms * 1e3:.1f} us", flush=True)
         same = torch.equal(v_rows.view(torch.uint8), v_minor.view(torch.uint8))
