@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).parent.parent / "cp_modules"
 
 # Lower numbers are lower layers; a module may import its own layer and those below.
 LAYERS = {
-    "config": 0, "policy": 0,
+    "config": 0, "policy": 0, "pinned": 0,
     "distributed": 1,
     "partition": 2, "cache": 2,
     "reference": 3,
