@@ -101,8 +101,15 @@ def test_report_regenerates_the_dated_report(tmp_path):
         name
         for name in kept
         if name.startswith(
-            ("peers-", "loading-", "speculative-", "fp8-kv-", "fp8-decode-", "decoder-parity-",
-             "combine-tiles-")  # fmt: skip
+            (
+                "peers-",
+                "loading-",
+                "speculative-",
+                "fp8-kv-",
+                "fp8-decode-",
+                "decoder-parity-",
+                "combine-tiles-",
+            )  # fmt: skip
         )
     }
     assert read == kept - {

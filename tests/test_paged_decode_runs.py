@@ -78,6 +78,30 @@ def test_runs_match_the_per_query_reference_interpreted(case):
     check_against_reference(out, lse, ref, same, name=_case_id(case))
 
 
+@pytest.mark.parametrize("q_len, splits", [(1, 3), (3, 1)], ids=["Q1-S3", "Q3-S1"])
+def test_bf16_block_table_ahead_loop_matches_the_default_interpreted(monkeypatch, q_len, splits):
+    # The tuning switch BF16_BT_AHEAD (off by default) runs float caches through the loop that
+    # loads each tile's block-table entries one tile ahead (needs num_stages >= 3): the
+    # default loop's values, within the 2x rule of the reference.
+    from cp_modules.kernels.decode import paged
+
+    lengths, d, rank, il = [2, 37, 90], 2, 1, 2
+    shard = build_shard(lengths, bs=8, d=d, rank=rank, interleave=il, dtype=torch.float16,
+                        hkv=2, dk=16)  # fmt: skip
+    rows, _, kv_len, _ = run_queries(lengths, q_len, d, rank, il)
+    q = torch.randn(rows.numel(), 4, 16).to(torch.float16)
+    cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=3)
+    args = (q, *shard.caches, shard.block_table, rows, kv_len, 16**-0.5)
+    outs = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(paged, "BF16_BT_AHEAD", ahead)
+        outs[ahead] = paged_attention_kernel(*args, splits, config=cfg, query_len=q_len)
+    # Only the order of the address loads differs: the same bits.
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    ref, same = paged_attention_ref(*args), paged_attention_ref(*args, upcast=False)
+    check_against_reference(*outs[True], ref, same, name=f"ahead-Q{q_len}-S{splits}")
+
+
 def test_runs_with_disjoint_ranges_read_no_slot_between_them_interpreted():
     # One run of three queries of row 0 with ranges [0, 6), [40, 52) and [20, 21) (starts
     # past other rows' ends, out of order): the slots no query sees are NaN.
