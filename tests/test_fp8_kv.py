@@ -481,6 +481,24 @@ _LOOP_VARIANTS = {
 }
 
 
+def gpu_decode_queries(case: str, ends, nb: int, width: int, hq: int, d: int, q_len: int):
+    """A GPU decode batch: a random block table of ``width`` blocks a request, ``q_len``
+    queries at each request's end ``ends[i]`` (rows, kv lengths), bf16 queries, and the
+    case's window (333 tokens) or soft-cap (20) arguments."""
+    dev = "cuda"
+    bt = torch.stack([torch.randperm(nb, device=dev)[:width] for _ in ends]).to(torch.int32)
+    rows = torch.arange(len(ends), device=dev, dtype=torch.int32).repeat_interleave(q_len)
+    steps = torch.arange(q_len, device=dev) - q_len + 1
+    lens = (torch.tensor(ends, device=dev)[:, None] + steps).clamp_min(0).flatten()
+    q = torch.randn(rows.numel(), hq, d, device=dev).to(torch.bfloat16)
+    extra: dict = {}
+    if case.startswith("window"):
+        extra["query_kv_start"] = (lens - 333).clamp_min(0)
+    if "softcap" in case:
+        extra["softcap"] = 20.0
+    return bt, rows, lens, q, extra
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(_LOOP_VARIANTS))
 @pytest.mark.parametrize("case", ["plain-Q1", "window-softcap-Q1", "window-Q4"])
@@ -502,16 +520,7 @@ def test_gpu_fp8_gqa_loop_variants_match_reference(variant, case, monkeypatch):
     vs = kv_scale(0.7, hkv, device=dev)
     kc, vc = (torch.zeros(nb, bs, hkv, d, dtype=FP8_DTYPE, device=dev) for _ in range(2))
     write_kv_cache(k, v, kc, vc, torch.randperm(nb * bs, device=dev), ks, vs)
-    bt = torch.stack([torch.randperm(nb, device=dev)[:100] for _ in ends]).to(torch.int32)
-    rows = torch.arange(len(ends), device=dev, dtype=torch.int32).repeat_interleave(q_len)
-    steps = torch.arange(q_len, device=dev) - q_len + 1
-    lens = (torch.tensor(ends, device=dev)[:, None] + steps).clamp_min(0).flatten()
-    q = torch.randn(rows.numel(), hq, d, device=dev).to(torch.bfloat16)
-    extra: dict = {}
-    if case.startswith("window"):
-        extra["query_kv_start"] = (lens - 333).clamp_min(0)
-    if "softcap" in case:
-        extra["softcap"] = 20.0
+    bt, rows, lens, q, extra = gpu_decode_queries(case, ends, nb, 100, hq, d, q_len)
     args = (q, kc, vc, bt, rows, lens)
     out, lse = paged_attention(*args, scale=d**-0.5, k_scale=ks, v_scale=vs, query_len=q_len,
                                **extra)  # fmt: skip

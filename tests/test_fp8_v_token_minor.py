@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from test_fp8_kv import gpu_decode_queries
 
 import cp_modules.cache.paged as paged_cache
 import cp_modules.kernels.decode.paged as gqa_kernels
@@ -246,17 +247,7 @@ def test_gpu_fp8_decode_token_minor(bs, case, switches, monkeypatch):
     write_kv_cache(k.cpu(), v.cpu(), kr, vr, slots.cpu(), ks.cpu(), vs.cpu())
     assert torch.equal(vt.cpu().view(torch.uint8), vr.view(torch.uint8))
     assert torch.equal(vc.cpu().view(torch.uint8), vr.view(torch.uint8))
-    width = 6000 // bs
-    bt = torch.stack([torch.randperm(nb, device=dev)[:width] for _ in ends]).to(torch.int32)
-    rows = torch.arange(len(ends), device=dev, dtype=torch.int32).repeat_interleave(q_len)
-    steps = torch.arange(q_len, device=dev) - q_len + 1
-    lens = (torch.tensor(ends, device=dev)[:, None] + steps).clamp_min(0).flatten()
-    q = torch.randn(rows.numel(), hq, d, device=dev).to(torch.bfloat16)
-    extra: dict = {}
-    if case.startswith("window"):
-        extra["query_kv_start"] = (lens - 333).clamp_min(0)
-    if "softcap" in case:
-        extra["softcap"] = 20.0
+    bt, rows, lens, q, extra = gpu_decode_queries(case, ends, nb, 6000 // bs, hq, d, q_len)
 
     def run(vcache):
         return paged_attention(q, kc, vcache, bt, rows, lens, scale=d**-0.5, k_scale=ks,
