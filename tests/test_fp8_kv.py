@@ -131,13 +131,16 @@ def test_quantization_error_is_e4m3_rounding():
 # Decode kernels on an fp8 cache vs the reference (interpreter)
 
 
-def _fp8_gqa_shard(hkv=2, d=32, bs=16, lengths=(1, 70, 130), seed=0):
+def fp8_gqa_shard(hkv=2, d=32, bs=16, lengths=(1, 70, 130), seed=0, dtype=FP8_DTYPE):
+    """Caches of ``dtype`` (NaN where unwritten; scales for fp8, else None), a block table
+    of distinct random blocks, rows and lengths of the requests."""
     g = torch.Generator().manual_seed(seed)
     nb = sum(-(-n // bs) for n in lengths) + 2
-    kc = torch.full((nb, bs, hkv, d), float("nan")).to(FP8_DTYPE)
+    kc = torch.full((nb, bs, hkv, d), float("nan")).to(dtype)
     vc = kc.clone()
-    ks = kv_scale(torch.tensor([0.5, 1.5])[:hkv], hkv)
-    vs = kv_scale(0.8, hkv)
+    fp8 = dtype == FP8_DTYPE
+    ks = kv_scale(torch.tensor([0.5, 1.5])[:hkv], hkv) if fp8 else None
+    vs = kv_scale(0.8, hkv) if fp8 else None
     perm = torch.randperm(nb, generator=g)
     rows, nxt = [], 0
     width = max(-(-n // bs) for n in lengths)
@@ -223,7 +226,7 @@ def test_gqa_kernel_fp8_hardware_kind_interpreted(window_softcap, block_n, loop_
     loops: within twice a same-dtype reference's error, and the same bits for queries 2**13
     times larger under a 2**13 times smaller scale (whose q * k overflow fp16 as they are).
     fp16 queries: the interpreter truncates fp32 -> bf16 stores (bf16 runs on the GPU)."""
-    kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard(lengths=(1, 70, 130, 97))
+    kc, vc, ks, vs, bt, rows, lens = fp8_gqa_shard(lengths=(1, 70, 130, 97))
     g = torch.Generator().manual_seed(3)
     q = torch.randn(rows.numel(), 8, 32, generator=g)
     q[2] *= 1e-4  # fp16 subnormals
@@ -254,7 +257,7 @@ def test_gqa_kernel_on_fp8_cache_half_queries_interpreted():
     run on the GPU: the interpreter multiplies bf16 tiles as their raw bits): within twice a
     same-dtype reference's error of the fp32 reference."""
     dtype = torch.float16
-    kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard()
+    kc, vc, ks, vs, bt, rows, lens = fp8_gqa_shard()
     q = torch.randn(rows.numel(), 8, 32).to(dtype)
     cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     args = (q, kc, vc, bt, rows, lens, 32**-0.5)
@@ -269,7 +272,7 @@ def test_gqa_kernel_on_fp8_cache_half_queries_interpreted():
 
 @pytest.mark.parametrize("window_softcap", [False, True], ids=["plain", "window-softcap"])
 def test_gqa_kernel_on_fp8_cache_matches_reference_interpreted(window_softcap, k_transposed):
-    kc, vc, ks, vs, bt, rows, lens = _fp8_gqa_shard()
+    kc, vc, ks, vs, bt, rows, lens = fp8_gqa_shard()
     q = torch.randn(rows.numel(), 8, 32)
     extra = {}
     if window_softcap:

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from test_fp8_kv import gpu_decode_queries
+from test_fp8_kv import fp8_gqa_shard, gpu_decode_queries
 
 import cp_modules.cache.paged as paged_cache
 import cp_modules.kernels.decode.paged as gqa_kernels
@@ -87,26 +87,8 @@ def test_write_kernel_bytes_equal_in_both_layouts_interpreted(dtype, grouped, pr
 
 def _shard(dtype, bs, lengths, hkv=2, d=32, seed=0):
     """Caches (NaN where unwritten) in both value layouts, scales, block table, rows, lengths."""
-    g = torch.Generator().manual_seed(seed)
-    nb = sum(-(-n // bs) for n in lengths) + 2
-    kc = torch.full((nb, bs, hkv, d), float("nan")).to(dtype)
-    vc = kc.clone()
-    fp8 = dtype == FP8_DTYPE
-    ks = kv_scale(torch.tensor([0.5, 1.5])[:hkv], hkv) if fp8 else None
-    vs = kv_scale(0.8, hkv) if fp8 else None
-    perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(len(lengths), max(-(-n // bs) for n in lengths), dtype=torch.int32)
-    nxt = 0
-    for r, n in enumerate(lengths):
-        m = -(-n // bs)
-        bt[r, :m] = perm[nxt : nxt + m].to(torch.int32)
-        nxt += m
-        pos = torch.arange(n)
-        slots = bt[r, pos // bs].to(torch.int64) * bs + pos % bs
-        write_kv_cache(torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g),
-                       kc, vc, slots, ks, vs)  # fmt: skip
-    rows = torch.arange(len(lengths), dtype=torch.int32)
-    return kc, vc, to_token_minor(vc), ks, vs, bt, rows, torch.tensor(lengths)
+    kc, vc, ks, vs, bt, rows, lens = fp8_gqa_shard(hkv, d, bs, lengths, seed, dtype=dtype)
+    return kc, vc, to_token_minor(vc), ks, vs, bt, rows, lens
 
 
 def _lse_err(a, b):
