@@ -321,8 +321,9 @@ def lse_combine_launch_config(head_dim: int, elem_size: int) -> tuple[int, int, 
     """Default ``(BLOCK_R, BLOCK_D, num_warps)`` for a value head dim and element size.
 
     About 8 KiB of each partial per program of 4 warps (four 16-byte loads per thread and
-    partial); D up to 512 stays in one tile so each row's weights are computed once. The
-    measurements and the sweep (``benchmarks/bench_lse_combine.py``): ``docs/switch-points.md``.
+    partial); D up to 512 stays in one tile so each row's weights are computed once.
+    The combine itself takes :func:`lse_combine_tile` (measured tiles first; the sweep:
+    ``docs/experiments/2026-12-02-peers.md``, ``tools/probes/probe_combine_tiles.py``).
     """
     block_d = min(triton.next_power_of_2(head_dim), 512)
     block_r = triton.next_power_of_2(max(1, min(64, 8192 // (block_d * elem_size))))
