@@ -19,7 +19,8 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
 - ``paged decode gqa fp8 KV TB/s (CUDA graph) B=<B> ctx=<ctx>``: the fp8 cache's bytes the
   kernel reads (K and V, one byte each) per second. The fp8 caches come from
   ``allocate_kv_cache`` (the value cache token-minor as ``FP8_V_TOKEN_MINOR`` says); rows
-  ``variant V_TOKEN_MINOR=<the other> ...`` time the same values in the other layout.
+  ``variant V_TOKEN_MINOR=<the other> ...`` time the same values in the other layout, rows
+  ``variant BLOCK_N=<64 or 128> ...`` the other default tile (``FP8_BLOCK_N``).
 - ``paged decode mla fp8 KV TFLOP/s (128 heads) B=<B> ctx=<ctx>`` and the bf16 row of the same
   run (``paged decode mla bf16 KV TFLOP/s (128 heads) ...``: the default kernel, Gluon on
   Hopper); fp8 MLA decode runs the Triton kernel.
@@ -104,14 +105,17 @@ def _check(run, ref, q, bt, seq, lens) -> dict:
     return {"ok": bool(ok), "err_out": e_out, "err_lse": e_lse, "same_dtype_err_out": b_out}
 
 
-def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K_TRANSPOSED"):
-    """The fp8 kernel with one of its switches flipped (``FP8_K_TRANSPOSED``: the other key-tile
-    load; ``FP8_DEQUANT_ASM``: the integer conversion in Triton ops instead of PTX): checked
-    against the reference, then timed; rows ``variant <switch>=<value> ...`` (speed-up, TB/s)."""
+def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K_TRANSPOSED",
+             value=None):  # fmt: skip
+    """The fp8 kernel with one of its switches flipped or set to ``value``
+    (``FP8_K_TRANSPOSED``: the other key-tile load; ``FP8_DEQUANT_ASM``: the integer conversion
+    in Triton ops instead of PTX; ``FP8_BLOCK_N``: tokens a tile): checked against the
+    reference, then timed; rows ``variant <switch>=<value> ...`` (speed-up, TB/s)."""
     default = getattr(module, flag)
-    names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM"}
-    label = names[flag] + f"={not default}"
-    setattr(module, flag, not default)
+    value = (not default) if value is None else value
+    names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N"}
+    label = names[flag] + f"={value}"
+    setattr(module, flag, value)
     try:
         try:
             chk = _check(fp8, ref8, *args)
@@ -200,6 +204,8 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
                  checks, flag="FP8_DEQUANT_ASM")  # fmt: skip
         _layout_variant(f"gqa {key}", fp8, ref8, v8, (q, bt, seq, lens), t16, read8, rows,
                         checks)  # fmt: skip
+        _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
+                 checks, flag="FP8_BLOCK_N", value=64 if gqa_kernels.FP8_BLOCK_N == 128 else 128)  # fmt: skip
         rows[f"paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) {key}"] = t16 / t8
         rows[f"paged decode gqa fp8 KV TB/s (CUDA graph) {key}"] = read8 / t8 / 1e9
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
