@@ -223,7 +223,8 @@ class DecodeGraph:
         pinned = dev.type == "cuda"
 
         def up(x: torch.Tensor) -> torch.Tensor:
-            return (pinned_copy(x) if pinned else x).to(dev, non_blocking=pinned)
+            # The host rows, pinned on CUDA: the buffer's copy_ is then the one transfer.
+            return pinned_copy(x) if pinned else x
 
         self.ids[:b].copy_(up(batch.input_ids.to(torch.long)), non_blocking=pinned)
         self.ids[b:].zero_()
@@ -276,7 +277,7 @@ class DecodeGraph:
         pinned = self.ids.device.type == "cuda"
         for w, buf in self.window_tables.items():
             rows = tables[w].to(torch.int32)
-            src = (pinned_copy(rows) if pinned else rows).to(buf.device, non_blocking=pinned)
+            src = pinned_copy(rows) if pinned else rows
             buf.zero_()
             buf[: rows.shape[0], : rows.shape[1]].copy_(src, non_blocking=pinned)
 

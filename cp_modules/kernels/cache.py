@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_modules.kernels.decode.fp8 import fp8_scale_args
+
 __all__ = ["write_kv_cache_kernel", "write_mla_cache_kernel"]
 
 # A token-minor V cache (token stride 1) is written 16 tokens a program from this many tokens
@@ -160,22 +162,6 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
-def _scales(
-    cache: torch.Tensor, s0: torch.Tensor | None, s1: torch.Tensor | None
-) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, int, int]]:
-    """(quantize?, (scale0, scale1, head stride 0, head stride 1)); a 1-element scale has
-    stride 0 (one value for every head row); None stands for 1.0."""
-    if cache.dtype != torch.float8_e4m3fn:
-        return False, (cache, cache, 0, 0)
-    one = None
-    if s0 is None or s1 is None:
-        one = torch.ones(1, dtype=torch.float32, device=cache.device)
-    a = s0 if s0 is not None else one
-    b = s1 if s1 is not None else one
-    assert a is not None and b is not None
-    return True, (a, b, int(a.numel() > 1), int(b.numel() > 1))
-
-
 def write_kv_cache_kernel(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -193,7 +179,8 @@ def write_kv_cache_kernel(
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     if t == 0:
         return
-    quant, (ks, vs, sk, sv) = _scales(k_cache, k_scale, v_scale)
+    quant = k_cache.dtype == torch.float8_e4m3fn
+    ks, vs, sk, sv = fp8_scale_args(k_cache, k_scale, v_scale)
     page = k_cache.shape[1]
     if t >= WRITE_GROUPED_MIN_TOKENS and v_cache.stride(1) == 1 and page > 1:
         _write_token_minor_kernel[(triton.cdiv(t, _TOKENS),)](
@@ -228,7 +215,8 @@ def write_mla_cache_kernel(
     assert kv_c.stride(-1) == 1 and k_pe.stride(-1) == 1 and cache.stride(-1) == 1
     if t == 0:
         return
-    quant, (s0, s1, st0, st1) = _scales(cache, scale, scale)
+    quant = cache.dtype == torch.float8_e4m3fn
+    s0, s1, st0, st1 = fp8_scale_args(cache, scale, scale)
     _write_cache_kernel[(t,)](
         kv_c, k_pe, cache, cache, slot_mapping, s0, s1, st0, st1,
         kv_c.stride(0), 0, k_pe.stride(0), 0,
