@@ -64,8 +64,9 @@ MLA_128_SHAPES = [(1, 131072)] + [(b, c) for b in (8, 64, 256) for c in (4096, 3
 MLA_16_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (64, 32768)]
 MAX_CACHE_BYTES = 40e9  # of the bf16 cache
 SWEEP_SHAPE = (8, 131072)
-SWEEP_CONFIGS = [(16, 64, 4, 1), (16, 64, 4, 4), (16, 128, 8, 2), (16, 128, 4, 3), (16, 32, 4, 4),
-                 (16, 256, 8, 2)]  # fmt: skip
+SWEEP_CONFIGS = [(16, 64, 4, 1), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 2),
+                 (16, 128, 4, 3), (16, 128, 4, 4), (16, 32, 4, 4), (16, 256, 8, 2)]  # fmt: skip
+SWEEP_ALL = False  # --sweep-all: the tile sweep on every GQA shape, not only SWEEP_SHAPE
 
 
 def graph_ms(fn) -> float:
@@ -211,7 +212,7 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
         print(f"gqa {key}: bf16 {t16:.4f} ms fp8 {t8:.4f} ms x{t16 / t8:.2f} "
               f"{read8 / t8 / 1e9:.2f} TB/s", flush=True)  # fmt: skip
-        if (b, c) == SWEEP_SHAPE:
+        if SWEEP_ALL or (b, c) == SWEEP_SHAPE:
             # Other tiles for the fp8 cache (checked like the default): where the time goes.
             for bh, bn, w, st in SWEEP_CONFIGS:
                 cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st)
@@ -306,6 +307,7 @@ def main() -> int:
     ap.add_argument("--no-mla", action="store_true")
     ap.add_argument("--families", default="gqa,mla16,mla128", help="comma list of row families")
     ap.add_argument("--logits", action="store_true", help="only the logits-error rows")
+    ap.add_argument("--sweep-all", action="store_true", help="the GQA tile sweep on every shape")
     ap.add_argument("--logits-models", default=",".join(NAMES))
     ap.add_argument("--logits-prompt", type=int, default=16384)
     ap.add_argument("--logits-steps", type=int, default=8)
@@ -313,6 +315,8 @@ def main() -> int:
     if torch.cuda.get_device_capability() < (8, 9):
         print("fp8 KV needs compute capability >= 8.9", flush=True)
         return 1
+    global SWEEP_ALL
+    SWEEP_ALL = a.sweep_all
     rows: dict = {}
     checks: dict = {}
     gqa = GQA_SHAPES[:2] if a.quick else GQA_SHAPES

@@ -16,10 +16,10 @@ output's RMS), and no speed is reported for a side that disagrees.
 Rows (the value is CP time / HF time, medians after warm-up, the two sides' runs interleaved;
 below 1 CP is faster):
   - ``prefill``: the base model's forward on one 16k-token prompt (warm: same length each time).
-  - ``new-length prefill``: the first call on a prompt of a length not seen before (16k + 64·i,
-    i = 1..12, the median of the twelve): plan building, kernel plan builds (cuDNN) and
+  - ``new-length prefill``: the first call on a prompt of a length not seen before (16k + 64·i
+    (+7 at odd i), i = 1..24, the median of the 24): plan building, kernel plan builds (cuDNN) and
     allocator growth included (the side that meets a length first grows the allocator's
-    pool for both, so which side goes first alternates from one length to the next).
+    pool for both, so which side goes first alternates with each pair of lengths).
   - ``training``: forward, loss and backward of the causal LM on one 8k-token row (CP:
     ``CPTrainingContext.single().shard_batch`` + ``lm_cross_entropy``; HF: ``labels=``).
   - ``engine``: ``GenerationEngine`` against HF ``generate`` (greedy, every request runs to
@@ -198,13 +198,14 @@ def prefill_rows(name: str, quick: bool, metrics: dict, profile: str | None = No
         metrics[f"parity {name} prefill {n} ms HF"] = t_hf * 1e3
         # New lengths: each side sees each length once (its first call), interleaved.
         new_cp, new_hf = [], []
-        for i in range(1, 4 if quick else 13):
+        for i in range(1, 4 if quick else 25):
             m = n + 64 * i + (7 if i % 2 else 0)
             x = torch.randint(0, vocab, (m,), device=DEV, generator=g)
             # The side that runs a longer length first grows the caching allocator's pool
-            # (cudaMalloc) and the other reuses it: the order alternates with the length.
+            # (cudaMalloc) and the other reuses it: the order alternates in pairs of lengths,
+            # so that each side goes first at half the 8-aligned and half the odd lengths.
             sides = [(cp, _cp_prefill, new_cp), (hf, _hf_prefill, new_hf)]
-            for side, fn, acc in sides if i % 2 else sides[::-1]:
+            for side, fn, acc in sides if (i + 1) // 2 % 2 else sides[::-1]:
                 _sync()
                 t0 = time.perf_counter()
                 fn(side, x)

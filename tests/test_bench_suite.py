@@ -95,8 +95,8 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # The peer side-by-side runs have their own table (``peers-<date>.md``, bench_peers), and
     # the loading memory run its own file (bench_loading, one row per loader); the speculative
     # decoding runs and the fp8 KV runs and probe their notes (docs/experiments, not in the
-    # dated report yet), and so do the decoder training parity runs and the combine's tile
-    # sweep (the peers note).
+    # dated report yet), and so do the decoder training parity runs and the combine's and the
+    # bf16 GQA decode's tile sweeps (the peers note).
     kept -= {
         name
         for name in kept
@@ -109,6 +109,7 @@ def test_report_regenerates_the_dated_report(tmp_path):
                 "fp8-decode-",
                 "decoder-parity-",
                 "combine-tiles-",
+                "gqa-decode-tiles-",
             )  # fmt: skip
         )
     }

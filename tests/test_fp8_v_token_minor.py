@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from test_fp8_kv import fp8_gqa_shard, gpu_decode_queries
+from test_fp8_kv import _assert_within_twice_same_dtype, fp8_gqa_shard, gpu_decode_queries
 
 import cp_modules.cache.paged as paged_cache
 import cp_modules.kernels.decode.paged as gqa_kernels
@@ -240,11 +240,8 @@ def test_gpu_fp8_decode_token_minor(bs, case, switches, monkeypatch):
     ref = paged_attention_ref(q, kc, vt, bt, rows, lens, d**-0.5, k_scale=ks, v_scale=vs, **extra)
     same = paged_attention_ref(q, kc, vt, bt, rows, lens, d**-0.5, k_scale=ks, v_scale=vs,
                                upcast=False, **extra)  # fmt: skip
-    bo = (same[0].float() - ref[0].float()).abs().max().item()
-    bl = (same[1] - ref[1]).abs().max().item()
-    for o, l_ in ((out, lse), (old_out, old_lse)):
-        assert (o.float() - ref[0].float()).abs().max().item() <= 2 * bo + 1e-4
-        assert (l_ - ref[1]).abs().max().item() <= 2 * bl + 1e-4
+    for o, l_ in ((out, lse), (old_out, old_lse)):  # rows of runs of 4 may see no key (-inf)
+        _assert_within_twice_same_dtype(o, l_, ref, same)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_lse = run(vt)

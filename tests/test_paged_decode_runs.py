@@ -80,9 +80,9 @@ def test_runs_match_the_per_query_reference_interpreted(case):
 
 @pytest.mark.parametrize("q_len, splits", [(1, 3), (3, 1)], ids=["Q1-S3", "Q3-S1"])
 def test_bf16_block_table_ahead_loop_matches_the_default_interpreted(monkeypatch, q_len, splits):
-    # The tuning switch BF16_BT_AHEAD (off by default) runs float caches through the loop that
-    # loads each tile's block-table entries one tile ahead (needs num_stages >= 3): the
-    # default loop's values, within the 2x rule of the reference.
+    # BF16_BT_AHEAD forced on (by default on only for few programs) runs float caches through
+    # the loop that loads each tile's block-table entries one tile ahead (needs num_stages
+    # >= 3): the default loop's values, within the 2x rule of the reference.
     from cp_modules.kernels.decode import paged
 
     lengths, d, rank, il = [2, 37, 90], 2, 1, 2

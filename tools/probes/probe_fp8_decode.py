@@ -8,8 +8,8 @@
 
 For Llama-3-8B decode attention (32 query heads, 8 KV heads, D = 128, block size 64) at a few
 batch x context shapes, times the Triton kernel (CUDA-graph replay, median) over split counts
-and tiles for both caches, after checking each fp8 configuration against the reference on a
-few queries. Prints one line per configuration and writes ``fp8-decode-probe-<date>.json``.
+and tiles for both caches (the fp8 value cache token-minor), after checking each fp8
+configuration against the reference on a few queries. Prints one line per configuration and writes ``fp8-decode-probe-<date>.json``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from cp_modules.kernels.decode.paged import DecodeConfig, paged_attention_kernel
 from cp_modules.ops.kv_cache import write_kv_cache
 from cp_modules.reference.paged_decode import paged_attention_ref
 
-SHAPES = [(8, 131072), (256, 4096)]
-SPLITS = {(8, 131072): [5, 10, 20, 40], (256, 4096): [1, 2]}
-TILES = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 128, 4, 4), (16, 256, 8, 3)]
+SHAPES = [(1, 131072), (8, 131072), (256, 4096)]
+SPLITS = {(1, 131072): [33, 66, 132, 264, 528], (8, 131072): [10, 20, 33, 66], (256, 4096): [1, 2]}
+TILES = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3)]
 # --loops: the default launch (op-chosen splits and tiles) with the switches of paged.py;
 # V_TOKEN_MINOR (not a paged.py switch) picks the value cache's layout for the variant.
 LOOP_SHAPES = [(8, 131072), (1, 131072), (256, 4096)]
@@ -176,20 +176,20 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--loops", action="store_true")
     ap.add_argument("--writes", action="store_true", help="the cache writes in both layouts")
-    ap.add_argument("--shapes", type=int, default=len(LOOP_SHAPES), help="--loops: first N")
+    ap.add_argument("--shapes", type=int, default=None, help="the first N shapes only")
     a = ap.parse_args()
     if a.loops:
-        return loops(a.out, a.shapes)
+        return loops(a.out, a.shapes or len(LOOP_SHAPES))
     if a.writes:
         return writes(a.out)
     rows: dict = {}
     ones = kv_scale(1.0, GQA_HKV, device="cuda")
-    for b, c in SHAPES:
+    for b, c in SHAPES[: a.shapes or len(SHAPES)]:
         nb = b * triton.cdiv(c, BS) + 1
         shape = (nb, BS, GQA_HKV, GQA_D)
         kb = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
         vb = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
-        k8, v8 = quantize_fp8(kb, ones), quantize_fp8(vb, ones)
+        k8, v8 = quantize_fp8(kb, ones), to_token_minor(quantize_fp8(vb, ones))
         q, bt, seq, lens = _inputs(b, c, GQA_HQ, GQA_D, nb)
         read8 = float(lens.double().sum()) * GQA_HKV * GQA_D * 2
         ref = paged_attention_ref(q[:1], k8, v8, bt, seq[:1], lens[:1], GQA_SCALE, k_scale=ones,

@@ -87,7 +87,7 @@ FP8_K_TRANSPOSED = True
 # (kernels.decode.fp8); off: the same bit operations in Triton. Read at every launch.
 FP8_DEQUANT_ASM = True
 # fp8 caches: split counts aim at this many programs per SM (a bf16 cache: about two waves),
-# and the default tiles are 128 tokens on 4 warps. An fp8 program moves half a bf16 one's
+# and the default tiles are FP8_BLOCK_N tokens on 4 warps. An fp8 program moves half a bf16 one's
 # bytes per tile at about the same latency, so it takes more of them in flight: on the H200
 # (Llama-3-8B heads, B=8 ctx=128k) 5 splits read 2.0 TB/s, 10: 2.3, 20: 2.5, 40: 2.6
 # (tools/probes/probe_fp8_decode.py, benchmarks/results/fp8-decode-probe-2026-12-03.json).
@@ -99,11 +99,10 @@ FP8_PROGRAMS_PER_SM = 16
 FP8_HW_FP16 = True
 # Each tile's block-table entries loaded one tile ahead (a loop-carried value), so that the
 # software pipeline can keep two K/V tiles in flight per program: with the entry loaded in the
-# tile's own iteration it keeps one (num_stages >= 3). fp8 caches only: on a bf16 cache it
-# measured 7 % faster at B=1 ctx=128k but 1.5 % slower at B=8 ctx=128k (Llama-3-8B heads,
-# docs/experiments/2026-12-03-fp8-decode-speed.md), so bf16 keeps its loop. Read per launch.
-BT_AHEAD = True
-BF16_BT_AHEAD = False  # the same for bf16/fp16 caches (off: see above); read at every launch
+# tile's own iteration it keeps one (num_stages >= 3). bf16: 4-7 % faster at B=1 ctx=128k, 0.5-1.5 %
+# slower at B=8 (gqa-decode-tiles-2026-12-04.json), so None: where programs <= SMs / 8.
+BT_AHEAD = True  # fp8 caches; read per launch
+BF16_BT_AHEAD: bool | None = None  # bf16/fp16 caches (True/False: forced); read per launch
 # fp8 caches, one query a run: the tiles wholly inside the visible range loaded and scored
 # without masks (the first and the last tile of a split with them, unpipelined). Not for bf16
 # caches: the unpipelined masked tiles cost a bf16 tile registers (the unsplit 8-warp tile
@@ -114,8 +113,8 @@ UNMASKED_MAIN = True
 # their load's layout and staged in shared memory as fp16, so the products read 16-bit
 # operands by ldmatrix (the values otherwise come one byte at a time); a staging buffer more.
 FP8_STAGED = False
-# fp8 caches: tokens per tile of the default launch (4 warps).
-FP8_BLOCK_N = 128
+# fp8 caches: tokens per tile, default launch (results/fp8-kv-gqa-sweep-2026-12-04.json).
+FP8_BLOCK_N = 64
 
 
 @triton.jit
@@ -498,6 +497,7 @@ def _launch(
     head_tiles = triton.cdiv(rows, cfg.block_h)
     max_kv_len = block_table.shape[1] * page
     programs = triton.cdiv(t, query_len) * num_kv_heads * head_tiles
+    few = programs * 8 <= _num_sms(q.device) if BF16_BT_AHEAD is None else BF16_BT_AHEAD
     if not num_splits:
         num_splits = choose_num_splits(
             programs, max_kv_len, _num_sms(q.device), FP8_PROGRAMS_PER_SM if kv_fp8 else None
@@ -536,7 +536,7 @@ def _launch(
         V_IS_K=v_is_k, HAS_START=has_start, SOFTCAP=bool(softcap), PRECISION=precision,
         KV_FP8=kv_fp8, K_T=k_t, FP8_KIND=fp8.kind, FP8_ASM=fp8.asm, P_SHIFT=fp8.p_shift,
         QUERY_LEN=query_len,
-        BT_AHEAD=(BT_AHEAD if kv_fp8 else BF16_BT_AHEAD) and cfg.num_stages >= 3,
+        BT_AHEAD=(BT_AHEAD if kv_fp8 else few) and cfg.num_stages >= 3,
         UNMASKED_MAIN=UNMASKED_MAIN and kv_fp8,
         NUM_STAGES=cfg.num_stages, STAGED=FP8_STAGED and fp8.kind == 3 and not v_t, V_T=v_t,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
