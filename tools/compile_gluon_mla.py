@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """Compile the Gluon MLA decode kernel for sm_90 without a GPU and report ptxas's register and
-spill counts: ``python tools/compile_gluon_mla.py [block_size] [partial 0/1] [variant]``
+spill counts: ``python tools/compile_gluon_mla.py [block_size] [partial 0/1] [variant] [fp8]``
 (variant: a name in ``GLUON_MLA_VARIANTS``, default ``base``; ``all`` compiles each in turn).
 ``partial`` 1 compiles the split path (2 splits: a fused-merge variant with its merge).
+``fp8`` (or ``FP8=1`` in the environment) compiles the fp8 (e4m3) cache path
+(``mla_gluon_fp8``; the variant must have it, e.g. ``loader-r232-early-pz``); ``CONV_REGS`` /
+``CONV_WARPS`` in the environment override its conversion warp group's registers / warps.
 
 With ``SPLITS=<S>`` in the environment the integer and pointer arguments are specialised as a
 launch with S splits (128 heads, ctx 32k) specialises them (16-byte alignment, multiples of
@@ -27,21 +30,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cp_modules.kernels.decode import mla_gluon as m  # noqa: E402
 
 
-def _signature(page: int, partial: bool, splits: int | None):
+def _signature(page: int, partial: bool, splits: int | None, fp8: bool = False):
     """The kernel's argument types, and (with ``splits``) the attributes and constants of a
     launch with that many splits (128 heads, ctx 32k)."""
     layout = m._smem_layout()
     sig = {
         "q_desc": f"tensordesc<bf16[64, 64],{layout!r}>",
-        "CACHE": "*bf16", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
+        "CACHE": "*u8" if fp8 else "*bf16", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
         "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32",
-        "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "TRACE_BUF": "*i32", "qk_scale": "fp32",
+        "FOUT": "*bf16", "FLSE": "*fp32", "COUNTER": "*i32", "TRACE_BUF": "*i32",
+        "KV_SCALE": "*fp32" if fp8 else "*i32", "qk_scale": "fp32",
         **{k: "i32" for k in ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
                               "stride_ls", "stride_btr", "max_kv_len", "num_splits")},
         **{k: "constexpr" for k in ("H", "NUM_HEAD_TILES", "PAGE", "BOX_ROWS", "PARTIAL", "ISSUE",
                                     "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
                                     "OWN_REGS", "EARLY", "SPREAD", "TRACE", "PZERO",
-                                    "SCALE_P", "SP_REFILL")},
+                                    "SCALE_P", "SP_REFILL", "FP8", "CONV_WARPS",
+                                    "CONV_REGS")},
     }  # fmt: skip
     attrs, spec_consts = {}, {}
     if splits:
@@ -72,13 +77,29 @@ def _signature(page: int, partial: bool, splits: int | None):
 
 
 def compile_sm90(
-    name: str, page: int, partial: bool, splits: int | None = None, wg1_regs: int | None = None
+    name: str,
+    page: int,
+    partial: bool,
+    splits: int | None = None,
+    wg1_regs: int | None = None,
+    fp8: bool = False,
+    conv: tuple[int, int] | None = None,
 ):
-    """The Gluon MLA kernel of variant ``name`` compiled for sm_90 (no GPU needed)."""
-    layout, sig, attrs, spec_consts = _signature(page, partial, splits)
+    """The Gluon MLA kernel of variant ``name`` compiled for sm_90 (no GPU needed); ``fp8``:
+    its fp8-cache path (``conv``: the conversion warp group's (warps, registers); default
+    the module's)."""
+    layout, sig, attrs, spec_consts = _signature(page, partial, splits, fp8)
     cfg = m.GLUON_MLA_VARIANTS[name]
     box = min(page, 64, cfg.max_box_rows)
-    sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
+    if fp8:
+        from cp_modules.kernels.decode import mla_gluon_config as mc
+
+        warps, regs = conv or (mc.FP8_CONVERT_WARPS, mc.FP8_CONVERT_REGS)
+        sig["c_desc"] = f"tensordesc<u8[{box}, 64],{m._fp8_smem_layout()!r}>"
+        spec_consts.update({"FP8": True, "CONV_WARPS": warps, "CONV_REGS": regs})
+    else:
+        sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
+        spec_consts.update({"FP8": False, "CONV_WARPS": 4, "CONV_REGS": 48})
     n = splits if splits else 2 if partial else 1
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
                   "PARTIAL": partial, "TRACE": False, **spec_consts,
@@ -94,16 +115,23 @@ def main() -> None:
     splits_env = os.environ.get("SPLITS")
     splits = int(splits_env) if splits_env else None
     names = sys.argv[3] if len(sys.argv) > 3 else "base"
+    fp8 = (len(sys.argv) > 4 and sys.argv[4] == "fp8") or os.environ.get("FP8") == "1"
+    conv = None
+    if "CONV_REGS" in os.environ or "CONV_WARPS" in os.environ:
+        from cp_modules.kernels.decode import mla_gluon_config as mc
+
+        conv = (int(os.environ.get("CONV_WARPS", mc.FP8_CONVERT_WARPS)),
+                int(os.environ.get("CONV_REGS", mc.FP8_CONVERT_REGS)))  # fmt: skip
     names = list(m.GLUON_MLA_VARIANTS) if names == "all" else names.split(",")
     out = Path(os.environ.get("OUT_DIR", "/tmp/gluon-mla"))
     out.mkdir(parents=True, exist_ok=True)
     wg1 = int(os.environ["WG1_REGS"]) if "WG1_REGS" in os.environ else None
     for name in names:
         try:
-            kernel = compile_sm90(name, page, partial, splits, wg1)
+            kernel = compile_sm90(name, page, partial, splits, wg1, fp8, conv)
         except ValueError as e:
             sys.exit(str(e))
-        tag = f"_S{splits_env}" if splits_env else ""
+        tag = (f"_S{splits_env}" if splits_env else "") + ("_fp8" if fp8 else "")
         stem = out / f"mla_{name}_bs{page}_partial{int(partial)}{tag}"
         stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
         stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
@@ -114,7 +142,8 @@ def main() -> None:
         info = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
                 if "registers" in ln or "spill" in ln or "injected" in ln or "error" in ln]  # fmt: skip
         print(
-            f"[{name} bs={page} partial={int(partial)}{' S=' + splits_env if splits_env else ''}] triton {triton.__version__}: shared "
+            f"[{name} bs={page} partial={int(partial)}{' S=' + splits_env if splits_env else ''}"
+            f"{' fp8' if fp8 else ''}] triton {triton.__version__}: shared "
             f"{kernel.metadata.shared} B, {kernel.metadata.num_warps} warps; " + " | ".join(info)
         )
 

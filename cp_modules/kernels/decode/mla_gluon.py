@@ -32,13 +32,18 @@ who zeroes the rows past the range, whether a split's last pair is peeled off, a
 (``scale_p``) whether warp group 1's softmax starts from tile A's max, with P_A rescaled by
 warp group 0 (:mod:`cp_modules.kernels.decode.mla_gluon_scale_p`).
 
-Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 only.
+An fp8 (e4m3) cache (``FP8``): a producer warp copies its tiles as bytes and a warp group
+converts them to fp16 tiles in place (:mod:`cp_modules.kernels.decode.mla_gluon_fp8`); the
+warp groups above then run unchanged, with fp16 Q and P.
+
+Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 queries, bf16/fp16 or fp8 caches.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cp_modules.kernels.decode import mla_gluon_config as _cfg
 from cp_modules.kernels.decode.mla_gluon_config import (
     _HEADS,
     _PIECE,
@@ -48,6 +53,7 @@ from cp_modules.kernels.decode.mla_gluon_config import (
     check_trace_buffer,
     choose_gluon_mla_num_splits,
     default_gluon_mla_config,
+    gluon_mla_fp8_supported,
     gluon_mla_supported,
     merge_counters,
     reserve_merge_counters,
@@ -58,11 +64,7 @@ from cp_modules.kernels.merge import merge_splits_triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAS_GLUON = True
@@ -75,6 +77,7 @@ __all__ = [
     "HAS_GLUON",
     "choose_gluon_mla_num_splits",
     "default_gluon_mla_config",
+    "gluon_mla_fp8_supported",
     "gluon_mla_supported",
     "merge_counters",
     "paged_mla_attention_gluon",
@@ -86,296 +89,30 @@ if HAS_GLUON:
         _HALF_STORED,
         _SPUN,
         _TICKET,
-        _store_half,
-        _wg0_fused,
-        _wg0_spread,
-        _wg1_fused,
-        _wg1_spread,
+    )
+    from cp_modules.kernels.decode.mla_gluon_fp8 import (
+        _Q_LANDED,
+        _ROPE_LANDED,
+        _mla_fp8_convert,
+        _mla_fp8_loader,
     )
     from cp_modules.kernels.decode.mla_gluon_parts import (
         _ASYNC_WARPS,
         _BC,
         _BH,
         _BN,
-        _FREE_HI,
-        _FREE_LO,
-        _FREE_ROPE,
         _ISSUE_ASYNC,
         _ISSUE_LOADER,
         _LANDED,
         _LAT,
-        _issue_q,
-        _issue_tile_by,
         _mla_loader,
-        _pv4,
-        _release_pv,
-        _scores,
-        _stamp,
-        _sync_warp_group,
-        _zero_rows_past,
     )
-    from cp_modules.kernels.decode.mla_gluon_scale_p import _STATS_A, _wg0_pair_sp, _wg1_pair_sp
-
-    @gluon.jit
-    def _wg0_pair(k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat,
-                  k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
-                  last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
-                  PZERO: gl.constexpr = False):  # fmt: skip
-        # Warp group 0's share of pair k (tiles A = 2k in buffer 0, B = 2k + 1 in buffer 1).
-        # MASK: the pair may reach past the range (the last pair); else no masks, no zeroing.
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        dt: gl.constexpr = q_lat.dtype
-        phase = k & 1
-        n0 = start + 2 * k * _BN
-        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma, EARLY)
-        if ISSUE < _ISSUE_LOADER:
-            if k > 0:
-                # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
-                mbarrier.wait(k_free.index(1), phase ^ 1)
-                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, n0 + _BN,
-                               last_page, PAGE, BOX_ROWS)  # fmt: skip
-        s = warpgroup_mma_wait(0, deps=(s,))
-        if EARLY:
-            mbarrier.arrive(k_free.index(_FREE_ROPE))
-        if MASK:
-            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
-            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
-        else:
-            s = s * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        rs = gl.sum(p, 1)
-        l_i = l_i * alpha + rs
-        m_i = m_new
-        pv = p.to(dt)
-        # Publish P_A and its row statistics for warp group 1.
-        p_smem.store(pv)
-        vec_smem.slice(0 * _BH, _BH).store(alpha)
-        vec_smem.slice(1 * _BH, _BH).store(m_new)
-        vec_smem.slice(2 * _BH, _BH).store(rs)
-        fence_async_shared()
-        _sync_warp_group()
-        mbarrier.arrive(pa_bar)
-        if MASK and not PZERO:
-            if n0 + _BN > end:
-                _zero_rows_past(k_lat, 0, 4, end - n0)
-        o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, 0,
-                              o0 * alpha[:, None], o1 * alpha[:, None],
-                              o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
-        if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_LO)
-        else:
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            if ISSUE >= _ISSUE_LOADER:
-                mbarrier.arrive(k_free.index(0))
-        # Tile B: warp group 1's probabilities, rescaled to its running max. P_B being
-        # published means warp group 1 is done with buffer 0: the next tile A goes there.
-        mbarrier.wait(pb_bar, phase)
-        if ISSUE < _ISSUE_LOADER:
-            if k + 1 < n_pairs:
-                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, n0 + 2 * _BN,
-                               last_page, PAGE, BOX_ROWS)  # fmt: skip
-        alpha_b = vec_smem.slice(3 * _BH, _BH).load(row_l)
-        m_i = vec_smem.slice(4 * _BH, _BH).load(row_l)
-        l_i = l_i * alpha_b + vec_smem.slice(5 * _BH, _BH).load(row_l)
-        if MASK and not PZERO:
-            if n0 + 2 * _BN > end:
-                _zero_rows_past(k_lat, _LAT, 4, end - n0 - _BN)
-        o0, o1, o2, o3 = _pv4(p_smem, k_lat, _LAT,
-                              o0 * alpha_b[:, None], o1 * alpha_b[:, None],
-                              o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
-        if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_LO)
-        else:
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            if ISSUE >= _ISSUE_LOADER:
-                mbarrier.arrive(k_free.index(1))
-        return m_i, l_i, o0, o1, o2, o3
-
-    @gluon.jit
-    def _mla_wg0(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready, k_free, pa_bar, pb_bar,
-                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row,
-                 stride_lh, q_desc, c_desc, BT, bt_row, q_row, FOUT, FLSE, COUNTER, stride_os,
-                 stride_ls, num_splits, H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
-                 PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
-                 ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
-                 OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr,
-                 TRACE: gl.constexpr, TRACE_BUF, PZERO: gl.constexpr = False,
-                 SCALE_P: gl.constexpr = False):  # fmt: skip
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
-        )
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        m_i = gl.full([_BH], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([_BH], gl.float32, row_l)
-        o0 = gl.zeros([_BH, _BC], gl.float32, mma)
-        o1 = gl.zeros([_BH, _BC], gl.float32, mma)
-        o2 = gl.zeros([_BH, _BC], gl.float32, mma)
-        o3 = gl.zeros([_BH, _BC], gl.float32, mma)
-        last_page = gl.maximum(end - 1, 0) // PAGE
-        if ISSUE < _ISSUE_LOADER:
-            # Warp group 0 also issues the copies: Q, then the first two tiles.
-            _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
-            if n_pairs > 0:
-                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, start,
-                               last_page, PAGE, BOX_ROWS)  # fmt: skip
-                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, start + _BN,
-                               last_page, PAGE, BOX_ROWS)  # fmt: skip
-        _stamp(TRACE_BUF, 0, num_splits, TRACE)
-        mbarrier.wait(q_bar, 0)
-        _stamp(TRACE_BUF, 1, num_splits, TRACE)
-        n_full = 0
-        if PEEL:
-            # Every pair but the last lies wholly inside the range: no masks, no zeroing.
-            n_full = gl.maximum(n_pairs - 1, 0)
-            for k in range(n_full):
-                m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
-                    k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
-                    k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
-                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
-        for k in range(n_full, n_pairs):
-            if SCALE_P:
-                m_i, l_i, o0, o1, o2, o3 = _wg0_pair_sp(
-                    k, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, stats_b, k_ready, k_free, pa_bar, pb_bar, True, mma)  # fmt: skip
-            else:
-                m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
-                    k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
-                    k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
-                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY, PZERO)  # fmt: skip
-        _stamp(TRACE_BUF, 2, num_splits, TRACE)
-        _store_half(o0, o1, o2, o3, l_i, OUT, out_row, 0, stride_oh, mma)
-        nonempty = l_i > 0.0
-        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
-        if not PARTIAL:
-            lse2 = lse2 * 0.6931471805599453
-        heads = gl.arange(0, _BH, layout=row_l)
-        gl.store(LSE + lse_row + heads.to(gl.int64) * stride_lh, lse2)
-        _stamp(TRACE_BUF, 3, num_splits, TRACE)
-        if FUSED:
-            _wg0_fused(o0, o1, o2, o3, l_i, vec_smem, k_ready, COUNTER, OUT, out_row, stride_oh,
-                       stride_os, LSE, lse_row, stride_lh, stride_ls, num_splits, FOUT, FLSE, H,
-                       NUM_HEAD_TILES, OWN_REGS, mma)  # fmt: skip
-        if SPREAD:
-            _wg0_spread(COUNTER, num_splits, k_ready, OUT, out_row, stride_oh, stride_os, LSE,
-                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES)  # fmt: skip
-
-    @gluon.jit
-    def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
-                  vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE: gl.constexpr,
-                  MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
-                  PZERO: gl.constexpr = False):  # fmt: skip
-        # Warp group 1's share of pair k; MASK as in _wg0_pair.
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        dt: gl.constexpr = q_lat.dtype
-        phase = k & 1
-        n0 = start + (2 * k + 1) * _BN
-        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma, EARLY)
-        # Tile A with warp group 0's probabilities while S_B is in flight.
-        mbarrier.wait(pa_bar, phase)
-        alpha_a = vec_smem.slice(0 * _BH, _BH).load(row_l)
-        m_a = vec_smem.slice(1 * _BH, _BH).load(row_l)
-        l_i = l_i * alpha_a + vec_smem.slice(2 * _BH, _BH).load(row_l)
-        if MASK and not PZERO:
-            if n0 > end:
-                _zero_rows_past(k_lat, 4, 4, end - n0 + _BN)
-        o0, o1, o2, o3 = _pv4(p_smem, k_lat, 4,
-                              o0 * alpha_a[:, None], o1 * alpha_a[:, None],
-                              o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
-        if EARLY:
-            s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(_FREE_HI))
-            mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
-        else:
-            s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-            if ISSUE >= _ISSUE_LOADER:
-                mbarrier.arrive(k_free.index(0))
-        if MASK:
-            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
-            s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
-        else:
-            s = s * qk_scale
-        m_new = gl.maximum(m_a, gl.max(s, 1))
-        alpha = gl.exp2(m_a - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        rs = gl.sum(p, 1)
-        l_i = l_i * alpha + rs
-        pv = p.to(dt)
-        # P_A has been read (the wait above): P_B may take its place.
-        p_smem.store(pv)
-        vec_smem.slice(3 * _BH, _BH).store(alpha)
-        vec_smem.slice(4 * _BH, _BH).store(m_new)
-        vec_smem.slice(5 * _BH, _BH).store(rs)
-        fence_async_shared()
-        _sync_warp_group()
-        mbarrier.arrive(pb_bar)
-        if MASK and not PZERO:
-            if n0 + _BN > end:
-                _zero_rows_past(k_lat, _LAT + 4, 4, end - n0)
-        o0, o1, o2, o3 = _pv4(gl.convert_layout(pv, p_op), k_lat, _LAT + 4,
-                              o0 * alpha[:, None], o1 * alpha[:, None],
-                              o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
-        if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_HI)
-        else:
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(1))
-        return l_i, o0, o1, o2, o3
-
-    @gluon.jit
-    def _mla_wg1(q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready, k_free, pa_bar, pb_bar,
-                 start, end, n_pairs, qk_scale, OUT, out_row, stride_oh, LSE, lse_row, stride_lh,
-                 FOUT, FLSE, COUNTER, stride_os, stride_ls, num_splits, HALF_COL: gl.constexpr,
-                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, ISSUE: gl.constexpr,
-                 PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
-                 EARLY: gl.constexpr, SPREAD: gl.constexpr, TRACE: gl.constexpr,
-                 TRACE_BUF, PZERO: gl.constexpr = False, SCALE_P: gl.constexpr = False):  # fmt: skip
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
-        )
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        m_i = gl.full([_BH], float("-inf"), gl.float32, row_l)  # SCALE_P: the last pair's max
-        l_i = gl.zeros([_BH], gl.float32, row_l)
-        o0 = gl.zeros([_BH, _BC], gl.float32, mma)
-        o1 = gl.zeros([_BH, _BC], gl.float32, mma)
-        o2 = gl.zeros([_BH, _BC], gl.float32, mma)
-        o3 = gl.zeros([_BH, _BC], gl.float32, mma)
-        mbarrier.wait(q_bar, 0)
-        n_full = 0
-        if PEEL:
-            n_full = gl.maximum(n_pairs - 1, 0)
-            for k in range(n_full):
-                l_i, o0, o1, o2, o3 = _wg1_pair(
-                    k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
-        for k in range(n_full, n_pairs):
-            if SCALE_P:
-                m_i, l_i, o0, o1, o2, o3 = _wg1_pair_sp(
-                    k, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, stats_b, k_ready, k_free, pa_bar, pb_bar, True, mma)  # fmt: skip
-            else:
-                l_i, o0, o1, o2, o3 = _wg1_pair(
-                    k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY,
-                    PZERO)  # fmt: skip
-        _stamp(TRACE_BUF, 4, num_splits, TRACE)
-        _store_half(o0, o1, o2, o3, l_i, OUT, out_row, HALF_COL, stride_oh, mma)
-        _stamp(TRACE_BUF, 5, num_splits, TRACE)
-        if FUSED:
-            _wg1_fused(o0, o1, o2, o3, l_i, vec_smem, k_ready, OUT, out_row, stride_oh,
-                       stride_os, LSE, lse_row, stride_lh, stride_ls, num_splits, FOUT,
-                       HALF_COL, H, NUM_HEAD_TILES, OWN_REGS, mma)  # fmt: skip
-        if SPREAD:
-            _wg1_spread(COUNTER, num_splits, k_ready, OUT, out_row, stride_oh, stride_os, LSE,
-                        lse_row, stride_lh, stride_ls, FOUT, FLSE, H, NUM_HEAD_TILES)  # fmt: skip
+    from cp_modules.kernels.decode.mla_gluon_scale_p import _STATS_A
+    from cp_modules.kernels.decode.mla_gluon_wg import _mla_wg0, _mla_wg1
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _paged_mla_gluon_kernel(q_desc, c_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER, TRACE_BUF,
-                                qk_scale, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                                KV_SCALE, qk_scale, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                                 stride_ls, stride_btr, max_kv_len, num_splits,
                                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
                                 BOX_ROWS: gl.constexpr, PARTIAL: gl.constexpr,
@@ -385,7 +122,9 @@ if HAS_GLUON:
                                 EARLY: gl.constexpr = False,
                                 SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False,
                                 PZERO: gl.constexpr = False,
-                                SCALE_P: gl.constexpr = False, SP_REFILL: gl.constexpr = False):  # fmt: skip
+                                SCALE_P: gl.constexpr = False, SP_REFILL: gl.constexpr = False,
+                                FP8: gl.constexpr = False, CONV_WARPS: gl.constexpr = 4,
+                                CONV_REGS: gl.constexpr = 48):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -402,7 +141,10 @@ if HAS_GLUON:
         out_row = t64 * stride_ot + (tile * _BH).to(gl.int64) * stride_oh + split * stride_os
         lse_row = t64 * stride_lt + (tile * _BH).to(gl.int64) * stride_lh + split * stride_ls
 
-        dt: gl.constexpr = q_desc.dtype
+        if FP8:  # fp16 products (mla_gluon_fp8)
+            dt: gl.constexpr = gl.float16
+        else:
+            dt: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = q_desc.layout
         q_lat = gl.allocate_shared_memory(dt, [_LAT, _BH, _BC], layout)
         q_pe = gl.allocate_shared_memory(dt, [_BH, _BC], layout)
@@ -445,6 +187,10 @@ if HAS_GLUON:
         if PZERO:
             for b in gl.static_range(2 * _LAT):
                 mbarrier.init(k_ready.index(_LANDED + b), count=1)
+        if FP8:
+            for b in gl.static_range(2):
+                mbarrier.init(k_ready.index(b * 16 + _ROPE_LANDED), count=1)
+            mbarrier.init(k_ready.index(_Q_LANDED), count=1)
         if SCALE_P:
             mbarrier.init(k_ready.index(_STATS_A), count=1)
         if FUSED or SPREAD:
@@ -454,7 +200,33 @@ if HAS_GLUON:
         bt_row = row * stride_btr
         # Warp group 0 issues the copies (inline, hoist), or one producer warp (loader) or two
         # (loader2: each its share of every tile's pieces, the first also Q) do.
-        if ISSUE == _ISSUE_LOADER + 1:
+        if FP8:
+            # The 16-bit tiles from fp8 bytes: a producer warp copies, a warp group converts.
+            gl.warp_specialize(
+                [
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
+                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
+                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO,
+                                SCALE_P, KV_SCALE, True)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
+                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
+                                NUM_HEAD_TILES, ISSUE, PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE,
+                                TRACE_BUF, PZERO, SCALE_P, KV_SCALE, True)),
+                    (_mla_fp8_loader, (q_lat, q_pe, k_lat, k_pe, k_ready, k_free, start, end,
+                                       n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE,
+                                       BOX_ROWS)),
+                    (_mla_fp8_convert, (q_lat, q_pe, k_lat, k_pe, vec_smem, q_bar, k_ready,
+                                        start, end, n_pairs, q_desc.dtype == gl.float16)),
+                ],
+                [4, 1, CONV_WARPS],
+                [WG1_REGS, LOADER_REGS, CONV_REGS],
+            )  # fmt: skip
+        elif ISSUE == _ISSUE_LOADER + 1:
             gl.warp_specialize(
                 [
                     (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
@@ -527,6 +299,18 @@ def _smem_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
+def _fp8_smem_layout():
+    # An fp8 piece of 64 columns: 64-byte rows.
+    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+
+
+def _fp8_scale(kv_scale, device: torch.device) -> torch.Tensor:
+    if isinstance(kv_scale, torch.Tensor):
+        return kv_scale
+    return torch.full((1,), 1.0 if kv_scale is None else float(kv_scale), dtype=torch.float32,
+                      device=device)  # fmt: skip
+
+
 def paged_mla_attention_gluon(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -539,6 +323,7 @@ def paged_mla_attention_gluon(
     *,
     config: GluonMLAConfig | None = None,
     trace: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode through the Gluon kernel; the contract of
     :func:`~cp_modules.kernels.decode.mla.paged_mla_attention_kernel`.
@@ -549,14 +334,21 @@ def paged_mla_attention_gluon(
     from :func:`merge_counters`); the others launch :func:`merge_splits_triton` after it.
     ``trace`` (int64, 8 per program, at (row * S + split) * 8; :func:`check_trace_buffer`):
     each program's timeline for a probe
-    (:func:`~cp_modules.kernels.decode.mla_gluon_parts._stamp`).
+    (:func:`~cp_modules.kernels.decode.mla_gluon_parts._stamp`). An fp8 (e4m3) cache is read
+    as ``fp8 * kv_scale`` (fp32 [1] or a float; None: 1.0) by the fp8 path
+    (:mod:`~cp_modules.kernels.decode.mla_gluon_fp8`).
 
     Raises:
-        ValueError: when the kernel cannot serve these inputs (:func:`gluon_mla_supported`).
+        ValueError: when the kernel cannot serve these inputs (:func:`gluon_mla_supported`,
+            :func:`gluon_mla_fp8_supported`).
     """
     from cp_modules.kernels.decode.paged import _num_sms
 
-    why = gluon_mla_supported(q, cache, kv_lora_rank)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        why = gluon_mla_fp8_supported(q, cache, kv_lora_rank, kv_scale, config)
+    else:
+        why = gluon_mla_supported(q, cache, kv_lora_rank)
     if why is not None:
         raise ValueError(why)
     t, h, width = q.shape
@@ -585,14 +377,22 @@ def paged_mla_attention_gluon(
         q2 = q2.contiguous()
     box_rows = min(page, _TILE, config.max_box_rows)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_HEADS, _PIECE], layout)
+    extra, ks = {}, block_table  # (the scale is read only with FP8)
+    if fp8:
+        # The tiles as bytes, 64-byte pieces (mla_gluon_fp8).
+        cache = cache.view(torch.uint8)
+        extra = {"FP8": True, "CONV_WARPS": _cfg.FP8_CONVERT_WARPS,
+                 "CONV_REGS": _cfg.FP8_CONVERT_REGS}  # fmt: skip
+        ks = _fp8_scale(kv_scale, q.device)
     c2 = cache.view(nb * page, width)
-    c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], layout)
+    c_layout = _fp8_smem_layout() if fp8 else layout
+    c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], c_layout)
     _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
         q_desc, c_desc, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
-        counters, block_table if trace is None else trace, scale * _LOG2E, *so[:2], so[2],
+        counters, block_table if trace is None else trace, ks, scale * _LOG2E, *so[:2], so[2],
         *sl[:2], sl[2], block_table.stride(0), max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,
-        PARTIAL=num_splits > 1, **config.constexprs(num_splits, spread),
+        PARTIAL=num_splits > 1, **config.constexprs(num_splits, spread), **extra,
         TRACE=trace is not None, num_warps=4, launch_cooperative_grid=spread,
     )  # fmt: skip
     if num_splits > 1 and not (fused or spread):

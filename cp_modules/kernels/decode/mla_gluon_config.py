@@ -22,10 +22,12 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 __all__ = [
     "GLUON_MLA_VARIANTS",
     "HAS_GLUON",
+    "MLA_FP8_GLUON",
     "GluonMLAConfig",
     "check_trace_buffer",
     "choose_gluon_mla_num_splits",
     "default_gluon_mla_config",
+    "gluon_mla_fp8_supported",
     "gluon_mla_supported",
     "merge_counters",
     "reserve_merge_counters",
@@ -312,6 +314,10 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
         return "the Gluon MLA kernel needs an sm_90 (Hopper) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Gluon MLA kernel takes bf16/fp16, got {q.dtype}"
+    if cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        return (
+            f"the Gluon MLA kernel needs the cache in q's dtype {q.dtype} or fp8, got {cache.dtype}"
+        )
     h, width = q.shape[1], q.shape[2]
     page = cache.shape[1]
     if h % _HEADS or kv_lora_rank != 512 or width != 576:
@@ -325,6 +331,49 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
         return "the Gluon MLA kernel needs a contiguous cache"
     if cache.data_ptr() % 16:
         return "the Gluon MLA kernel needs a 16-byte aligned cache"
+    return None
+
+
+# fp8 (e4m3) latent caches through the Gluon kernel (:mod:`~cp_modules.kernels.decode.
+# mla_gluon_fp8`) instead of the Triton kernel, for the shapes and schedules it serves
+# (:func:`gluon_mla_fp8_supported`; the rest run the Triton kernel). Off until a GPU run has
+# checked and timed it: tests/test_mla_gluon_fp8.py, and bench_fp8_kv's MLA rows ``variant
+# GLUON=True``, which time it beside the default.
+MLA_FP8_GLUON = False
+# The conversion warp group of the fp8 path: warps, and registers per thread (setmaxnreg).
+FP8_CONVERT_WARPS = 4
+FP8_CONVERT_REGS = 32
+
+
+def gluon_mla_fp8_supported(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | float | None = None,
+    config: GluonMLAConfig | None = None,
+) -> str | None:
+    """None when the Gluon kernel's fp8 path serves these inputs (an e4m3 ``cache``, one
+    latent scale, a schedule with that path), else why not. ``config`` None: the default."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return f"the Gluon MLA fp8 path takes an e4m3 cache, got {cache.dtype}"
+    why = gluon_mla_supported(q, cache, kv_lora_rank)
+    if why is not None:
+        return why
+    if isinstance(kv_scale, torch.Tensor) and (
+        kv_scale.numel() != 1 or kv_scale.dtype != torch.float32 or kv_scale.device != q.device
+    ):
+        return (
+            "the Gluon MLA fp8 path takes one fp32 latent scale on q's device, got "
+            f"{kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}"
+        )
+    cfg = config if config is not None else default_gluon_mla_config(cache.shape[1])
+    if (cfg.issue != "loader" or not cfg.early_release or not cfg.producer_zeroing
+            or cfg.scale_p or cfg.fused_merge or cfg.spread_merge):  # fmt: skip
+        return (
+            "the Gluon MLA fp8 path is built for the one-producer-warp schedules with early "
+            "release and producer zeroing and the separate split merge (as "
+            "'loader-r232-early-pz'), not scale_p, fused_merge or spread_merge"
+        )
     return None
 
 

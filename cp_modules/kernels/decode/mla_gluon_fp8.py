@@ -1,0 +1,254 @@
+"""The fp8 (e4m3) latent cache in the Gluon MLA decode kernel
+(:mod:`cp_modules.kernels.decode.mla_gluon`, ``FP8``): its two producer partitions.
+
+- the copies (one producer warp, ``_mla_fp8_loader``): Q (bf16/fp16) as in the 16-bit kernel,
+  then each 64-token tile's 9 pieces as fp8 bytes (half the bytes of bf16), each piece landing
+  in the second half of the 16-bit piece it will become, in the order the consumers free them
+  (early release: the rope piece, then the latent half freed first, then the other).
+- the conversion (a producer warp group, ``_mla_fp8_convert``): once a piece has landed, its
+  bytes become fp16 by the hardware conversion (``cvt.rn.f16x2.e4m3x2``: exact, the e4m3
+  value itself), rows past the range become 0 (unwritten slots may hold NaN), and the fp16
+  piece overwrites the bytes in place; then the piece's ready barrier completes, so the
+  consumer warp groups' products (wgmma from shared memory) read 16-bit tiles as before. Q is
+  brought into fp16 first, in place: each head's row times the power of two that takes its
+  largest element into [2**14, 2**15) (exact: bf16's 8-bit significands fit fp16's 11, but
+  for elements under 2**-28 of the row's largest), the inverse kept for the consumers.
+
+The consumers multiply each row's scores by ``scale * kv_scale`` over that power of two and
+the output by ``kv_scale``; P is fp16, the sums fp32. The shared memory is the 16-bit kernel's:
+no staging buffer (the 16-bit kernel leaves under 100 bytes of the H200's 227 KB free).
+
+Barriers (slots of the kernel's ``k_ready``, 48 with ``PZERO``): a latent piece c of buffer b
+lands on ``_LANDED + b * 8 + c``, the rope piece on ``b * 16 + _ROPE_LANDED``, Q on
+``_Q_LANDED``; the converter completes the piece's own ``b * 16 + c`` and ``q_bar``.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+    )
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    HAS_GLUON = False
+
+__all__: list[str] = []
+
+if HAS_GLUON:
+    from cp_modules.kernels.decode.mla_gluon_parts import (
+        _BC,
+        _BH,
+        _BN,
+        _FREE_ROPE,
+        _LANDED,
+        _LAT,
+        _sync_warp_group,
+        _tile_rows,
+    )
+
+    _ROPE_LANDED = gl.constexpr(_LAT + 5)  # k_ready slot b * 16 + 13: buffer b's rope piece
+    _Q_LANDED = gl.constexpr(_LAT + 6)  # k_ready slot 14: Q (16-bit, unscaled) has landed
+    _Q_SCALE = gl.constexpr(6)  # vec_smem slot (of 64 floats): each row's 2**-shift
+
+    # Four e4m3 bytes in $2 -> four fp16 in $0 (bytes 0, 1) and $1 (bytes 2, 3).
+    _HW16_ASM = gl.constexpr("""
+    {
+    .reg .b16 lo, hi;
+    mov.b32 {lo, hi}, $2;
+    cvt.rn.f16x2.e4m3x2 $0, lo;
+    cvt.rn.f16x2.e4m3x2 $1, hi;
+    }
+    """)
+
+    @gluon.jit
+    def _landed(k_ready, buf: gl.constexpr, c: gl.constexpr):
+        if c < _LAT:
+            bar = k_ready.index(_LANDED + buf * _LAT + c)
+        else:
+            bar = k_ready.index(buf * 16 + _ROPE_LANDED)
+        return bar
+
+    @gluon.jit
+    def _bytes_of(k8, pe8, buf: gl.constexpr, c: gl.constexpr):
+        # Where piece c of buffer buf lands as fp8: the second half of its 16-bit piece
+        # (k8 / pe8: the 16-bit pieces as two 64 x 64 byte pieces each).
+        if c < _LAT:
+            dst = k8.index(2 * (buf * _LAT + c) + 1)
+        else:
+            dst = pe8.index(2 * buf + 1)
+        return dst
+
+    @gluon.jit
+    def _fp8_issue_piece(c_desc, k8, pe8, k_ready, buf: gl.constexpr, rows,
+                         BOX_ROWS: gl.constexpr, c: gl.constexpr):  # fmt: skip
+        bar = _landed(k_ready, buf, c)
+        mbarrier.expect(bar, _BN * _BC)
+        for g in gl.static_range(_BN // BOX_ROWS):
+            dst = _bytes_of(k8, pe8, buf, c)
+            if BOX_ROWS < _BN:
+                dst = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+            tma.async_copy_global_to_shared(c_desc, [rows[g], c * _BC], bar, dst)
+
+    @gluon.jit
+    def _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, buf: gl.constexpr, rows,
+                        BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr):  # fmt: skip
+        # One tile's pieces in the order of _issue_tile_early: the rope piece, then the
+        # latent half freed first (buffer 0: [0, 256), buffer 1: [256, 512)), then the other;
+        # WAIT: each part once the consumers have freed it (early release).
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 16 + _FREE_ROPE), phase)
+        _fp8_issue_piece(c_desc, k8, pe8, k_ready, buf, rows, BOX_ROWS, _LAT)
+        first: gl.constexpr = buf * (_LAT // 2)
+        second: gl.constexpr = _LAT // 2 - first
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 16 + first), phase)
+        for c in gl.static_range(first, first + _LAT // 2):
+            _fp8_issue_piece(c_desc, k8, pe8, k_ready, buf, rows, BOX_ROWS, c)
+        if WAIT:
+            mbarrier.wait(k_free.index(buf * 16 + second), phase)
+        for c in gl.static_range(second, second + _LAT // 2):
+            _fp8_issue_piece(c_desc, k8, pe8, k_ready, buf, rows, BOX_ROWS, c)
+
+    @gluon.jit
+    def _views(q_lat, q_pe, k_lat, k_pe, Q_FP16: gl.constexpr):
+        # Q's pieces in its own dtype (as it lands), and the tile pieces as fp8 bytes: each
+        # 16-bit piece as two 64 x 64 byte pieces (the layout of the launcher's descriptor).
+        if Q_FP16:
+            qdt: gl.constexpr = gl.float16
+        else:
+            qdt: gl.constexpr = gl.bfloat16
+        lay8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8,
+                                                  rank=2)  # fmt: skip
+        q_in = q_lat._reinterpret(qdt, [_LAT, _BH, _BC], q_lat.layout)
+        qpe_in = q_pe._reinterpret(qdt, [_BH, _BC], q_pe.layout)
+        k8 = k_lat._reinterpret(gl.uint8, [4 * _LAT, _BN, _BC], lay8)
+        pe8 = k_pe._reinterpret(gl.uint8, [4, _BN, _BC], lay8)
+        return q_in, qpe_in, k8, pe8
+
+    @gluon.jit
+    def _mla_fp8_loader(q_lat, q_pe, k_lat, k_pe, k_ready, k_free, start, end, n_pairs, q_desc,
+                        c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                        BOX_ROWS: gl.constexpr):  # fmt: skip
+        # The producer warp: Q onto _Q_LANDED, then tile 2k + 2's pieces into buffer 0 as
+        # tile 2k's parts are freed, tile 2k + 3's into buffer 1 (as _mla_loader_early).
+        q_in, qpe_in, k8, pe8 = _views(q_lat, q_pe, k_lat, k_pe, q_desc.dtype == gl.float16)
+        q_land = k_ready.index(_Q_LANDED)
+        mbarrier.expect(q_land, (_LAT + 1) * q_desc.block_type.nbytes)
+        for c in gl.static_range(_LAT):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * _BC], q_land, q_in.index(c))
+        tma.async_copy_global_to_shared(q_desc, [q_row, _LAT * _BC], q_land, qpe_in)
+        last_page = gl.maximum(end - 1, 0) // PAGE
+        if n_pairs > 0:
+            rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
+            _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, 0, rows, BOX_ROWS, 0, False)
+            rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
+            _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, 1, rows, BOX_ROWS, 0, False)
+        for k in range(1, n_pairs):
+            n0 = start + 2 * k * _BN
+            phase = (k - 1) & 1
+            rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
+            rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
+            _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, 0, rows_a, BOX_ROWS, phase, True)
+            _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, 1, rows_b, BOX_ROWS, phase, True)
+
+    _HALF = gl.constexpr(_BN // 2)  # rows the converter takes at a time
+
+    @gluon.jit
+    def _fp8_convert_half(src, dst, h: gl.constexpr, valid, lay: gl.constexpr, SYNC: gl.constexpr):
+        # Rows [32 h, 32 h + 32) of a piece: their fp8 bytes -> fp16 (rows >= valid: 0).
+        # SYNC: every thread has read its bytes before any stores over them.
+        x = src.slice(h * _HALF, _HALF, dim=0).load(lay)
+        y = gl.inline_asm_elementwise(_HW16_ASM, "=r,=r,r", [x], dtype=gl.float16,
+                                      is_pure=True, pack=4)  # fmt: skip
+        rows = h * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, lay))
+        y = gl.where((rows < valid)[:, None], y, gl.zeros_like(y))
+        if SYNC:
+            _sync_warp_group()
+        dst.slice(h * _HALF, _HALF, dim=0).store(y)
+
+    @gluon.jit
+    def _fp8_convert_piece(src, dst, landed, ready, phase, valid, lay: gl.constexpr):
+        # Once the piece's bytes have landed (the second half of dst's memory), its fp16 over
+        # them in place, then the piece is ready. The first 32 rows' fp16 fill the first half
+        # of the memory (no bytes there), the last 32 rows' the second: after a barrier.
+        mbarrier.wait(landed, phase)
+        _fp8_convert_half(src, dst, 0, valid, lay, False)
+        _fp8_convert_half(src, dst, 1, valid, lay, True)
+        fence_async_shared()
+        _sync_warp_group()
+        mbarrier.arrive(ready)
+
+    @gluon.jit
+    def _fp8_convert_tile(k_lat, k_pe, k8, pe8, k_ready, buf: gl.constexpr, phase, valid,
+                          lay: gl.constexpr):  # fmt: skip
+        # The pieces in the order they are issued and the scores take them: the rope piece,
+        # then the latent ones from the half freed first. A runtime loop: the pieces'
+        # addresses are computed per piece, not hoisted out of the tile loop (36 of them).
+        _fp8_convert_piece(pe8.index(2 * buf + 1), k_pe.index(buf),
+                           k_ready.index(buf * 16 + _ROPE_LANDED),
+                           k_ready.index(buf * 16 + _LAT), phase, valid, lay)  # fmt: skip
+        for i in range(_LAT):
+            c = (i + buf * (_LAT // 2)) % _LAT
+            _fp8_convert_piece(k8.index(2 * (buf * _LAT + c) + 1), k_lat.index(buf * _LAT + c),
+                               k_ready.index(_LANDED + buf * _LAT + c),
+                               k_ready.index(buf * 16 + c), phase, valid, lay)  # fmt: skip
+
+    @gluon.jit
+    def _fp8_query(q_lat, q_pe, q_in, qpe_in, vec_smem, q_bar, k_ready, lay: gl.constexpr):
+        # Q into fp16 in place: row h times 2**shift_h, its largest element in [2**14, 2**15)
+        # (shift within [-126, 126]; a row of zeros keeps shift 0); 2**-shift_h to vec_smem.
+        # 32 rows at a time; each thread stores over the very elements it loaded.
+        mbarrier.wait(k_ready.index(_Q_LANDED), 0)
+        for h in gl.static_range(2):
+            x = qpe_in.slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+            amax = gl.max(gl.abs(x), 1)
+            for c in range(_LAT):
+                x = q_in.index(c).slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+                amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+            e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+            shift = gl.where(e == 0, 0, gl.minimum(gl.maximum(141 - e, -126), 126))
+            mult = ((shift + 127) << 23).to(gl.float32, bitcast=True)[:, None]
+            x = qpe_in.slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+            q_pe.slice(h * _HALF, _HALF, dim=0).store((x * mult).to(gl.float16))
+            for c in range(_LAT):
+                x = q_in.index(c).slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+                q_lat.index(c).slice(h * _HALF, _HALF, dim=0).store((x * mult).to(gl.float16))
+            inv = ((127 - shift) << 23).to(gl.float32, bitcast=True)
+            vec_smem.slice(_Q_SCALE * _BH + h * _HALF, _HALF).store(inv)
+        fence_async_shared()
+        _sync_warp_group()
+        mbarrier.arrive(q_bar)
+
+    @gluon.jit
+    def _mla_fp8_convert(q_lat, q_pe, k_lat, k_pe, vec_smem, q_bar, k_ready, start, end,
+                         n_pairs, Q_FP16: gl.constexpr):  # fmt: skip
+        # The conversion warp group: Q, then every tile as its pieces land (pair k: tile 2k in
+        # buffer 0, 2k + 1 in buffer 1; a phantom tile past the range becomes zeros).
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        q_in, qpe_in, k8, pe8 = _views(q_lat, q_pe, k_lat, k_pe, Q_FP16)
+        _fp8_query(q_lat, q_pe, q_in, qpe_in, vec_smem, q_bar, k_ready, lay)
+        for k in range(n_pairs):
+            phase = k & 1
+            n0 = start + 2 * k * _BN
+            _fp8_convert_tile(k_lat, k_pe, k8, pe8, k_ready, 0, phase, end - n0, lay)
+            _fp8_convert_tile(k_lat, k_pe, k8, pe8, k_ready, 1, phase, end - n0 - _BN, lay)
+
+    @gluon.jit
+    def _fp8_row_scale(qk_scale, KV_SCALE, vec_smem, row_l: gl.constexpr):
+        # The consumers' scale of the scores, per row ([64, 1]): scale * log2(e) * kv_scale
+        # over the row's power of two (_fp8_query).
+        inv = vec_smem.slice(_Q_SCALE * _BH, _BH).load(row_l)
+        return (qk_scale * gl.load(KV_SCALE) * inv)[:, None]
+
+    @gluon.jit
+    def _fp8_out_sums(l_i, KV_SCALE, FP8: gl.constexpr):
+        # The row sums the output is divided by: with FP8, over kv_scale (the values' scale).
+        if FP8:
+            l_i = l_i / gl.load(KV_SCALE)
+        return l_i
