@@ -23,7 +23,9 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   ``variant BLOCK_N=<64 or 128> ...`` the other default tile (``FP8_BLOCK_N``).
 - ``paged decode mla fp8 KV TFLOP/s (128 heads) B=<B> ctx=<ctx>`` and the bf16 row of the same
   run (``paged decode mla bf16 KV TFLOP/s (128 heads) ...``: the default kernel, Gluon on
-  Hopper); fp8 MLA decode runs the Triton kernel.
+  Hopper); fp8 MLA decode runs the Triton kernel. Rows ``variant GLUON=True ...`` (128 heads)
+  time the fp8 path of the Gluon kernel instead (``mla_gluon_config.MLA_FP8_GLUON`` on; its
+  speed-up over bf16 is the fp8 / bf16 TFLOP/s ratio of the Gluon path).
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound).
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
@@ -44,6 +46,7 @@ import triton
 from triton.testing import do_bench
 
 import cp_modules.kernels.decode.mla as mla_kernels
+import cp_modules.kernels.decode.mla_gluon_config as mla_gluon_config
 import cp_modules.kernels.decode.paged as gqa_kernels
 from benchmarks.common import RESULTS, write_results
 from benchmarks.fp8_kv_logits import NAMES, logits_error_rows
@@ -114,7 +117,8 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     reference, then timed; rows ``variant <switch>=<value> ...`` (speed-up, TB/s)."""
     default = getattr(module, flag)
     value = (not default) if value is None else value
-    names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N"}
+    names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
+             "MLA_FP8_GLUON": "GLUON"}  # fmt: skip
     label = names[flag] + f"={value}"
     setattr(module, flag, value)
     try:
@@ -282,6 +286,10 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
         _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
                  float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
                  flag="FP8_DEQUANT_ASM")  # fmt: skip
+        if heads % 64 == 0:  # the Gluon kernel's fp8 path (16 heads stay on Triton)
+            _variant(mla_gluon_config, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
+                     float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
+                     flag="MLA_FP8_GLUON")  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9

@@ -2,8 +2,9 @@
 each way its tiles reach shared memory (``paged_decode_mla_gluon_parts``: copies issued by warp
 group 0 inline or hoisted, by one producer warp, by two, by a cp.async warp group) and each
 split merge inside the kernel (``paged_decode_mla_gluon_epilogue``: fused, spread) compiles,
-with the partitions its schedule asks for, within the H200's shared memory per block. The GPU tier runs the same
-kernels against the reference (``test_paged_decode.py``).
+with the partitions its schedule asks for, within the H200's shared memory per block; so does
+the fp8 cache path (``mla_gluon_fp8``). The GPU tier runs the same kernels against the
+reference (``test_paged_decode.py``, ``test_mla_gluon_fp8.py``).
 """
 
 from __future__ import annotations
@@ -48,13 +49,18 @@ CASES = [
     )
 ]  # fmt: skip
 
+# The fp8 cache path (mla_gluon_fp8) of the default schedule: both block sizes, one split and
+# several; its partitions: warp group 1, the producer warp, the conversion warp group.
+FP8_CASES = [("loader-r232-early-pz", page, partial, True) for page in (16, 64)
+             for partial in (False, True)]  # fmt: skip
+
 _COMPILE = """
 import json, re, sys
 sys.path.insert(0, "tools")
 from compile_gluon_mla import compile_sm90
 out = []
-for name, page, partial in json.loads(sys.argv[1]):
-    k = compile_sm90(name, page, partial)
+for name, page, partial, *fp8 in json.loads(sys.argv[1]):
+    k = compile_sm90(name, page, partial, fp8=bool(fp8 and fp8[0]))
     regs = re.search(r"requestedRegisters = array<i32: ([\\d, ]+)>", k.asm["ttgir"])
     out.append([k.metadata.shared, regs.group(1) if regs else None])
 print(json.dumps(out))
@@ -67,11 +73,11 @@ def compiled():
     runs Triton kernels under it; a compile for sm_90 needs the real frontend)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(CASES)],
+        [sys.executable, "-c", _COMPILE, json.dumps(CASES + FP8_CASES)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    return dict(zip(map(tuple, CASES), json.loads(done.stdout.splitlines()[-1])))
+    return dict(zip(map(tuple, CASES + FP8_CASES), json.loads(done.stdout.splitlines()[-1])))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-bs{c[1]}-partial{int(c[2])}")
@@ -83,6 +89,17 @@ def test_each_copy_schedule_compiles_for_sm90_within_shared_memory(compiled, cas
     name = case[0]
     assert len(per_partition) == SCHEDULES[name], per_partition
     assert per_partition[0] == GLUON_MLA_VARIANTS[name].wg1_regs
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"fp8-bs{c[1]}-partial{int(c[2])}")
+def test_the_fp8_path_compiles_for_sm90_within_shared_memory(compiled, case):
+    from cp_modules.kernels.decode.mla_gluon_config import FP8_CONVERT_REGS
+
+    shared, regs = compiled[tuple(case)]
+    assert shared <= SMEM_PER_BLOCK, shared
+    cfg = GLUON_MLA_VARIANTS[case[0]]
+    assert [int(r) for r in re.split(r",\s*", regs)] == [cfg.wg1_regs, cfg.loader_regs,
+                                                           FP8_CONVERT_REGS]  # fmt: skip
 
 
 def test_the_default_schedules_are_among_those_compiled():

@@ -16,7 +16,9 @@ windows) and a logit soft-cap; both run in the reference and the Triton kernel a
 
 An fp8 (e4m3) cache is dequantized in the kernels (``k_scale`` / ``v_scale``, MLA's
 ``kv_scale``: fp32 [Hkv] or [1], None for 1.0); ``q`` and the outputs keep their dtype. fp8 MLA
-decode runs the Triton kernel (the Gluon kernel takes bf16/fp16 caches).
+decode runs the Triton kernel, or with ``mla_gluon_config.MLA_FP8_GLUON`` (off by default) the
+Gluon kernel's fp8 path where it serves the inputs (``gluon_mla_fp8_supported``: 64-head tiles,
+one latent scale; the rest, 16 heads for one, stay on Triton).
 
 CPU runs the pure-PyTorch reference, CUDA the Triton split-KV kernel. Lengths stay in device
 tensors and the split count is chosen from static shapes, so the ops are CUDA-graph safe.
@@ -27,8 +29,10 @@ from __future__ import annotations
 import torch
 
 from cp_modules.cache.kv_dtype import is_fp8
+from cp_modules.kernels.decode import mla_gluon_config
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
 from cp_modules.kernels.decode.mla_gluon import (
+    gluon_mla_fp8_supported,
     gluon_mla_supported,
     paged_mla_attention_gluon,
 )
@@ -84,17 +88,18 @@ def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len,
 
 def _paged_mla_attention_cuda(q, cache, block_table, query_seq_idx, query_kv_len, scale,
                               kv_lora_rank, num_splits=0, impl="auto", kv_scale=None):  # fmt: skip
-    # The Gluon kernel (two warp groups, TMA) where it serves the shape; else Triton (and
-    # always for an fp8 cache).
+    # The Gluon kernel (two warp groups, TMA) where it serves the shape; else Triton. An fp8
+    # cache takes the Gluon kernel's fp8 path only with MLA_FP8_GLUON (read at each call).
     args = (q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank)
     if impl != "triton":
-        why = (
-            "the Gluon MLA kernel takes bf16/fp16 caches, not fp8"
-            if is_fp8(cache.dtype)
-            else gluon_mla_supported(q, cache, kv_lora_rank)
-        )
+        if not is_fp8(cache.dtype):
+            why = gluon_mla_supported(q, cache, kv_lora_rank)
+        elif mla_gluon_config.MLA_FP8_GLUON:
+            why = gluon_mla_fp8_supported(q, cache, kv_lora_rank, kv_scale)
+        else:
+            why = "the Gluon MLA kernel takes bf16/fp16 caches, not fp8 (MLA_FP8_GLUON is off)"
         if why is None:
-            return paged_mla_attention_gluon(*args, num_splits or None)
+            return paged_mla_attention_gluon(*args, num_splits or None, kv_scale=kv_scale)
         if impl == "gluon":
             raise ValueError(f"CPPolicy(mla_decode='gluon'): {why}; use 'auto' or 'triton'")
     return paged_mla_attention_kernel(*args, num_splits, kv_scale=kv_scale)
@@ -284,7 +289,9 @@ def paged_mla_attention(
         kv_lora_rank: Rk, the latent width (512 for DeepSeek-V2/V3).
         kernel: the CUDA kernel, as :attr:`CPPolicy.mla_decode
             <cp_modules.policy.CPPolicy>` (``"auto"``, ``"gluon"`` or ``"triton"``); an fp8
-            cache runs the Triton kernel (``"gluon"`` is refused for it).
+            cache runs the Triton kernel (``"gluon"`` is refused for it), or with
+            ``mla_gluon_config.MLA_FP8_GLUON`` the Gluon kernel where its fp8 path serves
+            the inputs (``"gluon"``: else refused, naming why).
         kv_scale: an fp8 cache: its fp32 [1] dequantization scale (None: 1.0).
 
     Returns:

@@ -306,12 +306,19 @@ def default_gluon_mla_config(block_size: int) -> GluonMLAConfig:
     return GLUON_MLA_VARIANTS[_DEFAULT_SMALL_PAGE if block_size < _TILE else _DEFAULT_LARGE_PAGE]
 
 
-def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
-    """None when the Gluon kernel serves these inputs, else why not (for the caller to say)."""
+def _device_why(q: torch.Tensor) -> str | None:
     if not HAS_GLUON:
         return "this Triton has no Gluon"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the Gluon MLA kernel needs an sm_90 (Hopper) GPU"
+    return None
+
+
+def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """None when the Gluon kernel serves these inputs, else why not (for the caller to say)."""
+    why = _device_why(q)
+    if why is not None:
+        return why
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Gluon MLA kernel takes bf16/fp16, got {q.dtype}"
     if cache.dtype not in (q.dtype, torch.float8_e4m3fn):
