@@ -173,31 +173,42 @@ if HAS_GLUON:
         dst.slice(h * _HALF, _HALF, dim=0).store(y)
 
     @gluon.jit
-    def _fp8_convert_piece(src, dst, landed, ready, phase, valid, lay: gl.constexpr):
+    def _fp8_convert_piece(src, dst, landed, phase, valid, lay: gl.constexpr):
         # Once the piece's bytes have landed (the second half of dst's memory), its fp16 over
-        # them in place, then the piece is ready. The first 32 rows' fp16 fill the first half
-        # of the memory (no bytes there), the last 32 rows' the second: after a barrier.
+        # them in place. The first 32 rows' fp16 fill the first half of the memory (no bytes
+        # there), the last 32 rows' the second: after a barrier.
         mbarrier.wait(landed, phase)
         _fp8_convert_half(src, dst, 0, valid, lay, False)
         _fp8_convert_half(src, dst, 1, valid, lay, True)
+
+    @gluon.jit
+    def _fp8_convert_half_tile(k_lat, k8, k_ready, buf: gl.constexpr, first: gl.constexpr,
+                               phase, valid, lay: gl.constexpr):  # fmt: skip
+        # Latent pieces [first, first + 4) of buffer buf (a part the consumers free at once),
+        # then one proxy fence and barrier for all four before they are ready. A runtime
+        # loop: the pieces' addresses are computed per piece, not hoisted out of the tile loop.
+        for i in range(_LAT // 2):
+            c = first + i
+            _fp8_convert_piece(k8.index(2 * (buf * _LAT + c) + 1), k_lat.index(buf * _LAT + c),
+                               k_ready.index(_LANDED + buf * _LAT + c), phase, valid, lay)  # fmt: skip
         fence_async_shared()
         _sync_warp_group()
-        mbarrier.arrive(ready)
+        for i in gl.static_range(_LAT // 2):
+            mbarrier.arrive(k_ready.index(buf * 16 + first + i))
 
     @gluon.jit
     def _fp8_convert_tile(k_lat, k_pe, k8, pe8, k_ready, buf: gl.constexpr, phase, valid,
                           lay: gl.constexpr):  # fmt: skip
-        # The pieces in the order they are issued and the scores take them: the rope piece,
-        # then the latent ones from the half freed first. A runtime loop: the pieces'
-        # addresses are computed per piece, not hoisted out of the tile loop (36 of them).
+        # The parts in the order they are issued and the scores take them: the rope piece,
+        # then the latent half freed first, then the other.
         _fp8_convert_piece(pe8.index(2 * buf + 1), k_pe.index(buf),
-                           k_ready.index(buf * 16 + _ROPE_LANDED),
-                           k_ready.index(buf * 16 + _LAT), phase, valid, lay)  # fmt: skip
-        for i in range(_LAT):
-            c = (i + buf * (_LAT // 2)) % _LAT
-            _fp8_convert_piece(k8.index(2 * (buf * _LAT + c) + 1), k_lat.index(buf * _LAT + c),
-                               k_ready.index(_LANDED + buf * _LAT + c),
-                               k_ready.index(buf * 16 + c), phase, valid, lay)  # fmt: skip
+                           k_ready.index(buf * 16 + _ROPE_LANDED), phase, valid, lay)  # fmt: skip
+        fence_async_shared()
+        _sync_warp_group()
+        mbarrier.arrive(k_ready.index(buf * 16 + _LAT))
+        first: gl.constexpr = buf * (_LAT // 2)
+        _fp8_convert_half_tile(k_lat, k8, k_ready, buf, first, phase, valid, lay)
+        _fp8_convert_half_tile(k_lat, k8, k_ready, buf, _LAT // 2 - first, phase, valid, lay)
 
     @gluon.jit
     def _fp8_query(q_lat, q_pe, q_in, qpe_in, vec_smem, q_bar, k_ready, lay: gl.constexpr):
