@@ -217,13 +217,11 @@ if HAS_GLUON:
         # 32 rows at a time; each thread stores over the very elements it loaded.
         mbarrier.wait(k_ready.index(_Q_LANDED), 0)
         for h in gl.static_range(2):
-            # Each thread's largest elements over the pieces first (in Q's dtype, exact), then
-            # one reduction over a row's threads.
-            big = gl.abs(qpe_in.slice(h * _HALF, _HALF, dim=0).load(lay))
+            x = qpe_in.slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+            amax = gl.max(gl.abs(x), 1)
             for c in range(_LAT):
-                q16 = q_in.index(c).slice(h * _HALF, _HALF, dim=0).load(lay)
-                big = gl.maximum(big, gl.abs(q16)).to(big.dtype)
-            amax = gl.max(big.to(gl.float32), 1)
+                x = q_in.index(c).slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+                amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
             e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
             shift = gl.where(e == 0, 0, gl.minimum(gl.maximum(141 - e, -126), 126))
             mult = ((shift + 127) << 23).to(gl.float32, bitcast=True)[:, None]
