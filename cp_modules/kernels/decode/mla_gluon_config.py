@@ -348,8 +348,8 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
 # GLUON=True``, which time it beside the default.
 MLA_FP8_GLUON = False
 # The conversion warp group of the fp8 path: warps, and registers per thread (setmaxnreg).
-FP8_CONVERT_WARPS = 4
-FP8_CONVERT_REGS = 32
+FP8_CONVERT_WARPS = 2
+FP8_CONVERT_REGS = 24
 
 
 def gluon_mla_fp8_supported(

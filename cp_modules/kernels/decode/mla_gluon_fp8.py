@@ -157,29 +157,31 @@ if HAS_GLUON:
             _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, 0, rows_a, BOX_ROWS, phase, True)
             _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, 1, rows_b, BOX_ROWS, phase, True)
 
-    _HALF = gl.constexpr(_BN // 2)  # rows the converter takes at a time
-
     @gluon.jit
-    def _fp8_convert_half(src, dst, h: gl.constexpr, valid, lay: gl.constexpr, SYNC: gl.constexpr):
-        # Rows [32 h, 32 h + 32) of a piece: their fp8 bytes -> fp16 (rows >= valid: 0).
+    def _fp8_convert_rows(src, dst, h: gl.constexpr, RC: gl.constexpr, valid,
+                          lay: gl.constexpr, SYNC: gl.constexpr):  # fmt: skip
+        # Rows [RC h, RC h + RC) of a piece: their fp8 bytes -> fp16 (rows >= valid: 0).
         # SYNC: every thread has read its bytes before any stores over them.
-        x = src.slice(h * _HALF, _HALF, dim=0).load(lay)
+        x = src.slice(h * RC, RC, dim=0).load(lay)
         y = gl.inline_asm_elementwise(_HW16_ASM, "=r,=r,r", [x], dtype=gl.float16,
                                       is_pure=True, pack=4)  # fmt: skip
-        rows = h * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, lay))
+        rows = h * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, lay))
         y = gl.where((rows < valid)[:, None], y, gl.zeros_like(y))
         if SYNC:
             _sync_warp_group()
-        dst.slice(h * _HALF, _HALF, dim=0).store(y)
+        dst.slice(h * RC, RC, dim=0).store(y)
 
     @gluon.jit
     def _fp8_convert_piece(src, dst, landed, phase, valid, lay: gl.constexpr):
         # Once the piece's bytes have landed (the second half of dst's memory), its fp16 over
-        # them in place. The first 32 rows' fp16 fill the first half of the memory (no bytes
-        # there), the last 32 rows' the second: after a barrier.
+        # them in place, RC = 8 rows a warp at a time (16 elements a thread). The fp16 of
+        # chunk h fills bytes [2 RC h, 2 RC (h + 1)) * 64 of the piece, the fp8 bytes of rows
+        # [2 RC h - 64, 2 RC (h + 1) - 64): the chunks from the middle on store after a
+        # barrier, once every thread has read the bytes they cover (the first half never).
+        RC: gl.constexpr = 8 * gl.num_warps()
         mbarrier.wait(landed, phase)
-        _fp8_convert_half(src, dst, 0, valid, lay, False)
-        _fp8_convert_half(src, dst, 1, valid, lay, True)
+        for h in gl.static_range(_BN // RC):
+            _fp8_convert_rows(src, dst, h, RC, valid, lay, 2 * h + 1 >= _BN // RC)
 
     @gluon.jit
     def _fp8_convert_half_tile(k_lat, k8, k_ready, buf: gl.constexpr, first: gl.constexpr,
@@ -214,24 +216,26 @@ if HAS_GLUON:
     def _fp8_query(q_lat, q_pe, q_in, qpe_in, vec_smem, q_bar, k_ready, lay: gl.constexpr):
         # Q into fp16 in place: row h times 2**shift_h, its largest element in [2**14, 2**15)
         # (shift within [-126, 126]; a row of zeros keeps shift 0); 2**-shift_h to vec_smem.
-        # 32 rows at a time; each thread stores over the very elements it loaded.
+        # RC rows at a time (8 elements a thread); each thread stores over the very elements
+        # it loaded.
+        RC: gl.constexpr = 4 * gl.num_warps()
         mbarrier.wait(k_ready.index(_Q_LANDED), 0)
-        for h in gl.static_range(2):
-            x = qpe_in.slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+        for h in gl.static_range(_BN // RC):
+            x = qpe_in.slice(h * RC, RC, dim=0).load(lay).to(gl.float32)
             amax = gl.max(gl.abs(x), 1)
             for c in range(_LAT):
-                x = q_in.index(c).slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
+                x = q_in.index(c).slice(h * RC, RC, dim=0).load(lay).to(gl.float32)
                 amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
             e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
             shift = gl.where(e == 0, 0, gl.minimum(gl.maximum(141 - e, -126), 126))
             mult = ((shift + 127) << 23).to(gl.float32, bitcast=True)[:, None]
-            x = qpe_in.slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
-            q_pe.slice(h * _HALF, _HALF, dim=0).store((x * mult).to(gl.float16))
+            x = qpe_in.slice(h * RC, RC, dim=0).load(lay).to(gl.float32)
+            q_pe.slice(h * RC, RC, dim=0).store((x * mult).to(gl.float16))
             for c in range(_LAT):
-                x = q_in.index(c).slice(h * _HALF, _HALF, dim=0).load(lay).to(gl.float32)
-                q_lat.index(c).slice(h * _HALF, _HALF, dim=0).store((x * mult).to(gl.float16))
+                x = q_in.index(c).slice(h * RC, RC, dim=0).load(lay).to(gl.float32)
+                q_lat.index(c).slice(h * RC, RC, dim=0).store((x * mult).to(gl.float16))
             inv = ((127 - shift) << 23).to(gl.float32, bitcast=True)
-            vec_smem.slice(_Q_SCALE * _BH + h * _HALF, _HALF).store(inv)
+            vec_smem.slice(_Q_SCALE * _BH + h * RC, RC).store(inv)
         fence_async_shared()
         _sync_warp_group()
         mbarrier.arrive(q_bar)
