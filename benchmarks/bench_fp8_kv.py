@@ -25,7 +25,8 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   run (``paged decode mla bf16 KV TFLOP/s (128 heads) ...``: the default kernel, Gluon on
   Hopper); fp8 MLA decode runs the Triton kernel. Rows ``variant GLUON=True ...`` (128 heads)
   time the fp8 path of the Gluon kernel instead (``mla_gluon_config.MLA_FP8_GLUON`` on; its
-  speed-up over bf16 is the fp8 / bf16 TFLOP/s ratio of the Gluon path).
+  speed-up over bf16 is the fp8 / bf16 TFLOP/s ratio of the Gluon path), rows ``variant
+  GLUON=True FP8_CONVERT_WARPS=4 ...`` the same with a 4-warp conversion warp group.
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound).
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
@@ -66,6 +67,9 @@ GQA_SHAPES = [(1, 131072), (8, 131072), (64, 16384), (256, 4096), (32, 32768)]
 MLA_128_SHAPES = [(1, 131072)] + [(b, c) for b in (8, 64, 256) for c in (4096, 32768, 131072)]
 MLA_16_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (64, 32768)]
 MAX_CACHE_BYTES = 40e9  # of the bf16 cache
+# The Gluon fp8 path's other conversion partition: a warp group of its own (warp group 0 then
+# keeps 224 registers instead of 248; the default is 2 warps beside the producer warp).
+FP8_CONVERT_WIDE = {"FP8_CONVERT_WARPS": 4, "FP8_CONVERT_REGS": 32}
 SWEEP_SHAPE = (8, 131072)
 SWEEP_CONFIGS = [(16, 64, 4, 1), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 2),
                  (16, 128, 4, 3), (16, 128, 4, 4), (16, 32, 4, 4), (16, 256, 8, 2)]  # fmt: skip
@@ -110,16 +114,21 @@ def _check(run, ref, q, bt, seq, lens) -> dict:
 
 
 def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K_TRANSPOSED",
-             value=None):  # fmt: skip
+             value=None, also=None):  # fmt: skip
     """The fp8 kernel with one of its switches flipped or set to ``value``
     (``FP8_K_TRANSPOSED``: the other key-tile load; ``FP8_DEQUANT_ASM``: the integer conversion
-    in Triton ops instead of PTX; ``FP8_BLOCK_N``: tokens a tile): checked against the
-    reference, then timed; rows ``variant <switch>=<value> ...`` (speed-up, TB/s)."""
+    in Triton ops instead of PTX; ``FP8_BLOCK_N``: tokens a tile; ``MLA_FP8_GLUON``: the Gluon
+    kernel's fp8 path): checked against the reference, then timed; rows ``variant
+    <switch>=<value> ...`` (speed-up, TB/s). ``also``: more switches of ``module`` set with it
+    (named in the label)."""
     default = getattr(module, flag)
     value = (not default) if value is None else value
     names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
              "MLA_FP8_GLUON": "GLUON"}  # fmt: skip
-    label = names[flag] + f"={value}"
+    label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
+    saved = {k: getattr(module, k) for k in also or {}}
+    for k, v in (also or {}).items():
+        setattr(module, k, v)
     setattr(module, flag, value)
     try:
         try:
@@ -137,6 +146,8 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
             print(f"  {key} variant {label}: FAILED check {chk}", flush=True)
     finally:
         setattr(module, flag, default)
+        for k, v in saved.items():
+            setattr(module, k, v)
 
 
 def _layout_variant(key, fp8, ref8, v8, args, t16, read8, rows, checks):
@@ -287,9 +298,10 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                  float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
                  flag="FP8_DEQUANT_ASM")  # fmt: skip
         if heads % 64 == 0:  # the Gluon kernel's fp8 path (16 heads stay on Triton)
-            _variant(mla_gluon_config, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
-                     float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
-                     flag="MLA_FP8_GLUON")  # fmt: skip
+            for also in (None, FP8_CONVERT_WIDE):
+                _variant(mla_gluon_config, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens),
+                         t16, float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
+                         flag="MLA_FP8_GLUON", also=also)  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9

@@ -347,7 +347,10 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
 # checked and timed it: tests/test_mla_gluon_fp8.py, and bench_fp8_kv's MLA rows ``variant
 # GLUON=True``, which time it beside the default.
 MLA_FP8_GLUON = False
-# The conversion warp group of the fp8 path: warps, and registers per thread (setmaxnreg).
+# The fp8 path's conversion partition: warps, and registers per thread (setmaxnreg). 2 warps
+# share a warp group's slot with the producer warp (at the same count: keep it the schedule's
+# loader_regs), so warp groups 0 / 1 keep the 16-bit kernel's 248 / 232; 4 warps take a slot of
+# their own (warp group 0: 256 minus this count).
 FP8_CONVERT_WARPS = 2
 FP8_CONVERT_REGS = 24
 

@@ -5,8 +5,9 @@
   then each 64-token tile's 9 pieces as fp8 bytes (half the bytes of bf16), each piece landing
   in the second half of the 16-bit piece it will become, in the order the consumers free them
   (early release: the rope piece, then the latent half freed first, then the other).
-- the conversion (a producer warp group, ``_mla_fp8_convert``): once a piece has landed, its
-  bytes become fp16 by the hardware conversion (``cvt.rn.f16x2.e4m3x2``: exact, the e4m3
+- the conversion (``_mla_fp8_convert``: 2 warps beside the producer warp in one warp group's
+  slot, ``mla_gluon_config.FP8_CONVERT_WARPS`` / ``FP8_CONVERT_REGS``, so that the compute warp
+  groups keep the 16-bit kernel's registers): once a piece has landed, its bytes become fp16 by the hardware conversion (``cvt.rn.f16x2.e4m3x2``: exact, the e4m3
   value itself), rows past the range become 0 (unwritten slots may hold NaN), and the fp16
   piece overwrites the bytes in place; then the piece's ready barrier completes, so the
   consumer warp groups' products (wgmma from shared memory) read 16-bit tiles as before. Q is
@@ -17,6 +18,7 @@
 The consumers multiply each row's scores by ``scale * kv_scale`` over that power of two and
 the output by ``kv_scale``; P is fp16, the sums fp32. The shared memory is the 16-bit kernel's:
 no staging buffer (the 16-bit kernel leaves under 100 bytes of the H200's 227 KB free).
+Notes and compile results: docs/experiments/2026-12-04-mla-fp8-gluon.md.
 
 Barriers (slots of the kernel's ``k_ready``, 48 with ``PZERO``): a latent piece c of buffer b
 lands on ``_LANDED + b * 8 + c``, the rope piece on ``b * 16 + _ROPE_LANDED``, Q on
