@@ -32,8 +32,8 @@ who zeroes the rows past the range, whether a split's last pair is peeled off, a
 (``scale_p``) whether warp group 1's softmax starts from tile A's max, with P_A rescaled by
 warp group 0 (:mod:`cp_modules.kernels.decode.mla_gluon_scale_p`).
 
-An fp8 (e4m3) cache (``FP8``): a producer warp copies its tiles as bytes and a warp group
-converts them to fp16 tiles in place (:mod:`cp_modules.kernels.decode.mla_gluon_fp8`); the
+An fp8 (e4m3) cache (``FP8``): a producer warp copies its tiles as bytes and 2 more warps
+convert them to fp16 tiles in place (:mod:`cp_modules.kernels.decode.mla_gluon_fp8`); the
 warp groups above then run unchanged, with fp16 Q and P.
 
 Needs Triton's Gluon (3.6 API) and an sm_90 GPU; bf16/fp16 queries, bf16/fp16 or fp8 caches.
@@ -123,8 +123,8 @@ if HAS_GLUON:
                                 SPREAD: gl.constexpr = False, TRACE: gl.constexpr = False,
                                 PZERO: gl.constexpr = False,
                                 SCALE_P: gl.constexpr = False, SP_REFILL: gl.constexpr = False,
-                                FP8: gl.constexpr = False, CONV_WARPS: gl.constexpr = 4,
-                                CONV_REGS: gl.constexpr = 48):  # fmt: skip
+                                FP8: gl.constexpr = False, CONV_WARPS: gl.constexpr = 2,
+                                CONV_REGS: gl.constexpr = 24):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -201,7 +201,10 @@ if HAS_GLUON:
         # Warp group 0 issues the copies (inline, hoist), or one producer warp (loader) or two
         # (loader2: each its share of every tile's pieces, the first also Q) do.
         if FP8:
-            # The 16-bit tiles from fp8 bytes: a producer warp copies, a warp group converts.
+            # The 16-bit tiles from fp8 bytes: a producer warp copies, CONV_WARPS convert (the
+            # schedule of loader-r232-early-pz: the landed barriers are PZERO's).
+            gl.static_assert(ISSUE == _ISSUE_LOADER and EARLY and PZERO and not SCALE_P)
+            gl.static_assert(not FUSED and not SPREAD)
             gl.warp_specialize(
                 [
                     (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
