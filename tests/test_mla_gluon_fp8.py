@@ -146,12 +146,25 @@ def _check_fp8(out, lse, args, ks, name):
     check_against_reference(out, lse, ref, same, atol=1e-4, name=name)
 
 
+# The conversion partitions offered (mla_gluon_config.FP8_CONVERT_WARPS / _REGS): 2 warps
+# beside the producer warp at 24 registers, 4 warps of their own at 32.
+_CONVERSIONS = [(2, 24), (4, 32)]
+
+
+@pytest.fixture(params=_CONVERSIONS, ids=[f"C{w}w{r}r" for w, r in _CONVERSIONS])
+def conversion(request, monkeypatch):
+    warps, regs = request.param
+    monkeypatch.setattr(cfg, "FP8_CONVERT_WARPS", warps)
+    monkeypatch.setattr(cfg, "FP8_CONVERT_REGS", regs)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
 @pytest.mark.parametrize("heads", [64, 128], ids=["H64", "H128"])
 @pytest.mark.parametrize("splits", [None, 1, 7, 130], ids=["Sauto", "S1", "S7", "S130"])
 @pytest.mark.parametrize("interleave", [1, 16], ids=["I1", "I16"])
-def test_gpu_gluon_mla_fp8_matches_reference(bs, heads, splits, interleave):
+def test_gpu_gluon_mla_fp8_matches_reference(bs, heads, splits, interleave, conversion):
     _require_gluon()
     from cp_modules.kernels.decode.mla_gluon import paged_mla_attention_gluon
 
@@ -164,7 +177,7 @@ def test_gpu_gluon_mla_fp8_matches_reference(bs, heads, splits, interleave):
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kv_scale", ["tensor", "float", "none"])
-def test_gpu_gluon_mla_fp8_rows_of_any_magnitude_and_scales(bs, dtype, kv_scale):
+def test_gpu_gluon_mla_fp8_rows_of_any_magnitude_and_scales(bs, dtype, kv_scale, conversion):
     # Each query row brought into fp16 by its own power of two: rows from 2**-20 to 2**16
     # of a unit normal (bf16 beyond fp16's range too); the scale as a tensor, a float or None.
     _require_gluon()
@@ -199,7 +212,7 @@ def test_gpu_op_with_the_switch_runs_gluon_for_128_heads_and_triton_for_16(monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
 @pytest.mark.parametrize("splits", [1, 7], ids=["S1", "S7"])
-def test_gpu_gluon_mla_fp8_cuda_graph_replay(bs, splits):
+def test_gpu_gluon_mla_fp8_cuda_graph_replay(bs, splits, conversion):
     # Captured once, replayed with new queries, lengths and scale: the eager results.
     _require_gluon()
     from cp_modules.kernels.decode.mla_gluon import paged_mla_attention_gluon

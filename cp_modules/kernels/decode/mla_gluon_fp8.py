@@ -58,8 +58,9 @@ if HAS_GLUON:
     _Q_LANDED = gl.constexpr(_LAT + 6)  # k_ready slot 14: Q (16-bit, unscaled) has landed
     _Q_SCALE = gl.constexpr(6)  # vec_smem slot (of 64 floats): each row's 2**-shift
 
-    # Four e4m3 bytes in $2 -> four fp16 in $0 (bytes 0, 1) and $1 (bytes 2, 3).
-    _HW16_ASM = gl.constexpr("""
+    # Two pairs of e4m3 bytes in $2 (16 bits each) -> two pairs of fp16 in $0 and $1 (the
+    # hardware conversion reads each 16-bit half as it is: no byte moves).
+    _CVT_ASM = gl.constexpr("""
     {
     .reg .b16 lo, hi;
     mov.b32 {lo, hi}, $2;
@@ -67,6 +68,21 @@ if HAS_GLUON:
     cvt.rn.f16x2.e4m3x2 $1, hi;
     }
     """)
+
+    @gluon.jit
+    def _conv_views(k_lat, k_pe):
+        # The tile pieces for the conversion: the bytes as 16-bit pairs (each 16-bit piece as
+        # two 64 x 32 pieces of 64-byte rows) and the fp16 as 32-bit pairs (64 x 32 words),
+        # the same bytes as the 8-bit and 16-bit views (the swizzles are of 16-byte chunks).
+        lay16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16,
+                                                   rank=2)  # fmt: skip
+        lay32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                                   rank=2)  # fmt: skip
+        k16 = k_lat._reinterpret(gl.int16, [4 * _LAT, _BN, _BC // 2], lay16)
+        pe16 = k_pe._reinterpret(gl.int16, [4, _BN, _BC // 2], lay16)
+        k32 = k_lat._reinterpret(gl.int32, [2 * _LAT, _BN, _BC // 2], lay32)
+        pe32 = k_pe._reinterpret(gl.int32, [2, _BN, _BC // 2], lay32)
+        return k16, pe16, k32, pe32
 
     @gluon.jit
     def _landed(k_ready, buf: gl.constexpr, c: gl.constexpr):
@@ -160,59 +176,58 @@ if HAS_GLUON:
             _fp8_issue_tile(c_desc, k8, pe8, k_ready, k_free, 1, rows_b, BOX_ROWS, phase, True)
 
     @gluon.jit
-    def _fp8_convert_rows(src, dst, h: gl.constexpr, RC: gl.constexpr, valid,
-                          lay: gl.constexpr, SYNC: gl.constexpr):  # fmt: skip
-        # Rows [RC h, RC h + RC) of a piece: their fp8 bytes -> fp16 (rows >= valid: 0).
-        # SYNC: every thread has read its bytes before any stores over them.
-        x = src.slice(h * RC, RC, dim=0).load(lay)
-        y = gl.inline_asm_elementwise(_HW16_ASM, "=r,=r,r", [x], dtype=gl.float16,
-                                      is_pure=True, pack=4)  # fmt: skip
-        rows = h * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, lay))
-        y = gl.where((rows < valid)[:, None], y, gl.zeros_like(y))
-        if SYNC:
-            _sync_warp_group()
-        dst.slice(h * RC, RC, dim=0).store(y)
+    def _fp8_convert_bytes(src16, dst32, valid, lay: gl.constexpr, MASK: gl.constexpr):
+        # A piece's bytes (as 16-bit pairs: 16-byte loads, 8 rows a warp at a time) -> fp16
+        # pairs as 32-bit words (16-byte stores), rows >= valid 0 with MASK (a select a word).
+        # One load and one store of the whole piece: fp16 rows [32, 64) overwrite every byte
+        # of the piece, so one barrier between them (the compiler puts one between any two
+        # accesses of the buffer that are not both reads: more, smaller steps cost more).
+        x = src16.load(lay)
+        y = gl.inline_asm_elementwise(_CVT_ASM, "=r,=r,r", [x], dtype=gl.int32, is_pure=True,
+                                      pack=2)  # fmt: skip
+        if MASK:
+            rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, lay))
+            y = gl.where((rows < valid)[:, None], y, gl.zeros_like(y))
+        _sync_warp_group()
+        dst32.store(y)
 
     @gluon.jit
-    def _fp8_convert_piece(src, dst, landed, phase, valid, lay: gl.constexpr):
+    def _fp8_convert_piece(src16, dst32, landed, phase, valid, lay: gl.constexpr,
+                           MASK: gl.constexpr):  # fmt: skip
         # Once the piece's bytes have landed (the second half of dst's memory), its fp16 over
-        # them in place, RC = 8 rows a warp at a time (16 elements a thread). The fp16 of
-        # chunk h fills bytes [2 RC h, 2 RC (h + 1)) * 64 of the piece, the fp8 bytes of rows
-        # [2 RC h - 64, 2 RC (h + 1) - 64): the chunks from the middle on store after a
-        # barrier, once every thread has read the bytes they cover (the first half never).
-        RC: gl.constexpr = 8 * gl.num_warps()
+        # them in place.
         mbarrier.wait(landed, phase)
-        for h in gl.static_range(_BN // RC):
-            _fp8_convert_rows(src, dst, h, RC, valid, lay, 2 * h + 1 >= _BN // RC)
+        _fp8_convert_bytes(src16, dst32, valid, lay, MASK)
 
     @gluon.jit
-    def _fp8_convert_half_tile(k_lat, k8, k_ready, buf: gl.constexpr, first: gl.constexpr,
-                               phase, valid, lay: gl.constexpr):  # fmt: skip
+    def _fp8_convert_half_tile(k16, k32, k_ready, buf: gl.constexpr, first: gl.constexpr,
+                               phase, valid, lay: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
         # Latent pieces [first, first + 4) of buffer buf (a part the consumers free at once),
         # then one proxy fence and barrier for all four before they are ready. A runtime
         # loop: the pieces' addresses are computed per piece, not hoisted out of the tile loop.
         for i in range(_LAT // 2):
             c = first + i
-            _fp8_convert_piece(k8.index(2 * (buf * _LAT + c) + 1), k_lat.index(buf * _LAT + c),
-                               k_ready.index(_LANDED + buf * _LAT + c), phase, valid, lay)  # fmt: skip
+            _fp8_convert_piece(k16.index(2 * (buf * _LAT + c) + 1), k32.index(buf * _LAT + c),
+                               k_ready.index(_LANDED + buf * _LAT + c), phase, valid, lay, MASK)  # fmt: skip
         fence_async_shared()
         _sync_warp_group()
         for i in gl.static_range(_LAT // 2):
             mbarrier.arrive(k_ready.index(buf * 16 + first + i))
 
     @gluon.jit
-    def _fp8_convert_tile(k_lat, k_pe, k8, pe8, k_ready, buf: gl.constexpr, phase, valid,
-                          lay: gl.constexpr):  # fmt: skip
+    def _fp8_convert_tile(k16, pe16, k32, pe32, k_ready, buf: gl.constexpr, phase, valid,
+                          lay: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
         # The parts in the order they are issued and the scores take them: the rope piece,
         # then the latent half freed first, then the other.
-        _fp8_convert_piece(pe8.index(2 * buf + 1), k_pe.index(buf),
-                           k_ready.index(buf * 16 + _ROPE_LANDED), phase, valid, lay)  # fmt: skip
+        _fp8_convert_piece(pe16.index(2 * buf + 1), pe32.index(buf),
+                           k_ready.index(buf * 16 + _ROPE_LANDED), phase, valid, lay, MASK)  # fmt: skip
         fence_async_shared()
         _sync_warp_group()
         mbarrier.arrive(k_ready.index(buf * 16 + _LAT))
         first: gl.constexpr = buf * (_LAT // 2)
-        _fp8_convert_half_tile(k_lat, k8, k_ready, buf, first, phase, valid, lay)
-        _fp8_convert_half_tile(k_lat, k8, k_ready, buf, _LAT // 2 - first, phase, valid, lay)
+        _fp8_convert_half_tile(k16, k32, k_ready, buf, first, phase, valid, lay, MASK)
+        _fp8_convert_half_tile(k16, k32, k_ready, buf, _LAT // 2 - first, phase, valid, lay,
+                               MASK)  # fmt: skip
 
     @gluon.jit
     def _fp8_query(q_lat, q_pe, q_in, qpe_in, vec_smem, q_bar, k_ready, lay: gl.constexpr):
@@ -247,14 +262,24 @@ if HAS_GLUON:
                          n_pairs, Q_FP16: gl.constexpr):  # fmt: skip
         # The conversion warp group: Q, then every tile as its pieces land (pair k: tile 2k in
         # buffer 0, 2k + 1 in buffer 1; a phantom tile past the range becomes zeros).
+        # Q: 8 elements a thread; the tiles: 8 pairs (16 bytes) a thread, 8 rows a warp.
         lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        q_in, qpe_in, k8, pe8 = _views(q_lat, q_pe, k_lat, k_pe, Q_FP16)
+        lay_c: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
+        q_in, qpe_in, _, _ = _views(q_lat, q_pe, k_lat, k_pe, Q_FP16)
+        k16, pe16, k32, pe32 = _conv_views(k_lat, k_pe)
         _fp8_query(q_lat, q_pe, q_in, qpe_in, vec_smem, q_bar, k_ready, lay)
         for k in range(n_pairs):
             phase = k & 1
             n0 = start + 2 * k * _BN
-            _fp8_convert_tile(k_lat, k_pe, k8, pe8, k_ready, 0, phase, end - n0, lay)
-            _fp8_convert_tile(k_lat, k_pe, k8, pe8, k_ready, 1, phase, end - n0 - _BN, lay)
+            # A uniform branch a tile: only one reaching past the range is masked.
+            for b in gl.static_range(2):
+                valid = end - n0 - b * _BN
+                if valid >= _BN:
+                    _fp8_convert_tile(k16, pe16, k32, pe32, k_ready, b, phase, valid, lay_c,
+                                      False)  # fmt: skip
+                else:
+                    _fp8_convert_tile(k16, pe16, k32, pe32, k_ready, b, phase, valid, lay_c,
+                                      True)  # fmt: skip
 
     @gluon.jit
     def _fp8_row_scale(qk_scale, KV_SCALE, vec_smem, row_l: gl.constexpr):
