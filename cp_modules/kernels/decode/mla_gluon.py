@@ -144,7 +144,7 @@ if HAS_GLUON:
         if FP8:  # fp16 products (mla_gluon_fp8)
             dt: gl.constexpr = gl.float16
         else:
-            dt: gl.constexpr = q_desc.dtype
+            dt: gl.constexpr = q_desc.dtype  # type: ignore[no-redef]
         layout: gl.constexpr = q_desc.layout
         q_lat = gl.allocate_shared_memory(dt, [_LAT, _BH, _BC], layout)
         q_pe = gl.allocate_shared_memory(dt, [_BH, _BC], layout)

@@ -140,7 +140,7 @@ if HAS_GLUON:
         if Q_FP16:
             qdt: gl.constexpr = gl.float16
         else:
-            qdt: gl.constexpr = gl.bfloat16
+            qdt: gl.constexpr = gl.bfloat16  # type: ignore[no-redef]
         lay8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8,
                                                   rank=2)  # fmt: skip
         q_in = q_lat._reinterpret(qdt, [_LAT, _BH, _BC], q_lat.layout)
