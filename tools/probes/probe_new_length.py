@@ -60,7 +60,9 @@ def main() -> None:
                 torch.cuda.synchronize()
                 before = _stats()
                 if prof_this:
-                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                    with profile(
+                        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+                    ) as p:
                         t0 = time.perf_counter()
                         fn(model, x)
                         torch.cuda.synchronize()
@@ -69,6 +71,17 @@ def main() -> None:
                     with open(f"{a.out}/{a.model}-len{m}-{side}.txt", "w") as f:
                         for key in ("cpu_time_total", "self_cpu_time_total", "cuda_time_total"):
                             f.write(avg.table(sort_by=key, row_limit=30) + "\n")
+                        # Per input shape: which copies and concatenations each side runs.
+                        by_shape = p.key_averages(group_by_input_shape=True)
+                        f.write(
+                            by_shape.table(
+                                sort_by="self_cuda_time_total",
+                                row_limit=40,
+                                max_name_column_width=40,
+                                max_shapes_column_width=120,
+                            )
+                            + "\n"
+                        )
                 else:
                     t0 = time.perf_counter()
                     fn(model, x)
