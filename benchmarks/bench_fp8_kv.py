@@ -23,10 +23,12 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   ``variant BLOCK_N=<64 or 128> ...`` the other default tile (``FP8_BLOCK_N``).
 - ``paged decode mla fp8 KV TFLOP/s (128 heads) B=<B> ctx=<ctx>`` and the bf16 row of the same
   run (``paged decode mla bf16 KV TFLOP/s (128 heads) ...``: the default kernel, Gluon on
-  Hopper); fp8 MLA decode runs the Triton kernel. Rows ``variant GLUON=True ...`` (128 heads)
-  time the fp8 path of the Gluon kernel instead (``mla_gluon_config.MLA_FP8_GLUON`` on; its
-  speed-up over bf16 is the fp8 / bf16 TFLOP/s ratio of the Gluon path), rows ``variant
-  GLUON=True FP8_CONVERT_WARPS=4 ...`` the same with a 4-warp conversion warp group.
+  Hopper); fp8 MLA decode at 128 heads runs the Gluon kernel's fp8 path
+  (``mla_gluon_config.MLA_FP8_GLUON``). Rows ``variant GLUON=False ...`` (128 heads) time the
+  Triton fp8 kernel instead (its speed-up over bf16 is the fp8 / bf16 TFLOP/s ratio), rows
+  ``variant FP8_CONVERT_WARPS=2 FP8_CONVERT_REGS=24 ...`` the Gluon path with the 2-warp
+  conversion; at 16 heads (Triton) rows ``variant K_T=...`` / ``ASM=...`` flip the Triton
+  kernel's key-tile load and conversion.
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound).
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
@@ -67,9 +69,9 @@ GQA_SHAPES = [(1, 131072), (8, 131072), (64, 16384), (256, 4096), (32, 32768)]
 MLA_128_SHAPES = [(1, 131072)] + [(b, c) for b in (8, 64, 256) for c in (4096, 32768, 131072)]
 MLA_16_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (64, 32768)]
 MAX_CACHE_BYTES = 40e9  # of the bf16 cache
-# The Gluon fp8 path's other conversion partition: a warp group of its own (warp group 0 then
-# keeps 224 registers instead of 248; the default is 2 warps beside the producer warp).
-FP8_CONVERT_WIDE = {"FP8_CONVERT_WARPS": 4, "FP8_CONVERT_REGS": 32}
+# The Gluon fp8 path's other conversion partition: 2 warps beside the producer warp (warp
+# group 0 keeps 248 registers; the default is a warp group of its own, 4 warps at 32).
+FP8_CONVERT_NARROW = {"FP8_CONVERT_WARPS": 2, "FP8_CONVERT_REGS": 24}
 SWEEP_SHAPE = (8, 131072)
 SWEEP_CONFIGS = [(16, 64, 4, 1), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 2),
                  (16, 128, 4, 3), (16, 128, 4, 4), (16, 32, 4, 4), (16, 256, 8, 2)]  # fmt: skip
@@ -124,7 +126,7 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     default = getattr(module, flag)
     value = (not default) if value is None else value
     names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
-             "MLA_FP8_GLUON": "GLUON"}  # fmt: skip
+             "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     saved = {k: getattr(module, k) for k in also or {}}
     for k, v in (also or {}).items():
@@ -292,16 +294,17 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
         args = (q, bt, seq, lens)
         t16 = graph_ms(lambda f=bf16, a=args: f(*a))
         t8 = graph_ms(lambda f=fp8, a=args: f(*a))
-        _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
-                 float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks)  # fmt: skip
-        _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens), t16,
-                 float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
-                 flag="FP8_DEQUANT_ASM")  # fmt: skip
+        read8 = float(lens.double().sum()) * (MLA_RK + MLA_ROPE)
         if heads % 64 == 0:  # the Gluon kernel's fp8 path (16 heads stay on Triton)
-            for also in (None, FP8_CONVERT_WIDE):
-                _variant(mla_gluon_config, f"mla{heads} {key}", fp8, ref8, (q, bt, seq, lens),
-                         t16, float(lens.double().sum()) * (MLA_RK + MLA_ROPE), rows, checks,
-                         flag="MLA_FP8_GLUON", also=also)  # fmt: skip
+            _variant(mla_gluon_config, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows,
+                     checks, flag="MLA_FP8_GLUON")  # fmt: skip
+            _variant(mla_gluon_config, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows,
+                     checks, flag="FP8_CONVERT_WARPS", value=FP8_CONVERT_NARROW["FP8_CONVERT_WARPS"],
+                     also={"FP8_CONVERT_REGS": FP8_CONVERT_NARROW["FP8_CONVERT_REGS"]})  # fmt: skip
+        else:  # the Triton kernel's switches
+            _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows, checks)
+            _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows,
+                     checks, flag="FP8_DEQUANT_ASM")  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9

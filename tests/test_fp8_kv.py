@@ -455,14 +455,17 @@ def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, m
     same_out, same_lse = paged_attention_ref(*args, d**-0.5, k_scale=ks, v_scale=vs, upcast=False,
                                              **extra)  # fmt: skip
     _assert_within_twice_same_dtype(out, lse, (ref_out, ref_lse), (same_out, same_lse))
-    # MLA 128 and 16 heads (auto routes fp8 to the Triton kernel; 'gluon' is refused).
+    # MLA 128 and 16 heads (auto routes 128 heads to the Gluon kernel's fp8 path, 16 to Triton;
+    # 'gluon' is refused for 16).
     c = torch.randn(nb * bs, 576, device=dev).to(torch.bfloat16)
     cache = torch.zeros(nb, bs, 576, dtype=FP8_DTYPE, device=dev)
     sc = kv_scale(0.5, 1, device=dev)
     write_mla_cache(c[:, :512], c[:, 512:], cache, slots, sc)
+    margs16 = None
     for heads in (16, 128):
         qm = torch.randn(4, heads, 576, device=dev).to(torch.bfloat16)
         margs = (qm, cache, bt, rows, lens)
+        margs16 = margs16 or margs
         o, l_ = paged_mla_attention(*margs, scale=0.07, kv_lora_rank=512, num_splits=splits,
                                     kv_scale=sc)  # fmt: skip
         r_o, r_l = paged_mla_attention_ref(*margs, 0.07, 512, kv_scale=sc)
@@ -471,8 +474,8 @@ def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, m
         bo = (s_o.float() - r_o.float()).abs().max().item()
         assert eo <= 2 * bo + 1e-4, (heads, eo, bo)
         assert (l_ - r_l).abs().max().item() <= 2 * (s_l - r_l).abs().max().item() + 1e-4
-    with pytest.raises(ValueError, match="takes bf16/fp16 caches, not fp8"):
-        paged_mla_attention(*margs, scale=0.07, kv_lora_rank=512, kernel="gluon", kv_scale=sc)
+    with pytest.raises(ValueError, match="heads a multiple of 64"):
+        paged_mla_attention(*margs16, scale=0.07, kv_lora_rank=512, kernel="gluon", kv_scale=sc)
 
 
 _LOOP_VARIANTS = {

@@ -112,8 +112,9 @@ def test_fp8_path_serves_only_the_schedules_it_is_built_for(monkeypatch):
     assert "q's dtype" in cfg.gluon_mla_supported(q, cache.half(), 512)
 
 
-def test_the_switch_is_off_by_default():
-    assert cfg.MLA_FP8_GLUON is False
+def test_the_switch_is_on_by_default_with_the_4_warp_conversion():
+    assert cfg.MLA_FP8_GLUON is True
+    assert (cfg.FP8_CONVERT_WARPS, cfg.FP8_CONVERT_REGS) == (4, 32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ windows) and a logit soft-cap; both run in the reference and the Triton kernel a
 
 An fp8 (e4m3) cache is dequantized in the kernels (``k_scale`` / ``v_scale``, MLA's
 ``kv_scale``: fp32 [Hkv] or [1], None for 1.0); ``q`` and the outputs keep their dtype. fp8 MLA
-decode runs the Triton kernel, or with ``mla_gluon_config.MLA_FP8_GLUON`` (off by default) the
-Gluon kernel's fp8 path where it serves the inputs (``gluon_mla_fp8_supported``: 64-head tiles,
-one latent scale; the rest, 16 heads for one, stay on Triton).
+decode runs the Gluon kernel's fp8 path where it serves the inputs
+(``gluon_mla_fp8_supported``: 64-head tiles, one latent scale; ``mla_gluon_config.MLA_FP8_GLUON``
+off sends every fp8 cache to Triton), and the Triton kernel for the rest (16 heads for one).
 
 CPU runs the pure-PyTorch reference, CUDA the Triton split-KV kernel. Lengths stay in device
 tensors and the split count is chosen from static shapes, so the ops are CUDA-graph safe.
@@ -89,7 +89,7 @@ def _paged_mla_attention_cpu(q, cache, block_table, query_seq_idx, query_kv_len,
 def _paged_mla_attention_cuda(q, cache, block_table, query_seq_idx, query_kv_len, scale,
                               kv_lora_rank, num_splits=0, impl="auto", kv_scale=None):  # fmt: skip
     # The Gluon kernel (two warp groups, TMA) where it serves the shape; else Triton. An fp8
-    # cache takes the Gluon kernel's fp8 path only with MLA_FP8_GLUON (read at each call).
+    # cache takes the Gluon kernel's fp8 path while MLA_FP8_GLUON is on (read at each call).
     args = (q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank)
     if impl != "triton":
         if not is_fp8(cache.dtype):
@@ -289,9 +289,9 @@ def paged_mla_attention(
         kv_lora_rank: Rk, the latent width (512 for DeepSeek-V2/V3).
         kernel: the CUDA kernel, as :attr:`CPPolicy.mla_decode
             <cp_modules.policy.CPPolicy>` (``"auto"``, ``"gluon"`` or ``"triton"``); an fp8
-            cache runs the Triton kernel (``"gluon"`` is refused for it), or with
-            ``mla_gluon_config.MLA_FP8_GLUON`` the Gluon kernel where its fp8 path serves
-            the inputs (``"gluon"``: else refused, naming why).
+            cache runs the Gluon kernel where its fp8 path serves the inputs, else Triton
+            (``"gluon"``: else refused, naming why; with ``mla_gluon_config.MLA_FP8_GLUON``
+            off, always Triton and ``"gluon"`` refused).
         kv_scale: an fp8 cache: its fp32 [1] dequantization scale (None: 1.0).
 
     Returns:

@@ -343,16 +343,16 @@ def gluon_mla_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int)
 
 # fp8 (e4m3) latent caches through the Gluon kernel (:mod:`~cp_modules.kernels.decode.
 # mla_gluon_fp8`) instead of the Triton kernel, for the shapes and schedules it serves
-# (:func:`gluon_mla_fp8_supported`; the rest run the Triton kernel). Off until a GPU run has
-# checked and timed it: tests/test_mla_gluon_fp8.py, and bench_fp8_kv's MLA rows ``variant
-# GLUON=True``, which time it beside the default.
-MLA_FP8_GLUON = False
-# The fp8 path's conversion partition: warps, and registers per thread (setmaxnreg). 2 warps
-# share a warp group's slot with the producer warp (at the same count: keep it the schedule's
-# loader_regs), so warp groups 0 / 1 keep the 16-bit kernel's 248 / 232; 4 warps take a slot of
-# their own (warp group 0: 256 minus this count).
-FP8_CONVERT_WARPS = 2
-FP8_CONVERT_REGS = 24
+# (:func:`gluon_mla_fp8_supported`; the rest run the Triton kernel). On by measurement: 0.79 /
+# 0.82 / 0.76 of the bf16 kernel's speed at 128 heads (B=1 128k, B=8 4k, B=64 32k) against
+# the Triton fp8 kernel's 0.41 / 0.56 (docs/experiments/2026-12-04-mla-fp8-gluon.md).
+MLA_FP8_GLUON = True
+# The fp8 path's conversion partition: warps, and registers per thread (setmaxnreg). 4 warps
+# take a warp group's slot of their own (warp group 0: 256 minus this count, 224); 2 warps
+# share one with the producer warp (at the same count: keep it the schedule's loader_regs), so
+# warp groups 0 / 1 keep the 16-bit kernel's 248 / 232, at 0.62-0.63 of bf16 (measured).
+FP8_CONVERT_WARPS = 4
+FP8_CONVERT_REGS = 32
 
 
 def gluon_mla_fp8_supported(
