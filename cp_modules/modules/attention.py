@@ -222,8 +222,13 @@ class CPMLAAttention(nn.Module):
         cos, sin = (
             position_embeddings if position_embeddings is not None else self.rotary(positions)
         )
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rotary(q_pe, cos, sin, interleaved=self.rope_interleave)
+        # The rope part rotated into q's own columns: one copy of [T, H, Dr], where joining
+        # the parts would copy all of [T, H, Dn + Dr] (q is the projection's fresh output, not
+        # saved by autograd).
+        q_pe = apply_rotary(
+            q[..., self.qk_nope_head_dim :], cos, sin, interleaved=self.rope_interleave
+        )
+        q[..., self.qk_nope_head_dim :] = q_pe
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, interleaved=self.rope_interleave).squeeze(
             1
         )
@@ -233,7 +238,7 @@ class CPMLAAttention(nn.Module):
             # The latent is shared by every head: each TP rank's heads add to its gradient
             # (one sum for both parts).
             latent = copy_to_group(torch.cat((kv_c, k_pe), dim=-1), *self.tp_group)
-        out = self.attend(torch.cat((q_nope, q_pe), dim=-1), latent)
+        out = self.attend(q, latent)
         return self.o_proj(out.reshape(t, -1))
 
     def up_projection_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
