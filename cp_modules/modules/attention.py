@@ -222,13 +222,16 @@ class CPMLAAttention(nn.Module):
         cos, sin = (
             position_embeddings if position_embeddings is not None else self.rotary(positions)
         )
-        # The rope part rotated into q's own columns: one copy of [T, H, Dr], where joining
-        # the parts would copy all of [T, H, Dn + Dr] (q is the projection's fresh output, not
-        # saved by autograd).
-        q_pe = apply_rotary(
-            q[..., self.qk_nope_head_dim :], cos, sin, interleaved=self.rope_interleave
-        )
-        q[..., self.qk_nope_head_dim :] = q_pe
+        dn = self.qk_nope_head_dim
+        q_pe = apply_rotary(q[..., dn:], cos, sin, interleaved=self.rope_interleave)
+        if q.requires_grad:
+            q = torch.cat((q[..., :dn], q_pe), dim=-1)
+        else:
+            # No autograd: the rope part is rotated into q's own columns (one copy of
+            # [T, H, Dr] where joining the parts copies all of [T, H, Dn + Dr]). Under
+            # autograd q may be a view made inside a custom Function (FSDP, TP), which
+            # must not be written in place.
+            q[..., dn:] = q_pe
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, interleaved=self.rope_interleave).squeeze(
             1
         )

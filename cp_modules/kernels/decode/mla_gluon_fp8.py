@@ -5,9 +5,10 @@
   then each 64-token tile's 9 pieces as fp8 bytes (half the bytes of bf16), each piece landing
   in the second half of the 16-bit piece it will become, in the order the consumers free them
   (early release: the rope piece, then the latent half freed first, then the other).
-- the conversion (``_mla_fp8_convert``: 2 warps beside the producer warp in one warp group's
-  slot, ``mla_gluon_config.FP8_CONVERT_WARPS`` / ``FP8_CONVERT_REGS``, so that the compute warp
-  groups keep the 16-bit kernel's registers): once a piece has landed, its bytes become fp16 by the hardware conversion (``cvt.rn.f16x2.e4m3x2``: exact, the e4m3
+- the conversion (``_mla_fp8_convert``: ``mla_gluon_config.FP8_CONVERT_WARPS`` /
+  ``FP8_CONVERT_REGS``, by default a warp group of its own, 4 warps at 32 registers; 2 warps
+  share the producer warp's slot and leave the compute warp groups the 16-bit kernel's
+  registers, measured slower): once a piece has landed, its bytes become fp16 by the hardware conversion (``cvt.rn.f16x2.e4m3x2``: exact, the e4m3
   value itself), rows past the range become 0 (unwritten slots may hold NaN), and the fp16
   piece overwrites the bytes in place; then the piece's ready barrier completes, so the
   consumer warp groups' products (wgmma from shared memory) read 16-bit tiles as before. Q is
