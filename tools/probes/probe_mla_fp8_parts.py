@@ -57,9 +57,10 @@ try:  # the replacements, at module level (Gluon resolves a function's globals)
         return y
 
     @gluon.jit
-    def _pipe_half_tile(k16, k32, k_ready, buf: gl.constexpr, first: gl.constexpr, phase, valid,
-                        lay: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
-        # The next piece's bytes are loaded before this piece's fp16 is stored.
+    def _pipelined(k16, k32, k_ready, buf: gl.constexpr, first: gl.constexpr, phase, valid,
+                   lay: gl.constexpr, MASK: gl.constexpr, EACH: gl.constexpr):  # fmt: skip
+        # The next piece's bytes are loaded before this piece's fp16 is stored; EACH: every
+        # piece ready as soon as it is stored (a fence and barrier a piece).
         mbarrier.wait(k_ready.index(_LANDED + buf * _LAT + first), phase)
         x = k16.index(2 * (buf * _LAT + first) + 1).load(lay)
         for i in gl.static_range(_LAT // 2):
@@ -69,10 +70,20 @@ try:  # the replacements, at module level (Gluon resolves a function's globals)
                 x = k16.index(2 * (buf * _LAT + first + i + 1) + 1).load(lay)
             _sync_warp_group()
             k32.index(buf * _LAT + first + i).store(y)
-        fence_async_shared()
-        _sync_warp_group()
-        for i in gl.static_range(_LAT // 2):
-            mbarrier.arrive(k_ready.index(buf * 16 + first + i))
+            if EACH:
+                fence_async_shared()
+                _sync_warp_group()
+                mbarrier.arrive(k_ready.index(buf * 16 + first + i))
+        if not EACH:
+            fence_async_shared()
+            _sync_warp_group()
+            for i in gl.static_range(_LAT // 2):
+                mbarrier.arrive(k_ready.index(buf * 16 + first + i))
+
+    @gluon.jit
+    def _pipe_half_tile(k16, k32, k_ready, buf: gl.constexpr, first: gl.constexpr, phase, valid,
+                        lay: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
+        _pipelined(k16, k32, k_ready, buf, first, phase, valid, lay, MASK, False)
 
     @gluon.jit
     def _nocvt(src16, dst32, valid, lay: gl.constexpr, MASK: gl.constexpr):
@@ -108,20 +119,7 @@ try:  # the replacements, at module level (Gluon resolves a function's globals)
     @gluon.jit
     def _pipe1_half_tile(k16, k32, k_ready, buf: gl.constexpr, first: gl.constexpr, phase,
                          valid, lay: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
-        # Both: the next piece's bytes loaded before this piece's store, each piece ready
-        # as soon as it is converted.
-        mbarrier.wait(k_ready.index(_LANDED + buf * _LAT + first), phase)
-        x = k16.index(2 * (buf * _LAT + first) + 1).load(lay)
-        for i in gl.static_range(_LAT // 2):
-            y = _cvt_mask(x, valid, lay, MASK)
-            if i + 1 < _LAT // 2:
-                mbarrier.wait(k_ready.index(_LANDED + buf * _LAT + first + i + 1), phase)
-                x = k16.index(2 * (buf * _LAT + first + i + 1) + 1).load(lay)
-            _sync_warp_group()
-            k32.index(buf * _LAT + first + i).store(y)
-            fence_async_shared()
-            _sync_warp_group()
-            mbarrier.arrive(k_ready.index(buf * 16 + first + i))
+        _pipelined(k16, k32, k_ready, buf, first, phase, valid, lay, MASK, True)
 
 except ImportError:  # pragma: no cover - a Triton without Gluon
     pass
