@@ -27,7 +27,9 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   (``mla_gluon_config.MLA_FP8_GLUON``). Rows ``variant GLUON=False ...`` (128 heads) time the
   Triton fp8 kernel instead (its speed-up over bf16 is the fp8 / bf16 TFLOP/s ratio), rows
   ``variant FP8_CONVERT_WARPS=2 FP8_CONVERT_REGS=24 ...`` the Gluon path with the 2-warp
-  conversion; at 16 heads (Triton) rows ``variant K_T=...`` / ``ASM=...`` flip the Triton
+  conversion; at 16 heads (Triton) rows ``variant TOKENS_ON_M=<the other> ...`` time the other
+  of the two Triton kernels (heads or tokens on the tensor-core tile's M side:
+  ``mla_tokens.FP8_TOKENS_ON_M``), rows ``variant K_T=...`` / ``ASM=...`` flip the heads-on-M
   kernel's key-tile load and conversion.
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound).
@@ -50,6 +52,7 @@ from triton.testing import do_bench
 
 import cp_modules.kernels.decode.mla as mla_kernels
 import cp_modules.kernels.decode.mla_gluon_config as mla_gluon_config
+import cp_modules.kernels.decode.mla_tokens as mla_tokens
 import cp_modules.kernels.decode.paged as gqa_kernels
 from benchmarks.common import RESULTS, write_results
 from benchmarks.fp8_kv_logits import NAMES, logits_error_rows
@@ -126,7 +129,8 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     default = getattr(module, flag)
     value = (not default) if value is None else value
     names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
-             "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS"}  # fmt: skip
+             "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS",
+             "FP8_TOKENS_ON_M": "TOKENS_ON_M"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     saved = {k: getattr(module, k) for k in also or {}}
     for k, v in (also or {}).items():
@@ -302,6 +306,8 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                      checks, flag="FP8_CONVERT_WARPS", value=FP8_CONVERT_NARROW["FP8_CONVERT_WARPS"],
                      also={"FP8_CONVERT_REGS": FP8_CONVERT_NARROW["FP8_CONVERT_REGS"]})  # fmt: skip
         else:  # the Triton kernel's switches
+            _variant(mla_tokens, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows, checks,
+                     flag="FP8_TOKENS_ON_M")  # fmt: skip
             _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows, checks)
             _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows,
                      checks, flag="FP8_DEQUANT_ASM")  # fmt: skip

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_modules.kernels.decode import mla_tokens
 from cp_modules.kernels.decode.fp8 import fp8_e4m3_bits_to
 from cp_modules.kernels.decode.paged import (
     _LOG2E,
@@ -274,9 +275,19 @@ def paged_mla_attention_kernel(
     The value of a token is the first R elements of its latent row, which the kernel reuses
     from the key tile it already loaded. ``num_splits`` None or 0 picks the split count from
     static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles. An fp8 cache
-    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0).
+    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0); with few heads and no ``config`` it
+    takes the tokens-on-M kernel where :data:`~.mla_tokens.FP8_TOKENS_ON_M` says so.
     """
     assert q.stride(-1) == 1 and cache.stride(-1) == 1
+    if (
+        config is None
+        and mla_tokens.FP8_TOKENS_ON_M
+        and mla_tokens.tokens_on_m_supported(q, cache, kv_lora_rank) is None
+    ):
+        return mla_tokens.paged_mla_tokens_on_m(
+            q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank,
+            num_splits, kv_scale=kv_scale,
+        )  # fmt: skip
     t, h, _ = q.shape
     _, page, width = cache.shape
     rope = width - kv_lora_rank

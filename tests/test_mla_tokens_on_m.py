@@ -1,0 +1,185 @@
+"""The tokens-on-M MLA decode kernel on fp8 (e4m3) latent caches (few heads): against the
+reference under the interpreter (CPU) and on the GPU, its dispatch switch, refused inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cp_modules.kernels.decode.mla_tokens as mla_tokens
+from cp_modules.cache.kv_dtype import FP8_DTYPE, dequantize_fp8, kv_scale
+from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
+from cp_modules.kernels.decode.mla_tokens import paged_mla_tokens_on_m, tokens_on_m_supported
+from cp_modules.ops.kv_cache import write_mla_cache
+from cp_modules.reference.paged_decode import paged_mla_attention_ref
+
+
+def _inputs(bs, rk, rope, heads, lens, dtype, dev="cpu", seed=0, nb=None):
+    g = torch.Generator().manual_seed(seed)
+    nb = nb or sum(-(-int(n) // bs) for n in lens) + 2
+    # Unwritten slots hold NaN bytes: rows past a range must never reach P @ V.
+    cache = torch.full((nb, bs, rk + rope), float("nan")).to(FP8_DTYPE)
+    sc = kv_scale(0.3, 1)
+    width = max(1, max(-(-int(n) // bs) for n in lens))
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(lens):
+        need = -(-int(n) // bs)
+        bt[r, :need] = perm[used : used + need].to(torch.int32)
+        used += need
+        pos = torch.arange(int(n))
+        slots = bt[r, pos // bs].to(torch.int64) * bs + pos % bs
+        write_mla_cache(torch.randn(pos.numel(), rk, generator=g) * 2,
+                        torch.randn(pos.numel(), rope, generator=g), cache, slots, sc)  # fmt: skip
+    rows = torch.arange(len(lens), dtype=torch.int32)
+    q = (torch.randn(len(lens), heads, rk + rope, generator=g) * 3).to(dtype)
+    lens_t = torch.tensor(lens)
+    return [x.to(dev) for x in (q, cache, bt, rows, lens_t, sc)]
+
+
+def _check(out, lse, q, cache, bt, rows, lens, sc, scale, rk, atol=1e-4):
+    """Within twice the same-dtype reference's error of the fp32 reference (+ atol), -inf LSE
+    exactly where the reference has it."""
+    ref = paged_mla_attention_ref(q, cache, bt, rows, lens, scale, rk, kv_scale=sc)
+    same = paged_mla_attention_ref(q, cache, bt, rows, lens, scale, rk, kv_scale=sc, upcast=False)
+    eo = (out.float() - ref[0].float()).abs().max().item()
+    bo = (same[0].float() - ref[0].float()).abs().max().item()
+    assert eo <= 2 * bo + atol, (eo, bo)
+    empty = torch.isneginf(ref[1])
+    assert torch.equal(torch.isneginf(lse), empty)
+    if (~empty).any():
+        el = (lse - ref[1])[~empty].abs().max().item()
+        bl = (same[1] - ref[1])[~empty].abs().max().item()
+        assert el <= 2 * bl + atol, (el, bl)
+    assert torch.equal(out[empty.to(out.device)].float(), torch.zeros_like(out[empty]).float())
+
+
+@pytest.mark.parametrize(
+    "bs,heads,lens,splits,dtype",
+    [
+        (16, 16, [37, 130, 0, 64], 2, torch.bfloat16),  # four blocks a tile, a split, an empty row
+        (64, 16, [200, 1, 64], 1, torch.float16),  # one block a tile, unsplit
+        (128, 20, [150, 129], None, torch.bfloat16),  # two head tiles (the second masked), auto
+        (12, 16, [61, 5], 3, torch.bfloat16),  # a block size that neither divides nor is divided
+    ],
+)
+def test_tokens_on_m_matches_reference_interpreted(bs, heads, lens, splits, dtype):
+    rk, rope, scale = 64, 16, 0.11
+    q, cache, bt, rows, lens_t, sc = _inputs(bs, rk, rope, heads, lens, dtype)
+    out, lse = paged_mla_tokens_on_m(q, cache, bt, rows, lens_t, scale, rk, splits, kv_scale=sc)
+    assert out.dtype == dtype and out.shape == (len(lens), heads, rk)
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, scale, rk)
+    # The reference reads the cache as fp8 * scale: the same as a float cache of those values.
+    f_out, _ = paged_mla_attention_ref(q, dequantize_fp8(cache, sc, torch.float32), bt, rows,
+                                       lens_t, scale, rk)  # fmt: skip
+    ref = paged_mla_attention_ref(q, cache, bt, rows, lens_t, scale, rk, kv_scale=sc)
+    torch.testing.assert_close(ref[0], f_out, atol=1e-6, rtol=0)
+
+
+def test_tokens_on_m_query_rows_of_any_magnitude_interpreted():
+    """Each query row is brought into fp16 by its own power of two: rows far outside fp16's
+    range (and an all-zero row) give the reference's result."""
+    rk, rope = 64, 16
+    q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, 16, [90, 33], torch.bfloat16, seed=3)
+    q[0, 0] *= 2.0**30
+    q[0, 1] *= 2.0**-40
+    q[1, 2] = 0
+    scale = 2.0**-31  # keeps the first head's scores finite and O(1)
+    out, lse = paged_mla_tokens_on_m(q, cache, bt, rows, lens_t, scale, rk, 1, kv_scale=sc)
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, scale, rk)
+
+
+def test_switch_routes_few_heads_and_falls_back_otherwise(monkeypatch):
+    rk, rope = 64, 16
+    q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, 16, [70, 20], torch.bfloat16, seed=5)
+    direct = paged_mla_tokens_on_m(q, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
+    monkeypatch.setattr(mla_tokens, "FP8_TOKENS_ON_M", True)
+    routed = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
+    assert torch.equal(routed[0], direct[0]) and torch.equal(routed[1], direct[1])
+    # fp32 queries are not served: the heads-on-M kernel runs them, still matching.
+    q32 = q.float()
+    assert "bf16/fp16 queries" in (tokens_on_m_supported(q32, cache, rk) or "")
+    out, lse = paged_mla_attention_kernel(q32, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
+    ref = paged_mla_attention_ref(q32, cache, bt, rows, lens_t, 0.1, rk, kv_scale=sc)
+    torch.testing.assert_close(out, ref[0], atol=1e-5, rtol=0)
+    # Switched off, the heads-on-M kernel runs (fp16 queries here: the interpreter's dot reads
+    # bf16 operands as their bit patterns, so that kernel's bf16 path is checked on the GPU).
+    monkeypatch.setattr(mla_tokens, "FP8_TOKENS_ON_M", False)
+    q16 = q.half()
+    off = paged_mla_attention_kernel(q16, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
+    on = paged_mla_tokens_on_m(q16, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
+    assert not torch.equal(off[0], on[0])  # another kernel: other roundings
+    _check(off[0], off[1], q16, cache, bt, rows, lens_t, sc, 0.1, rk)
+
+
+def test_unserved_inputs_are_refused_naming_why():
+    rk, rope = 64, 16
+    q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, 16, [10], torch.bfloat16)
+    bf16_cache = torch.zeros(cache.shape, dtype=torch.bfloat16)
+    cases = [
+        ((q, bf16_cache, rk), "fp8 \\(e4m3\\) caches only"),
+        ((q.float(), cache, rk), "bf16/fp16 queries, not torch.float32"),
+        ((torch.zeros(1, 33, rk + rope, dtype=torch.bfloat16), cache, rk), "at most 32 heads"),
+        ((q[..., : 48 + rope], cache[..., : 48 + rope], 48), "kv_lora_rank / 4 a power of two"),
+        ((q[..., : rk + 8], cache[..., : rk + 8], rk), "rope width that is a power of two"),
+    ]
+    for (qq, cc, r), msg in cases:
+        assert tokens_on_m_supported(qq, cc, r) is not None
+        with pytest.raises(ValueError, match=msg):
+            paged_mla_tokens_on_m(qq, cc, bt, rows, lens_t, 0.1, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [64, 16])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_gpu_tokens_on_m_matches_reference(bs, splits):
+    """DeepSeek's latent (512 + 64) at 16 heads (its 128 split 8 ways) on the H200."""
+    lens = [1, 700, 2000, 64, 4097]
+    q, cache, bt, rows, lens_t, sc = _inputs(bs, 512, 64, 16, lens, torch.bfloat16, dev="cuda")
+    out, lse = paged_mla_tokens_on_m(q, cache, bt, rows, lens_t, 0.07, 512, splits, kv_scale=sc)
+    torch.cuda.synchronize()
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.07, 512)
+
+
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import cp_modules.kernels.decode.mla_tokens as mla_tokens
+
+fn = mla_tokens._mla_tokens_on_m_kernel
+ptrs = {"Q": "*bf16", "C": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
+        "OUT": "*fp32", "LSE": "*fp32", "KV_SCALE": "*fp32", "qk_scale": "fp32"}
+for page in (64, 16):
+    consts = dict(H=16, NUM_HEAD_TILES=1, PAGE=page, R=512, P=64, BLOCK_H=16, BLOCK_N=64,
+                  PARTIAL=True, FP8_ASM=True)
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs if n[0] != "q"}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": mla_tokens._WARPS, "num_stages": 2})
+    ptx = k.asm["ptx"]
+    print(page, k.metadata.shared, "cvt.rn.f16x2.e4m3x2" in ptx, "wgmma" in ptx)
+"""
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """What the interpreter does not check (e.g. globals a compiled kernel cannot read): the
+    kernel compiled for sm_90a as a 16-head DeepSeek launch (in a process without the
+    interpreter), with the hardware conversion and warp-group MMAs, in the shared memory that
+    two programs an SM need (the launcher's split count assumes two)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln.split() for ln in done.stdout.strip().splitlines()]
+    assert [ln[0] for ln in lines] == ["64", "16"], done.stdout
+    for _, shared, cvt, wgmma in lines:
+        assert cvt == "True" and wgmma == "True", done.stdout
+        assert int(shared) * mla_tokens._PROGRAMS_PER_SM <= 232448, done.stdout
