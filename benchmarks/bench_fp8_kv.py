@@ -29,8 +29,10 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   ``variant FP8_CONVERT_WARPS=2 FP8_CONVERT_REGS=24 ...`` the Gluon path with the 2-warp
   conversion; at 16 heads (Triton) rows ``variant TOKENS_ON_M=<the other> ...`` time the other
   of the two Triton kernels (heads or tokens on the tensor-core tile's M side:
-  ``mla_tokens.FP8_TOKENS_ON_M``), rows ``variant K_T=...`` / ``ASM=...`` flip the heads-on-M
-  kernel's key-tile load and conversion.
+  ``mla_tokens.FP8_TOKENS_ON_M``), rows ``variant BF16_TOKENS_ON_M=<the other> bf16 ...`` the
+  bf16 cache on the other one (``mla_tokens.BF16_TOKENS_ON_M``; both flipped: the row
+  ``variant TOKENS_ON_M=<..> BF16_TOKENS_ON_M=<..> fp8 KV speed-up over bf16 ...``), rows
+  ``variant K_T=...`` / ``ASM=...`` flip the heads-on-M kernel's key-tile load and conversion.
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound).
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
@@ -132,6 +134,7 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
              "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS",
              "FP8_TOKENS_ON_M": "TOKENS_ON_M"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
+    t = None
     saved = {k: getattr(module, k) for k in also or {}}
     for k, v in (also or {}).items():
         setattr(module, k, v)
@@ -154,6 +157,31 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
         setattr(module, flag, default)
         for k, v in saved.items():
             setattr(module, k, v)
+    return t
+
+
+def _bf16_tokens_on_m(key, bf16, ref16, args, t16, read8, rows, checks):
+    """The bf16 cache on the other of the two Triton MLA kernels (``BF16_TOKENS_ON_M``
+    flipped), checked, then timed: rows ``variant BF16_TOKENS_ON_M=<value> bf16 KV time / default
+    bf16 ...`` and its TB/s (bf16 bytes). Returns its time (ms) or None."""
+    value = not mla_tokens.BF16_TOKENS_ON_M
+    label = f"BF16_TOKENS_ON_M={value}"
+    mla_tokens.BF16_TOKENS_ON_M = value
+    t = None
+    try:
+        chk = _check(bf16, ref16, *args)
+        checks[f"{key} variant {label}"] = chk
+        if chk["ok"]:
+            t = graph_ms(lambda: bf16(*args))
+            rows[f"variant {label} bf16 KV time / default bf16 {key}"] = t / t16
+            rows[f"variant {label} bf16 KV TB/s {key}"] = 2 * read8 / t / 1e9
+            print(f"  {key} variant {label}: {t:.4f} ms ({t / t16:.3f} of the default bf16, "
+                  f"{2 * read8 / t / 1e9:.2f} TB/s)", flush=True)  # fmt: skip
+        else:
+            print(f"  {key} variant {label}: FAILED check {chk}", flush=True)
+    finally:
+        mla_tokens.BF16_TOKENS_ON_M = not value
+    return t
 
 
 def _layout_variant(key, fp8, ref8, v8, args, t16, read8, rows, checks):
@@ -305,9 +333,15 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             _variant(mla_gluon_config, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows,
                      checks, flag="FP8_CONVERT_WARPS", value=FP8_CONVERT_NARROW["FP8_CONVERT_WARPS"],
                      also={"FP8_CONVERT_REGS": FP8_CONVERT_NARROW["FP8_CONVERT_REGS"]})  # fmt: skip
-        else:  # the Triton kernel's switches
-            _variant(mla_tokens, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows, checks,
-                     flag="FP8_TOKENS_ON_M")  # fmt: skip
+        else:  # the Triton kernels' switches
+            k = f"mla{heads} {key}"
+            t8m = _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
+                           flag="FP8_TOKENS_ON_M")  # fmt: skip
+            t16m = _bf16_tokens_on_m(k, bf16, ref16, args, t16, read8, rows, checks)
+            if t8m and t16m:  # both switches flipped
+                both = (f"TOKENS_ON_M={not mla_tokens.FP8_TOKENS_ON_M} "
+                        f"BF16_TOKENS_ON_M={not mla_tokens.BF16_TOKENS_ON_M}")  # fmt: skip
+                rows[f"variant {both} fp8 KV speed-up over bf16 {k}"] = t16m / t8m
             _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows, checks)
             _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows,
                      checks, flag="FP8_DEQUANT_ASM")  # fmt: skip

@@ -90,6 +90,18 @@ def test_tokens_on_m_query_rows_of_any_magnitude_interpreted():
     _check(out, lse, q, cache, bt, rows, lens_t, sc, scale, rk)
 
 
+@pytest.mark.parametrize("bs,lens,splits", [(16, [37, 130, 0], 2), (64, [200, 64], 1)])
+def test_tokens_on_m_on_a_16_bit_cache_matches_reference_interpreted(bs, lens, splits):
+    """A cache of the query's dtype (fp16 here: the interpreter's dot reads bf16 operands as
+    their bit patterns; bf16 runs on the GPU)."""
+    rk, rope, scale = 64, 16, 0.11
+    q, cache8, bt, rows, lens_t, sc = _inputs(bs, rk, rope, 16, lens, torch.float16)
+    cache = dequantize_fp8(cache8, sc, torch.float32).nan_to_num(0.0).half()
+    out, lse = paged_mla_tokens_on_m(q, cache, bt, rows, lens_t, scale, rk, splits)
+    assert out.dtype == torch.float16
+    _check(out, lse, q, cache, bt, rows, lens_t, None, scale, rk)
+
+
 def test_switch_routes_few_heads_and_falls_back_otherwise(monkeypatch):
     rk, rope = 64, 16
     q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, 16, [70, 20], torch.bfloat16, seed=5)
@@ -105,8 +117,16 @@ def test_switch_routes_few_heads_and_falls_back_otherwise(monkeypatch):
     torch.testing.assert_close(out, ref[0], atol=1e-5, rtol=0)
     # Switched off, the heads-on-M kernel runs (fp16 queries here: the interpreter's dot reads
     # bf16 operands as their bit patterns, so that kernel's bf16 path is checked on the GPU).
-    monkeypatch.setattr(mla_tokens, "FP8_TOKENS_ON_M", False)
+    # The 16-bit switch routes a cache of the query's dtype (its own, off by default).
+    c16 = dequantize_fp8(cache, sc, torch.float32).nan_to_num(0.0).half()
     q16 = q.half()
+    direct16 = paged_mla_tokens_on_m(q16, c16, bt, rows, lens_t, 0.1, rk, 2)
+    assert not torch.equal(paged_mla_attention_kernel(q16, c16, bt, rows, lens_t, 0.1, rk, 2)[0],
+                           direct16[0])  # fmt: skip
+    monkeypatch.setattr(mla_tokens, "BF16_TOKENS_ON_M", True)
+    routed16 = paged_mla_attention_kernel(q16, c16, bt, rows, lens_t, 0.1, rk, 2)
+    assert torch.equal(routed16[0], direct16[0]) and torch.equal(routed16[1], direct16[1])
+    monkeypatch.setattr(mla_tokens, "FP8_TOKENS_ON_M", False)
     off = paged_mla_attention_kernel(q16, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
     on = paged_mla_tokens_on_m(q16, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
     assert not torch.equal(off[0], on[0])  # another kernel: other roundings
@@ -116,9 +136,9 @@ def test_switch_routes_few_heads_and_falls_back_otherwise(monkeypatch):
 def test_unserved_inputs_are_refused_naming_why():
     rk, rope = 64, 16
     q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, 16, [10], torch.bfloat16)
-    bf16_cache = torch.zeros(cache.shape, dtype=torch.bfloat16)
+    fp16_cache = torch.zeros(cache.shape, dtype=torch.float16)
     cases = [
-        ((q, bf16_cache, rk), "fp8 \\(e4m3\\) caches only"),
+        ((q, fp16_cache, rk), "caches of the query's dtype, not torch.float16 with torch.bfloat16"),
         ((q.float(), cache, rk), "bf16/fp16 queries, not torch.float32"),
         ((torch.zeros(1, 33, rk + rope, dtype=torch.bfloat16), cache, rk), "at most 32 heads"),
         ((q[..., : 48 + rope], cache[..., : 48 + rope], 48), "kv_lora_rank / 4 a power of two"),
@@ -133,10 +153,14 @@ def test_unserved_inputs_are_refused_naming_why():
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [64, 16])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-def test_gpu_tokens_on_m_matches_reference(bs, splits):
-    """DeepSeek's latent (512 + 64) at 16 heads (its 128 split 8 ways) on the H200."""
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_gpu_tokens_on_m_matches_reference(bs, splits, kv):
+    """DeepSeek's latent (512 + 64) at 16 heads (its 128 split 8 ways) on the H200, fp8 and
+    bf16 caches."""
     lens = [1, 700, 2000, 64, 4097]
     q, cache, bt, rows, lens_t, sc = _inputs(bs, 512, 64, 16, lens, torch.bfloat16, dev="cuda")
+    if kv == "bf16":
+        cache, sc = dequantize_fp8(cache, sc, torch.float32).nan_to_num(0.0).bfloat16(), None
     out, lse = paged_mla_tokens_on_m(q, cache, bt, rows, lens_t, 0.07, 512, splits, kv_scale=sc)
     torch.cuda.synchronize()
     _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.07, 512)
@@ -152,24 +176,26 @@ import cp_modules.kernels.decode.mla_tokens as mla_tokens
 fn = mla_tokens._mla_tokens_on_m_kernel
 ptrs = {"Q": "*bf16", "C": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
         "OUT": "*fp32", "LSE": "*fp32", "KV_SCALE": "*fp32", "qk_scale": "fp32"}
-for page in (64, 16):
+for page, fp8 in ((64, True), (16, True), (64, False)):
     consts = dict(H=16, NUM_HEAD_TILES=1, PAGE=page, R=512, P=64, BLOCK_H=16, BLOCK_N=64,
-                  PARTIAL=True, FP8_ASM=True)
+                  PARTIAL=True, KV_FP8=fp8, FP8_ASM=True)
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+    sig["C"] = "*u8" if fp8 else "*bf16"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs if n[0] != "q"}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": mla_tokens._WARPS, "num_stages": 2})
     ptx = k.asm["ptx"]
-    print(page, k.metadata.shared, "cvt.rn.f16x2.e4m3x2" in ptx, "wgmma" in ptx)
+    print(page, k.metadata.shared, ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8, "wgmma" in ptx)
 """
 
 
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """What the interpreter does not check (e.g. globals a compiled kernel cannot read): the
-    kernel compiled for sm_90a as a 16-head DeepSeek launch (in a process without the
-    interpreter), with the hardware conversion and warp-group MMAs, in the shared memory that
-    two programs an SM need (the launcher's split count assumes two)."""
+    kernel compiled for sm_90a as 16-head DeepSeek launches (fp8 at block sizes 64 and 16, bf16;
+    in a process without the interpreter): warp-group MMAs, the hardware conversion where the
+    cache is fp8, in the shared memory of the programs an SM that the launcher's split count
+    assumes."""
     import os
     import subprocess
     import sys
@@ -179,7 +205,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln.split() for ln in done.stdout.strip().splitlines()]
-    assert [ln[0] for ln in lines] == ["64", "16"], done.stdout
-    for _, shared, cvt, wgmma in lines:
+    assert [ln[0] for ln in lines] == ["64", "16", "64"], done.stdout
+    for (_, shared, cvt, wgmma), fp8 in zip(lines, (True, True, False), strict=True):
         assert cvt == "True" and wgmma == "True", done.stdout
-        assert int(shared) * mla_tokens._PROGRAMS_PER_SM <= 232448, done.stdout
+        assert int(shared) * mla_tokens.PROGRAMS_PER_SM[fp8] <= 232448, done.stdout

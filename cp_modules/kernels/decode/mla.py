@@ -275,13 +275,14 @@ def paged_mla_attention_kernel(
     The value of a token is the first R elements of its latent row, which the kernel reuses
     from the key tile it already loaded. ``num_splits`` None or 0 picks the split count from
     static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles. An fp8 cache
-    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0); with few heads and no ``config`` it
-    takes the tokens-on-M kernel where :data:`~.mla_tokens.FP8_TOKENS_ON_M` says so.
+    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0). With few heads and no ``config`` the
+    tokens-on-M kernel runs instead where its switch for the cache's dtype is on
+    (:func:`~.mla_tokens.tokens_on_m_switched_on`).
     """
     assert q.stride(-1) == 1 and cache.stride(-1) == 1
     if (
         config is None
-        and mla_tokens.FP8_TOKENS_ON_M
+        and mla_tokens.tokens_on_m_switched_on(cache)
         and mla_tokens.tokens_on_m_supported(q, cache, kv_lora_rank) is None
     ):
         return mla_tokens.paged_mla_tokens_on_m(

@@ -1,29 +1,32 @@
-"""Triton absorbed MLA paged decode on an fp8 (e4m3) latent cache with few heads per program,
-the tokens on the tensor-core tile's M side; launcher only.
+"""Triton absorbed MLA paged decode with few heads per program, the tokens on the tensor-core
+tile's M side, for fp8 (e4m3) latent caches and caches of the query's dtype; launcher only.
 
 Shape letters as in :mod:`cp_modules.kernels.decode.mla`. With 16 heads (DeepSeek's 128 split
-8 ways by tensor parallelism) the heads-on-M kernel (:mod:`~.mla`) runs the legacy 16-row MMA
-and feeds ``P @ V`` its values, contracted along the tokens, one byte at a time. Here each
-program computes the transposed products
+8 ways by tensor parallelism) the heads-on-M kernel (:mod:`~.mla`) runs the legacy 16-row MMA,
+and on an fp8 cache feeds ``P @ V`` its values, contracted along the tokens, one byte at a
+time. Here each program computes the transposed products
 
     S^T [N, Hb] = K [N, R + P] @ Q^T [R + P, Hb]        O^T [R, Hb] += V^T [R, N] @ P^T [N, Hb]
 
 (Hb = 16 heads, N = 64 tokens): both have the cache tile on the A side, so Hopper's warp-group
 MMA takes M = 64 tokens (or 128 value columns) and N = 16 heads with no padding, and the
 value tile enters as the transposed A operand of 16-bit elements. Each 64-token tile is loaded
-once as bytes (in four column chunks of R / 4 and the rope part, so that each product's A
-operand is small) and converted to fp16 by the hardware (``cvt.rn.f16x2.e4m3x2``, exact) in the
-load's layout, for each product; O^T is held as four [R / 4, Hb] accumulators.
+once, in four column chunks of R / 4 and the rope part (so that each product's A operand is
+small); O^T is held as four [R / 4, Hb] accumulators.
 
-The query rows are brought into fp16 by a power of two each (their largest element to
-``[2**14, 2**15)``, exact but for elements under ``2**-38`` of the row's largest, as in
+An fp8 tile is loaded as bytes and converted to fp16 by the hardware (``cvt.rn.f16x2.e4m3x2``,
+exact) in the load's layout, for each product. The query rows are then brought into fp16 by a
+power of two each (their largest element to ``[2**14, 2**15)``; exact but for elements under
+``2**-31`` of the row's largest, which round to fp16's subnormal steps, as in
 :mod:`cp_modules.kernels.decode.paged`'s fp8 path); each head's scores are multiplied by
 ``scale * log2(e) * kv_scale * 2**-shift``, P is fp16 and the output is ``acc * kv_scale / l``.
-Under the interpreter the same fp16 values come from integer operations.
+Under the interpreter the same fp16 values come from integer operations. A 16-bit tile goes
+to the products as it is, with the query and P in the query's dtype.
 
-Served (:func:`tokens_on_m_supported`): fp8 caches, bf16/fp16 queries, at most
-:data:`MAX_HEADS` heads, ``R / 4`` and ``P`` powers of two of at least 16. Switch:
-:data:`FP8_TOKENS_ON_M`. Splits and their merge as in :mod:`~.mla`.
+Served (:func:`tokens_on_m_supported`): bf16/fp16 queries with an fp8 cache or one of their
+dtype, at most :data:`MAX_HEADS` heads, ``R / 4`` and ``P`` powers of two of at least 16.
+Switches: :data:`FP8_TOKENS_ON_M`, :data:`BF16_TOKENS_ON_M`. Splits and their merge as in
+:mod:`~.mla`.
 """
 
 from __future__ import annotations
@@ -36,19 +39,30 @@ from cp_modules.kernels.decode.fp8 import HW_FP16, fp8_e4m3_bits_to
 from cp_modules.kernels.decode.tiles import _num_sms, _pow2, _split_buffers
 from cp_modules.kernels.merge import merge_splits_triton
 
-__all__ = ["FP8_TOKENS_ON_M", "MAX_HEADS", "paged_mla_tokens_on_m", "tokens_on_m_supported"]
+__all__ = [
+    "BF16_TOKENS_ON_M",
+    "FP8_TOKENS_ON_M",
+    "MAX_HEADS",
+    "paged_mla_tokens_on_m",
+    "tokens_on_m_supported",
+    "tokens_on_m_switched_on",
+]
 
 # fp8 MLA caches with at most MAX_HEADS heads: this kernel instead of the heads-on-M Triton
 # kernel. Read at every launch. Off until timed on the H200 (bench_fp8_kv's rows
 # "variant TOKENS_ON_M=True ..."); correct under the interpreter and compiled for sm_90a
 # (ptxas: no spills of note, a quarter of the heads-on-M kernel's instructions per tile).
 FP8_TOKENS_ON_M = False
+# The same for bf16/fp16 caches (the tiles then go from the copies straight to the products, no
+# conversion), against the heads-on-M kernel. Off until timed (rows "variant BF16_TOKENS_ON_M").
+BF16_TOKENS_ON_M = False
 MAX_HEADS = 32
 _BLOCK_H = 16
 _BLOCK_N = 64
 _WARPS = 4
-# Two programs an SM: 72 KiB of shared memory and up to 255 registers of 128 threads each.
-_PROGRAMS_PER_SM = 2
+# Programs an SM (the split count's assumption), by the cache: fp8, 72 KiB of shared memory
+# and up to 255 registers of 128 threads: two; 16-bit, the copies' two stages of 72 KiB: one.
+PROGRAMS_PER_SM = {True: 2, False: 1}
 _HW16 = tl.constexpr(HW_FP16)  # the hardware e4m3 -> fp16 conversion (kernels.decode.fp8)
 
 
@@ -56,10 +70,13 @@ def tokens_on_m_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: in
     """None when :func:`paged_mla_tokens_on_m` serves these inputs, else why not."""
     h, width = q.shape[1], cache.shape[-1]
     rope = width - kv_lora_rank
-    if cache.dtype != torch.float8_e4m3fn:
-        return "the tokens-on-M kernel reads fp8 (e4m3) caches only"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"the tokens-on-M kernel takes bf16/fp16 queries, not {q.dtype}"
+    if cache.dtype != torch.float8_e4m3fn and cache.dtype != q.dtype:
+        return (
+            f"the tokens-on-M kernel reads fp8 (e4m3) caches or caches of the query's dtype, "
+            f"not {cache.dtype} with {q.dtype} queries"
+        )
     if h > MAX_HEADS:
         return f"the tokens-on-M kernel serves at most {MAX_HEADS} heads, not {h}"
     chunk = kv_lora_rank // 4
@@ -70,17 +87,31 @@ def tokens_on_m_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: in
     return None
 
 
-@triton.jit
-def _chunk_t(q_rows, off, offs_c, h_mask, mult):
-    """One column chunk of the query rows, times their powers of two, as fp16 [C, Hb]."""
-    qc = tl.load(q_rows + off + offs_c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
-    return tl.trans((qc * mult[:, None]).to(tl.float16))
+def tokens_on_m_switched_on(cache: torch.Tensor) -> bool:
+    """Whether the switch for this cache's dtype is on (:data:`FP8_TOKENS_ON_M` for fp8,
+    :data:`BF16_TOKENS_ON_M` for bf16/fp16); read at every launch."""
+    return FP8_TOKENS_ON_M if cache.dtype == torch.float8_e4m3fn else BF16_TOKENS_ON_M
 
 
 @triton.jit
-def _fp16(b, FP8_ASM: tl.constexpr):
-    """e4m3 bytes -> fp16 (exact), converted in the load's layout (PACK 8, not pure)."""
-    return fp8_e4m3_bits_to(b, _HW16, FP8_ASM, 8)
+def _chunk_t(q_rows, off, offs_c, h_mask, mult, KV_FP8: tl.constexpr):
+    """One column chunk of the query rows transposed, [C, Hb]: for an fp8 cache times their
+    powers of two as fp16, else as they are."""
+    qc = tl.load(q_rows + off + offs_c[None, :], mask=h_mask[:, None], other=0.0)
+    if KV_FP8:
+        return tl.trans((qc.to(tl.float32) * mult[:, None]).to(tl.float16))
+    else:
+        return tl.trans(qc)
+
+
+@triton.jit
+def _operand(b, KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr):
+    """A cache tile as a product's operand: e4m3 bytes -> fp16 (exact), converted in the load's
+    layout (PACK 8, not pure); a 16-bit tile as it is."""
+    if KV_FP8:
+        return fp8_e4m3_bits_to(b, _HW16, FP8_ASM, 8)
+    else:
+        return b
 
 
 @triton.jit
@@ -97,7 +128,7 @@ def _mla_tokens_on_m_kernel(
     max_kv_len, num_splits,
     H: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
-    FP8_ASM: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,22 +145,30 @@ def _mla_tokens_on_m_kernel(
     offs_c = tl.arange(0, RC)
     offs_p = tl.arange(0, P)
     q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    # Each head's row into fp16 exactly: times 2**sh, its largest |q| to [2**14, 2**15).
-    amax = tl.maximum(_row_amax(q_rows, 0, offs_c, h_mask), _row_amax(q_rows, RC, offs_c, h_mask))
-    amax = tl.maximum(amax, _row_amax(q_rows, 2 * RC, offs_c, h_mask))
-    amax = tl.maximum(amax, _row_amax(q_rows, 3 * RC, offs_c, h_mask))
-    amax = tl.maximum(amax, _row_amax(q_rows, R, offs_p, h_mask))
-    ex = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    sh = tl.minimum(tl.maximum(14 - ex, -126), 126)
+    if KV_FP8:
+        # Each head's row into fp16 exactly: times 2**sh, its largest |q| to [2**14, 2**15).
+        amax = tl.maximum(_row_amax(q_rows, 0, offs_c, h_mask),
+                          _row_amax(q_rows, RC, offs_c, h_mask))  # fmt: skip
+        amax = tl.maximum(amax, _row_amax(q_rows, 2 * RC, offs_c, h_mask))
+        amax = tl.maximum(amax, _row_amax(q_rows, 3 * RC, offs_c, h_mask))
+        amax = tl.maximum(amax, _row_amax(q_rows, R, offs_p, h_mask))
+        ex = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        sh = tl.minimum(tl.maximum(14 - ex, -126), 126)
+    else:
+        sh = tl.zeros([BLOCK_H], dtype=tl.int32)
     mult = ((sh + 127) << 23).to(tl.float32, bitcast=True)
-    q_t0 = _chunk_t(q_rows, 0, offs_c, h_mask, mult)
-    q_t1 = _chunk_t(q_rows, RC, offs_c, h_mask, mult)
-    q_t2 = _chunk_t(q_rows, 2 * RC, offs_c, h_mask, mult)
-    q_t3 = _chunk_t(q_rows, 3 * RC, offs_c, h_mask, mult)
-    q_pe_t = _chunk_t(q_rows, R, offs_p, h_mask, mult)
-    kv_scale = tl.load(KV_SCALE)
-    # Per head (a column of S^T): the softmax scale in base 2, the latent's scale, 2**-sh.
-    col_scale = qk_scale * kv_scale * ((127 - sh) << 23).to(tl.float32, bitcast=True)
+    q_t0 = _chunk_t(q_rows, 0, offs_c, h_mask, mult, KV_FP8)
+    q_t1 = _chunk_t(q_rows, RC, offs_c, h_mask, mult, KV_FP8)
+    q_t2 = _chunk_t(q_rows, 2 * RC, offs_c, h_mask, mult, KV_FP8)
+    q_t3 = _chunk_t(q_rows, 3 * RC, offs_c, h_mask, mult, KV_FP8)
+    q_pe_t = _chunk_t(q_rows, R, offs_p, h_mask, mult, KV_FP8)
+    if KV_FP8:
+        kv_scale = tl.load(KV_SCALE)
+        # Per head (a column of S^T): the softmax scale in base 2, the latent's scale, 2**-sh.
+        col_scale = qk_scale * kv_scale * ((127 - sh) << 23).to(tl.float32, bitcast=True)
+    else:
+        kv_scale = 1.0
+        col_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -147,31 +186,31 @@ def _mla_tokens_on_m_kernel(
         else:
             blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
             tok = blk * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cs
-        # Rows past the range load as zero bytes (0.0): unwritten slots may hold NaN bytes.
+        # Rows past the range load as zeros: unwritten slots may hold NaN.
         rows = C + tok[:, None] + offs_c[None, :]
         b0 = tl.load(rows, mask=n_mask[:, None], other=0)
         b1 = tl.load(rows + RC, mask=n_mask[:, None], other=0)
         b2 = tl.load(rows + 2 * RC, mask=n_mask[:, None], other=0)
         b3 = tl.load(rows + 3 * RC, mask=n_mask[:, None], other=0)
         b_pe = tl.load(C + tok[:, None] + R + offs_p[None, :], mask=n_mask[:, None], other=0)
-        s = tl.dot(_fp16(b_pe, FP8_ASM), q_pe_t)
-        s = tl.dot(_fp16(b0, FP8_ASM), q_t0, s)
-        s = tl.dot(_fp16(b1, FP8_ASM), q_t1, s)
-        s = tl.dot(_fp16(b2, FP8_ASM), q_t2, s)
-        s = tl.dot(_fp16(b3, FP8_ASM), q_t3, s)
+        s = tl.dot(_operand(b_pe, KV_FP8, FP8_ASM), q_pe_t)
+        s = tl.dot(_operand(b0, KV_FP8, FP8_ASM), q_t0, s)
+        s = tl.dot(_operand(b1, KV_FP8, FP8_ASM), q_t1, s)
+        s = tl.dot(_operand(b2, KV_FP8, FP8_ASM), q_t2, s)
+        s = tl.dot(_operand(b3, KV_FP8, FP8_ASM), q_t3, s)
         s = tl.where(n_mask[:, None], s * col_scale[None, :], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         p = tl.exp2(s - m_new[None, :])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 0)
-        pv = p.to(tl.float16)
+        pv = p.to(tl.float16) if KV_FP8 else p.to(Q.dtype.element_ty)
         # The values converted again (from the same bytes): the compiler then stages each
         # product's operand only while that product needs it (72 KiB of shared memory, where
         # converting once kept the value operands staged across the softmax: 126 KiB).
-        acc0 = tl.dot(tl.trans(_fp16(b0, FP8_ASM)), pv, acc0 * alpha[None, :])
-        acc1 = tl.dot(tl.trans(_fp16(b1, FP8_ASM)), pv, acc1 * alpha[None, :])
-        acc2 = tl.dot(tl.trans(_fp16(b2, FP8_ASM)), pv, acc2 * alpha[None, :])
-        acc3 = tl.dot(tl.trans(_fp16(b3, FP8_ASM)), pv, acc3 * alpha[None, :])
+        acc0 = tl.dot(tl.trans(_operand(b0, KV_FP8, FP8_ASM)), pv, acc0 * alpha[None, :])
+        acc1 = tl.dot(tl.trans(_operand(b1, KV_FP8, FP8_ASM)), pv, acc1 * alpha[None, :])
+        acc2 = tl.dot(tl.trans(_operand(b2, KV_FP8, FP8_ASM)), pv, acc2 * alpha[None, :])
+        acc3 = tl.dot(tl.trans(_operand(b3, KV_FP8, FP8_ASM)), pv, acc3 * alpha[None, :])
         m_i = m_new
 
     nonempty = l_i > 0.0
@@ -202,9 +241,9 @@ def paged_mla_tokens_on_m(
     *,
     kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode on an fp8 latent cache, tokens on M: the contract of
-    :func:`~cp_modules.kernels.decode.mla.paged_mla_attention_kernel` (``kv_scale`` fp32 [1];
-    None: 1.0).
+    """Absorbed MLA decode, tokens on M, on an fp8 latent cache or one of the query's dtype: the
+    contract of :func:`~cp_modules.kernels.decode.mla.paged_mla_attention_kernel` (an fp8
+    cache's ``kv_scale`` fp32 [1]; None: 1.0).
 
     Raises:
         ValueError: for inputs :func:`tokens_on_m_supported` refuses, naming why.
@@ -224,21 +263,22 @@ def paged_mla_tokens_on_m(
         return out, lse
     head_tiles = triton.cdiv(h, _BLOCK_H)
     max_kv_len = block_table.shape[1] * page
+    kv_fp8 = cache.dtype == torch.float8_e4m3fn
     if not num_splits:
         num_splits = choose_mla_num_splits(
-            t * head_tiles, max_kv_len, _num_sms(q.device), _BLOCK_N, _PROGRAMS_PER_SM
+            t * head_tiles, max_kv_len, _num_sms(q.device), _BLOCK_N, PROGRAMS_PER_SM[kv_fp8]
         )
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
-    if kv_scale is None:
+    if kv_scale is None or not kv_fp8:
         kv_scale = torch.ones(1, dtype=torch.float32, device=cache.device)
     _mla_tokens_on_m_kernel[(t * head_tiles, num_splits)](
-        q, cache.view(torch.uint8), block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
+        q, cache.view(torch.uint8) if kv_fp8 else cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf,
         kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, R=kv_lora_rank, P=width - kv_lora_rank,
         BLOCK_H=_BLOCK_H, BLOCK_N=_BLOCK_N, PARTIAL=num_splits > 1,
-        FP8_ASM=q.device.type == "cuda", num_warps=_WARPS, num_stages=2,
+        KV_FP8=kv_fp8, FP8_ASM=q.device.type == "cuda", num_warps=_WARPS, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
