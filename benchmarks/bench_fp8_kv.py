@@ -29,8 +29,9 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   ``variant FP8_CONVERT_WARPS=2 FP8_CONVERT_REGS=24 ...`` the Gluon path with the 2-warp
   conversion; at 16 heads (Triton) rows ``variant TOKENS_ON_M=<the other> ...`` time the other
   of the two Triton kernels (heads or tokens on the tensor-core tile's M side:
-  ``mla_tokens.FP8_TOKENS_ON_M``), rows ``variant BF16_TOKENS_ON_M=<the other> bf16 ...`` the
-  bf16 cache on the other one (``mla_tokens.BF16_TOKENS_ON_M``; both flipped: the row
+  ``mla_tokens.FP8_TOKENS_ON_M``; ``... FP8_TILE=(128, 8, 1)``: its 128-token tile on 8
+  warps), rows ``variant BF16_TOKENS_ON_M=<the other> bf16 ...`` the bf16 cache on the other
+  one (``mla_tokens.BF16_TOKENS_ON_M``; both flipped: the row
   ``variant TOKENS_ON_M=<..> BF16_TOKENS_ON_M=<..> fp8 KV speed-up over bf16 ...``), rows
   ``variant K_T=...`` / ``ASM=...`` flip the heads-on-M kernel's key-tile load and conversion.
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
@@ -337,6 +338,8 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             k = f"mla{heads} {key}"
             t8m = _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
                            flag="FP8_TOKENS_ON_M")  # fmt: skip
+            _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
+                     flag="FP8_TOKENS_ON_M", value=True, also={"FP8_TILE": (128, 8, 1)})  # fmt: skip
             t16m = _bf16_tokens_on_m(k, bf16, ref16, args, t16, read8, rows, checks)
             if t8m and t16m:  # both switches flipped
                 both = (f"TOKENS_ON_M={not mla_tokens.FP8_TOKENS_ON_M} "

@@ -65,6 +65,15 @@ def _check(out, lse, q, cache, bt, rows, lens, sc, scale, rk, atol=1e-4):
     ],
 )
 def test_tokens_on_m_matches_reference_interpreted(bs, heads, lens, splits, dtype):
+    _tokens_on_m_matches_reference(bs, heads, lens, splits, dtype)
+
+
+def test_tokens_on_m_128_token_tile_interpreted(monkeypatch):
+    monkeypatch.setattr(mla_tokens, "FP8_TILE", (128, 8, 1))
+    _tokens_on_m_matches_reference(16, 16, [300, 128, 5], 2, torch.bfloat16)
+
+
+def _tokens_on_m_matches_reference(bs, heads, lens, splits, dtype):
     rk, rope, scale = 64, 16, 0.11
     q, cache, bt, rows, lens_t, sc = _inputs(bs, rk, rope, heads, lens, dtype)
     out, lse = paged_mla_tokens_on_m(q, cache, bt, rows, lens_t, scale, rk, splits, kv_scale=sc)
@@ -176,24 +185,26 @@ import cp_modules.kernels.decode.mla_tokens as mla_tokens
 fn = mla_tokens._mla_tokens_on_m_kernel
 ptrs = {"Q": "*bf16", "C": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
         "OUT": "*fp32", "LSE": "*fp32", "KV_SCALE": "*fp32", "qk_scale": "fp32"}
-for page, fp8 in ((64, True), (16, True), (64, False)):
-    consts = dict(H=16, NUM_HEAD_TILES=1, PAGE=page, R=512, P=64, BLOCK_H=16, BLOCK_N=64,
+for page, fp8, tile in ((64, True, mla_tokens.FP8_TILE), (16, True, mla_tokens.FP8_TILE),
+                        (64, False, mla_tokens.BF16_TILE), (64, True, (128, 8, 1))):
+    consts = dict(H=16, NUM_HEAD_TILES=1, PAGE=page, R=512, P=64, BLOCK_H=16, BLOCK_N=tile[0],
                   PARTIAL=True, KV_FP8=fp8, FP8_ASM=True)
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
     sig["C"] = "*u8" if fp8 else "*bf16"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs if n[0] != "q"}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": mla_tokens._WARPS, "num_stages": 2})
+                       options={"num_warps": tile[1], "num_stages": 2})
     ptx = k.asm["ptx"]
-    print(page, k.metadata.shared, ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8, "wgmma" in ptx)
+    print(page, k.metadata.shared * tile[2] <= 232448, ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8,
+          "wgmma" in ptx, k.metadata.shared)
 """
 
 
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """What the interpreter does not check (e.g. globals a compiled kernel cannot read): the
-    kernel compiled for sm_90a as 16-head DeepSeek launches (fp8 at block sizes 64 and 16, bf16;
-    in a process without the interpreter): warp-group MMAs, the hardware conversion where the
+    kernel compiled for sm_90a as 16-head DeepSeek launches (fp8 at block sizes 64 and 16, bf16,
+    fp8 on the bench's 128 x 8 tile; in a process without the interpreter): warp-group MMAs, the hardware conversion where the
     cache is fp8, in the shared memory of the programs an SM that the launcher's split count
     assumes."""
     import os
@@ -205,7 +216,6 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln.split() for ln in done.stdout.strip().splitlines()]
-    assert [ln[0] for ln in lines] == ["64", "16", "64"], done.stdout
-    for (_, shared, cvt, wgmma), fp8 in zip(lines, (True, True, False), strict=True):
-        assert cvt == "True" and wgmma == "True", done.stdout
-        assert int(shared) * mla_tokens.PROGRAMS_PER_SM[fp8] <= 232448, done.stdout
+    assert [ln[0] for ln in lines] == ["64", "16", "64", "64"], done.stdout
+    for _, fits, cvt, wgmma, _ in lines:
+        assert fits == cvt == wgmma == "True", done.stdout

@@ -8,7 +8,7 @@ time. Here each program computes the transposed products
 
     S^T [N, Hb] = K [N, R + P] @ Q^T [R + P, Hb]        O^T [R, Hb] += V^T [R, N] @ P^T [N, Hb]
 
-(Hb = 16 heads, N = 64 tokens): both have the cache tile on the A side, so Hopper's warp-group
+(Hb = 16 heads, N = 64 tokens, :data:`FP8_TILE`): both have the cache tile on the A side, so Hopper's warp-group
 MMA takes M = 64 tokens (or 128 value columns) and N = 16 heads with no padding, and the
 value tile enters as the transposed A operand of 16-bit elements. Each 64-token tile is loaded
 once, in four column chunks of R / 4 and the rope part (so that each product's A operand is
@@ -40,7 +40,9 @@ from cp_modules.kernels.decode.tiles import _num_sms, _pow2, _split_buffers
 from cp_modules.kernels.merge import merge_splits_triton
 
 __all__ = [
+    "BF16_TILE",
     "BF16_TOKENS_ON_M",
+    "FP8_TILE",
     "FP8_TOKENS_ON_M",
     "MAX_HEADS",
     "paged_mla_tokens_on_m",
@@ -58,11 +60,12 @@ FP8_TOKENS_ON_M = False
 BF16_TOKENS_ON_M = False
 MAX_HEADS = 32
 _BLOCK_H = 16
-_BLOCK_N = 64
-_WARPS = 4
-# Programs an SM (the split count's assumption), by the cache: fp8, 72 KiB of shared memory
-# and up to 255 registers of 128 threads: two; 16-bit, the copies' two stages of 72 KiB: one.
-PROGRAMS_PER_SM = {True: 2, False: 1}
+# (tokens a tile, warps, programs an SM) for fp8 and for 16-bit caches; the last is the split
+# count's assumption. fp8, 64 x 4: 72 KiB of shared memory and up to 255 registers of 128
+# threads, so two; 128 x 8 (a bench variant): 126 KiB, one. 16-bit, 64 x 4: the copies' two
+# stages of 72 KiB, one. Read at every launch.
+FP8_TILE = (64, 4, 2)
+BF16_TILE = (64, 4, 1)
 _HW16 = tl.constexpr(HW_FP16)  # the hardware e4m3 -> fp16 conversion (kernels.decode.fp8)
 
 
@@ -264,9 +267,10 @@ def paged_mla_tokens_on_m(
     head_tiles = triton.cdiv(h, _BLOCK_H)
     max_kv_len = block_table.shape[1] * page
     kv_fp8 = cache.dtype == torch.float8_e4m3fn
+    block_n, warps, per_sm = FP8_TILE if kv_fp8 else BF16_TILE
     if not num_splits:
         num_splits = choose_mla_num_splits(
-            t * head_tiles, max_kv_len, _num_sms(q.device), _BLOCK_N, PROGRAMS_PER_SM[kv_fp8]
+            t * head_tiles, max_kv_len, _num_sms(q.device), block_n, per_sm
         )
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     if kv_scale is None or not kv_fp8:
@@ -277,8 +281,8 @@ def paged_mla_tokens_on_m(
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, R=kv_lora_rank, P=width - kv_lora_rank,
-        BLOCK_H=_BLOCK_H, BLOCK_N=_BLOCK_N, PARTIAL=num_splits > 1,
-        KV_FP8=kv_fp8, FP8_ASM=q.device.type == "cuda", num_warps=_WARPS, num_stages=2,
+        BLOCK_H=_BLOCK_H, BLOCK_N=block_n, PARTIAL=num_splits > 1,
+        KV_FP8=kv_fp8, FP8_ASM=q.device.type == "cuda", num_warps=warps, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
