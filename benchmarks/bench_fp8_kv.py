@@ -20,7 +20,9 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   kernel reads (K and V, one byte each) per second. The fp8 caches come from
   ``allocate_kv_cache`` (the value cache token-minor as ``FP8_V_TOKEN_MINOR`` says); rows
   ``variant V_TOKEN_MINOR=<the other> ...`` time the same values in the other layout, rows
-  ``variant BLOCK_N=<64 or 128> ...`` the other default tile (``FP8_BLOCK_N``).
+  ``variant BLOCK_N=<64 or 128> ...`` the other default tile (``FP8_BLOCK_N``), at B=1 rows
+  ``variant MAX_SPLITS=<n> ...`` other caps of the split count (``tiles._MAX_SPLITS``, 64:
+  binding there, 8 programs a split against 16 an SM wanted).
 - ``paged decode mla fp8 KV TFLOP/s (128 heads) B=<B> ctx=<ctx>`` and the bf16 row of the same
   run (``paged decode mla bf16 KV TFLOP/s (128 heads) ...``: the default kernel, Gluon on
   Hopper); fp8 MLA decode at 128 heads runs the Gluon kernel's fp8 path
@@ -57,6 +59,7 @@ import cp_modules.kernels.decode.mla as mla_kernels
 import cp_modules.kernels.decode.mla_gluon_config as mla_gluon_config
 import cp_modules.kernels.decode.mla_tokens as mla_tokens
 import cp_modules.kernels.decode.paged as gqa_kernels
+import cp_modules.kernels.decode.tiles as decode_tiles
 from benchmarks.common import RESULTS, write_results
 from benchmarks.fp8_kv_logits import NAMES, logits_error_rows
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
@@ -133,7 +136,7 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     value = (not default) if value is None else value
     names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
              "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS",
-             "FP8_TOKENS_ON_M": "TOKENS_ON_M"}  # fmt: skip
+             "FP8_TOKENS_ON_M": "TOKENS_ON_M", "_MAX_SPLITS": "MAX_SPLITS"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     t = None
     saved = {k: getattr(module, k) for k in also or {}}
@@ -257,6 +260,10 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
                         checks)  # fmt: skip
         _variant(gqa_kernels, f"gqa {key}", fp8, ref8, (q, bt, seq, lens), t16, read8, rows,
                  checks, flag="FP8_BLOCK_N", value=64 if gqa_kernels.FP8_BLOCK_N == 128 else 128)  # fmt: skip
+        if b == 1:  # one request: 8 programs a split, the split cap (64) decides the count
+            for v in (32, 96, 128):
+                _variant(decode_tiles, f"gqa {key}", fp8, ref8, args, t16, read8, rows,
+                         checks, flag="_MAX_SPLITS", value=v)  # fmt: skip
         rows[f"paged decode gqa fp8 KV speed-up over bf16 (CUDA graph) {key}"] = t16 / t8
         rows[f"paged decode gqa fp8 KV TB/s (CUDA graph) {key}"] = read8 / t8 / 1e9
         rows[f"paged decode gqa bf16 KV TB/s (CUDA graph) {key}"] = 2 * read8 / t16 / 1e9
