@@ -239,7 +239,11 @@ def _flashinfer_mla_fn(backend, pool, q, bt, lens, workspace):
 def run_mla(versions: dict, log, shapes=MLA_SHAPES, heads_list=MLA_HEADS,
             block_sizes=MLA_BLOCK_SIZES, cp_variants=()) -> list[dict]:  # fmt: skip
     """``cp_variants``: Gluon schedules (``GLUON_MLA_VARIANTS`` keys) timed beside the default
-    as entries ``cp-<name>`` (at head counts the Gluon kernel serves), like a peer."""
+    as entries ``cp-<name>`` (at head counts the Gluon kernel serves), like a peer; at 16 heads
+    the tokens-on-M kernel likewise (``cp-tokens-on-m``: rows ``mla decode cp / cp-tokens-on-m
+    time ...``)."""
+    from cp_modules.kernels.decode.mla_tokens import MAX_HEADS as MAX_TOKENS_ON_M_HEADS
+    from cp_modules.kernels.decode.mla_tokens import paged_mla_tokens_on_m
     from cp_modules.ops.paged_decode import paged_mla_attention
     from cp_modules.reference.paged_decode import paged_mla_attention_ref
 
@@ -282,6 +286,9 @@ def run_mla(versions: dict, log, shapes=MLA_SHAPES, heads_list=MLA_HEADS,
                     fn = partial(paged_mla_attention_gluon, q, pool, bt, seq, lens, MLA_SCALE, RK,
                                  config=GLUON_MLA_VARIANTS[name])  # fmt: skip
                     impl[f"cp-{name}"] = measure(fn, ref, same, work, idx)
+                if heads <= MAX_TOKENS_ON_M_HEADS:  # the tokens-on-M kernel (its switch aside)
+                    fn = partial(paged_mla_tokens_on_m, q, pool, bt, seq, lens, MLA_SCALE, RK)
+                    impl["cp-tokens-on-m"] = measure(fn, ref, same, work, idx)
                 if available(versions, "FlashMLA"):
                     try:
                         fn, pick = _flashmla_fn(pool, q, bt, lens)
