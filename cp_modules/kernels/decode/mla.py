@@ -18,8 +18,6 @@ multiplies the softmax scale and the output.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +26,6 @@ from cp_modules.kernels.decode import mla_tokens
 from cp_modules.kernels.decode.fp8 import fp8_e4m3_bits_to
 from cp_modules.kernels.decode.paged import (
     _LOG2E,
-    _MIN_SPLIT_TOKENS,
     _NO_FP8,
     DecodeConfig,
     _num_sms,
@@ -38,16 +35,15 @@ from cp_modules.kernels.decode.paged import (
     fp8_scale_args,
     mla_default_config,
 )
+from cp_modules.kernels.decode.tiles import (  # noqa: F401 (re-exported)
+    _MLA_MAX_SPLITS,
+    _SPLIT_COST_TILES,
+    choose_mla_num_splits,
+)
 from cp_modules.kernels.merge import merge_splits_triton
 
 __all__ = ["choose_mla_num_splits", "mla_programs_per_sm", "paged_mla_attention_kernel"]
 
-# MLA with few heads per program is bandwidth-bound and wants every SM's program slots busy,
-# which at B = 1 takes more splits than GQA's cap (the merge reads the partials in chunks).
-_MLA_MAX_SPLITS = 256
-# Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
-# output), in units of one 64-token latent tile.
-_SPLIT_COST_TILES = 5
 # fp8 caches: load the latent tile a second time as [R, N] for the scores (no transpose);
 # read at every launch (heads tiles under 64 only). On by measurement: up to 8 % faster at 16
 # heads on the H200, one shape 2 % slower (benchmarks/results/fp8-kv-2026-12-02.txt).
@@ -220,41 +216,6 @@ def mla_programs_per_sm(cfg: DecodeConfig) -> int:
     8 warps (shared memory and registers as measured: ``docs/switch-points.md``).
     """
     return 1 if cfg.block_h >= 64 or cfg.num_warps >= 8 else 2
-
-
-@functools.lru_cache(maxsize=1024)
-def choose_mla_num_splits(
-    num_programs: int,
-    max_kv_len: int,
-    num_sms: int,
-    block_n: int = 64,
-    programs_per_sm: int = 1,
-    split_cost_tiles: float = _SPLIT_COST_TILES,
-    merge_tiles_per_split: float = 0.0,
-) -> int:
-    """KV splits for MLA's ``num_programs`` (query, head-tile) programs, static shapes only.
-
-    ``programs_per_sm`` MLA programs run per SM at a time (:func:`mla_programs_per_sm`). The
-    count is the fewest splits whose estimated makespan (waves x (tiles per split + a fixed
-    cost per program) + a merge tail) is within 2 % of the best, splits no shorter than
-    ``_MIN_SPLIT_TOKENS`` and at most ``_MLA_MAX_SPLITS``. The fixed cost per split program is
-    ``split_cost_tiles`` tiles (loading Q, writing its partial, the separate merge); a kernel
-    whose last program of a row merges the others' partials itself pays
-    ``merge_tiles_per_split`` tiles per extra split once per row (0 for the separate merge,
-    which spreads over the whole GPU). Memoised: it runs on every eager decode call.
-    """
-    if num_programs <= 0:
-        return 1
-    slots = num_sms * max(1, programs_per_sm)
-    tiles = triton.cdiv(max(1, max_kv_len), block_n)
-    cap = max(1, min(_MLA_MAX_SPLITS, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS)))
-    costs = []
-    for s in range(1, cap + 1):
-        waves = triton.cdiv(num_programs * s, slots)
-        fixed = split_cost_tiles if s > 1 else 1
-        costs.append(waves * (triton.cdiv(tiles, s) + fixed) + merge_tiles_per_split * (s - 1))
-    best = min(costs)
-    return next(s for s, c in enumerate(costs, 1) if c <= best * 1.02)
 
 
 def paged_mla_attention_kernel(

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from cp_modules.kernels.decode.fp8 import HW_FP16, fp8_e4m3_bits_to
-from cp_modules.kernels.decode.tiles import _num_sms, _pow2, _split_buffers
+from cp_modules.kernels.decode.paged import _LOG2E
+from cp_modules.kernels.decode.tiles import _num_sms, _pow2, _split_buffers, choose_mla_num_splits
 from cp_modules.kernels.merge import merge_splits_triton
 
 __all__ = [
@@ -251,9 +252,6 @@ def paged_mla_tokens_on_m(
     Raises:
         ValueError: for inputs :func:`tokens_on_m_supported` refuses, naming why.
     """
-    # Imported here: the split chooser lives with the heads-on-M kernel, which calls this one.
-    from cp_modules.kernels.decode.mla import _LOG2E, choose_mla_num_splits
-
     why = tokens_on_m_supported(q, cache, kv_lora_rank)
     if why:
         raise ValueError(why)

@@ -9,12 +9,24 @@ from dataclasses import dataclass
 import torch
 import triton
 
-__all__ = ["DecodeConfig", "choose_num_splits", "default_config", "mla_default_config"]
+__all__ = [
+    "DecodeConfig",
+    "choose_mla_num_splits",
+    "choose_num_splits",
+    "default_config",
+    "mla_default_config",
+]
 
 # Splits are never shorter than this many tokens: shorter ones cost more in the merge than
 # they win in parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
+# MLA with few heads per program is bandwidth-bound and wants every SM's program slots busy,
+# which at B = 1 takes more splits than GQA's cap (the merge reads the partials in chunks).
+_MLA_MAX_SPLITS = 256
+# Fixed cost of one MLA split program (loading Q, writing and merging its fp32 partial
+# output), in units of one 64-token latent tile.
+_SPLIT_COST_TILES = 5
 
 
 @dataclass(frozen=True)
@@ -118,3 +130,38 @@ def _split_buffers(
     so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
     sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
     return o_buf, l_buf, so, sl
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_mla_num_splits(
+    num_programs: int,
+    max_kv_len: int,
+    num_sms: int,
+    block_n: int = 64,
+    programs_per_sm: int = 1,
+    split_cost_tiles: float = _SPLIT_COST_TILES,
+    merge_tiles_per_split: float = 0.0,
+) -> int:
+    """KV splits for MLA's ``num_programs`` (query, head-tile) programs, static shapes only.
+
+    ``programs_per_sm`` MLA programs run per SM at a time (:func:`~.mla.mla_programs_per_sm`). The
+    count is the fewest splits whose estimated makespan (waves x (tiles per split + a fixed
+    cost per program) + a merge tail) is within 2 % of the best, splits no shorter than
+    ``_MIN_SPLIT_TOKENS`` and at most ``_MLA_MAX_SPLITS``. The fixed cost per split program is
+    ``split_cost_tiles`` tiles (loading Q, writing its partial, the separate merge); a kernel
+    whose last program of a row merges the others' partials itself pays
+    ``merge_tiles_per_split`` tiles per extra split once per row (0 for the separate merge,
+    which spreads over the whole GPU). Memoised: it runs on every eager decode call.
+    """
+    if num_programs <= 0:
+        return 1
+    slots = num_sms * max(1, programs_per_sm)
+    tiles = triton.cdiv(max(1, max_kv_len), block_n)
+    cap = max(1, min(_MLA_MAX_SPLITS, triton.cdiv(max_kv_len, _MIN_SPLIT_TOKENS)))
+    costs = []
+    for s in range(1, cap + 1):
+        waves = triton.cdiv(num_programs * s, slots)
+        fixed = split_cost_tiles if s > 1 else 1
+        costs.append(waves * (triton.cdiv(tiles, s) + fixed) + merge_tiles_per_split * (s - 1))
+    best = min(costs)
+    return next(s for s, c in enumerate(costs, 1) if c <= best * 1.02)
