@@ -40,7 +40,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, write_results
+from benchmarks.common import RESULTS, apply_switches, write_results
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
@@ -367,7 +367,10 @@ def main() -> int:
     ap.add_argument("--engine-compile", action="store_true", help="also the compiled engine")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (no timing value)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module switch first (results: parity-switched-<date>.json)")  # fmt: skip
     a = ap.parse_args()
+    switches = apply_switches(a.set)
     if a.smoke:
         global DEV, DT
         DEV, DT, a.quick = torch.device("cpu"), torch.float32, True
@@ -393,7 +396,10 @@ def main() -> int:
             failed.append("engine")
     for k, v in metrics.items():
         print(f"{k}: {v:.4g}")
-    write_results("parity", metrics, a.out)
+    if switches:
+        write_results("parity-switched", metrics, a.out, switches=switches)
+    else:
+        write_results("parity", metrics, a.out)
     if failed:
         print(f"failed: {failed}")
     return 1 if failed else 0

@@ -32,6 +32,36 @@ def write_results(kind: str, metrics: dict, out: str | pathlib.Path, **extra) ->
     return path
 
 
+def apply_switches(settings: list[str]) -> dict:
+    """Set module switches given as ``package.module.NAME=VALUE`` (VALUE a Python literal),
+    e.g. ``cp_modules.ops.mla_attention.KEYS_BY_COPIES=True``, before a run; returns them
+    ({"package.module.NAME": value}) for the results file.
+
+    Raises:
+        ValueError: a setting without ``=``, a module without that attribute, or a value that
+            is not a literal.
+    """
+    import ast
+    import importlib
+
+    done: dict = {}
+    for item in settings:
+        target, sep, text = item.partition("=")
+        mod_name, _, attr = target.rpartition(".")
+        if not sep or not mod_name:
+            raise ValueError(f"--set wants package.module.NAME=VALUE, got {item!r}")
+        module = importlib.import_module(mod_name)
+        if not hasattr(module, attr):
+            raise ValueError(f"--set {item!r}: {mod_name} has no attribute {attr!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"--set {item!r}: the value must be a Python literal") from e
+        setattr(module, attr, value)
+        done[target] = value
+    return done
+
+
 def graph_replay_us(fn, rep: int = 40) -> float:
     """Median µs of ``do_bench`` (L2 flushed before each replay) over a CUDA graph of ``fn``,
     after one eager call (compilation, allocations)."""

@@ -96,7 +96,8 @@ def test_report_regenerates_the_dated_report(tmp_path):
     # the loading memory run its own file (bench_loading, one row per loader); the speculative
     # decoding runs and the fp8 KV runs and probe their notes (docs/experiments, not in the
     # dated report yet), and so do the decoder training parity runs and the combine's and the
-    # bf16 GQA decode's tile sweeps (the peers note).
+    # bf16 GQA decode's tile sweeps (the peers note), and the parity runs with a switch set
+    # (``bench_parity --set``) the notes of those switches.
     kept -= {
         name
         for name in kept
@@ -110,6 +111,7 @@ def test_report_regenerates_the_dated_report(tmp_path):
                 "decoder-parity-",
                 "combine-tiles-",
                 "gqa-decode-tiles-",
+                "parity-switched-",
             )  # fmt: skip
         )
     }
@@ -163,3 +165,18 @@ def test_pcp_studies_keep_the_defaults_of_their_former_scripts():
     a = bench_pcp.parse_args(["timeline", "--out", "x"])
     assert (a.run, a.pcp, a.out) == (bench_pcp.run_timeline, [4, 8], "x")
     assert a.shapes == ["mha-32k", "gqa-32k", "mla-32k"]
+
+
+def test_switches_are_set_by_name_and_bad_ones_refused(monkeypatch):
+    import cp_modules.ops.mla_attention as mla_ops
+    from benchmarks.common import apply_switches
+
+    monkeypatch.setattr(mla_ops, "KEYS_BY_COPIES", False)
+    done = apply_switches(["cp_modules.ops.mla_attention.KEYS_BY_COPIES=True"])
+    assert mla_ops.KEYS_BY_COPIES is True
+    assert done == {"cp_modules.ops.mla_attention.KEYS_BY_COPIES": True}
+    for bad, msg in (("KEYS_BY_COPIES", "package.module.NAME=VALUE"),
+                     ("cp_modules.ops.mla_attention.NOPE=1", "has no attribute 'NOPE'"),
+                     ("cp_modules.ops.mla_attention.KEYS_BY_COPIES=yes", "Python literal")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            apply_switches([bad])

@@ -140,6 +140,37 @@ def test_mla_decode_absorbed_equals_prefill_path():
     torch.testing.assert_close(last[0], full[9], atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_mla_keys_by_copies_equal_the_concatenation(grad, monkeypatch):
+    """``KEYS_BY_COPIES`` builds MLA's per-head keys by two copies instead of one
+    concatenation: the same bits forward (the one-rank local path, and the op's path through
+    a chunked prefill) and the same gradients."""
+    import cp_modules.ops.mla_attention as mla_ops
+
+    torch.manual_seed(0)
+    m = CPMLAAttention(64, 4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                       qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    x = torch.randn(10, 64, requires_grad=grad)
+    outs = []
+    for by_copies in (False, True):
+        monkeypatch.setattr(mla_ops, "KEYS_BY_COPIES", by_copies)
+        with torch.set_grad_enabled(grad):
+            y = run(m, x, [6, 4])  # one rank, no cache: the local path
+        got = [y]
+        if grad:
+            got += list(torch.autograd.grad(y.square().sum(), [x, m.kv_b_proj.weight]))
+        else:
+            m.kv_cache = allocate_mla_cache(8, 4, 32, 8, dtype=torch.float32)
+            bt = torch.arange(4).view(1, 4)
+            with torch.no_grad():
+                run(m, x[:6], [6], [0], bt)
+                got.append(run(m, x[6:], [4], [6], bt))  # the prefix: the op's up-projection
+            m.kv_cache = None
+        outs.append(got)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ bad inputs: clear errors
 
 

@@ -41,6 +41,25 @@ __all__ = ["mla_attention", "mla_backward_path"]
 
 # ----------------------------------------------------------------------------- MLA
 
+# How the per-head keys [N, H, Dn + Dr] are built from their parts (the up-projected k_nope
+# and the shared rope key broadcast over the heads): False, one concatenation; True, an empty
+# tensor and two copies into its columns (as newer transformers builds DeepSeek's keys). The
+# same values either way, gradients too. Read at every call; tools/probes/probe_mla_local_prep.py
+# times both at DeepSeek-V3's shape.
+KEYS_BY_COPIES = False
+
+
+def _join_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """K [N, H, Dn + Dr] from k_nope [N, H, Dn] (any strides) and k_pe [N, Dr]."""
+    h = k_nope.shape[1]
+    if not KEYS_BY_COPIES:
+        return torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
+    dn = k_nope.shape[-1]
+    k = k_nope.new_empty(k_nope.shape[0], h, dn + k_pe.shape[-1])
+    k[..., :dn].copy_(k_nope)
+    k[..., dn:].copy_(k_pe.unsqueeze(1))
+    return k
+
 
 def _up_project(latent: torch.Tensor, w_kv: torch.Tensor, rk: int, dn: int):
     """Per-head K [N, H, Dn + Dr] and V [N, H, Dv] from latent rows [N, Rk + Dr]: one GEMM
@@ -49,8 +68,7 @@ def _up_project(latent: torch.Tensor, w_kv: torch.Tensor, rk: int, dn: int):
     kv_c, k_pe = latent[:, :rk], latent[:, rk:]
     h = w_kv.shape[0]
     kv = torch.mm(kv_c, w_kv.reshape(-1, rk).t()).view(-1, h, w_kv.shape[1])
-    k = torch.cat((kv[..., :dn], k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
-    return k, kv[..., dn:].contiguous()
+    return _join_keys(kv[..., :dn], k_pe), kv[..., dn:].contiguous()
 
 
 def _nope_dim(q: torch.Tensor, latent: torch.Tensor, rk: int) -> int:
@@ -344,8 +362,7 @@ def _mla_local(
     h, dn = w_kv.shape[0], q.shape[-1] - k_pe.shape[-1]
     kv = torch.nn.functional.linear(kv_c, w_kv.reshape(-1, rk)).view(-1, h, w_kv.shape[1])
     k_nope, v = kv.split([dn, w_kv.shape[1] - dn], dim=-1)
-    k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
-    return gqa_attention(q, k, v, scale=scale)
+    return gqa_attention(q, _join_keys(k_nope, k_pe), v, scale=scale)
 
 
 def _takes_local_path(meta: CPStepMetadata | None) -> bool:
