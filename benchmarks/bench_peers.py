@@ -330,6 +330,7 @@ def _flashinfer_gqa_fn(tensor_cores, k, v, q, bt, lens, workspace, hkv):
 
 
 def run_gqa(versions: dict, log, models=GQA_MODELS, shapes=GQA_SHAPES) -> list[dict]:
+    from cp_modules.kernels.decode.gqa_tokens import paged_gqa_tokens_on_m
     from cp_modules.ops.paged_decode import paged_attention
     from cp_modules.reference.paged_decode import paged_attention_ref
 
@@ -360,6 +361,10 @@ def run_gqa(versions: dict, log, models=GQA_MODELS, shapes=GQA_SHAPES) -> list[d
             ours = partial(paged_attention, q, k, v, bt, seq, lens, scale=scale)
             impl = row["impl"]
             impl["cp"] = measure(ours, ref, same, work, idx)
+            # The tokens-on-M kernel (its switch aside): rows gqa paged decode cp /
+            # cp-tokens-on-m.
+            fn = partial(paged_gqa_tokens_on_m, q, k, v, bt, seq, lens, scale)
+            impl["cp-tokens-on-m"] = measure(fn, ref, same, work, idx)
             if available(versions, "FlashInfer"):
                 variants = {}
                 for name, tc in (("cuda-cores", False), ("tensor-cores", True)):

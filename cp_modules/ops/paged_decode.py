@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from cp_modules.cache.kv_dtype import is_fp8
-from cp_modules.kernels.decode import mla_gluon_config
+from cp_modules.kernels.decode import gqa_tokens, mla_gluon_config
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
 from cp_modules.kernels.decode.mla_gluon import (
     gluon_mla_fp8_supported,
@@ -71,6 +71,13 @@ def _paged_attention_cpu(q, k_cache, v_cache, block_table, query_seq_idx, query_
 def _paged_attention_cuda(q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale,
                           num_splits=0, query_kv_start=None, softcap=0.0, k_scale=None,
                           v_scale=None, query_len=1):  # fmt: skip
+    # The tokens-on-M kernel where its switch is on and it serves the inputs (read per call).
+    if gqa_tokens.GQA_TOKENS_ON_M and not gqa_tokens.gqa_tokens_on_m_supported(
+        q, k_cache, v_cache, query_kv_start, softcap, query_len
+    ):
+        return gqa_tokens.paged_gqa_tokens_on_m(
+            q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale, num_splits
+        )
     return paged_attention_kernel(
         q, k_cache, v_cache, block_table, query_seq_idx, query_kv_len, scale, num_splits,
         query_kv_start=query_kv_start, softcap=softcap or None, k_scale=k_scale,
