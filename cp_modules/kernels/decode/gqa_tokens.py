@@ -24,7 +24,15 @@ import triton
 import triton.language as tl
 
 from cp_modules.kernels.decode.paged import _LOG2E
-from cp_modules.kernels.decode.tiles import _num_sms, _pow2, _split_buffers, choose_num_splits
+from cp_modules.kernels.decode.tiles import (
+    _num_sms,
+    _pow2,
+    _split_buffers,
+    choose_num_splits,
+    split_range,
+    store_lse,
+    tile_slots,
+)
 from cp_modules.kernels.merge import merge_splits_triton
 
 __all__ = ["GQA_TOKENS_ON_M", "TILE", "gqa_tokens_on_m_supported", "paged_gqa_tokens_on_m"]
@@ -84,10 +92,7 @@ def _gqa_tokens_on_m_kernel(
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     row = tl.load(SEQ_IDX + t).to(tl.int64)
-    kv_len = tl.maximum(tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len), 0)
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, kv_len)
+    _, start, end = split_range(KV_LEN, t, max_kv_len, num_splits, split, BLOCK_N)
 
     offs_d = tl.arange(0, D)
     q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -100,18 +105,9 @@ def _gqa_tokens_on_m_kernel(
     K_h = K + kvh.to(tl.int64) * stride_kh
     V_h = V + kvh.to(tl.int64) * stride_vh
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        if PAGE % BLOCK_N == 0:
-            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
-            pos = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
-            k_tok = blk * stride_kb + pos * stride_ks
-            v_tok = blk * stride_vb + pos * stride_vs
-        else:
-            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-            pos = (offs_n % PAGE).to(tl.int64)
-            k_tok = blk * stride_kb + pos * stride_ks
-            v_tok = blk * stride_vb + pos * stride_vs
+        n_mask, blk, pos = tile_slots(bt_row, n0, end, PAGE, BLOCK_N)
+        k_tok = blk * stride_kb + pos * stride_ks
+        v_tok = blk * stride_vb + pos * stride_vs
         # Rows past the range load as zeros: unwritten slots may hold NaN.
         k = tl.load(K_h + k_tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         v = tl.load(V_h + v_tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
@@ -129,11 +125,7 @@ def _gqa_tokens_on_m_kernel(
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_ptrs = OUT + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=g_mask[:, None])
-    l_ptrs = LSE + t * stride_lt + heads * stride_lh + split * stride_ls
-    if PARTIAL:
-        tl.store(l_ptrs, lse2, mask=g_mask)  # base 2, for the merge
-    else:
-        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=g_mask)
+    store_lse(LSE + t * stride_lt + heads * stride_lh + split * stride_ls, lse2, g_mask, PARTIAL)
 
 
 def paged_gqa_tokens_on_m(

@@ -39,6 +39,9 @@ from cp_modules.kernels.decode.tiles import (  # noqa: F401 (re-exported)
     _MLA_MAX_SPLITS,
     _SPLIT_COST_TILES,
     choose_mla_num_splits,
+    split_range,
+    store_lse,
+    tile_slots,
 )
 from cp_modules.kernels.merge import merge_splits_triton
 
@@ -104,11 +107,7 @@ def _paged_mla_kernel(
     h_mask = offs_h < H
 
     row = tl.load(SEQ_IDX + t).to(tl.int64)
-    kv_len = tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len)
-    kv_len = tl.maximum(kv_len, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, kv_len)
+    kv_len, start, end = split_range(KV_LEN, t, max_kv_len, num_splits, split, BLOCK_N)
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
@@ -129,14 +128,8 @@ def _paged_mla_kernel(
         kv_scale = tl.load(KV_SCALE)
         qk_scale = qk_scale * kv_scale
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        if PAGE % BLOCK_N == 0:
-            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
-            tok = blk * stride_cb + (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_cs
-        else:
-            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-            tok = blk * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cs
+        n_mask, blk, pos = tile_slots(bt_row, n0, end, PAGE, BLOCK_N)
+        tok = blk * stride_cb + pos * stride_cs
         # Rows past the range are zero-filled: their NaN/garbage must not reach P @ V.
         kv = tl.load(
             C + tok[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0
@@ -202,11 +195,7 @@ def _paged_mla_kernel(
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)) - P_SHIFT, float("-inf"))
     o_ptrs = OUT + t * stride_ot + offs_h[:, None] * stride_oh + split * stride_os + offs_r[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
-    l_ptrs = LSE + t * stride_lt + offs_h * stride_lh + split * stride_ls
-    if PARTIAL:
-        tl.store(l_ptrs, lse2, mask=h_mask)  # base 2, for the merge
-    else:
-        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
+    store_lse(LSE + t * stride_lt + offs_h * stride_lh + split * stride_ls, lse2, h_mask, PARTIAL)
 
 
 def mla_programs_per_sm(cfg: DecodeConfig) -> int:

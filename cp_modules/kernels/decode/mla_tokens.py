@@ -37,7 +37,15 @@ import triton.language as tl
 
 from cp_modules.kernels.decode.fp8 import HW_FP16, fp8_e4m3_bits_to
 from cp_modules.kernels.decode.paged import _LOG2E
-from cp_modules.kernels.decode.tiles import _num_sms, _pow2, _split_buffers, choose_mla_num_splits
+from cp_modules.kernels.decode.tiles import (
+    _num_sms,
+    _pow2,
+    _split_buffers,
+    choose_mla_num_splits,
+    split_range,
+    store_lse,
+    tile_slots,
+)
 from cp_modules.kernels.merge import merge_splits_triton
 
 __all__ = [
@@ -140,10 +148,7 @@ def _mla_tokens_on_m_kernel(
     offs_h = (pid % NUM_HEAD_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     row = tl.load(SEQ_IDX + t).to(tl.int64)
-    kv_len = tl.maximum(tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len), 0)
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, kv_len)
+    _, start, end = split_range(KV_LEN, t, max_kv_len, num_splits, split, BLOCK_N)
 
     RC: tl.constexpr = R // 4
     offs_c = tl.arange(0, RC)
@@ -182,14 +187,8 @@ def _mla_tokens_on_m_kernel(
     acc3 = acc0
     bt_row = BT + row * stride_btr
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        if PAGE % BLOCK_N == 0:
-            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
-            tok = blk * stride_cb + (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_cs
-        else:
-            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-            tok = blk * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cs
+        n_mask, blk, pos = tile_slots(bt_row, n0, end, PAGE, BLOCK_N)
+        tok = blk * stride_cb + pos * stride_cs
         # Rows past the range load as zeros: unwritten slots may hold NaN.
         rows = C + tok[:, None] + offs_c[None, :]
         b0 = tl.load(rows, mask=n_mask[:, None], other=0)
@@ -226,11 +225,7 @@ def _mla_tokens_on_m_kernel(
     tl.store(o_ptrs + RC, (tl.trans(acc1) * inv).to(dt), mask=h_mask[:, None])
     tl.store(o_ptrs + 2 * RC, (tl.trans(acc2) * inv).to(dt), mask=h_mask[:, None])
     tl.store(o_ptrs + 3 * RC, (tl.trans(acc3) * inv).to(dt), mask=h_mask[:, None])
-    l_ptrs = LSE + t * stride_lt + offs_h * stride_lh + split * stride_ls
-    if PARTIAL:
-        tl.store(l_ptrs, lse2, mask=h_mask)  # base 2, for the merge
-    else:
-        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=h_mask)
+    store_lse(LSE + t * stride_lt + offs_h * stride_lh + split * stride_ls, lse2, h_mask, PARTIAL)
 
 
 def paged_mla_tokens_on_m(

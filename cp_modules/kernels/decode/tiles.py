@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 __all__ = [
     "DecodeConfig",
@@ -165,3 +166,38 @@ def choose_mla_num_splits(
         costs.append(waves * (triton.cdiv(tiles, s) + fixed) + merge_tiles_per_split * (s - 1))
     best = min(costs)
     return next(s for s, c in enumerate(costs, 1) if c <= best * 1.02)
+
+
+@triton.jit
+def split_range(KV_LEN, t, max_kv_len, num_splits, split, BLOCK_N: tl.constexpr):
+    """(kv_len, start, end) of query ``t``'s split ``split``: its visible length (clamped to
+    the block table's capacity) and the equal, tile-aligned share ``[start, end)`` of it."""
+    kv_len = tl.maximum(tl.minimum(tl.load(KV_LEN + t).to(tl.int32), max_kv_len), 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return kv_len, start, tl.minimum(start + chunk, kv_len)
+
+
+@triton.jit
+def tile_slots(bt_row, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(n_mask, blk, pos) of the tile of tokens ``[n0, n0 + BLOCK_N)`` of a block-table row:
+    which are before ``end``, each token's physical block (int64; one scalar when the tile lies
+    in one block, ``PAGE % BLOCK_N == 0``) and its position in that block (int64)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    if PAGE % BLOCK_N == 0:
+        blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+        pos = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        pos = (offs_n % PAGE).to(tl.int64)
+    return n_mask, blk, pos
+
+
+@triton.jit
+def store_lse(l_ptrs, lse2, mask, PARTIAL: tl.constexpr):
+    """A program's base-2 LSEs: as they are for the split merge (``PARTIAL``), else in base e."""
+    if PARTIAL:
+        tl.store(l_ptrs, lse2, mask=mask)
+    else:
+        tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=mask)
