@@ -15,26 +15,19 @@ import cp_modules.kernels.decode.gqa_tokens as gqa_tokens
 from cp_modules.kernels.decode.gqa_tokens import gqa_tokens_on_m_supported, paged_gqa_tokens_on_m
 from cp_modules.ops.paged_decode import _paged_attention_cuda
 from cp_modules.reference.paged_decode import paged_attention_ref
+from cp_modules.testing.paged import scattered_block_table
 
 
 def _inputs(bs, hq, hkv, d, lens, dtype, dev="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    nb = sum(-(-int(n) // bs) for n in lens) + 2
+    bt, nb, slots = scattered_block_table(lens, bs, g)
     # Unwritten slots hold NaN: rows past a range must never reach P @ V.
-    kc = torch.full((nb, bs, hkv, d), float("nan"), dtype=dtype)
-    vc = torch.full((nb, bs, hkv, d), float("nan"), dtype=dtype)
-    width = max(1, max(-(-int(n) // bs) for n in lens))
-    perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(len(lens), width, dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(lens):
-        need = -(-int(n) // bs)
-        bt[r, :need] = perm[used : used + need].to(torch.int32)
-        used += need
-        pos = torch.arange(int(n))
-        blk, off = bt[r, pos // bs].long(), pos % bs
-        kc[blk, off] = torch.randn(int(n), hkv, d, generator=g).to(dtype)
-        vc[blk, off] = torch.randn(int(n), hkv, d, generator=g).to(dtype)
+    kc = torch.full((nb * bs, hkv, d), float("nan"), dtype=dtype)
+    vc = torch.full((nb * bs, hkv, d), float("nan"), dtype=dtype)
+    for n, row_slots in zip(lens, slots, strict=True):
+        kc[row_slots] = torch.randn(int(n), hkv, d, generator=g).to(dtype)
+        vc[row_slots] = torch.randn(int(n), hkv, d, generator=g).to(dtype)
+    kc, vc = kc.view(nb, bs, hkv, d), vc.view(nb, bs, hkv, d)
     q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(dtype)
     rows = torch.arange(len(lens), dtype=torch.int32)
     return [x.to(dev) for x in (q, kc, vc, bt, rows, torch.tensor(lens))]

@@ -12,26 +12,19 @@ from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
 from cp_modules.kernels.decode.mla_tokens import paged_mla_tokens_on_m, tokens_on_m_supported
 from cp_modules.ops.kv_cache import write_mla_cache
 from cp_modules.reference.paged_decode import paged_mla_attention_ref
+from cp_modules.testing.paged import scattered_block_table
 
 
-def _inputs(bs, rk, rope, heads, lens, dtype, dev="cpu", seed=0, nb=None):
+def _inputs(bs, rk, rope, heads, lens, dtype, dev="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    nb = nb or sum(-(-int(n) // bs) for n in lens) + 2
+    bt, nb, slots = scattered_block_table(lens, bs, g)
     # Unwritten slots hold NaN bytes: rows past a range must never reach P @ V.
     cache = torch.full((nb, bs, rk + rope), float("nan")).to(FP8_DTYPE)
     sc = kv_scale(0.3, 1)
-    width = max(1, max(-(-int(n) // bs) for n in lens))
-    perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(len(lens), width, dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(lens):
-        need = -(-int(n) // bs)
-        bt[r, :need] = perm[used : used + need].to(torch.int32)
-        used += need
-        pos = torch.arange(int(n))
-        slots = bt[r, pos // bs].to(torch.int64) * bs + pos % bs
-        write_mla_cache(torch.randn(pos.numel(), rk, generator=g) * 2,
-                        torch.randn(pos.numel(), rope, generator=g), cache, slots, sc)  # fmt: skip
+    for row_slots in slots:
+        n = row_slots.numel()
+        write_mla_cache(torch.randn(n, rk, generator=g) * 2, torch.randn(n, rope, generator=g),
+                        cache, row_slots, sc)  # fmt: skip
     rows = torch.arange(len(lens), dtype=torch.int32)
     q = (torch.randn(len(lens), heads, rk + rope, generator=g) * 3).to(dtype)
     lens_t = torch.tensor(lens)
