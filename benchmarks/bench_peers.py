@@ -7,6 +7,7 @@ peers into ``$CP_PEERS_SITE``, default ``/tmp/peers_site``; this script adds it 
 
     python -m benchmarks.bench_peers                 # every section, a few minutes on an H200
     python -m benchmarks.bench_peers --only mla,gqa  # sections: mla, gqa, combine
+    python -m benchmarks.bench_peers --cp-only --kind peers-cp-only  # no peers: cp variants
 
 Without a GPU or with neither peer importable it prints one line saying why and exits 0 (the
 suite runs it on every machine).
@@ -502,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cp-variants", default="",
                     help="comma-separated Gluon MLA schedules timed beside the default as "
                          "cp-<name> (their rows read cp / cp-<name>)")  # fmt: skip
+    ap.add_argument("--cp-only", action="store_true",
+                    help="run without peers: only this project's kernels and their variants "
+                         "(cp-tokens-on-m, cp-<name>), rows cp / cp-<variant>")  # fmt: skip
     a = ap.parse_args(argv)
     cp_variants = tuple(n for n in a.cp_variants.split(",") if n)
     only = [s for s in a.only.split(",") if s]
@@ -513,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "ignore", category=DeprecationWarning, module=r"(flashinfer|benchmarks)"
     )
     versions = peer_versions()
-    reason = skip_reason(versions, torch.cuda.is_available())
+    reason = skip_reason(versions, torch.cuda.is_available(), cp_only=a.cp_only)
     if reason:
         print(reason, flush=True)
         return 0

@@ -31,6 +31,9 @@ def test_skip_reason_names_each_missing_peer():
     assert "FlashMLA ModuleNotFoundError" in reason and "FlashInfer ModuleNotFoundError" in reason
     assert bp.skip_reason(versions, cuda=False) == "bench_peers: skipped: no CUDA device"
     assert bp.skip_reason({"FlashMLA": "1.0.0", "FlashInfer": "unavailable: x"}, True) is None
+    # Without peers, --cp-only still times this project's kernels and their variants.
+    assert bp.skip_reason(versions, cuda=True, cp_only=True) is None
+    assert bp.skip_reason(versions, cuda=False, cp_only=True) is not None
 
 
 def test_row_names():

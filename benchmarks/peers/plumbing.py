@@ -76,11 +76,12 @@ def available(versions: dict[str, str], peer: str) -> bool:
     return not versions.get(peer, "unavailable").startswith("unavailable")
 
 
-def skip_reason(versions: dict[str, str], cuda: bool) -> str | None:
-    """One line saying why the benchmark cannot run, or None if it can."""
+def skip_reason(versions: dict[str, str], cuda: bool, *, cp_only: bool = False) -> str | None:
+    """One line saying why the benchmark cannot run, or None if it can (``cp_only``: no peer
+    is needed, only this project's kernels and their variants are timed)."""
     if not cuda:
         return "bench_peers: skipped: no CUDA device"
-    if not any(available(versions, p) for p in versions):
+    if not cp_only and not any(available(versions, p) for p in versions):
         why = "; ".join(f"{p} {v.removeprefix('unavailable: ')}" for p, v in versions.items())
         return (
             f"bench_peers: skipped: no peer importable ({why}); build them with "

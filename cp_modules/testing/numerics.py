@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_close_to_reference", "max_abs_err"]
+__all__ = ["assert_close_to_reference", "assert_decode_close", "max_abs_err"]
 
 
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,3 +46,21 @@ def assert_close_to_reference(
             f"{name}: max abs error {err:.3e} exceeds bound {bound:.3e} "
             f"({factor} x same-dtype reference error {base:.3e} + atol {atol:.1e})"
         )
+
+
+def assert_decode_close(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ref: tuple[torch.Tensor, torch.Tensor],
+    same: tuple[torch.Tensor, torch.Tensor],
+    *,
+    atol: float = 1e-4,
+) -> None:
+    """A decode kernel's (out, lse) against the fp32 reference ``ref`` by the rule above, with
+    ``same`` the reference in the kernel's dtype: -inf LSE (a row that sees no key) exactly
+    where the reference has it, the finite LSEs and the output within the bound."""
+    assert_close_to_reference(out, ref[0], same[0], atol=atol)
+    empty = torch.isneginf(ref[1])
+    if not torch.equal(torch.isneginf(lse), empty):
+        raise AssertionError("lse: the rows at -inf differ from the reference's")
+    assert_close_to_reference(lse[~empty], ref[1][~empty], same[1][~empty], atol=atol, name="lse")
