@@ -35,7 +35,8 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   warps), rows ``variant BF16_TOKENS_ON_M=<the other> bf16 ...`` the bf16 cache on the other
   one (``mla_tokens.BF16_TOKENS_ON_M``; both flipped: the row
   ``variant TOKENS_ON_M=<..> BF16_TOKENS_ON_M=<..> fp8 KV speed-up over bf16 ...``), rows
-  ``variant K_T=...`` / ``ASM=...`` flip the heads-on-M kernel's key-tile load and conversion.
+  ``variant K_T=...`` / ``ASM=...`` flip the heads-on-M kernel's key-tile load and conversion
+  (with ``TOKENS_ON_M=False``).
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound).
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
@@ -352,9 +353,14 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                 both = (f"TOKENS_ON_M={not mla_tokens.FP8_TOKENS_ON_M} "
                         f"BF16_TOKENS_ON_M={not mla_tokens.BF16_TOKENS_ON_M}")  # fmt: skip
                 rows[f"variant {both} fp8 KV speed-up over bf16 {k}"] = t16m / t8m
-            _variant(mla_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows, checks)
-            _variant(gqa_kernels, f"mla{heads} {key}", fp8, ref8, args, t16, read8, rows,
-                     checks, flag="FP8_DEQUANT_ASM")  # fmt: skip
+            saved = mla_tokens.FP8_TOKENS_ON_M
+            mla_tokens.FP8_TOKENS_ON_M = False  # K_T / ASM: the heads-on-M kernel's switches
+            try:
+                _variant(mla_kernels, k, fp8, ref8, args, t16, read8, rows, checks)
+                _variant(gqa_kernels, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_DEQUANT_ASM")  # fmt: skip
+            finally:
+                mla_tokens.FP8_TOKENS_ON_M = saved
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9
