@@ -38,8 +38,9 @@ from cp_modules.kernels.merge import merge_splits_triton
 __all__ = ["GQA_TOKENS_ON_M", "TILE", "gqa_tokens_on_m_supported", "paged_gqa_tokens_on_m"]
 
 # bf16/fp16 GQA decode (one query a run, no window, no soft-cap): this kernel instead of the
-# heads-on-M kernel. Read at every launch. Off until timed on the H200 (bench_peers' entry
-# cp-tokens-on-m).
+# heads-on-M kernel. Read at every launch. Off: timed on an H100 (2026-12-06, bench_peers
+# --cp-only entry cp-tokens-on-m) it was no faster on the memory-bound shapes (heads-on-M /
+# tokens-on-M time 0.89-1.00, both at 2.5-3.1 TB/s).
 GQA_TOKENS_ON_M = False
 # (tokens a tile, warps, stages of copies). Read at every launch.
 TILE = (64, 4, 3)

@@ -65,7 +65,8 @@ __all__ = [
 # 0.66-0.72x (bench_fp8_kv rows "variant TOKENS_ON_M=False ...").
 FP8_TOKENS_ON_M = True
 # The same for bf16/fp16 caches (the tiles then go from the copies straight to the products, no
-# conversion), against the heads-on-M kernel. Off until timed (rows "variant BF16_TOKENS_ON_M").
+# conversion), against the heads-on-M kernel. Off: 2-6 % slower than it on an H100 (2026-12-06,
+# rows "variant BF16_TOKENS_ON_M", the heads-on-M kernel already at 2.8-2.9 TB/s).
 BF16_TOKENS_ON_M = False
 MAX_HEADS = 32
 _BLOCK_H = 16
