@@ -384,7 +384,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-mla", action="store_true")
-    ap.add_argument("--families", default="gqa,mla16,mla128", help="comma list of row families")
+    ap.add_argument(
+        "--families",
+        default="gqa,mla16,mla128",
+        help="comma list of row families: gqa, mla<heads> (mla16, mla128, mla32, ...)",
+    )
     ap.add_argument("--logits", action="store_true", help="only the logits-error rows")
     ap.add_argument("--sweep-all", action="store_true", help="the GQA tile sweep on every shape")
     ap.add_argument("--logits-models", default=",".join(NAMES))
@@ -413,16 +417,16 @@ def main() -> int:
         return 0 if ok else 1
     families = set(a.families.split(","))
     if a.no_mla:
-        families -= {"mla16", "mla128"}
+        families = {f for f in families if not f.startswith("mla")}
     ok = True
     if "gqa" in families:
         ok &= gqa_rows(gqa, rows, checks)
         save()
-    if "mla16" in families:
-        ok &= mla_rows(MLA_16_SHAPES[:2] if a.quick else MLA_16_SHAPES, 16, rows, checks)
-        save()
-    if "mla128" in families:
-        ok &= mla_rows(MLA_128_SHAPES[:2] if a.quick else MLA_128_SHAPES, 128, rows, checks)
+    # mla<H>: H heads (16: DeepSeek's 128 split 8 ways, 128 whole; others, e.g. 32 or 48, on
+    # the 16-head shapes).
+    for heads in sorted(int(f[3:]) for f in families if f[:3] == "mla" and f[3:].isdigit()):
+        shapes = MLA_128_SHAPES if heads == 128 else MLA_16_SHAPES
+        ok &= mla_rows(shapes[:2] if a.quick else shapes, heads, rows, checks)
         save()
     return 0 if ok else 1
 

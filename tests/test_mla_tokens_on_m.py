@@ -129,6 +129,32 @@ def test_switch_routes_few_heads_and_falls_back_otherwise(monkeypatch):
     _check(off[0], off[1], q16, cache, bt, rows, lens_t, sc, 0.1, rk)
 
 
+def test_the_op_routes_only_one_head_tile_here(monkeypatch):
+    """Over ROUTE_MAX_HEADS heads (two head tiles: each program would read the whole cache) the
+    op runs the heads-on-M kernel even with the switch on; called directly this kernel still
+    serves them."""
+    assert mla_tokens.FP8_TOKENS_ON_M and mla_tokens.ROUTE_MAX_HEADS == 16
+    calls = []
+    real = mla_tokens.paged_mla_tokens_on_m
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(mla_tokens, "paged_mla_tokens_on_m", spy)
+    rk, rope = 64, 16
+    for heads in (16, 20):
+        q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, heads, [70, 20], torch.float16,
+                                                 seed=6)  # fmt: skip
+        assert mla_tokens.tokens_on_m_supported(q, cache, rk) is None
+        assert mla_tokens.tokens_on_m_switched_on(cache, heads) == (heads <= 16)
+        out, lse = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
+        _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.1, rk)
+    assert calls == [16]
+    out, lse = real(q, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)  # 20 heads, direct
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.1, rk)
+
+
 def test_unserved_inputs_are_refused_naming_why():
     rk, rope = 64, 16
     q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, 16, [10], torch.bfloat16)

@@ -50,13 +50,17 @@ def main() -> int:
     seq = torch.arange(a.batch, device=dev, dtype=torch.int32)
     lens = torch.full((a.batch,), a.ctx, device=dev, dtype=torch.int32)
     scale = (128 + ROPE) ** -0.5
-    runs = [("bf16", cb, {}, None), ("fp8", c8, {}, one),
-            ("fp8-heads-on-m", c8, {"FP8_TOKENS_ON_M": False}, one)]
+    runs = [
+        ("bf16", cb, {}, None),
+        ("fp8", c8, {}, one),
+        ("fp8-heads-on-m", c8, {"FP8_TOKENS_ON_M": False}, one),
+    ]
     for name, cache, switches, sc in runs:
         saved = {k: getattr(mla_tokens, k) for k in switches}
         for k, v in switches.items():
             setattr(mla_tokens, k, v)
         try:
+
             def fn(qq=q, cache=cache, sc=sc):
                 return paged_mla_attention(qq, cache, bt, seq, lens, scale=scale,
                                            kv_lora_rank=RK, kv_scale=sc)  # fmt: skip

@@ -48,9 +48,12 @@ from cp_modules.kernels.merge import merge_splits_triton
 __all__ = ["choose_mla_num_splits", "mla_programs_per_sm", "paged_mla_attention_kernel"]
 
 # fp8 caches: load the latent tile a second time as [R, N] for the scores (no transpose);
-# read at every launch (heads tiles under 64 only). On by measurement: up to 8 % faster at 16
-# heads on the H200, one shape 2 % slower (benchmarks/results/fp8-kv-2026-12-02.txt).
-FP8_K_TRANSPOSED = True
+# read at every launch (heads tiles under 64 only). Off by measurement (2026-12-06, H100, the
+# kernel with today's conversion): without it fp8 ran 0.81-0.87x of bf16 against 0.66-0.72x at
+# 16 heads and 0.51-0.69x against 0.39-0.51x at 32, equal at 48
+# (benchmarks/results/fp8-kv-mla32-48-2026-12-06-h100.json). It had been on since the H200's
+# 2026-12-02 rows (up to 8 % faster at 16 heads), measured before the conversion was rewritten.
+FP8_K_TRANSPOSED = False
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -225,14 +228,15 @@ def paged_mla_attention_kernel(
     The value of a token is the first R elements of its latent row, which the kernel reuses
     from the key tile it already loaded. ``num_splits`` None or 0 picks the split count from
     static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles. An fp8 cache
-    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0). With few heads and no ``config`` the
-    tokens-on-M kernel runs instead where its switch for the cache's dtype is on
+    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0). With at most
+    :data:`~.mla_tokens.ROUTE_MAX_HEADS` heads and no ``config`` the tokens-on-M kernel runs
+    instead where its switch for the cache's dtype is on
     (:func:`~.mla_tokens.tokens_on_m_switched_on`).
     """
     assert q.stride(-1) == 1 and cache.stride(-1) == 1
     if (
         config is None
-        and mla_tokens.tokens_on_m_switched_on(cache)
+        and mla_tokens.tokens_on_m_switched_on(cache, q.shape[1])
         and mla_tokens.tokens_on_m_supported(q, cache, kv_lora_rank) is None
     ):
         return mla_tokens.paged_mla_tokens_on_m(

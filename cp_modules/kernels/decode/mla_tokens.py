@@ -54,6 +54,7 @@ __all__ = [
     "FP8_TILE",
     "FP8_TOKENS_ON_M",
     "MAX_HEADS",
+    "ROUTE_MAX_HEADS",
     "paged_mla_tokens_on_m",
     "tokens_on_m_supported",
     "tokens_on_m_switched_on",
@@ -62,13 +63,18 @@ __all__ = [
 # fp8 MLA caches with at most MAX_HEADS heads: this kernel instead of the heads-on-M Triton
 # kernel. Read at every launch. On since timed (2026-12-06, H100, DeepSeek's latent at 16 heads,
 # B*ctx 131k-2M): 0.85-0.88x of the bf16 kernel's time where the heads-on-M kernel gives
-# 0.66-0.72x (bench_fp8_kv rows "variant TOKENS_ON_M=False ...").
+# 0.66-0.72x (bench_fp8_kv rows "variant TOKENS_ON_M=False ..."), 0.81-0.87x with its
+# FP8_K_TRANSPOSED off (rows "variant K_T=False ...", now its default).
 FP8_TOKENS_ON_M = True
 # The same for bf16/fp16 caches (the tiles then go from the copies straight to the products, no
 # conversion), against the heads-on-M kernel. Off: 2-6 % slower than it on an H100 (2026-12-06,
 # rows "variant BF16_TOKENS_ON_M", the heads-on-M kernel already at 2.8-2.9 TB/s).
 BF16_TOKENS_ON_M = False
 MAX_HEADS = 32
+# Heads the op routes here (one head tile): with two head tiles (32 heads) each program reads the
+# whole cache and the heads-on-M kernel was faster on an H100 (2026-12-06, fp8 0.51-0.69x of bf16
+# against 0.45-0.64x here). MAX_HEADS is what this kernel serves when called directly.
+ROUTE_MAX_HEADS = 16
 _BLOCK_H = 16
 # (tokens a tile, warps, programs an SM) for fp8 and for 16-bit caches; the last is the split
 # count's assumption. fp8, 64 x 4: 72 KiB of shared memory and up to 255 registers of 128
@@ -100,9 +106,12 @@ def tokens_on_m_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: in
     return None
 
 
-def tokens_on_m_switched_on(cache: torch.Tensor) -> bool:
+def tokens_on_m_switched_on(cache: torch.Tensor, heads: int | None = None) -> bool:
     """Whether the switch for this cache's dtype is on (:data:`FP8_TOKENS_ON_M` for fp8,
-    :data:`BF16_TOKENS_ON_M` for bf16/fp16); read at every launch."""
+    :data:`BF16_TOKENS_ON_M` for bf16/fp16; read at every launch) and, given ``heads``, whether
+    the op routes that many here (at most :data:`ROUTE_MAX_HEADS`)."""
+    if heads is not None and heads > ROUTE_MAX_HEADS:
+        return False
     return FP8_TOKENS_ON_M if cache.dtype == torch.float8_e4m3fn else BF16_TOKENS_ON_M
 
 
