@@ -137,7 +137,8 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     value = (not default) if value is None else value
     names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
              "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS",
-             "FP8_TOKENS_ON_M": "TOKENS_ON_M", "_MAX_SPLITS": "MAX_SPLITS"}  # fmt: skip
+             "FP8_TOKENS_ON_M": "TOKENS_ON_M", "_MAX_SPLITS": "MAX_SPLITS",
+             "FP8_WIDE_HEADS": "FP8_WIDE_HEADS"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     t = None
     saved = {k: getattr(module, k) for k in also or {}}
@@ -346,8 +347,12 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             k = f"mla{heads} {key}"
             t8m = _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
                            flag="FP8_TOKENS_ON_M")  # fmt: skip
-            _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
-                     flag="FP8_TOKENS_ON_M", value=True, also={"FP8_TILE": (128, 8, 1)})  # fmt: skip
+            if heads <= 16:  # (more heads take FP8_WIDE_TILE)
+                _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_TOKENS_ON_M", value=True, also={"FP8_TILE": (128, 8, 1)})  # fmt: skip
+            if 16 < heads <= mla_tokens.MAX_HEADS:  # the other of one 32-head tile, routed
+                _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_WIDE_HEADS")  # fmt: skip
             t16m = _bf16_tokens_on_m(k, bf16, ref16, args, t16, read8, rows, checks)
             if t8m and t16m:  # both switches flipped
                 both = (f"TOKENS_ON_M={not mla_tokens.FP8_TOKENS_ON_M} "

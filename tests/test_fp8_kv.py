@@ -455,14 +455,14 @@ def test_gpu_fp8_kernels_match_reference(window_softcap, splits, k_transposed, m
     same_out, same_lse = paged_attention_ref(*args, d**-0.5, k_scale=ks, v_scale=vs, upcast=False,
                                              **extra)  # fmt: skip
     _assert_within_twice_same_dtype(out, lse, (ref_out, ref_lse), (same_out, same_lse))
-    # MLA 128, 48 and 16 heads (auto routes 128 heads to the Gluon kernel's fp8 path, 48 to the
-    # heads-on-M Triton kernel, 16 to the tokens-on-M one; 'gluon' is refused for 16).
+    # MLA 128, 48, 32 and 16 heads (auto routes 128 heads to the Gluon kernel's fp8 path, 48 to
+    # the heads-on-M Triton kernel, 32 and 16 to the tokens-on-M one; 'gluon' is refused for 16).
     c = torch.randn(nb * bs, 576, device=dev).to(torch.bfloat16)
     cache = torch.zeros(nb, bs, 576, dtype=FP8_DTYPE, device=dev)
     sc = kv_scale(0.5, 1, device=dev)
     write_mla_cache(c[:, :512], c[:, 512:], cache, slots, sc)
     margs16 = None
-    for heads in (16, 48, 128):
+    for heads in (16, 32, 48, 128):
         qm = torch.randn(4, heads, 576, device=dev).to(torch.bfloat16)
         margs = (qm, cache, bt, rows, lens)
         margs16 = margs16 or margs

@@ -55,6 +55,14 @@ def test_tokens_on_m_matches_reference_interpreted(bs, heads, lens, splits, dtyp
     _tokens_on_m_matches_reference(bs, heads, lens, splits, dtype)
 
 
+@pytest.mark.parametrize("heads,wide", [(20, True), (32, True), (32, False)])
+def test_tokens_on_m_wide_or_two_head_tiles_interpreted(monkeypatch, heads, wide):
+    """FP8_WIDE_HEADS: 17-32 heads as one 32-head tile (its second half masked at 20); off, as
+    two 16-head tiles."""
+    monkeypatch.setattr(mla_tokens, "FP8_WIDE_HEADS", wide)
+    _tokens_on_m_matches_reference(16, heads, [150, 3, 64], 2, torch.bfloat16)
+
+
 def test_tokens_on_m_128_token_tile_interpreted(monkeypatch):
     monkeypatch.setattr(mla_tokens, "FP8_TILE", (128, 8, 1))
     _tokens_on_m_matches_reference(16, 16, [300, 128, 5], 2, torch.bfloat16)
@@ -129,28 +137,37 @@ def test_switch_routes_few_heads_and_falls_back_otherwise(monkeypatch):
     _check(off[0], off[1], q16, cache, bt, rows, lens_t, sc, 0.1, rk)
 
 
-def test_the_op_routes_only_one_head_tile_here(monkeypatch):
-    """Over ROUTE_MAX_HEADS heads (two head tiles: each program would read the whole cache) the
-    op runs the heads-on-M kernel even with the switch on; called directly this kernel still
-    serves them."""
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "16-head-tiles"])
+def test_the_op_routes_only_one_head_tile_here(monkeypatch, wide):
+    """The op routes 17-32 heads here only as one wide head tile (FP8_WIDE_HEADS, fp8); with
+    two 16-head tiles (each program would read the whole cache), or a 16-bit cache, over
+    ROUTE_MAX_HEADS heads run on the heads-on-M kernel even with the switch on. Called directly
+    this kernel serves them either way."""
+    monkeypatch.setattr(mla_tokens, "FP8_WIDE_HEADS", wide)
+    monkeypatch.setattr(mla_tokens, "BF16_TOKENS_ON_M", True)
     assert mla_tokens.FP8_TOKENS_ON_M and mla_tokens.ROUTE_MAX_HEADS == 16
     calls = []
     real = mla_tokens.paged_mla_tokens_on_m
 
-    def spy(q, *args, **kwargs):
-        calls.append(q.shape[1])
-        return real(q, *args, **kwargs)
+    def spy(q, cache, *args, **kwargs):
+        calls.append((q.shape[1], cache.dtype))
+        return real(q, cache, *args, **kwargs)
 
     monkeypatch.setattr(mla_tokens, "paged_mla_tokens_on_m", spy)
     rk, rope = 64, 16
+    want = []
     for heads in (16, 20):
         q, cache, bt, rows, lens_t, sc = _inputs(16, rk, rope, heads, [70, 20], torch.float16,
                                                  seed=6)  # fmt: skip
-        assert mla_tokens.tokens_on_m_supported(q, cache, rk) is None
-        assert mla_tokens.tokens_on_m_switched_on(cache, heads) == (heads <= 16)
-        out, lse = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)
-        _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.1, rk)
-    assert calls == [16]
+        c16 = dequantize_fp8(cache, sc, torch.float32).nan_to_num(0.0).half()
+        for c, s in ((cache, sc), (c16, None)):
+            assert mla_tokens.tokens_on_m_supported(q, c, rk) is None
+            routed = heads <= 16 or (wide and c is cache)
+            assert mla_tokens.tokens_on_m_switched_on(c, heads) == routed
+            want += [(heads, c.dtype)] if routed else []
+            out, lse = paged_mla_attention_kernel(q, c, bt, rows, lens_t, 0.1, rk, 2, kv_scale=s)
+            _check(out, lse, q, c, bt, rows, lens_t, s, 0.1, rk)
+    assert calls == want
     out, lse = real(q, cache, bt, rows, lens_t, 0.1, rk, 2, kv_scale=sc)  # 20 heads, direct
     _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.1, rk)
 
@@ -198,9 +215,11 @@ import cp_modules.kernels.decode.mla_tokens as mla_tokens
 fn = mla_tokens._mla_tokens_on_m_kernel
 ptrs = {"Q": "*bf16", "C": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
         "OUT": "*fp32", "LSE": "*fp32", "KV_SCALE": "*fp32", "qk_scale": "fp32"}
-for page, fp8, tile in ((64, True, mla_tokens.FP8_TILE), (16, True, mla_tokens.FP8_TILE),
-                        (64, False, mla_tokens.BF16_TILE), (64, True, (128, 8, 1))):
-    consts = dict(H=16, NUM_HEAD_TILES=1, PAGE=page, R=512, P=64, BLOCK_H=16, BLOCK_N=tile[0],
+for page, fp8, tile, h in ((64, True, mla_tokens.FP8_TILE, 16),
+                           (16, True, mla_tokens.FP8_TILE, 16),
+                           (64, False, mla_tokens.BF16_TILE, 16), (64, True, (128, 8, 1), 16),
+                           (64, True, mla_tokens.FP8_WIDE_TILE, 32)):
+    consts = dict(H=h, NUM_HEAD_TILES=1, PAGE=page, R=512, P=64, BLOCK_H=h, BLOCK_N=tile[0],
                   PARTIAL=True, KV_FP8=fp8, FP8_ASM=True)
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
     sig["C"] = "*u8" if fp8 else "*bf16"
@@ -217,7 +236,7 @@ for page, fp8, tile in ((64, True, mla_tokens.FP8_TILE), (16, True, mla_tokens.F
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """What the interpreter does not check (e.g. globals a compiled kernel cannot read): the
     kernel compiled for sm_90a as 16-head DeepSeek launches (fp8 at block sizes 64 and 16, bf16,
-    fp8 on the bench's 128 x 8 tile; in a process without the interpreter): warp-group MMAs, the hardware conversion where the
+    fp8 on the bench's 128 x 8 tile, fp8 with 32 heads on the wide tile; in a process without the interpreter): warp-group MMAs, the hardware conversion where the
     cache is fp8, in the shared memory of the programs an SM that the launcher's split count
     assumes."""
     import os
@@ -229,6 +248,6 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln.split() for ln in done.stdout.strip().splitlines()]
-    assert [ln[0] for ln in lines] == ["64", "16", "64", "64"], done.stdout
+    assert [ln[0] for ln in lines] == ["64", "16", "64", "64", "64"], done.stdout
     for _, fits, cvt, wgmma, _ in lines:
         assert fits == cvt == wgmma == "True", done.stdout

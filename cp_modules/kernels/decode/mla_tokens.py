@@ -71,9 +71,10 @@ FP8_TOKENS_ON_M = True
 # rows "variant BF16_TOKENS_ON_M", the heads-on-M kernel already at 2.8-2.9 TB/s).
 BF16_TOKENS_ON_M = False
 MAX_HEADS = 32
-# Heads the op routes here (one head tile): with two head tiles (32 heads) each program reads the
-# whole cache and the heads-on-M kernel was faster on an H100 (2026-12-06, fp8 0.51-0.69x of bf16
-# against 0.45-0.64x here). MAX_HEADS is what this kernel serves when called directly.
+# Heads the op routes here (one head tile; fp8 caches with FP8_WIDE_HEADS: up to MAX_HEADS): with
+# two 16-head tiles (32 heads) each program reads the whole cache and the heads-on-M kernel was
+# faster on an H100 (2026-12-06, fp8 0.51-0.69x of bf16 against 0.45-0.64x here). MAX_HEADS is
+# what this kernel serves when called directly.
 ROUTE_MAX_HEADS = 16
 _BLOCK_H = 16
 # (tokens a tile, warps, programs an SM) for fp8 and for 16-bit caches; the last is the split
@@ -82,6 +83,13 @@ _BLOCK_H = 16
 # stages of 72 KiB, one. Read at every launch.
 FP8_TILE = (64, 4, 2)
 BF16_TILE = (64, 4, 1)
+# fp8 caches with 17-32 heads: one 32-head tile on FP8_WIDE_TILE (each program reads the cache
+# once; compiled for sm_90a: 94 KiB, no spills, 802 instructions a warp and 64-token tile on 8
+# warps) instead of two 16-head tiles, and the op routes them here. On since timed (2026-12-06,
+# H200, 32 heads: fp8 0.66 / 0.58 / 0.51 / 0.50x of bf16 against the heads-on-M kernel's
+# 0.63 / 0.55 / 0.49 / 0.47x; bench rows "variant FP8_WIDE_HEADS=False ..."). Read at every launch.
+FP8_WIDE_HEADS = True
+FP8_WIDE_TILE = (64, 8, 1)
 _HW16 = tl.constexpr(HW_FP16)  # the hardware e4m3 -> fp16 conversion (kernels.decode.fp8)
 
 
@@ -109,10 +117,13 @@ def tokens_on_m_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: in
 def tokens_on_m_switched_on(cache: torch.Tensor, heads: int | None = None) -> bool:
     """Whether the switch for this cache's dtype is on (:data:`FP8_TOKENS_ON_M` for fp8,
     :data:`BF16_TOKENS_ON_M` for bf16/fp16; read at every launch) and, given ``heads``, whether
-    the op routes that many here (at most :data:`ROUTE_MAX_HEADS`)."""
-    if heads is not None and heads > ROUTE_MAX_HEADS:
+    the op routes that many here (at most :data:`ROUTE_MAX_HEADS`; fp8 with
+    :data:`FP8_WIDE_HEADS`: :data:`MAX_HEADS`)."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    limit = MAX_HEADS if fp8 and FP8_WIDE_HEADS else ROUTE_MAX_HEADS
+    if heads is not None and heads > limit:
         return False
-    return FP8_TOKENS_ON_M if cache.dtype == torch.float8_e4m3fn else BF16_TOKENS_ON_M
+    return FP8_TOKENS_ON_M if fp8 else BF16_TOKENS_ON_M
 
 
 @triton.jit
@@ -267,10 +278,14 @@ def paged_mla_tokens_on_m(
     lse = q.new_empty(t, h, dtype=torch.float32)
     if t == 0:
         return out, lse
-    head_tiles = triton.cdiv(h, _BLOCK_H)
     max_kv_len = block_table.shape[1] * page
     kv_fp8 = cache.dtype == torch.float8_e4m3fn
     block_n, warps, per_sm = FP8_TILE if kv_fp8 else BF16_TILE
+    block_h = _BLOCK_H
+    if kv_fp8 and FP8_WIDE_HEADS and h > _BLOCK_H:
+        block_h = 2 * _BLOCK_H
+        block_n, warps, per_sm = FP8_WIDE_TILE
+    head_tiles = triton.cdiv(h, block_h)
     if not num_splits:
         num_splits = choose_mla_num_splits(
             t * head_tiles, max_kv_len, _num_sms(q.device), block_n, per_sm
@@ -284,7 +299,7 @@ def paged_mla_tokens_on_m(
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, R=kv_lora_rank, P=width - kv_lora_rank,
-        BLOCK_H=_BLOCK_H, BLOCK_N=block_n, PARTIAL=num_splits > 1,
+        BLOCK_H=block_h, BLOCK_N=block_n, PARTIAL=num_splits > 1,
         KV_FP8=kv_fp8, FP8_ASM=q.device.type == "cuda", num_warps=warps, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
