@@ -61,7 +61,7 @@ import cp_modules.kernels.decode.mla_gluon_config as mla_gluon_config
 import cp_modules.kernels.decode.mla_tokens as mla_tokens
 import cp_modules.kernels.decode.paged as gqa_kernels
 import cp_modules.kernels.decode.tiles as decode_tiles
-from benchmarks.common import RESULTS, write_results
+from benchmarks.common import RESULTS, switched, write_results
 from benchmarks.fp8_kv_logits import NAMES, logits_error_rows
 from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale, quantize_fp8
 from cp_modules.cache.paged import allocate_kv_cache, is_token_minor, to_token_minor
@@ -141,11 +141,7 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
              "FP8_WIDE_HEADS": "FP8_WIDE_HEADS"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     t = None
-    saved = {k: getattr(module, k) for k in also or {}}
-    for k, v in (also or {}).items():
-        setattr(module, k, v)
-    setattr(module, flag, value)
-    try:
+    with switched(module, **(also or {}), **{flag: value}):
         try:
             chk = _check(fp8, ref8, *args)
         except Exception as e:  # e.g. a tile that does not fit shared memory
@@ -159,10 +155,6 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
                   f"{read8 / t / 1e9:.2f} TB/s", flush=True)  # fmt: skip
         else:
             print(f"  {key} variant {label}: FAILED check {chk}", flush=True)
-    finally:
-        setattr(module, flag, default)
-        for k, v in saved.items():
-            setattr(module, k, v)
     return t
 
 
@@ -358,14 +350,11 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                 both = (f"TOKENS_ON_M={not mla_tokens.FP8_TOKENS_ON_M} "
                         f"BF16_TOKENS_ON_M={not mla_tokens.BF16_TOKENS_ON_M}")  # fmt: skip
                 rows[f"variant {both} fp8 KV speed-up over bf16 {k}"] = t16m / t8m
-            saved = mla_tokens.FP8_TOKENS_ON_M
-            mla_tokens.FP8_TOKENS_ON_M = False  # K_T / ASM: the heads-on-M kernel's switches
-            try:
+            # K_T / ASM: the heads-on-M kernel's switches.
+            with switched(mla_tokens, FP8_TOKENS_ON_M=False):
                 _variant(mla_kernels, k, fp8, ref8, args, t16, read8, rows, checks)
                 _variant(gqa_kernels, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_DEQUANT_ASM")  # fmt: skip
-            finally:
-                mla_tokens.FP8_TOKENS_ON_M = saved
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9

@@ -3,15 +3,31 @@ the CUDA-graph replay time of a callable."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import pathlib
+from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 import triton
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+
+
+@contextlib.contextmanager
+def switched(module: ModuleType, **values) -> Iterator[None]:
+    """Set module switches (``NAME=value``) inside the block; the old values come back on exit."""
+    saved = {k: getattr(module, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
 
 
 def write_results(kind: str, metrics: dict, out: str | pathlib.Path, **extra) -> pathlib.Path:

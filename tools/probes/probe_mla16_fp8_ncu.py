@@ -9,9 +9,8 @@ Run from the repository root on a GPU:
 Builds DeepSeek's latent cache (576 wide, block size 64) in bf16 and fp8 for ``batch`` requests
 of ``ctx`` tokens, 16 heads, checks each kernel against the fp32 reference (the 2x rule), warms
 it up, then launches each once inside an NVTX range ``profile`` (the split merge too; an inner
-range names the kernel): the bf16
-default kernel, the fp8 tokens-on-M kernel as shipped, and the fp8 heads-on-M kernel
-(``mla_tokens.FP8_TOKENS_ON_M`` off).
+range names the kernel): the bf16 default kernel, the fp8 tokens-on-M kernel as shipped, and the
+fp8 heads-on-M kernel (``mla_tokens.FP8_TOKENS_ON_M`` off).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import switched  # noqa: E402
 from cp_modules.kernels.decode import mla_tokens  # noqa: E402
 from cp_modules.ops.paged_decode import paged_mla_attention  # noqa: E402
 from cp_modules.reference.paged_decode import paged_mla_attention_ref  # noqa: E402
@@ -56,10 +56,7 @@ def main() -> int:
         ("fp8-heads-on-m", c8, {"FP8_TOKENS_ON_M": False}, one),
     ]
     for name, cache, switches, sc in runs:
-        saved = {k: getattr(mla_tokens, k) for k in switches}
-        for k, v in switches.items():
-            setattr(mla_tokens, k, v)
-        try:
+        with switched(mla_tokens, **switches):
 
             def fn(qq=q, cache=cache, sc=sc):
                 return paged_mla_attention(qq, cache, bt, seq, lens, scale=scale,
@@ -83,9 +80,6 @@ def main() -> int:
             torch.cuda.nvtx.range_pop()
             torch.cuda.nvtx.range_pop()
             print(f"{name}: checked and profiled", flush=True)
-        finally:
-            for k, v in saved.items():
-                setattr(mla_tokens, k, v)
     return 0
 
 

@@ -228,10 +228,11 @@ def paged_mla_attention_kernel(
     The value of a token is the first R elements of its latent row, which the kernel reuses
     from the key tile it already loaded. ``num_splits`` None or 0 picks the split count from
     static shapes (:func:`choose_mla_num_splits`); ``config`` overrides the tiles. An fp8 cache
-    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0). With at most
-    :data:`~.mla_tokens.ROUTE_MAX_HEADS` heads and no ``config`` the tokens-on-M kernel runs
-    instead where its switch for the cache's dtype is on
-    (:func:`~.mla_tokens.tokens_on_m_switched_on`).
+    is read as ``fp8 * kv_scale`` (fp32 [1]; None: 1.0). With few heads and no ``config`` the
+    tokens-on-M kernel runs instead where its switch for the cache's dtype is on and it takes
+    that many heads (:func:`~.mla_tokens.tokens_on_m_switched_on`: up to
+    :data:`~.mla_tokens.ROUTE_MAX_HEADS`, fp8 with one wide head tile up to
+    :data:`~.mla_tokens.MAX_HEADS`).
     """
     assert q.stride(-1) == 1 and cache.stride(-1) == 1
     if (
