@@ -3,8 +3,10 @@ each way its tiles reach shared memory (``paged_decode_mla_gluon_parts``: copies
 group 0 inline or hoisted, by one producer warp, by two, by a cp.async warp group) and each
 split merge inside the kernel (``paged_decode_mla_gluon_epilogue``: fused, spread) compiles,
 with the partitions its schedule asks for, within the H200's shared memory per block; so does
-the fp8 cache path (``mla_gluon_fp8``). The GPU tier runs the same kernels against the
-reference (``test_paged_decode.py``, ``test_mla_gluon_fp8.py``).
+the fp8 cache path (``mla_gluon_fp8``). Every case compiles the compute warp groups
+(``mla_gluon_wg``), and the ``-sp`` (scale_p) schedules their pair schedule
+(``mla_gluon_scale_p``). The GPU tier runs the same kernels against the reference
+(``test_paged_decode.py``, ``test_mla_gluon_fp8.py``).
 """
 
 from __future__ import annotations
