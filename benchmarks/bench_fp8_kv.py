@@ -59,6 +59,7 @@ from triton.testing import do_bench
 import cp_modules.kernels.decode.mla as mla_kernels
 import cp_modules.kernels.decode.mla_gluon_config as mla_gluon_config
 import cp_modules.kernels.decode.mla_tokens as mla_tokens
+import cp_modules.kernels.decode.mla_tokens_gluon as mla_tokens_gluon
 import cp_modules.kernels.decode.paged as gqa_kernels
 import cp_modules.kernels.decode.tiles as decode_tiles
 from benchmarks.common import RESULTS, switched, write_results
@@ -138,7 +139,7 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
              "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS",
              "FP8_TOKENS_ON_M": "TOKENS_ON_M", "_MAX_SPLITS": "MAX_SPLITS",
-             "FP8_WIDE_HEADS": "FP8_WIDE_HEADS"}  # fmt: skip
+             "FP8_WIDE_HEADS": "FP8_WIDE_HEADS", "FP8_TOKENS_GLUON": "TOKENS_GLUON"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     t = None
     with switched(module, **(also or {}), **{flag: value}):
@@ -337,6 +338,9 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                      also={"FP8_CONVERT_REGS": FP8_CONVERT_NARROW["FP8_CONVERT_REGS"]})  # fmt: skip
         else:  # the Triton kernels' switches
             k = f"mla{heads} {key}"
+            if heads <= 32:  # the warp-specialised Gluon kernel (mla_tokens_gluon)
+                _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_TOKENS_GLUON")  # fmt: skip
             t8m = _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
                            flag="FP8_TOKENS_ON_M")  # fmt: skip
             if heads <= 16:  # (more heads take FP8_WIDE_TILE)

@@ -1,0 +1,183 @@
+"""The warp-specialised Gluon tokens-on-M MLA decode kernel on fp8 (e4m3) latent caches
+(``kernels/decode/mla_tokens_gluon.py``): refused inputs and a compile for sm_90a on the CPU;
+against the fp32 reference, the op's routing and CUDA-graph replays on the GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cp_modules.kernels.decode.mla_tokens_gluon as tg
+from cp_modules.cache.kv_dtype import FP8_DTYPE, kv_scale
+from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
+from cp_modules.kernels.decode.mla_tokens_gluon import paged_mla_tokens_gluon, tokens_gluon_supported
+from cp_modules.ops.kv_cache import write_mla_cache
+from cp_modules.reference.paged_decode import paged_mla_attention_ref
+from cp_modules.testing.numerics import assert_decode_close
+from cp_modules.testing.paged import scattered_block_table
+
+ROOT = Path(__file__).resolve().parents[1]
+RK, ROPE = 512, 64
+
+
+def _inputs(bs, heads, lens, dtype=torch.bfloat16, dev="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bt, nb, slots = scattered_block_table(lens, bs, g)
+    # Unwritten slots hold NaN bytes: rows past a range must never reach P @ V.
+    cache = torch.full((nb, bs, RK + ROPE), float("nan")).to(FP8_DTYPE)
+    sc = kv_scale(0.3, 1)
+    for row_slots in slots:
+        n = row_slots.numel()
+        write_mla_cache(torch.randn(n, RK, generator=g) * 2, torch.randn(n, ROPE, generator=g),
+                        cache, row_slots, sc)  # fmt: skip
+    rows = torch.arange(len(lens), dtype=torch.int32)
+    q = (torch.randn(len(lens), heads, RK + ROPE, generator=g) * 3).to(dtype)
+    return [x.to(dev) for x in (q, cache, bt, rows, torch.tensor(lens), sc)]
+
+
+def _check(out, lse, q, cache, bt, rows, lens, sc, scale):
+    """Within twice the same-dtype reference's error of the fp32 reference, -inf LSE and zero
+    output exactly where the reference has an empty row."""
+    ref = paged_mla_attention_ref(q, cache, bt, rows, lens, scale, RK, kv_scale=sc)
+    same = paged_mla_attention_ref(q, cache, bt, rows, lens, scale, RK, kv_scale=sc, upcast=False)
+    assert_decode_close(out, lse, ref, same, atol=1e-4)
+    empty = torch.isneginf(ref[1])
+    assert torch.equal(out[empty].float(), torch.zeros_like(out[empty]).float())
+
+
+def test_unserved_inputs_are_refused_naming_why():
+    q, cache, bt, rows, lens, sc = _inputs(16, 16, [10])
+    cases = [
+        ((q.float(), cache, RK), "bf16/fp16 queries, not torch.float32"),
+        ((q, cache.float(), RK), "fp8 \\(e4m3\\) caches, not torch.float32"),
+        ((torch.zeros(1, 33, RK + ROPE, dtype=torch.bfloat16), cache, RK), "at most 32 heads"),
+        ((q[..., :448], cache[..., :448], 384), "kv_lora_rank 512 with a rope width of 64"),
+        ((q, cache, RK), "needs an sm_90 GPU" if tg.HAS_GLUON else "needs Triton's Gluon"),
+    ]
+    for (qq, cc, r), msg in cases:
+        assert tokens_gluon_supported(qq, cc, r) is not None
+        with pytest.raises(ValueError, match=msg):
+            paged_mla_tokens_gluon(qq, cc, bt, rows, lens, 0.1, r)
+
+
+def test_the_op_never_routes_here_without_the_gpu(monkeypatch):
+    """With the switch on, inputs this kernel cannot serve (here: no sm_90 GPU) go on to the
+    Triton kernels, matching the reference."""
+    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+    q, cache, bt, rows, lens, sc = _inputs(16, 16, [40, 3], dtype=torch.float16)
+    q, cache = q[..., : 64 + 16].contiguous(), cache[..., : 64 + 16].contiguous()
+    out, lse = paged_mla_attention_kernel(q, cache, bt, rows, lens, 0.1, 64, 2, kv_scale=sc)
+    ref = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc)
+    same = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc, upcast=False)
+    assert_decode_close(out, lse, ref, same, atol=1e-4)
+
+
+_COMPILE = """
+import json, sys
+sys.path.insert(0, "tools")
+from compile_mla_tokens_gluon import compile_sm90
+out = []
+for page, partial, bh in ((64, True, 16), (16, True, 16), (64, False, 16), (12, True, 32)):
+    k = compile_sm90(page, partial, bh)
+    ptx = k.asm["ptx"]
+    out.append([page, k.metadata.shared, ptx.count("wgmma.mma_async"),
+                "cvt.rn.f16x2.e4m3x2" in ptx, ptx.count("setmaxnreg")])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not tg.HAS_GLUON, reason="needs Triton's Gluon")
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """The kernel compiled for sm_90a (in a process without the interpreter) at block sizes
+    64, 16 and 12, split and unsplit, 16 and 32 heads: within one program an SM's shared
+    memory, the 17 warp-group MMAs of a tile, the hardware e4m3 conversion, and the three
+    partitions' register split."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in rows] == [64, 16, 64, 12]
+    for _, shared, wgmma, cvt, maxnreg in rows:
+        assert shared <= 232448 and cvt and maxnreg >= 2, rows
+        assert wgmma >= 17, rows  # 9 score products and 8 value products a tile
+
+
+def _gpu_ok():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("bs", [64, 16])
+@pytest.mark.parametrize("heads", [16, 8, 20, 32])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_gpu_tokens_gluon_matches_reference(bs, heads, splits):
+    """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
+    around the tile edges and an empty row, NaN in every unwritten slot."""
+    lens = [1, 700, 0, 63, 64, 65, 2000, 4097]
+    q, cache, bt, rows, lens_t, sc = _inputs(bs, heads, lens, dev="cuda", seed=heads + bs)
+    out, lse = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16 and out.shape == (len(lens), heads, RK)
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.07)
+    again = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+def test_gpu_tokens_gluon_fp16_and_query_rows_of_any_magnitude():
+    """fp16 queries; each query row brought into fp16 by its own power of two: rows far outside
+    fp16's range and an all-zero row give the reference's result."""
+    q, cache, bt, rows, lens_t, sc = _inputs(64, 16, [900, 33], dev="cuda", seed=3)
+    q[0, 0] *= 2.0**30
+    q[0, 1] *= 2.0**-40
+    q[1, 2] = 0
+    scale = 2.0**-31
+    out, lse = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, scale, RK, 2, kv_scale=sc)
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, scale)
+    q16, cache, bt, rows, lens_t, sc = _inputs(16, 16, [300, 1, 128], torch.float16, "cuda", 4)
+    out, lse = paged_mla_tokens_gluon(q16, cache, bt, rows, lens_t, 0.05, RK, None, kv_scale=sc)
+    assert out.dtype == torch.float16
+    _check(out, lse, q16, cache, bt, rows, lens_t, sc, 0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+def test_gpu_op_routes_here_with_the_switch_and_replays_in_a_graph(monkeypatch):
+    """The switch routes fp8 caches with up to 32 heads here (the same bits as a direct call),
+    and a captured decode replays with new lengths (splits chosen from static shapes)."""
+    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+    lens = [3000, 17, 512]
+    q, cache, bt, rows, lens_t, sc = _inputs(64, 16, lens, dev="cuda", seed=9)
+    direct = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
+    routed = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
+    assert torch.equal(routed[0], direct[0]) and torch.equal(routed[1], direct[1])
+    monkeypatch.setattr(tg, "paged_mla_tokens_gluon", None)  # 64 heads: not routed here
+    q64 = torch.randn(3, 64, RK + ROPE, device="cuda").bfloat16()
+    out, lse = paged_mla_attention_kernel(q64, cache, bt, rows, lens_t, 0.07, RK, 2, kv_scale=sc)
+    _check(out, lse, q64, cache, bt, rows, lens_t, sc, 0.07)
+    monkeypatch.undo()
+    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None,
+                                                  kv_scale=sc)  # fmt: skip
+    for new in ([2999, 16, 1], [1, 3000, 0]):
+        lens_t.copy_(torch.tensor(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(g_out, g_lse, q, cache, bt, rows, lens_t, sc, 0.07)

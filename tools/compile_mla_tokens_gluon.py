@@ -1,0 +1,69 @@
+#!/usr/bin/env python
+"""Compile the Gluon tokens-on-M fp8 MLA decode kernel (``kernels/decode/mla_tokens_gluon.py``)
+for sm_90a without a GPU and report its shared memory and ptxas's register and spill counts:
+``python tools/compile_mla_tokens_gluon.py [block_size] [partial 0/1] [heads tile 16/32]``
+(``CONV_REGS`` in the environment: the conversion partitions' registers).
+
+Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
+version) and the ``ptxas`` on PATH (or $PTXAS) for the counts. Writes the PTX and TTGIR to
+$OUT_DIR (default /tmp/mla-tokens-gluon).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cp_modules.kernels.decode import mla_tokens_gluon as m  # noqa: E402
+
+_INTS = ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_btr", "stride_ot",
+         "stride_oh", "stride_os", "stride_lt", "stride_lh", "stride_ls", "max_kv_len",
+         "num_splits")  # fmt: skip
+
+
+def compile_sm90(page: int, partial: bool, bh: int = 16, regs: int | None = None):
+    """The kernel for ``bh`` heads (DeepSeek's latent, 512 + 64), block size ``page``, the split
+    path with ``partial``, compiled for sm_90a."""
+    fn = m._mla_tokens_gluon_kernel
+    sig = {"Q": "*bf16", "C16": "*i16", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
+           "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
+           "qk_scale": "fp32", **{k: "i32" for k in _INTS},
+           **{k: "constexpr" for k in ("H", "BH", "NUM_HEAD_TILES", "PAGE", "R", "PARTIAL",
+                                       "CONV_REGS")}}  # fmt: skip
+    names = list(fn.arg_names)
+    # The launcher's tensors are 16-byte aligned, and so are the cache's row strides (checked).
+    attrs = {(names.index(k),): [["tt.divisibility", 16]]
+             for k in ("Q", "C16", "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
+    consts = {"H": bh, "BH": bh, "NUM_HEAD_TILES": 1, "PAGE": page, "R": 512, "PARTIAL": partial,
+              "CONV_REGS": regs or m.TOK_CONVERT_REGS}  # fmt: skip
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def main() -> None:
+    page = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+    partial = sys.argv[2] == "1" if len(sys.argv) > 2 else True
+    bh = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+    regs = int(os.environ["CONV_REGS"]) if "CONV_REGS" in os.environ else None
+    k = compile_sm90(page, partial, bh, regs)
+    out = Path(os.environ.get("OUT_DIR", "/tmp/mla-tokens-gluon"))
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"tok_bs{page}_partial{int(partial)}_h{bh}"
+    stem.with_suffix(".ptx").write_text(k.asm["ptx"])
+    stem.with_suffix(".ttgir").write_text(k.asm["ttgir"])
+    cmd = [os.environ.get("PTXAS", "ptxas"), "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")),
+           "-o", str(stem.with_suffix(".cubin"))]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    info = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
+            if "registers" in ln or "spill" in ln or "injected" in ln or "error" in ln]  # fmt: skip
+    print(f"[bs={page} partial={int(partial)} heads={bh}] triton {triton.__version__}: shared "
+          f"{k.metadata.shared} B; " + " | ".join(info))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
