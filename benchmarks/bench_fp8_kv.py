@@ -341,6 +341,9 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
             if heads <= 32:  # the warp-specialised Gluon kernel (mla_tokens_gluon)
                 _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_TOKENS_GLUON")  # fmt: skip
+                _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_TOKENS_GLUON", value=True,
+                         also={"TOK_PIPELINE": not mla_tokens_gluon.TOK_PIPELINE})  # fmt: skip
             t8m = _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
                            flag="FP8_TOKENS_ON_M")  # fmt: skip
             if heads <= 16:  # (more heads take FP8_WIDE_TILE)

@@ -82,8 +82,9 @@ import json, sys
 sys.path.insert(0, "tools")
 from compile_mla_tokens_gluon import compile_sm90
 out = []
-for page, partial, bh in ((64, True, 16), (16, True, 16), (64, False, 16), (12, True, 32)):
-    k = compile_sm90(page, partial, bh)
+for page, partial, bh, pipe in ((64, True, 16, False), (16, True, 16, True),
+                                (64, False, 16, True), (12, True, 32, False)):
+    k = compile_sm90(page, partial, bh, pipe=pipe)
     ptx = k.asm["ptx"]
     out.append([page, k.metadata.shared, ptx.count("wgmma.mma_async"),
                 "cvt.rn.f16x2.e4m3x2" in ptx, ptx.count("setmaxnreg")])
@@ -94,7 +95,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(not tg.HAS_GLUON, reason="needs Triton's Gluon")
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """The kernel compiled for sm_90a (in a process without the interpreter) at block sizes
-    64, 16 and 12, split and unsplit, 16 and 32 heads: within one program an SM's shared
+    64, 16 and 12, split and unsplit, 16 and 32 heads, both product loops: within one program an SM's shared
     memory, the 17 warp-group MMAs of a tile, the hardware e4m3 conversion, and the three
     partitions' register split."""
     import json
@@ -119,9 +120,12 @@ def _gpu_ok():
 @pytest.mark.parametrize("bs", [64, 16])
 @pytest.mark.parametrize("heads", [16, 8, 20, 32])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-def test_gpu_tokens_gluon_matches_reference(bs, heads, splits):
+@pytest.mark.parametrize("pipe", [False, True], ids=["serial", "pipelined"])
+def test_gpu_tokens_gluon_matches_reference(monkeypatch, bs, heads, splits, pipe):
     """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
-    around the tile edges and an empty row, NaN in every unwritten slot."""
+    around the tile edges and an empty row, NaN in every unwritten slot; both product loops
+    (TOK_PIPELINE)."""
+    monkeypatch.setattr(tg, "TOK_PIPELINE", pipe)
     lens = [1, 700, 0, 63, 64, 65, 2000, 4097]
     q, cache, bt, rows, lens_t, sc = _inputs(bs, heads, lens, dev="cuda", seed=heads + bs)
     out, lse = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)

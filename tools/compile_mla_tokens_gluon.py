@@ -2,7 +2,8 @@
 """Compile the Gluon tokens-on-M fp8 MLA decode kernel (``kernels/decode/mla_tokens_gluon.py``)
 for sm_90a without a GPU and report its shared memory and ptxas's register and spill counts:
 ``python tools/compile_mla_tokens_gluon.py [block_size] [partial 0/1] [heads tile 16/32]``
-(``CONV_REGS`` in the environment: the conversion partitions' registers).
+(``CONV_REGS`` in the environment: the conversion partitions' registers; ``PIPE=1``: the
+pipelined product loop, ``TOK_PIPELINE``).
 
 Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
 version) and the ``ptxas`` on PATH (or $PTXAS) for the counts. Writes the PTX and TTGIR to
@@ -26,7 +27,8 @@ _INTS = ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_btr", "stri
          "num_splits")  # fmt: skip
 
 
-def compile_sm90(page: int, partial: bool, bh: int = 16, regs: int | None = None):
+def compile_sm90(page: int, partial: bool, bh: int = 16, regs: int | None = None,
+                 pipe: bool | None = None):
     """The kernel for ``bh`` heads (DeepSeek's latent, 512 + 64), block size ``page``, the split
     path with ``partial``, compiled for sm_90a."""
     fn = m._mla_tokens_gluon_kernel
@@ -34,13 +36,14 @@ def compile_sm90(page: int, partial: bool, bh: int = 16, regs: int | None = None
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
            "qk_scale": "fp32", **{k: "i32" for k in _INTS},
            **{k: "constexpr" for k in ("H", "BH", "NUM_HEAD_TILES", "PAGE", "R", "PARTIAL",
-                                       "CONV_REGS")}}  # fmt: skip
+                                       "CONV_REGS", "PIPE")}}  # fmt: skip
     names = list(fn.arg_names)
     # The launcher's tensors are 16-byte aligned, and so are the cache's row strides (checked).
     attrs = {(names.index(k),): [["tt.divisibility", 16]]
              for k in ("Q", "C16", "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
     consts = {"H": bh, "BH": bh, "NUM_HEAD_TILES": 1, "PAGE": page, "R": 512, "PARTIAL": partial,
-              "CONV_REGS": regs or m.TOK_CONVERT_REGS}  # fmt: skip
+              "CONV_REGS": regs or m.TOK_CONVERT_REGS,
+              "PIPE": m.TOK_PIPELINE if pipe is None else pipe}  # fmt: skip
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
@@ -50,10 +53,11 @@ def main() -> None:
     partial = sys.argv[2] == "1" if len(sys.argv) > 2 else True
     bh = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     regs = int(os.environ["CONV_REGS"]) if "CONV_REGS" in os.environ else None
-    k = compile_sm90(page, partial, bh, regs)
+    pipe = os.environ["PIPE"] == "1" if "PIPE" in os.environ else None
+    k = compile_sm90(page, partial, bh, regs, pipe)
     out = Path(os.environ.get("OUT_DIR", "/tmp/mla-tokens-gluon"))
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"tok_bs{page}_partial{int(partial)}_h{bh}"
+    stem = out / f"tok_bs{page}_partial{int(partial)}_h{bh}{'_pipe' if k.src.constants.get('PIPE') else ''}"
     stem.with_suffix(".ptx").write_text(k.asm["ptx"])
     stem.with_suffix(".ttgir").write_text(k.asm["ttgir"])
     cmd = [os.environ.get("PTXAS", "ptxas"), "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")),

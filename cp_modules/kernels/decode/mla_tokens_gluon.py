@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 __all__ = [
     "FP8_TOKENS_GLUON",
     "TOK_CONVERT_REGS",
+    "TOK_PIPELINE",
     "paged_mla_tokens_gluon",
     "tokens_gluon_supported",
 ]
@@ -69,6 +70,9 @@ __all__ = [
 FP8_TOKENS_GLUON = False
 # Registers of each conversion partition's threads (setmaxnreg; a multiple of 8).
 TOK_CONVERT_REGS = 128
+# The product warp group issues the next tile's scores before it waits for this tile's value
+# products (both in flight at once). Read at every launch.
+TOK_PIPELINE = False
 _MAX_HEADS = 32
 _TILE = 64  # tokens a tile (the wgmma's M)
 _PIECE = 64  # columns a shared-memory piece (128 bytes of fp16)
@@ -186,10 +190,25 @@ if HAS_GLUON:
         return ((127 - shift) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
+    def _scores(k_smem, q_smem, base, s, NL: gl.constexpr):
+        # S^T = K Q^T over the rope piece and the NL latent pieces of the slot at base.
+        s = warpgroup_mma(k_smem.index(base + NL), q_smem.index(NL).permute((1, 0)), s,
+                          use_acc=False, is_async=True)  # fmt: skip
+        for c in gl.static_range(NL):
+            s = warpgroup_mma(k_smem.index(base + c), q_smem.index(c).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
+        return s
+
+    @gluon.jit
+    def _pv(k_smem, idx, p_smem, o):
+        # O^T piece += V^T P^T: the latent piece transposed (a 16-bit A operand read MN-major).
+        return warpgroup_mma(k_smem.index(idx).permute((1, 0)), p_smem, o, is_async=True)
+
+    @gluon.jit
     def _tok_products(q_smem, k_smem, p_smem, ready, free, Q, q_base, stride_qh, KV_SCALE,
                       qk_scale, start, end, n_tiles, OUT, out_base, stride_oh, LSE, lse_base,
                       stride_lh, H: gl.constexpr, BH: gl.constexpr, R: gl.constexpr,
-                      PARTIAL: gl.constexpr):  # fmt: skip
+                      PARTIAL: gl.constexpr, PIPE: gl.constexpr):  # fmt: skip
         NL: gl.constexpr = R // _BC
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16]
@@ -211,17 +230,13 @@ if HAS_GLUON:
         o6 = gl.zeros([_BC, BH], gl.float32, mma)
         o7 = gl.zeros([_BC, BH], gl.float32, mma)
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
+        s = gl.zeros([_BN, BH], gl.float32, mma)
         for i in range(n_tiles):
             j = i % 2
             base = j * 9
-            mbarrier.wait(ready.index(j), (i // 2) & 1)
-            s = gl.zeros([_BN, BH], gl.float32, mma)
-            s = warpgroup_mma(k_smem.index(base + NL), q_smem.index(NL).permute((1, 0)), s,
-                              use_acc=False, is_async=True)  # fmt: skip
-            for c in gl.static_range(NL):
-                s = warpgroup_mma(k_smem.index(base + c), q_smem.index(c).permute((1, 0)), s,
-                                  is_async=True)  # fmt: skip
-            s = warpgroup_mma_wait(0, deps=(s,))
+            if (not PIPE) or i == 0:  # (PIPE: later tiles' scores were issued last iteration)
+                mbarrier.wait(ready.index(j), (i // 2) & 1)
+                s = warpgroup_mma_wait(0, deps=(_scores(k_smem, q_smem, base, s, NL),))
             valid = end - (start + i * _BN)
             s = gl.where((rows < valid)[:, None], s * col_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 0))
@@ -231,25 +246,33 @@ if HAS_GLUON:
             p_smem.store(p.to(gl.float16))
             fence_async_shared()
             _sync()
-            o0 = warpgroup_mma(k_smem.index(base + 0).permute((1, 0)), p_smem, o0 * alpha,
-                               is_async=True)  # fmt: skip
-            o1 = warpgroup_mma(k_smem.index(base + 1).permute((1, 0)), p_smem, o1 * alpha,
-                               is_async=True)  # fmt: skip
-            o2 = warpgroup_mma(k_smem.index(base + 2).permute((1, 0)), p_smem, o2 * alpha,
-                               is_async=True)  # fmt: skip
-            o3 = warpgroup_mma(k_smem.index(base + 3).permute((1, 0)), p_smem, o3 * alpha,
-                               is_async=True)  # fmt: skip
-            o4 = warpgroup_mma(k_smem.index(base + 4).permute((1, 0)), p_smem, o4 * alpha,
-                               is_async=True)  # fmt: skip
-            o5 = warpgroup_mma(k_smem.index(base + 5).permute((1, 0)), p_smem, o5 * alpha,
-                               is_async=True)  # fmt: skip
-            o6 = warpgroup_mma(k_smem.index(base + 6).permute((1, 0)), p_smem, o6 * alpha,
-                               is_async=True)  # fmt: skip
-            o7 = warpgroup_mma(k_smem.index(base + 7).permute((1, 0)), p_smem, o7 * alpha,
-                               is_async=True)  # fmt: skip
-            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-                0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
-            mbarrier.arrive(free.index(j))
+            o0 = _pv(k_smem, base + 0, p_smem, o0 * alpha)
+            o1 = _pv(k_smem, base + 1, p_smem, o1 * alpha)
+            o2 = _pv(k_smem, base + 2, p_smem, o2 * alpha)
+            o3 = _pv(k_smem, base + 3, p_smem, o3 * alpha)
+            o4 = _pv(k_smem, base + 4, p_smem, o4 * alpha)
+            o5 = _pv(k_smem, base + 5, p_smem, o5 * alpha)
+            o6 = _pv(k_smem, base + 6, p_smem, o6 * alpha)
+            o7 = _pv(k_smem, base + 7, p_smem, o7 * alpha)
+            if PIPE:
+                # The next tile's scores under this tile's value products: wait for all but
+                # the 9 score groups just issued, free the slot, then wait for the scores.
+                # (After the last tile the scores of the same slot again, not used: the wait
+                # counts stay static. No tile of the split refills the slot after it.)
+                nxt = 9 - base
+                if i + 1 < n_tiles:
+                    mbarrier.wait(ready.index(1 - j), ((i + 1) // 2) & 1)
+                else:
+                    nxt = base
+                s_next = _scores(k_smem, q_smem, nxt, s, NL)
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                    NL + 1, deps=(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
+                mbarrier.arrive(free.index(j))
+                s = warpgroup_mma_wait(0, deps=(s_next,))
+            else:
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                    0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
+                mbarrier.arrive(free.index(j))
             m_i = m_new
 
         l_i = gl.sum(l_acc, 0)
@@ -282,7 +305,7 @@ if HAS_GLUON:
                                  stride_ls, max_kv_len, num_splits,
                                  H: gl.constexpr, BH: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
                                  PAGE: gl.constexpr, R: gl.constexpr, PARTIAL: gl.constexpr,
-                                 CONV_REGS: gl.constexpr):  # fmt: skip
+                                 CONV_REGS: gl.constexpr, PIPE: gl.constexpr = False):  # fmt: skip
         gl.static_assert(R == 8 * _BC)
         pid = gl.program_id(0)
         split = gl.program_id(1)
@@ -318,7 +341,7 @@ if HAS_GLUON:
             [
                 (_tok_products, (q_smem, k_smem, p_smem, ready, free, Q, q_base, stride_qh,
                                  KV_SCALE, qk_scale, start, end, n_tiles, OUT, out_base,
-                                 stride_oh, LSE, lse_base, stride_lh, H, BH, R, PARTIAL)),
+                                 stride_oh, LSE, lse_base, stride_lh, H, BH, R, PARTIAL, PIPE)),
                 (_tok_convert, (k_smem, ready, free, C16, BT, bt_row, start, end, n_tiles,
                                 stride_cb, stride_cs, PAGE, 0)),
                 (_tok_convert, (k_smem, ready, free, C16, BT, bt_row, start, end, n_tiles,
@@ -395,7 +418,7 @@ def paged_mla_tokens_gluon(
         q.stride(0), q.stride(1), c16.stride(0), c16.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits,
         H=h, BH=bh, NUM_HEAD_TILES=head_tiles, PAGE=page, R=kv_lora_rank,
-        PARTIAL=num_splits > 1, CONV_REGS=TOK_CONVERT_REGS, num_warps=4,
+        PARTIAL=num_splits > 1, CONV_REGS=TOK_CONVERT_REGS, PIPE=TOK_PIPELINE, num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
