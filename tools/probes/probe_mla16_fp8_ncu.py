@@ -9,8 +9,10 @@ Run from the repository root on a GPU:
 Builds DeepSeek's latent cache (576 wide, block size 64) in bf16 and fp8 for ``batch`` requests
 of ``ctx`` tokens, 16 heads, checks each kernel against the fp32 reference (the 2x rule), warms
 it up, then launches each once inside an NVTX range ``profile`` (the split merge too; an inner
-range names the kernel): the bf16 default kernel, the fp8 tokens-on-M kernel as shipped, and the
-fp8 heads-on-M kernel (``mla_tokens.FP8_TOKENS_ON_M`` off).
+range names the kernel): the bf16 default kernel, the fp8 Triton tokens-on-M kernel, the
+fp8 heads-on-M kernel (``mla_tokens.FP8_TOKENS_ON_M`` off), and the warp-specialised Gluon
+tokens-on-M kernel (``mla_tokens_gluon``). ``--runs`` picks some of them (bf16, fp8,
+fp8-heads-on-m, fp8-gluon); ``--heads`` another head count.
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import switched  # noqa: E402
-from cp_modules.kernels.decode import mla_tokens  # noqa: E402
+from cp_modules.kernels.decode import mla_tokens, mla_tokens_gluon  # noqa: E402
 from cp_modules.ops.paged_decode import paged_mla_attention  # noqa: E402
 from cp_modules.reference.paged_decode import paged_mla_attention_ref  # noqa: E402
 from cp_modules.testing.numerics import assert_decode_close  # noqa: E402
 
-RK, ROPE, BS, HEADS = 512, 64, 64, 16
+RK, ROPE, BS = 512, 64, 64
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--runs", default="bf16,fp8,fp8-heads-on-m,fp8-gluon")
     a = ap.parse_args()
+    HEADS = a.heads
     dev = "cuda"
     width = -(-a.ctx // BS)
     nb = a.batch * width + 1
@@ -51,13 +56,17 @@ def main() -> int:
     lens = torch.full((a.batch,), a.ctx, device=dev, dtype=torch.int32)
     scale = (128 + ROPE) ** -0.5
     runs = [
-        ("bf16", cb, {}, None),
-        ("fp8", c8, {}, one),
-        ("fp8-heads-on-m", c8, {"FP8_TOKENS_ON_M": False}, one),
+        ("bf16", cb, mla_tokens, {}, None),
+        ("fp8", c8, mla_tokens_gluon, {"FP8_TOKENS_GLUON": False}, one),
+        ("fp8-heads-on-m", c8, mla_tokens, {"FP8_TOKENS_ON_M": False}, one),
+        ("fp8-gluon", c8, mla_tokens_gluon, {"FP8_TOKENS_GLUON": True}, one),
     ]
-    for name, cache, switches, sc in runs:
-        with switched(mla_tokens, **switches):
-
+    wanted = a.runs.split(",")
+    for name, cache, module, switches, sc in runs:
+        if name not in wanted:
+            continue
+        with switched(module, **switches), switched(mla_tokens_gluon, **(
+                {} if module is mla_tokens_gluon else {"FP8_TOKENS_GLUON": False})):
             def fn(qq=q, cache=cache, sc=sc):
                 return paged_mla_attention(qq, cache, bt, seq, lens, scale=scale,
                                            kv_lora_rank=RK, kv_scale=sc)  # fmt: skip

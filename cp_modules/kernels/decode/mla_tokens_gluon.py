@@ -66,8 +66,11 @@ __all__ = [
 ]
 
 # fp8 MLA caches with at most 32 heads on an sm_90 GPU: this kernel instead of the Triton
-# tokens-on-M kernel (mla_tokens). Read at every launch by the op's routing.
-FP8_TOKENS_GLUON = False
+# tokens-on-M kernel (mla_tokens). Read at every launch by the op's routing. On since timed
+# (2026-12-06, H100, DeepSeek's latent, B*ctx 131k-2M): fp8 1.32-1.66x of the bf16 kernel's
+# speed at 16 heads and 1.38-1.55x at 32, where the Triton kernels give 0.88-0.89x and
+# 0.57-0.74x (bench_fp8_kv rows "variant TOKENS_GLUON=...").
+FP8_TOKENS_GLUON = True
 # Registers of each conversion partition's threads (setmaxnreg; a multiple of 8).
 TOK_CONVERT_REGS = 128
 # The product warp group issues the next tile's scores before it waits for this tile's value

@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Where the Gluon tokens-on-M fp8 MLA decode (``kernels/decode/mla_tokens_gluon.py``) spends a
+small decode: graph-replay medians of the op at several split counts beside the automatic
+one, and the kernel's and the split merge's own durations from the profiler.
+
+Run from the repository root on an sm_90 GPU:
+
+    python tools/probes/probe_mla_tokens_gluon_splits.py [--shapes 1x131072,8x32768] [--heads 16]
+
+DeepSeek's latent (576 wide, block size 64), random bf16 values quantized to e4m3, scattered
+block tables. Every split count is first checked against the fp32 reference (the 2x rule).
+Prints one line a shape and split count, and writes the rows as JSON to ``--out`` if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cp_modules.kernels.decode.mla_tokens_gluon import paged_mla_tokens_gluon  # noqa: E402
+from cp_modules.kernels.decode.tiles import _num_sms, choose_mla_num_splits  # noqa: E402
+from cp_modules.reference.paged_decode import paged_mla_attention_ref  # noqa: E402
+from cp_modules.testing.numerics import assert_decode_close  # noqa: E402
+
+RK, ROPE, BS = 512, 64, 64
+
+
+def _graph_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return float(do_bench(g.replay, warmup=5, rep=40, return_mode="median")) * 1e3
+
+
+def _kernel_us(fn) -> dict:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
+            out[e.key[:40]] = e.device_time_total / e.count if hasattr(e, "device_time_total") \
+                else e.cuda_time_total / e.count  # fmt: skip
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x131072,8x32768,8x131072,64x32768")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--splits", default="auto,0.5,2")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    dev = "cuda"
+    rows = []
+    for shape in a.shapes.split(","):
+        b, ctx = (int(x) for x in shape.split("x"))
+        width = -(-ctx // BS)
+        nb = b * width + 1
+        g = torch.Generator(device=dev).manual_seed(0)
+        c8 = torch.randn(nb, BS, RK + ROPE, device=dev, generator=g).to(torch.float8_e4m3fn)
+        bt = torch.randperm(nb, device=dev, generator=g)[: b * width].view(b, width).int()
+        q = torch.randn(b, a.heads, RK + ROPE, device=dev, generator=g).bfloat16()
+        seq = torch.arange(b, device=dev, dtype=torch.int32)
+        lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+        one = torch.ones(1, device=dev)
+        scale = (128 + ROPE) ** -0.5
+        auto = choose_mla_num_splits(b, width * BS, _num_sms(q.device), 64, 1)
+        for f in a.splits.split(","):
+            s = auto if f == "auto" else max(1, round(auto * float(f)))
+
+            def fn(s=s):
+                return paged_mla_tokens_gluon(q, c8, bt, seq, lens, scale, RK, s, kv_scale=one)
+
+            out, lse = paged_mla_tokens_gluon(q[:1], c8, bt, seq[:1], lens[:1], scale, RK, s,
+                                              kv_scale=one)  # fmt: skip
+            ref = paged_mla_attention_ref(q[:1], c8, bt, seq[:1], lens[:1], scale, RK,
+                                          kv_scale=one)  # fmt: skip
+            same = paged_mla_attention_ref(q[:1], c8, bt, seq[:1], lens[:1], scale, RK,
+                                           kv_scale=one, upcast=False)  # fmt: skip
+            assert_decode_close(out, lse, ref, same)
+            us = _graph_us(fn)
+            kern = _kernel_us(fn)
+            tb = b * ctx * (RK + ROPE) / us / 1e6
+            row = {"batch": b, "ctx": ctx, "heads": a.heads, "splits": s, "auto": s == auto,
+                   "graph_us": us, "fp8_tb_s": tb, "kernels_us": kern}  # fmt: skip
+            rows.append(row)
+            ks = ", ".join(f"{k} {v:.1f}" for k, v in kern.items())
+            print(f"B={b} ctx={ctx} heads={a.heads} splits={s}{' (auto)' if s == auto else ''}: "
+                  f"{us:.1f} us graph, {tb:.2f} TB/s; kernels: {ks}", flush=True)  # fmt: skip
+        del c8
+        torch.cuda.empty_cache()
+    if a.out:
+        Path(a.out).write_text(json.dumps({"rows": rows, "device": torch.cuda.get_device_name()},
+                                          indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
