@@ -170,48 +170,26 @@ if HAS_GLUON:
                 C16, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE, lay)  # fmt: skip
 
     @gluon.jit
-    def _q_piece(ptrs, hm, c: gl.constexpr):
-        return gl.load(ptrs + c * _BC, mask=hm, other=0.0).to(gl.float32)
-
-    @gluon.jit
-    def _q_store(q_smem, c: gl.constexpr, x, mult):
-        q_smem.index(c).store((x * mult).to(gl.float16))
-
-    @gluon.jit
     def _q_fp16(Q, q_smem, q_base, stride_qh, H: gl.constexpr, BH: gl.constexpr,
                 R: gl.constexpr):  # fmt: skip
         # Q's rows into fp16 in shared memory, each times 2**shift (its largest element to
-        # [2**14, 2**15)); returns 2**-shift per head. The 9 pieces are loaded at once.
-        gl.static_assert(R == 8 * _BC)
+        # [2**14, 2**15)); returns 2**-shift per head.
         lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         heads = gl.arange(0, BH, layout=gl.SliceLayout(1, lay))
         cols = gl.arange(0, _BC, layout=gl.SliceLayout(0, lay))
         ptrs = Q + q_base + heads[:, None].to(gl.int64) * stride_qh + cols[None, :]
         hm = (heads < H)[:, None]
-        x0 = _q_piece(ptrs, hm, 0)
-        x1 = _q_piece(ptrs, hm, 1)
-        x2 = _q_piece(ptrs, hm, 2)
-        x3 = _q_piece(ptrs, hm, 3)
-        x4 = _q_piece(ptrs, hm, 4)
-        x5 = _q_piece(ptrs, hm, 5)
-        x6 = _q_piece(ptrs, hm, 6)
-        x7 = _q_piece(ptrs, hm, 7)
-        x8 = _q_piece(ptrs, hm, 8)
-        a = gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3)))
-        b = gl.maximum(gl.maximum(gl.abs(x4), gl.abs(x5)), gl.maximum(gl.abs(x6), gl.abs(x7)))
-        amax = gl.max(gl.maximum(gl.maximum(a, b), gl.abs(x8)), 1)
+        NP: gl.constexpr = R // _BC + 1
+        amax = gl.zeros([BH], gl.float32, gl.SliceLayout(1, lay))
+        for c in gl.static_range(NP):
+            x = gl.load(ptrs + c * _BC, mask=hm, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
         e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
         shift = gl.where(e == 0, 0, gl.minimum(gl.maximum(141 - e, -126), 126))
         mult = ((shift + 127) << 23).to(gl.float32, bitcast=True)[:, None]
-        _q_store(q_smem, 0, x0, mult)
-        _q_store(q_smem, 1, x1, mult)
-        _q_store(q_smem, 2, x2, mult)
-        _q_store(q_smem, 3, x3, mult)
-        _q_store(q_smem, 4, x4, mult)
-        _q_store(q_smem, 5, x5, mult)
-        _q_store(q_smem, 6, x6, mult)
-        _q_store(q_smem, 7, x7, mult)
-        _q_store(q_smem, 8, x8, mult)
+        for c in gl.static_range(NP):
+            x = gl.load(ptrs + c * _BC, mask=hm, other=0.0).to(gl.float32)
+            q_smem.index(c).store((x * mult).to(gl.float16))
         return ((127 - shift) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
