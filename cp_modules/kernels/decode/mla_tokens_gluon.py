@@ -83,17 +83,8 @@ _PIECE = 64  # columns a shared-memory piece (128 bytes of fp16)
 if HAS_GLUON:
     _BN = gl.constexpr(_TILE)
     _BC = gl.constexpr(_PIECE)
-    _sync = getattr(gl, "thread_barrier", None) or gl.barrier
-
-    # Two pairs of e4m3 bytes in $2 (16 bits each) -> two pairs of fp16 in $0 and $1.
-    _CVT_ASM = gl.constexpr("""
-    {
-    .reg .b16 lo, hi;
-    mov.b32 {lo, hi}, $2;
-    cvt.rn.f16x2.e4m3x2 $0, lo;
-    cvt.rn.f16x2.e4m3x2 $1, hi;
-    }
-    """)
+    from cp_modules.kernels.decode.mla_gluon_fp8 import _CVT_ASM
+    from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
 
     @gluon.jit
     def _tile_rows(C16, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE: gl.constexpr,
