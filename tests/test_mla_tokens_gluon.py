@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_mla_tokens_on_m import _check as _mla_check
+from test_mla_tokens_on_m import _inputs as _mla_inputs
 
 import cp_modules.kernels.decode.mla_tokens_gluon as tg
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
-from cp_modules.kernels.decode.mla_tokens_gluon import paged_mla_tokens_gluon, tokens_gluon_supported
+from cp_modules.kernels.decode.mla_tokens_gluon import (
+    paged_mla_tokens_gluon,
+    tokens_gluon_supported,
+)
 from cp_modules.reference.paged_decode import paged_mla_attention_ref
 from cp_modules.testing.numerics import assert_decode_close
-from test_mla_tokens_on_m import _check as _mla_check
-from test_mla_tokens_on_m import _inputs as _mla_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 RK, ROPE = 512, 64

@@ -27,21 +27,22 @@ _INTS = ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_btr", "stri
          "num_splits")  # fmt: skip
 
 
-def compile_sm90(page: int, partial: bool, bh: int = 16, regs: int | None = None,
-                 pipe: bool | None = None):
+def compile_sm90(
+    page: int, partial: bool, bh: int = 16, regs: int | None = None, pipe: bool | None = None
+):
     """The kernel for ``bh`` heads (DeepSeek's latent, 512 + 64), block size ``page``, the split
     path with ``partial``, compiled for sm_90a."""
     fn = m._mla_tokens_gluon_kernel
     sig = {"Q": "*bf16", "C16": "*i16", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
            "qk_scale": "fp32", **{k: "i32" for k in _INTS},
-           **{k: "constexpr" for k in ("H", "BH", "NUM_HEAD_TILES", "PAGE", "R", "PARTIAL",
+           **{k: "constexpr" for k in ("H", "BH", "PAGE", "R", "PARTIAL",
                                        "CONV_REGS", "PIPE")}}  # fmt: skip
     names = list(fn.arg_names)
     # The launcher's tensors are 16-byte aligned, and so are the cache's row strides (checked).
     attrs = {(names.index(k),): [["tt.divisibility", 16]]
              for k in ("Q", "C16", "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
-    consts = {"H": bh, "BH": bh, "NUM_HEAD_TILES": 1, "PAGE": page, "R": 512, "PARTIAL": partial,
+    consts = {"H": bh, "BH": bh, "PAGE": page, "R": 512, "PARTIAL": partial,
               "CONV_REGS": regs or m.TOK_CONVERT_REGS,
               "PIPE": m.TOK_PIPELINE if pipe is None else pipe}  # fmt: skip
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
@@ -57,7 +58,8 @@ def main() -> None:
     k = compile_sm90(page, partial, bh, regs, pipe)
     out = Path(os.environ.get("OUT_DIR", "/tmp/mla-tokens-gluon"))
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"tok_bs{page}_partial{int(partial)}_h{bh}{'_pipe' if k.src.constants.get('PIPE') else ''}"
+    tag = "_pipe" if (m.TOK_PIPELINE if pipe is None else pipe) else ""
+    stem = out / f"tok_bs{page}_partial{int(partial)}_h{bh}{tag}"
     stem.with_suffix(".ptx").write_text(k.asm["ptx"])
     stem.with_suffix(".ttgir").write_text(k.asm["ttgir"])
     cmd = [os.environ.get("PTXAS", "ptxas"), "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")),

@@ -55,18 +55,22 @@ def main() -> int:
     seq = torch.arange(a.batch, device=dev, dtype=torch.int32)
     lens = torch.full((a.batch,), a.ctx, device=dev, dtype=torch.int32)
     scale = (128 + ROPE) ** -0.5
+    # (name, cache, switches of mla_tokens, whether the Gluon tokens-on-M kernel is routed, scale)
     runs = [
-        ("bf16", cb, mla_tokens, {}, None),
-        ("fp8", c8, mla_tokens_gluon, {"FP8_TOKENS_GLUON": False}, one),
-        ("fp8-heads-on-m", c8, mla_tokens, {"FP8_TOKENS_ON_M": False}, one),
-        ("fp8-gluon", c8, mla_tokens_gluon, {"FP8_TOKENS_GLUON": True}, one),
+        ("bf16", cb, {}, False, None),
+        ("fp8", c8, {}, False, one),
+        ("fp8-heads-on-m", c8, {"FP8_TOKENS_ON_M": False}, False, one),
+        ("fp8-gluon", c8, {}, True, one),
     ]
     wanted = a.runs.split(",")
-    for name, cache, module, switches, sc in runs:
+    for name, cache, switches, gluon_on, sc in runs:
         if name not in wanted:
             continue
-        with switched(module, **switches), switched(mla_tokens_gluon, **(
-                {} if module is mla_tokens_gluon else {"FP8_TOKENS_GLUON": False})):
+        with (
+            switched(mla_tokens, **switches),
+            switched(mla_tokens_gluon, FP8_TOKENS_GLUON=gluon_on),
+        ):
+
             def fn(qq=q, cache=cache, sc=sc):
                 return paged_mla_attention(qq, cache, bt, seq, lens, scale=scale,
                                            kv_lora_rank=RK, kv_scale=sc)  # fmt: skip

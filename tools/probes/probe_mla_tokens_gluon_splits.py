@@ -15,30 +15,22 @@ Prints one line a shape and split count, and writes the rows as JSON to ``--out`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import graph_replay_us  # noqa: E402
 from cp_modules.kernels.decode.mla_tokens_gluon import paged_mla_tokens_gluon  # noqa: E402
 from cp_modules.kernels.decode.tiles import _num_sms, choose_mla_num_splits  # noqa: E402
 from cp_modules.reference.paged_decode import paged_mla_attention_ref  # noqa: E402
 from cp_modules.testing.numerics import assert_decode_close  # noqa: E402
 
 RK, ROPE, BS = 512, 64, 64
-
-
-def _graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return float(do_bench(g.replay, warmup=5, rep=40, return_mode="median")) * 1e3
 
 
 def _kernel_us(fn) -> dict:
@@ -49,8 +41,7 @@ def _kernel_us(fn) -> dict:
     out: dict = {}
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
-            out[e.key[:40]] = e.device_time_total / e.count if hasattr(e, "device_time_total") \
-                else e.cuda_time_total / e.count  # fmt: skip
+            out[e.key[:40]] = e.device_time_total / e.count
     return out
 
 
@@ -79,9 +70,8 @@ def main() -> int:
         for f in a.splits.split(","):
             s = auto if f == "auto" else max(1, round(auto * float(f)))
 
-            def fn(s=s):
-                return paged_mla_tokens_gluon(q, c8, bt, seq, lens, scale, RK, s, kv_scale=one)
-
+            fn = functools.partial(paged_mla_tokens_gluon, q, c8, bt, seq, lens, scale, RK, s,
+                                   kv_scale=one)  # fmt: skip
             out, lse = paged_mla_tokens_gluon(q[:1], c8, bt, seq[:1], lens[:1], scale, RK, s,
                                               kv_scale=one)  # fmt: skip
             ref = paged_mla_attention_ref(q[:1], c8, bt, seq[:1], lens[:1], scale, RK,
@@ -89,7 +79,7 @@ def main() -> int:
             same = paged_mla_attention_ref(q[:1], c8, bt, seq[:1], lens[:1], scale, RK,
                                            kv_scale=one, upcast=False)  # fmt: skip
             assert_decode_close(out, lse, ref, same)
-            us = _graph_us(fn)
+            us = graph_replay_us(fn)
             kern = _kernel_us(fn)
             tb = b * ctx * (RK + ROPE) / us / 1e6
             row = {"batch": b, "ctx": ctx, "heads": a.heads, "splits": s, "auto": s == auto,
@@ -98,7 +88,7 @@ def main() -> int:
             ks = ", ".join(f"{k} {v:.1f}" for k, v in kern.items())
             print(f"B={b} ctx={ctx} heads={a.heads} splits={s}{' (auto)' if s == auto else ''}: "
                   f"{us:.1f} us graph, {tb:.2f} TB/s; kernels: {ks}", flush=True)  # fmt: skip
-        del c8
+        del c8, fn
         torch.cuda.empty_cache()
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows, "device": torch.cuda.get_device_name()},

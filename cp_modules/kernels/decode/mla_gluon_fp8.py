@@ -231,6 +231,15 @@ if HAS_GLUON:
                                MASK)  # fmt: skip
 
     @gluon.jit
+    def _q_pow2(amax):
+        # Per query row with largest |element| amax: 2**shift taking amax into [2**14, 2**15)
+        # (shift within [-126, 126]; a row of zeros keeps shift 0), and 2**-shift.
+        e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        shift = gl.where(e == 0, 0, gl.minimum(gl.maximum(141 - e, -126), 126))
+        mult = ((shift + 127) << 23).to(gl.float32, bitcast=True)
+        return mult, ((127 - shift) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
     def _fp8_query(q_lat, q_pe, q_in, qpe_in, vec_smem, q_bar, k_ready, lay: gl.constexpr):
         # Q into fp16 in place: row h times 2**shift_h, its largest element in [2**14, 2**15)
         # (shift within [-126, 126]; a row of zeros keeps shift 0); 2**-shift_h to vec_smem.
@@ -244,15 +253,13 @@ if HAS_GLUON:
             for c in range(_LAT):
                 x = q_in.index(c).slice(h * RC, RC, dim=0).load(lay).to(gl.float32)
                 amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
-            e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-            shift = gl.where(e == 0, 0, gl.minimum(gl.maximum(141 - e, -126), 126))
-            mult = ((shift + 127) << 23).to(gl.float32, bitcast=True)[:, None]
+            mult, inv = _q_pow2(amax)
+            mult = mult[:, None]
             x = qpe_in.slice(h * RC, RC, dim=0).load(lay).to(gl.float32)
             q_pe.slice(h * RC, RC, dim=0).store((x * mult).to(gl.float16))
             for c in range(_LAT):
                 x = q_in.index(c).slice(h * RC, RC, dim=0).load(lay).to(gl.float32)
                 q_lat.index(c).slice(h * RC, RC, dim=0).store((x * mult).to(gl.float16))
-            inv = ((127 - shift) << 23).to(gl.float32, bitcast=True)
             vec_smem.slice(_Q_SCALE * _BH + h * RC, RC).store(inv)
         fence_async_shared()
         _sync_warp_group()

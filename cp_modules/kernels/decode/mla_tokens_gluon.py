@@ -83,7 +83,7 @@ _PIECE = 64  # columns a shared-memory piece (128 bytes of fp16)
 if HAS_GLUON:
     _BN = gl.constexpr(_TILE)
     _BC = gl.constexpr(_PIECE)
-    from cp_modules.kernels.decode.mla_gluon_fp8 import _CVT_ASM
+    from cp_modules.kernels.decode.mla_gluon_fp8 import _CVT_ASM, _q_pow2
     from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
 
     @gluon.jit
@@ -175,13 +175,11 @@ if HAS_GLUON:
         for c in gl.static_range(NP):
             x = gl.load(ptrs + c * _BC, mask=hm, other=0.0).to(gl.float32)
             amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
-        e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-        shift = gl.where(e == 0, 0, gl.minimum(gl.maximum(141 - e, -126), 126))
-        mult = ((shift + 127) << 23).to(gl.float32, bitcast=True)[:, None]
+        mult, inv = _q_pow2(amax)
         for c in gl.static_range(NP):
             x = gl.load(ptrs + c * _BC, mask=hm, other=0.0).to(gl.float32)
-            q_smem.index(c).store((x * mult).to(gl.float16))
-        return ((127 - shift) << 23).to(gl.float32, bitcast=True)
+            q_smem.index(c).store((x * mult[:, None]).to(gl.float16))
+        return inv
 
     @gluon.jit
     def _scores(k_smem, q_smem, base, s, NL: gl.constexpr):
@@ -297,14 +295,12 @@ if HAS_GLUON:
                                  stride_qt, stride_qh, stride_cb, stride_cs, stride_btr,
                                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                                  stride_ls, max_kv_len, num_splits,
-                                 H: gl.constexpr, BH: gl.constexpr, NUM_HEAD_TILES: gl.constexpr,
+                                 H: gl.constexpr, BH: gl.constexpr,
                                  PAGE: gl.constexpr, R: gl.constexpr, PARTIAL: gl.constexpr,
                                  CONV_REGS: gl.constexpr, PIPE: gl.constexpr = False):  # fmt: skip
         gl.static_assert(R == 8 * _BC)
-        pid = gl.program_id(0)
+        t = gl.program_id(0)  # one program a query and split: BH covers every head
         split = gl.program_id(1)
-        t = pid // NUM_HEAD_TILES
-        tile = pid % NUM_HEAD_TILES
         t64 = t.to(gl.int64)
         row = gl.load(SEQ_IDX + t).to(gl.int64)
         kv_len = gl.maximum(gl.minimum(gl.load(KV_LEN + t).to(gl.int32), max_kv_len), 0)
@@ -312,10 +308,9 @@ if HAS_GLUON:
         start = split * chunk
         end = gl.minimum(start + chunk, kv_len)
         n_tiles = gl.maximum(gl.cdiv(end - start, _BN), 0)
-        h0 = (tile * BH).to(gl.int64)
-        q_base = t64 * stride_qt + h0 * stride_qh
-        out_base = t64 * stride_ot + h0 * stride_oh + split * stride_os
-        lse_base = t64 * stride_lt + h0 * stride_lh + split * stride_ls
+        q_base = t64 * stride_qt
+        out_base = t64 * stride_ot + split * stride_os
+        lse_base = t64 * stride_lt + split * stride_ls
 
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                     rank=2)  # fmt: skip
@@ -398,20 +393,18 @@ def paged_mla_tokens_gluon(
     lse = q.new_empty(t, h, dtype=torch.float32)
     if t == 0:
         return out, lse
-    bh = 16 if h <= 16 else 32
-    head_tiles = 1
     max_kv_len = block_table.shape[1] * page
     if not num_splits:
-        num_splits = choose_mla_num_splits(t * head_tiles, max_kv_len, _num_sms(q.device), _TILE, 1)
+        num_splits = choose_mla_num_splits(t, max_kv_len, _num_sms(q.device), _TILE, 1)
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     if kv_scale is None:
         kv_scale = torch.ones(1, dtype=torch.float32, device=cache.device)
     c16 = cache.view(torch.int16)
-    _mla_tokens_gluon_kernel[(t * head_tiles, num_splits)](
+    _mla_tokens_gluon_kernel[(t, num_splits)](
         q, c16, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), c16.stride(0), c16.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits,
-        H=h, BH=bh, NUM_HEAD_TILES=head_tiles, PAGE=page, R=kv_lora_rank,
+        H=h, BH=16 if h <= 16 else 32, PAGE=page, R=kv_lora_rank,
         PARTIAL=num_splits > 1, CONV_REGS=TOK_CONVERT_REGS, PIPE=TOK_PIPELINE, num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
