@@ -58,6 +58,7 @@ from triton.testing import do_bench
 
 import cp_modules.kernels.decode.mla as mla_kernels
 import cp_modules.kernels.decode.mla_gluon_config as mla_gluon_config
+import cp_modules.kernels.decode.mla_regs_gluon as mla_regs_gluon
 import cp_modules.kernels.decode.mla_tokens as mla_tokens
 import cp_modules.kernels.decode.mla_tokens_gluon as mla_tokens_gluon
 import cp_modules.kernels.decode.paged as gqa_kernels
@@ -139,7 +140,8 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
     names = {"FP8_K_TRANSPOSED": "K_T", "FP8_DEQUANT_ASM": "ASM", "FP8_BLOCK_N": "BLOCK_N",
              "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS",
              "FP8_TOKENS_ON_M": "TOKENS_ON_M", "_MAX_SPLITS": "MAX_SPLITS",
-             "FP8_WIDE_HEADS": "FP8_WIDE_HEADS", "FP8_TOKENS_GLUON": "TOKENS_GLUON"}  # fmt: skip
+             "FP8_WIDE_HEADS": "FP8_WIDE_HEADS", "FP8_TOKENS_GLUON": "TOKENS_GLUON",
+             "FP8_REGS_GLUON": "REGS_GLUON", "REGS_STAGES": "REGS_STAGES"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     t = None
     with switched(module, **(also or {}), **{flag: value}):
@@ -338,6 +340,11 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                      also={"FP8_CONVERT_REGS": FP8_CONVERT_NARROW["FP8_CONVERT_REGS"]})  # fmt: skip
         else:  # the Triton kernels' switches
             k = f"mla{heads} {key}"
+            if heads <= 32:  # the register-operand Gluon kernel (mla_regs_gluon), 2 and 3 stages
+                for stages in (2, 3):
+                    _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                             flag="FP8_REGS_GLUON", value=True,
+                             also={"REGS_STAGES": stages})  # fmt: skip
             if heads <= 32:  # the warp-specialised Gluon kernel (mla_tokens_gluon)
                 _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_TOKENS_GLUON")  # fmt: skip

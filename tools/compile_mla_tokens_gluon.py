@@ -3,7 +3,8 @@
 for sm_90a without a GPU and report its shared memory and ptxas's register and spill counts:
 ``python tools/compile_mla_tokens_gluon.py [block_size] [partial 0/1] [heads tile 16/32]``
 (``CONV_REGS`` in the environment: the conversion partitions' registers; ``PIPE=1``: the
-pipelined product loop, ``TOK_PIPELINE``).
+pipelined product loop, ``TOK_PIPELINE``). ``KERNEL=regs``: the register-operand kernel
+(``kernels/decode/mla_regs_gluon.py``) instead, ``STAGES`` its ring depth.
 
 Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
 version) and the ``ptxas`` on PATH (or $PTXAS) for the counts. Writes the PTX and TTGIR to
@@ -20,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cp_modules.kernels.decode import mla_regs_gluon as mr  # noqa: E402
 from cp_modules.kernels.decode import mla_tokens_gluon as m  # noqa: E402
 
 _INTS = ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_btr", "stride_ot",
@@ -49,17 +51,38 @@ def compile_sm90(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def compile_regs_sm90(page: int, partial: bool, bh: int = 16, stages: int | None = None):
+    """The register-operand kernel, as :func:`compile_sm90`."""
+    fn = mr._mla_regs_gluon_kernel
+    sig = {"Q": "*bf16", "C8": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
+           "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
+           "qk_scale": "fp32", **{k: "i32" for k in _INTS},
+           **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES")}}  # fmt: skip
+    names = list(fn.arg_names)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]]
+             for k in ("Q", "C8", "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
+    consts = {"H": bh, "BH": bh, "PAGE": page, "PARTIAL": partial,
+              "STAGES": stages or mr.REGS_STAGES}  # fmt: skip
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def main() -> None:
     page = int(sys.argv[1]) if len(sys.argv) > 1 else 64
     partial = sys.argv[2] == "1" if len(sys.argv) > 2 else True
     bh = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     regs = int(os.environ["CONV_REGS"]) if "CONV_REGS" in os.environ else None
     pipe = os.environ["PIPE"] == "1" if "PIPE" in os.environ else None
-    k = compile_sm90(page, partial, bh, regs, pipe)
     out = Path(os.environ.get("OUT_DIR", "/tmp/mla-tokens-gluon"))
     out.mkdir(parents=True, exist_ok=True)
-    tag = "_pipe" if (m.TOK_PIPELINE if pipe is None else pipe) else ""
-    stem = out / f"tok_bs{page}_partial{int(partial)}_h{bh}{tag}"
+    if os.environ.get("KERNEL") == "regs":
+        stages = int(os.environ["STAGES"]) if "STAGES" in os.environ else None
+        k = compile_regs_sm90(page, partial, bh, stages)
+        stem = out / f"regs_bs{page}_partial{int(partial)}_h{bh}_s{stages or mr.REGS_STAGES}"
+    else:
+        k = compile_sm90(page, partial, bh, regs, pipe)
+        tag = "_pipe" if (m.TOK_PIPELINE if pipe is None else pipe) else ""
+        stem = out / f"tok_bs{page}_partial{int(partial)}_h{bh}{tag}"
     stem.with_suffix(".ptx").write_text(k.asm["ptx"])
     stem.with_suffix(".ttgir").write_text(k.asm["ttgir"])
     cmd = [os.environ.get("PTXAS", "ptxas"), "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")),

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_modules.kernels.decode import mla_tokens, mla_tokens_gluon
+from cp_modules.kernels.decode import mla_regs_gluon, mla_tokens, mla_tokens_gluon
 from cp_modules.kernels.decode.fp8 import fp8_e4m3_bits_to
 from cp_modules.kernels.decode.paged import (
     _LOG2E,
@@ -234,9 +234,21 @@ def paged_mla_attention_kernel(
     :data:`~.mla_tokens.ROUTE_MAX_HEADS`, fp8 with one wide head tile up to
     :data:`~.mla_tokens.MAX_HEADS`). Before both, an fp8 cache with at most 32 heads on an
     sm_90 GPU runs on the warp-specialised Gluon kernel where
-    :data:`~.mla_tokens_gluon.FP8_TOKENS_GLUON` is on (:func:`~.mla_tokens_gluon.tokens_gluon_supported`).
+    :data:`~.mla_tokens_gluon.FP8_TOKENS_GLUON` is on (:func:`~.mla_tokens_gluon.tokens_gluon_supported`),
+    and before that on the register-operand Gluon kernel where
+    :data:`~.mla_regs_gluon.FP8_REGS_GLUON` is on (:func:`~.mla_regs_gluon.regs_gluon_supported`).
     """
     assert q.stride(-1) == 1 and cache.stride(-1) == 1
+    if (
+        config is None
+        and cache.dtype == torch.float8_e4m3fn
+        and mla_regs_gluon.FP8_REGS_GLUON
+        and mla_regs_gluon.regs_gluon_supported(q, cache, kv_lora_rank) is None
+    ):
+        return mla_regs_gluon.paged_mla_regs_gluon(
+            q, cache, block_table, query_seq_idx, query_kv_len, scale, kv_lora_rank,
+            num_splits, kv_scale=kv_scale,
+        )  # fmt: skip
     if (
         config is None
         and cache.dtype == torch.float8_e4m3fn

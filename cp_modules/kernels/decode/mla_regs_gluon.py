@@ -1,0 +1,463 @@
+"""Gluon (Hopper) absorbed MLA paged decode on an fp8 (e4m3) latent cache with few heads: the
+cache tile's bytes converted straight into the warp-group MMA's register operand; launcher only.
+
+Shape letters as in :mod:`cp_modules.kernels.decode.mla`. The warp-specialised kernel of
+:mod:`~.mla_tokens_gluon` converts each tile into an fp16 copy in shared memory that both
+products read as their A operand; per 64-token tile that moves about 280 KB through the SM's
+shared-memory path (the fp16 stores, both A reads, the B re-reads, the loads), and that path,
+not DRAM, bounds it. Here the products take A from registers:
+
+    S^T [64, BH] = K [64, 576] @ Q^T [576, BH]       (A = K, 9 pieces of 64 columns)
+    O^T [512, BH] += V^T [512, 64] @ P^T [64, BH]   (A = V^T, 8 blocks of 64 rows, 4 steps of
+                                                     16 tokens)
+
+One warp group a program (one query, ``BH`` = 16 or 32 heads, one KV split), two programs an
+SM. The tile's fp8 bytes come into a shared-memory ring by ``cp.async`` (16-byte copies, rows
+past the range zero-filled, ``STAGES`` tiles, refilled ``STAGES - 1`` tiles ahead); each thread
+reads its operand bytes back with 16-byte shared loads, converts them by the hardware's
+``cvt.rn.f16x2.e4m3x2`` (exact: the e4m3 value itself) and hands the fp16 values to the MMA in
+registers. Shared-memory traffic per tile: the copies' 37 KB, two reads of them (37 + 32 KB) and
+the B operands (Q^T 18 KB, P^T 16 KB at 16 heads): about 140 KB.
+
+A register operand fixes which elements each thread holds (for a 64 x 16 A block: rows
+``r, r + 8`` of its warp's 16 and columns ``2q, 2q + 1, 2q + 8, 2q + 9``, ``q`` = lane mod 4).
+So that every thread's bytes are 16 contiguous bytes of the cache, the products' inner and
+outer indices are permuted; sums and per-row results do not depend on the order:
+
+- the scores' inner index: piece ``c`` (0-7 latent, 8 rope) column ``16 s + 8 h + 2 q + e``
+  holds latent column ``128 (c // 2) + 32 q + 16 (c % 2) + 4 s + 2 h + e`` (rope:
+  ``512 + 16 q + 4 s + 2 h + e``); Q^T is stored with the same permutation;
+- the output's rows: block ``b`` row ``16 w + 8 i + l`` is latent dimension
+  ``128 w + 16 l + 2 b + i``, undone when the output is stored;
+- the tokens keep their order (P^T rows as S^T's).
+
+The shared-memory tile is 4 planes of [64 tokens, 128 bytes] (latent) with the 128-byte
+swizzle and one [64, 64] plane (rope); both read patterns are free of bank conflicts.
+
+Each head's scores are multiplied by ``scale * log2(e) * kv_scale * 2**-shift`` (Q's rows
+scaled by a power of two as in :mod:`~.mla_gluon_fp8`), the output by ``kv_scale / l``. Splits
+and their merge as in :mod:`~.mla` (base-2 LSEs for the merge).
+
+Served (:func:`regs_gluon_supported`): an sm_90 GPU with Gluon, bf16/fp16 queries, an fp8
+(e4m3) cache, at most 32 heads, ``kv_lora_rank`` 512 with a rope width of 64, cache rows of
+16-byte multiples. Switch: :data:`FP8_REGS_GLUON` (read at every launch by the op's routing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_modules.kernels.decode.paged import _LOG2E
+from cp_modules.kernels.decode.tiles import _num_sms, _split_buffers, choose_mla_num_splits
+from cp_modules.kernels.merge import merge_splits_triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    HAS_GLUON = False
+
+__all__ = [
+    "FP8_REGS_GLUON",
+    "REGS_STAGES",
+    "paged_mla_regs_gluon",
+    "regs_gluon_supported",
+]
+
+# fp8 MLA caches with at most 32 heads on an sm_90 GPU: this kernel before the warp-specialised
+# one (mla_tokens_gluon). Read at every launch by the op's routing. Off until timed.
+FP8_REGS_GLUON = False
+# Tiles in each program's shared-memory ring (2: two programs an SM).
+REGS_STAGES = 2
+_MAX_HEADS = 32
+_TILE = 64  # tokens a tile (the wgmma's M for the scores)
+
+if HAS_GLUON:
+    _BN = gl.constexpr(_TILE)
+    from cp_modules.kernels.decode.mla_gluon_fp8 import _CVT_ASM, _q_pow2
+    from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
+
+    @gluon.jit
+    def _cvt(x):
+        # e4m3 bytes -> fp16, four at a time (exact).
+        return gl.inline_asm_elementwise(_CVT_ASM, "=r,=r,r", [x], dtype=gl.float16,
+                                         is_pure=True, pack=4)  # fmt: skip
+
+    @gluon.jit
+    def _row_addr(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE: gl.constexpr,
+                  lay: gl.constexpr):  # fmt: skip
+        # Each token row's byte address of tile [n0, n0 + 64) and whether it is in range
+        # (``lay``: a layout of the row vector).
+        r = gl.arange(0, _BN, layout=lay)
+        n = n0 + r
+        ok = n < end
+        if PAGE % _BN == 0:
+            blk = gl.load(BT + bt_row + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
+            pos = (n0 % PAGE + r).to(gl.int64)
+        else:
+            blk = gl.load(BT + bt_row + n // PAGE, mask=ok, other=0).to(gl.int64)
+            pos = (n % PAGE).to(gl.int64)
+        return C8 + blk * stride_cb + pos * stride_cs, ok
+
+    @gluon.jit
+    def _issue(k_lat, k_pe, slot, C8, BT, bt_row, n0, end, stride_cb, stride_cs,
+               PAGE: gl.constexpr):  # fmt: skip
+        # cp.async of tile [n0, n0 + 64) into ring slot ``slot``: the latent as 4 planes of
+        # [64, 128] bytes, the rope as [64, 64]; rows past ``end`` are zero-filled, not read.
+        lat_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+        pl = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, lat_l)))
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, lat_l)))
+        rows, ok = _row_addr(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
+                             gl.SliceLayout(0, gl.SliceLayout(2, lat_l)))  # fmt: skip
+        ptr = rows[None, :, None] + (pl[:, None, None] * 128 + cols[None, None, :])
+        msk = ok[None, :, None] & (cols < 128)[None, None, :] & (pl < 4)[:, None, None]
+        async_copy.async_copy_global_to_shared(k_lat.index(slot), ptr, mask=msk)
+        pe_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        cols2 = gl.arange(0, 64, layout=gl.SliceLayout(0, pe_l))
+        rows2, ok2 = _row_addr(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
+                               gl.SliceLayout(1, pe_l))  # fmt: skip
+        ptr2 = rows2[:, None] + (512 + cols2)[None, :]
+        msk2 = ok2[:, None] & (cols2 < 64)[None, :]
+        async_copy.async_copy_global_to_shared(k_pe.index(slot), ptr2, mask=msk2)
+
+    @gluon.jit
+    def _q_perm(Q, q_smem, q_base, stride_qh, H: gl.constexpr, BH: gl.constexpr):
+        # Q's rows into fp16 in shared memory in the scores' permuted column order (module
+        # docstring), each times 2**shift (its largest element to [2**14, 2**15)); returns
+        # 2**-shift per head.
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        heads = gl.arange(0, BH, layout=gl.SliceLayout(1, lay))
+        j = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        # column j = 16 s + 8 h + 2 q + e of a piece -> 32 q + 4 s + 2 h + e (latent, plus
+        # 128 (c // 2) + 16 (c % 2)), 16 q + 4 s + 2 h + e (rope, plus 512)
+        s_ = j // 16
+        h_ = (j // 8) % 2
+        q_ = (j // 2) % 4
+        e_ = j % 2
+        inner = 4 * s_ + 2 * h_ + e_
+        lat = 32 * q_ + inner
+        pe = 512 + 16 * q_ + inner
+        rows = Q + q_base + heads[:, None].to(gl.int64) * stride_qh
+        hm = (heads < H)[:, None]
+        amax = gl.zeros([BH], gl.float32, gl.SliceLayout(1, lay))
+        for c in gl.static_range(9):
+            if c < 8:
+                col = lat + (128 * (c // 2) + 16 * (c % 2))
+            else:
+                col = pe
+            x = gl.load(rows + col[None, :], mask=hm, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+        mult, inv = _q_pow2(amax)
+        for c in gl.static_range(9):
+            if c < 8:
+                col = lat + (128 * (c // 2) + 16 * (c % 2))
+            else:
+                col = pe
+            x = gl.load(rows + col[None, :], mask=hm, other=0.0).to(gl.float32)
+            q_smem.index(c).store((x * mult[:, None]).to(gl.float16))
+        return inv
+
+    @gluon.jit
+    def _k_operand(y, a_op: gl.constexpr):
+        # [64, 4 (q), 16 bytes] fp16 -> the A operand [64, 64]: byte 4 s + 2 h + e of lane
+        # group q is column 16 s + 8 h + 2 q + e (registers renamed, no data moved).
+        y = gl.reshape(y, [_BN, 4, 4, 2, 2])
+        y = gl.permute(y, [0, 2, 3, 1, 4])
+        return gl.convert_layout(gl.reshape(y, [_BN, 64]), a_op)
+
+    @gluon.jit
+    def _scores(k_lat, k_pe, slot, q_smem, s, mma: gl.constexpr):
+        # S^T = K Q^T, K from the slot's bytes through registers (``k_lat``: the ring as
+        # [STAGES * 4, 64, 128] planes).
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        # A latent plane [64, 128] as [64, 4 (q), 2 (piece), 16]: thread (warp w, lane
+        # 4 l + q) holds rows 16 w + l and + 8, bytes 32 q + 16 c + [0, 16) of each.
+        lat_ld: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[
+                [0, 0, 0, 1],
+                [0, 0, 0, 2],
+                [0, 0, 0, 4],
+                [0, 0, 0, 8],
+                [0, 0, 1, 0],
+                [8, 0, 0, 0],
+            ],
+            lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
+            block_bases=[],
+            shape=[_BN, 4, 2, 16],
+        )
+        pe_ld: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]],
+            block_bases=[],
+            shape=[_BN, 4, 16],
+        )
+        x = _cvt(k_pe.index(slot).reshape([_BN, 4, 16]).load(pe_ld))
+        s = warpgroup_mma(_k_operand(x, a_op), q_smem.index(8).permute((1, 0)), s,
+                          use_acc=False, is_async=True)  # fmt: skip
+        # (At most one piece in flight while the next is converted: an operand's registers
+        # are held until its product completes.)
+        for p in gl.static_range(4):
+            y = _cvt(k_lat.index(4 * slot + p).reshape([_BN, 4, 2, 16]).load(lat_ld))
+            y0, y1 = gl.split(gl.permute(y, [0, 1, 3, 2]))
+            s = warpgroup_mma_wait(1, deps=(s,))
+            s = warpgroup_mma(_k_operand(y0, a_op), q_smem.index(2 * p).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
+            s = warpgroup_mma_wait(1, deps=(s,))
+            s = warpgroup_mma(_k_operand(y1, a_op), q_smem.index(2 * p + 1).permute((1, 0)),
+                              s, is_async=True)  # fmt: skip
+        return s
+
+    @gluon.jit
+    def _v_blocks(y):
+        # [64 rows, 16 tokens, b2, b1, b0] -> the 8 blocks b = 4 b2 + 2 b1 + b0 in order.
+        x0, x1 = gl.split(y)
+        x00, x01 = gl.split(x0)
+        x10, x11 = gl.split(x1)
+        b0, b4 = gl.split(x00)
+        b2, b6 = gl.split(x01)
+        b1, b5 = gl.split(x10)
+        b3, b7 = gl.split(x11)
+        return b0, b1, b2, b3, b4, b5, b6, b7
+
+    @gluon.jit
+    def _pv(v, pp, o, a_op: gl.constexpr):
+        return warpgroup_mma(gl.convert_layout(v, a_op), pp, o, is_async=True)
+
+    @gluon.jit
+    def _values(k_lat, slot, p_smem, o0, o1, o2, o3, o4, o5, o6, o7, mma: gl.constexpr):
+        # O^T += V^T P^T, V^T from the slot's latent bytes through registers, 16 tokens a step.
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        # [4 planes, 16 tokens, 128 bytes]: thread (warp w, lane 4 l + q) holds plane w, bytes
+        # 16 l + [0, 16) of tokens 2 q + {0, 1, 8, 9}.
+        v_ld: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
+            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]],
+            block_bases=[],
+            shape=[4, 16, 128],
+        )
+        for st in gl.static_range(4):
+            y = _cvt(k_lat.index(slot).slice(16 * st, 16, dim=1).load(v_ld))
+            # byte 16 l + 2 b + i of plane w -> block b, row 16 w + 8 i + l
+            y = gl.reshape(y, [4, 16, 8, 2, 2, 2, 2])  # [w, token, l, b2, b1, b0, i]
+            y = gl.permute(y, [0, 6, 2, 1, 3, 4, 5])  # [w, i, l, token, b2, b1, b0]
+            v0, v1, v2, v3, v4, v5, v6, v7 = _v_blocks(gl.reshape(y, [64, 16, 2, 2, 2]))
+            pp = p_smem.slice(16 * st, 16, dim=0)
+            # (the previous step's 8 products complete before this step's are issued: their
+            # operands' registers are held until then)
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
+            o0 = _pv(v0, pp, o0, a_op)
+            o1 = _pv(v1, pp, o1, a_op)
+            o2 = _pv(v2, pp, o2, a_op)
+            o3 = _pv(v3, pp, o3, a_op)
+            o4 = _pv(v4, pp, o4, a_op)
+            o5 = _pv(v5, pp, o5, a_op)
+            o6 = _pv(v6, pp, o6, a_op)
+            o7 = _pv(v7, pp, o7, a_op)
+        return o0, o1, o2, o3, o4, o5, o6, o7
+
+    @gluon.jit
+    def _store_block(o, b: gl.constexpr, inv, OUT, out_base, stride_oh, H: gl.constexpr,
+                     BH: gl.constexpr, out_l: gl.constexpr):  # fmt: skip
+        # Block b's rows 16 w + 8 i + l are latent dimensions 128 w + 16 l + 2 b + i.
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+        dims = 128 * (r // 16) + 16 * (r % 8) + 2 * b + (r // 8) % 2
+        heads = gl.arange(0, BH, layout=gl.SliceLayout(0, out_l))
+        ptr = OUT + out_base + heads[None, :].to(gl.int64) * stride_oh + dims[:, None]
+        dt: gl.constexpr = OUT.dtype.element_ty
+        gl.store(ptr, gl.convert_layout((o * inv).to(dt), out_l), mask=(heads < H)[None, :])
+
+    @gluon.jit(do_not_specialize=["num_splits"])
+    def _mla_regs_gluon_kernel(Q, C8, BT, SEQ_IDX, KV_LEN, OUT, LSE, KV_SCALE, qk_scale,
+                               stride_qt, stride_qh, stride_cb, stride_cs, stride_btr,
+                               stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                               stride_ls, max_kv_len, num_splits,
+                               H: gl.constexpr, BH: gl.constexpr, PAGE: gl.constexpr,
+                               PARTIAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        t = gl.program_id(0)  # one program a query and split: BH covers every head
+        split = gl.program_id(1)
+        t64 = t.to(gl.int64)
+        row = gl.load(SEQ_IDX + t).to(gl.int64)
+        kv_len = gl.maximum(gl.minimum(gl.load(KV_LEN + t).to(gl.int32), max_kv_len), 0)
+        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), _BN) * _BN
+        start = split * chunk
+        end = gl.minimum(start + chunk, kv_len)
+        n_tiles = gl.maximum(gl.cdiv(end - start, _BN), 0)
+        bt_row = row * stride_btr
+
+        lat_sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                    rank=3)  # fmt: skip
+        pe_sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8,
+                                                   rank=2)  # fmt: skip
+        q_sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                  rank=2)  # fmt: skip
+        p_sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BH, element_bitwidth=16,
+                                                  rank=2)  # fmt: skip
+        k_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, _BN, 128], lat_sh)
+        plane_sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                      element_bitwidth=8, rank=2)  # fmt: skip
+        k_planes = k_lat._reinterpret(gl.uint8, [STAGES * 4, _BN, 128], plane_sh)
+        k_pe = gl.allocate_shared_memory(gl.uint8, [STAGES, _BN, 64], pe_sh)
+        q_smem = gl.allocate_shared_memory(gl.float16, [9, BH, 64], q_sh)
+        p_smem = gl.allocate_shared_memory(gl.float16, [_BN, BH], p_sh)
+
+        # The ring's first STAGES - 1 tiles (a group each, empty past the split).
+        for i in gl.static_range(STAGES - 1):
+            _issue(k_lat, k_pe, i, C8, BT, bt_row, start + i * _BN, end, stride_cb, stride_cs,
+                   PAGE)  # fmt: skip
+            async_copy.commit_group()
+
+        inv_q = _q_perm(Q, q_smem, t64 * stride_qt, stride_qh, H, BH)
+        fence_async_shared()
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16]
+        )
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        kv_scale = gl.load(KV_SCALE)
+        col_scale = gl.convert_layout(qk_scale * kv_scale * inv_q, col_l)[None, :]
+        m_i = gl.full([BH], float("-inf"), gl.float32, col_l)
+        l_acc = gl.zeros([_BN, BH], gl.float32, mma)
+        o0 = gl.zeros([64, BH], gl.float32, mma)
+        o1 = gl.zeros([64, BH], gl.float32, mma)
+        o2 = gl.zeros([64, BH], gl.float32, mma)
+        o3 = gl.zeros([64, BH], gl.float32, mma)
+        o4 = gl.zeros([64, BH], gl.float32, mma)
+        o5 = gl.zeros([64, BH], gl.float32, mma)
+        o6 = gl.zeros([64, BH], gl.float32, mma)
+        o7 = gl.zeros([64, BH], gl.float32, mma)
+        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
+        s = gl.zeros([_BN, BH], gl.float32, mma)
+        for i in range(n_tiles):
+            slot = i % STAGES
+            # Tile i has landed (this thread's copies; the barrier: everyone's), and every
+            # thread is done with the slot that the refill below overwrites (tile i - 1's).
+            async_copy.wait_group(STAGES - 2)
+            _sync()
+            _issue(k_lat, k_pe, (i + STAGES - 1) % STAGES, C8, BT, bt_row,
+                   start + (i + STAGES - 1) * _BN, end, stride_cb, stride_cs, PAGE)  # fmt: skip
+            async_copy.commit_group()
+            s = _scores(k_planes, k_pe, slot, q_smem, s, mma)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            valid = end - (start + i * _BN)
+            s = gl.where((rows < valid)[:, None], s * col_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)[None, :]
+            p = gl.exp2(s - m_new[None, :])
+            l_acc = l_acc * alpha + p
+            p_smem.store(p.to(gl.float16))
+            fence_async_shared()
+            _sync()
+            o0, o1, o2, o3, o4, o5, o6, o7 = _values(
+                k_lat, slot, p_smem, o0 * alpha, o1 * alpha, o2 * alpha, o3 * alpha,
+                o4 * alpha, o5 * alpha, o6 * alpha, o7 * alpha, mma)  # fmt: skip
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
+            m_i = m_new
+        async_copy.wait_group(0)
+
+        l_i = gl.sum(l_acc, 0)
+        nonempty = l_i > 0.0
+        inv = (kv_scale / gl.where(nonempty, l_i, 1.0))[None, :]
+        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        out_base = t64 * stride_ot + split * stride_os
+        _store_block(o0, 0, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o1, 1, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o2, 2, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o3, 3, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o4, 4, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o5, 5, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o6, 6, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o7, 7, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        hl = gl.arange(0, BH, layout=col_l)
+        if not PARTIAL:
+            lse2 = lse2 * 0.6931471805599453
+        lse_base = t64 * stride_lt + split * stride_ls
+        gl.store(LSE + lse_base + hl.to(gl.int64) * stride_lh, lse2, mask=hl < H)
+
+
+def regs_gluon_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """None when :func:`paged_mla_regs_gluon` serves these inputs, else why not."""
+    if not HAS_GLUON:
+        return "the Gluon register-operand kernel needs Triton's Gluon"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon register-operand kernel takes bf16/fp16 queries, not {q.dtype}"
+    if cache.dtype != torch.float8_e4m3fn:
+        return f"the Gluon register-operand kernel reads fp8 (e4m3) caches, not {cache.dtype}"
+    if q.shape[1] > _MAX_HEADS:
+        return (
+            f"the Gluon register-operand kernel serves at most {_MAX_HEADS} heads, not {q.shape[1]}"
+        )
+    if kv_lora_rank != 512 or cache.shape[-1] != 576:
+        return (
+            "the Gluon register-operand kernel serves kv_lora_rank 512 with a rope width of 64, "
+            f"not {kv_lora_rank} and {cache.shape[-1] - kv_lora_rank}"
+        )
+    if cache.stride(-1) != 1 or cache.stride(1) % 16 or cache.stride(0) % 16:
+        return (
+            "the Gluon register-operand kernel needs cache rows of 16-byte multiples, "
+            "last dim contiguous"
+        )
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon register-operand kernel needs an sm_90 GPU"
+    return None
+
+
+def paged_mla_regs_gluon(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    query_kv_len: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    *,
+    kv_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode on an fp8 latent cache, the products' A operand converted in
+    registers: the contract of :func:`~cp_modules.kernels.decode.mla.paged_mla_attention_kernel`
+    (``kv_scale`` fp32 [1]; None: 1.0).
+
+    Raises:
+        ValueError: for inputs :func:`regs_gluon_supported` refuses, naming why.
+    """
+    why = regs_gluon_supported(q, cache, kv_lora_rank)
+    if why:
+        raise ValueError(why)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    t, h, _ = q.shape
+    page = cache.shape[1]
+    out = q.new_empty(t, h, kv_lora_rank)
+    lse = q.new_empty(t, h, dtype=torch.float32)
+    if t == 0:
+        return out, lse
+    max_kv_len = block_table.shape[1] * page
+    if not num_splits:
+        num_splits = choose_mla_num_splits(t, max_kv_len, _num_sms(q.device), _TILE, 2)
+    o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
+    if kv_scale is None:
+        kv_scale = torch.ones(1, dtype=torch.float32, device=cache.device)
+    c8 = cache.view(torch.uint8)
+    _mla_regs_gluon_kernel[(t, num_splits)](
+        q, c8, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, kv_scale, scale * _LOG2E,
+        q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
+        *so, *sl, max_kv_len, num_splits,
+        H=h, BH=16 if h <= 16 else 32, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
+        num_warps=4,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_splits_triton(o_buf, l_buf, out, lse)
+    return out, lse

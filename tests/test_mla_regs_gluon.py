@@ -1,0 +1,152 @@
+"""The register-operand Gluon MLA decode kernel on fp8 (e4m3) latent caches
+(``kernels/decode/mla_regs_gluon.py``): refused inputs and a compile for sm_90a on the CPU;
+against the fp32 reference, the op's routing and CUDA-graph replays on the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_mla_tokens_gluon import RK, ROOT, ROPE, _check, _gpu_ok, _inputs
+
+import cp_modules.kernels.decode.mla_regs_gluon as rg
+from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
+from cp_modules.kernels.decode.mla_regs_gluon import paged_mla_regs_gluon, regs_gluon_supported
+from cp_modules.reference.paged_decode import paged_mla_attention_ref
+from cp_modules.testing.numerics import assert_decode_close
+
+
+def test_unserved_inputs_are_refused_naming_why():
+    q, cache, bt, rows, lens, sc = _inputs(16, 16, [10])
+    cases = [
+        ((q.float(), cache, RK), "bf16/fp16 queries, not torch.float32"),
+        ((q, cache.float(), RK), "fp8 \\(e4m3\\) caches, not torch.float32"),
+        ((torch.zeros(1, 33, RK + ROPE, dtype=torch.bfloat16), cache, RK), "at most 32 heads"),
+        ((q[..., :448], cache[..., :448], 384), "kv_lora_rank 512 with a rope width of 64"),
+        ((q, cache, RK), "needs an sm_90 GPU" if rg.HAS_GLUON else "needs Triton's Gluon"),
+    ]
+    for (qq, cc, r), msg in cases:
+        assert regs_gluon_supported(qq, cc, r) is not None
+        with pytest.raises(ValueError, match=msg):
+            paged_mla_regs_gluon(qq, cc, bt, rows, lens, 0.1, r)
+
+
+def test_the_op_never_routes_here_without_the_gpu(monkeypatch):
+    """With the switch on, inputs this kernel cannot serve (here: no sm_90 GPU) go on to the
+    other kernels, matching the reference."""
+    monkeypatch.setattr(rg, "FP8_REGS_GLUON", True)
+    q, cache, bt, rows, lens, sc = _inputs(16, 16, [40, 3], dtype=torch.float16)
+    q, cache = q[..., : 64 + 16].contiguous(), cache[..., : 64 + 16].contiguous()
+    out, lse = paged_mla_attention_kernel(q, cache, bt, rows, lens, 0.1, 64, 2, kv_scale=sc)
+    ref = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc)
+    same = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc, upcast=False)
+    assert_decode_close(out, lse, ref, same, atol=1e-4)
+
+
+_COMPILE = """
+import json, sys
+sys.path.insert(0, "tools")
+from compile_mla_tokens_gluon import compile_regs_sm90
+out = []
+for page, partial, bh, stages in ((64, True, 16, 2), (16, False, 16, 3), (12, True, 16, 2)):
+    k = compile_regs_sm90(page, partial, bh, stages)
+    ptx = k.asm["ptx"]
+    out.append([page, k.metadata.shared, ptx.count("wgmma.mma_async"),
+                ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("cp.async.cg.shared.global"),
+                ptx.count("ld.shared.v4")])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not rg.HAS_GLUON, reason="needs Triton's Gluon")
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """The kernel compiled for sm_90a (in a process without the interpreter) at block sizes
+    64, 16 and 12, split and unsplit, 2 and 3 ring stages: within two programs an SM's shared
+    memory at 2 stages; a tile's products all take A from registers (9 score pieces of 4
+    k-steps and 4 value steps of 8 blocks); the operand bytes read back with 16-byte shared
+    loads (18 for the scores, 16 for the values) and converted by the hardware's e4m3
+    conversion (272 instructions of 4 bytes); the tile copied by 16-byte cp.async (16 latent
+    + 2 rope a thread)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in rows] == [64, 16, 12]
+    for _page, _shared, wgmma, cvt, _cp_async, lds in rows:
+        assert wgmma == 9 * 4 + 4 * 8, rows
+        assert cvt == (576 + 512) * 64 // 128 // 2, rows  # the tile's bytes, 4 per instruction
+        assert lds >= 18 + 16, rows  # (and the epilogue's layout conversions)
+    # 18 a thread a tile: in the loop's refill and the prologue's STAGES - 1 tiles
+    assert [r[4] for r in rows] == [18 * 2, 18 * 3, 18 * 2], rows
+    assert rows[0][1] <= 232448 // 2 and rows[2][1] <= 232448 // 2, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("bs", [64, 16, 12])
+@pytest.mark.parametrize("heads", [16, 8, 20, 32])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages):
+    """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
+    around the tile edges and an empty row, NaN in every unwritten slot; 2 and 3 ring stages;
+    the same bits on a second launch."""
+    monkeypatch.setattr(rg, "REGS_STAGES", stages)
+    lens = [1, 700, 0, 63, 64, 65, 2000, 4097]
+    q, cache, bt, rows, lens_t, sc = _inputs(bs, heads, lens, dev="cuda", seed=heads + bs)
+    out, lse = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16 and out.shape == (len(lens), heads, RK)
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.07)
+    again = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+def test_gpu_regs_gluon_fp16_and_query_rows_of_any_magnitude():
+    """fp16 queries; each query row brought into fp16 by its own power of two: rows far outside
+    fp16's range and an all-zero row give the reference's result."""
+    q, cache, bt, rows, lens_t, sc = _inputs(64, 16, [900, 33], dev="cuda", seed=3)
+    q[0, 0] *= 2.0**30
+    q[0, 1] *= 2.0**-40
+    q[1, 2] = 0
+    scale = 2.0**-31
+    out, lse = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, scale, RK, 2, kv_scale=sc)
+    _check(out, lse, q, cache, bt, rows, lens_t, sc, scale)
+    q16, cache, bt, rows, lens_t, sc = _inputs(16, 16, [300, 1, 128], torch.float16, "cuda", 4)
+    out, lse = paged_mla_regs_gluon(q16, cache, bt, rows, lens_t, 0.05, RK, None, kv_scale=sc)
+    assert out.dtype == torch.float16
+    _check(out, lse, q16, cache, bt, rows, lens_t, sc, 0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+def test_gpu_op_routes_here_with_the_switch_and_replays_in_a_graph(monkeypatch):
+    """The switch routes fp8 caches with up to 32 heads here (the same bits as a direct call),
+    and a captured decode replays with new lengths (splits chosen from static shapes)."""
+    monkeypatch.setattr(rg, "FP8_REGS_GLUON", True)
+    lens = [3000, 17, 512]
+    q, cache, bt, rows, lens_t, sc = _inputs(64, 16, lens, dev="cuda", seed=9)
+    direct = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
+    routed = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
+    assert torch.equal(routed[0], direct[0]) and torch.equal(routed[1], direct[1])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None,
+                                                  kv_scale=sc)  # fmt: skip
+    for new in ([2999, 16, 1], [1, 3000, 0]):
+        lens_t.copy_(torch.tensor(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(g_out, g_lse, q, cache, bt, rows, lens_t, sc, 0.07)
