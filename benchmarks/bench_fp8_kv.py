@@ -141,7 +141,7 @@ def _variant(module, key, fp8, ref8, args, t16, read8, rows, checks, flag="FP8_K
              "MLA_FP8_GLUON": "GLUON", "FP8_CONVERT_WARPS": "FP8_CONVERT_WARPS",
              "FP8_TOKENS_ON_M": "TOKENS_ON_M", "_MAX_SPLITS": "MAX_SPLITS",
              "FP8_WIDE_HEADS": "FP8_WIDE_HEADS", "FP8_TOKENS_GLUON": "TOKENS_GLUON",
-             "FP8_REGS_GLUON": "REGS_GLUON", "REGS_STAGES": "REGS_STAGES"}  # fmt: skip
+             "FP8_REGS_GLUON": "REGS_GLUON"}  # fmt: skip
     label = names[flag] + f"={value}" + "".join(f" {k}={v}" for k, v in (also or {}).items())
     t = None
     with switched(module, **(also or {}), **{flag: value}):
@@ -345,6 +345,10 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                     _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                              flag="FP8_REGS_GLUON", value=True,
                              also={"REGS_STAGES": stages})  # fmt: skip
+                if heads > 16:  # one program for all the heads (32 a tile)
+                    _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                             flag="FP8_REGS_GLUON", value=True,
+                             also={"REGS_HEAD_TILE": 32})  # fmt: skip
             if heads <= 32:  # the warp-specialised Gluon kernel (mla_tokens_gluon)
                 _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_TOKENS_GLUON")  # fmt: skip

@@ -91,12 +91,13 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
 @pytest.mark.parametrize("bs", [64, 16, 12])
 @pytest.mark.parametrize("heads", [16, 8, 20, 32])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-@pytest.mark.parametrize("stages", [2, 3])
-def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages):
+@pytest.mark.parametrize("stages,tile", [(2, 16), (3, 16), (2, 32)], ids=["s2", "s3", "s2-t32"])
+def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages, tile):
     """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
-    around the tile edges and an empty row, NaN in every unwritten slot; 2 and 3 ring stages;
-    the same bits on a second launch."""
+    around the tile edges and an empty row, NaN in every unwritten slot; 2 and 3 ring stages,
+    16 or 32 heads a program; the same bits on a second launch."""
     monkeypatch.setattr(rg, "REGS_STAGES", stages)
+    monkeypatch.setattr(rg, "REGS_HEAD_TILE", tile)
     lens = [1, 700, 0, 63, 64, 65, 2000, 4097]
     q, cache, bt, rows, lens_t, sc = _inputs(bs, heads, lens, dev="cuda", seed=heads + bs)
     out, lse = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)

@@ -11,8 +11,9 @@ of ``ctx`` tokens, 16 heads, checks each kernel against the fp32 reference (the 
 it up, then launches each once inside an NVTX range ``profile`` (the split merge too; an inner
 range names the kernel): the bf16 default kernel, the fp8 Triton tokens-on-M kernel, the
 fp8 heads-on-M kernel (``mla_tokens.FP8_TOKENS_ON_M`` off), and the warp-specialised Gluon
-tokens-on-M kernel (``mla_tokens_gluon``). ``--runs`` picks some of them (bf16, fp8,
-fp8-heads-on-m, fp8-gluon); ``--heads`` another head count.
+tokens-on-M kernel (``mla_tokens_gluon``), and the register-operand Gluon kernel
+(``mla_regs_gluon``). ``--runs`` picks some of them (bf16, fp8, fp8-heads-on-m, fp8-gluon,
+fp8-regs); ``--heads`` another head count.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import switched  # noqa: E402
-from cp_modules.kernels.decode import mla_tokens, mla_tokens_gluon  # noqa: E402
+from cp_modules.kernels.decode import mla_regs_gluon, mla_tokens, mla_tokens_gluon  # noqa: E402
 from cp_modules.ops.paged_decode import paged_mla_attention  # noqa: E402
 from cp_modules.reference.paged_decode import paged_mla_attention_ref  # noqa: E402
 from cp_modules.testing.numerics import assert_decode_close  # noqa: E402
@@ -39,7 +40,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--runs", default="bf16,fp8,fp8-heads-on-m,fp8-gluon")
+    ap.add_argument("--runs", default="bf16,fp8,fp8-heads-on-m,fp8-gluon,fp8-regs")
     a = ap.parse_args()
     HEADS = a.heads
     dev = "cuda"
@@ -55,20 +56,23 @@ def main() -> int:
     seq = torch.arange(a.batch, device=dev, dtype=torch.int32)
     lens = torch.full((a.batch,), a.ctx, device=dev, dtype=torch.int32)
     scale = (128 + ROPE) ** -0.5
-    # (name, cache, switches of mla_tokens, whether the Gluon tokens-on-M kernel is routed, scale)
+    # (name, cache, switches of mla_tokens, which Gluon kernel is routed ("", "tokens",
+    # "regs"), scale)
     runs = [
-        ("bf16", cb, {}, False, None),
-        ("fp8", c8, {}, False, one),
-        ("fp8-heads-on-m", c8, {"FP8_TOKENS_ON_M": False}, False, one),
-        ("fp8-gluon", c8, {}, True, one),
+        ("bf16", cb, {}, "", None),
+        ("fp8", c8, {}, "", one),
+        ("fp8-heads-on-m", c8, {"FP8_TOKENS_ON_M": False}, "", one),
+        ("fp8-gluon", c8, {}, "tokens", one),
+        ("fp8-regs", c8, {}, "regs", one),
     ]
     wanted = a.runs.split(",")
-    for name, cache, switches, gluon_on, sc in runs:
+    for name, cache, switches, gluon, sc in runs:
         if name not in wanted:
             continue
         with (
             switched(mla_tokens, **switches),
-            switched(mla_tokens_gluon, FP8_TOKENS_GLUON=gluon_on),
+            switched(mla_tokens_gluon, FP8_TOKENS_GLUON=gluon == "tokens"),
+            switched(mla_regs_gluon, FP8_REGS_GLUON=gluon == "regs"),
         ):
 
             def fn(qq=q, cache=cache, sc=sc):

@@ -11,8 +11,9 @@ not DRAM, bounds it. Here the products take A from registers:
     O^T [512, BH] += V^T [512, 64] @ P^T [64, BH]   (A = V^T, 8 blocks of 64 rows, 4 steps of
                                                      16 tokens)
 
-One warp group a program (one query, ``BH`` = 16 or 32 heads, one KV split), two programs an
-SM. The tile's fp8 bytes come into a shared-memory ring by ``cp.async`` (16-byte copies, rows
+One warp group a program (one query, a tile of ``BH`` heads: :data:`REGS_HEAD_TILE` = 16, or
+32; one KV split), two programs an SM. With more heads than a tile, the head tiles of one query
+and split are neighbouring programs and read the same bytes (the second read mostly from L2). The tile's fp8 bytes come into a shared-memory ring by ``cp.async`` (16-byte copies, rows
 past the range zero-filled, ``STAGES`` tiles, refilled ``STAGES - 1`` tiles ahead); each thread
 reads its operand bytes back with 16-byte shared loads, converts them by the hardware's
 ``cvt.rn.f16x2.e4m3x2`` (exact: the e4m3 value itself) and hands the fp16 values to the MMA in
@@ -67,6 +68,7 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 
 __all__ = [
     "FP8_REGS_GLUON",
+    "REGS_HEAD_TILE",
     "REGS_STAGES",
     "paged_mla_regs_gluon",
     "regs_gluon_supported",
@@ -77,6 +79,8 @@ __all__ = [
 FP8_REGS_GLUON = False
 # Tiles in each program's shared-memory ring (2: two programs an SM).
 REGS_STAGES = 2
+# Heads a program (16 or 32; 32 takes 128 accumulator registers a thread and spills).
+REGS_HEAD_TILE = 16
 _MAX_HEADS = 32
 _TILE = 64  # tokens a tile (the wgmma's M for the scores)
 
@@ -129,7 +133,7 @@ if HAS_GLUON:
         async_copy.async_copy_global_to_shared(k_pe.index(slot), ptr2, mask=msk2)
 
     @gluon.jit
-    def _q_perm(Q, q_smem, q_base, stride_qh, H: gl.constexpr, BH: gl.constexpr):
+    def _q_perm(Q, q_smem, q_base, stride_qh, n_heads, BH: gl.constexpr):
         # Q's rows into fp16 in shared memory in the scores' permuted column order (module
         # docstring), each times 2**shift (its largest element to [2**14, 2**15)); returns
         # 2**-shift per head.
@@ -146,7 +150,7 @@ if HAS_GLUON:
         lat = 32 * q_ + inner
         pe = 512 + 16 * q_ + inner
         rows = Q + q_base + heads[:, None].to(gl.int64) * stride_qh
-        hm = (heads < H)[:, None]
+        hm = (heads < n_heads)[:, None]
         amax = gl.zeros([BH], gl.float32, gl.SliceLayout(1, lay))
         for c in gl.static_range(9):
             if c < 8:
@@ -268,7 +272,7 @@ if HAS_GLUON:
         return o0, o1, o2, o3, o4, o5, o6, o7
 
     @gluon.jit
-    def _store_block(o, b: gl.constexpr, inv, OUT, out_base, stride_oh, H: gl.constexpr,
+    def _store_block(o, b: gl.constexpr, inv, OUT, out_base, stride_oh, n_heads,
                      BH: gl.constexpr, out_l: gl.constexpr):  # fmt: skip
         # Block b's rows 16 w + 8 i + l are latent dimensions 128 w + 16 l + 2 b + i.
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
@@ -276,7 +280,7 @@ if HAS_GLUON:
         heads = gl.arange(0, BH, layout=gl.SliceLayout(0, out_l))
         ptr = OUT + out_base + heads[None, :].to(gl.int64) * stride_oh + dims[:, None]
         dt: gl.constexpr = OUT.dtype.element_ty
-        gl.store(ptr, gl.convert_layout((o * inv).to(dt), out_l), mask=(heads < H)[None, :])
+        gl.store(ptr, gl.convert_layout((o * inv).to(dt), out_l), mask=(heads < n_heads)[None, :])
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _mla_regs_gluon_kernel(Q, C8, BT, SEQ_IDX, KV_LEN, OUT, LSE, KV_SCALE, qk_scale,
@@ -285,8 +289,10 @@ if HAS_GLUON:
                                stride_ls, max_kv_len, num_splits,
                                H: gl.constexpr, BH: gl.constexpr, PAGE: gl.constexpr,
                                PARTIAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        t = gl.program_id(0)  # one program a query and split: BH covers every head
+        t = gl.program_id(0)  # one program a query, KV split and tile of BH heads
         split = gl.program_id(1)
+        h0 = gl.program_id(2) * BH
+        n_heads = H - h0
         t64 = t.to(gl.int64)
         row = gl.load(SEQ_IDX + t).to(gl.int64)
         kv_len = gl.maximum(gl.minimum(gl.load(KV_LEN + t).to(gl.int32), max_kv_len), 0)
@@ -318,7 +324,7 @@ if HAS_GLUON:
                    PAGE)  # fmt: skip
             async_copy.commit_group()
 
-        inv_q = _q_perm(Q, q_smem, t64 * stride_qt, stride_qh, H, BH)
+        inv_q = _q_perm(Q, q_smem, t64 * stride_qt + h0 * stride_qh, stride_qh, n_heads, BH)
         fence_async_shared()
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16]
@@ -371,7 +377,7 @@ if HAS_GLUON:
         inv = (kv_scale / gl.where(nonempty, l_i, 1.0))[None, :]
         lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
         out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-        out_base = t64 * stride_ot + split * stride_os
+        out_base = t64 * stride_ot + split * stride_os + h0 * stride_oh
         _store_block(o0, 0, inv, OUT, out_base, stride_oh, H, BH, out_l)
         _store_block(o1, 1, inv, OUT, out_base, stride_oh, H, BH, out_l)
         _store_block(o2, 2, inv, OUT, out_base, stride_oh, H, BH, out_l)
@@ -383,8 +389,8 @@ if HAS_GLUON:
         hl = gl.arange(0, BH, layout=col_l)
         if not PARTIAL:
             lse2 = lse2 * 0.6931471805599453
-        lse_base = t64 * stride_lt + split * stride_ls
-        gl.store(LSE + lse_base + hl.to(gl.int64) * stride_lh, lse2, mask=hl < H)
+        lse_base = t64 * stride_lt + split * stride_ls + h0 * stride_lh
+        gl.store(LSE + lse_base + hl.to(gl.int64) * stride_lh, lse2, mask=hl < n_heads)
 
 
 def regs_gluon_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
@@ -445,17 +451,19 @@ def paged_mla_regs_gluon(
     if t == 0:
         return out, lse
     max_kv_len = block_table.shape[1] * page
+    bh = 16 if h <= 16 else REGS_HEAD_TILE
+    head_tiles = -(-h // bh)
     if not num_splits:
-        num_splits = choose_mla_num_splits(t, max_kv_len, _num_sms(q.device), _TILE, 2)
+        num_splits = choose_mla_num_splits(t * head_tiles, max_kv_len, _num_sms(q.device), _TILE, 2)
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     if kv_scale is None:
         kv_scale = torch.ones(1, dtype=torch.float32, device=cache.device)
     c8 = cache.view(torch.uint8)
-    _mla_regs_gluon_kernel[(t, num_splits)](
+    _mla_regs_gluon_kernel[(t, num_splits, head_tiles)](
         q, c8, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits,
-        H=h, BH=16 if h <= 16 else 32, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
+        H=h, BH=bh, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
         num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
