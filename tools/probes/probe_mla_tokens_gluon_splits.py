@@ -6,6 +6,10 @@ one, and the kernel's and the split merge's own durations from the profiler.
 Run from the repository root on an sm_90 GPU:
 
     python tools/probes/probe_mla_tokens_gluon_splits.py [--shapes 1x131072,8x32768] [--heads 16]
+        [--kernel tokens|regs]
+
+``--kernel regs``: the register-operand kernel (``kernels/decode/mla_regs_gluon.py``) instead,
+its automatic split count for two programs an SM.
 
 DeepSeek's latent (576 wide, block size 64), random bf16 values quantized to e4m3, scattered
 block tables. Every split count is first checked against the fp32 reference (the 2x rule).
@@ -25,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import graph_replay_us  # noqa: E402
+from cp_modules.kernels.decode.mla_regs_gluon import paged_mla_regs_gluon  # noqa: E402
 from cp_modules.kernels.decode.mla_tokens_gluon import paged_mla_tokens_gluon  # noqa: E402
 from cp_modules.kernels.decode.tiles import _num_sms, choose_mla_num_splits  # noqa: E402
 from cp_modules.reference.paged_decode import paged_mla_attention_ref  # noqa: E402
@@ -51,6 +56,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--splits", default="auto,0.5,2")
     ap.add_argument("--out", default="")
+    ap.add_argument("--kernel", default="tokens", choices=["tokens", "regs"])
     a = ap.parse_args()
     dev = "cuda"
     rows = []
@@ -66,14 +72,15 @@ def main() -> int:
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         one = torch.ones(1, device=dev)
         scale = (128 + ROPE) ** -0.5
-        auto = choose_mla_num_splits(b, width * BS, _num_sms(q.device), 64, 1)
+        per_sm = 2 if a.kernel == "regs" else 1
+        op = paged_mla_regs_gluon if a.kernel == "regs" else paged_mla_tokens_gluon
+        tiles = -(-a.heads // 16) if a.kernel == "regs" else 1
+        auto = choose_mla_num_splits(b * tiles, width * BS, _num_sms(q.device), 64, per_sm)
         for f in a.splits.split(","):
             s = auto if f == "auto" else max(1, round(auto * float(f)))
 
-            fn = functools.partial(paged_mla_tokens_gluon, q, c8, bt, seq, lens, scale, RK, s,
-                                   kv_scale=one)  # fmt: skip
-            out, lse = paged_mla_tokens_gluon(q[:1], c8, bt, seq[:1], lens[:1], scale, RK, s,
-                                              kv_scale=one)  # fmt: skip
+            fn = functools.partial(op, q, c8, bt, seq, lens, scale, RK, s, kv_scale=one)
+            out, lse = op(q[:1], c8, bt, seq[:1], lens[:1], scale, RK, s, kv_scale=one)
             ref = paged_mla_attention_ref(q[:1], c8, bt, seq[:1], lens[:1], scale, RK,
                                           kv_scale=one)  # fmt: skip
             same = paged_mla_attention_ref(q[:1], c8, bt, seq[:1], lens[:1], scale, RK,
@@ -82,7 +89,8 @@ def main() -> int:
             us = graph_replay_us(fn)
             kern = _kernel_us(fn)
             tb = b * ctx * (RK + ROPE) / us / 1e6
-            row = {"batch": b, "ctx": ctx, "heads": a.heads, "splits": s, "auto": s == auto,
+            row = {"kernel": a.kernel, "batch": b, "ctx": ctx, "heads": a.heads, "splits": s,
+                   "auto": s == auto,
                    "graph_us": us, "fp8_tb_s": tb, "kernels_us": kern}  # fmt: skip
             rows.append(row)
             ks = ", ".join(f"{k} {v:.1f}" for k, v in kern.items())
