@@ -88,6 +88,7 @@ SWEEP_SHAPE = (8, 131072)
 SWEEP_CONFIGS = [(16, 64, 4, 1), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 2),
                  (16, 128, 4, 3), (16, 128, 4, 4), (16, 32, 4, 4), (16, 256, 8, 2)]  # fmt: skip
 SWEEP_ALL = False  # --sweep-all: the tile sweep on every GQA shape, not only SWEEP_SHAPE
+GLUON_ONLY = False  # --gluon-only: few-head MLA rows time only the Gluon kernels' variants
 
 
 def graph_ms(fn) -> float:
@@ -290,6 +291,28 @@ def gqa_rows(shapes, rows: dict, checks: dict) -> bool:
     return ok_all
 
 
+def _triton_variants(k, bf16, fp8, ref16, ref8, args, t16, read8, rows, checks, heads):
+    """The Triton MLA kernels' switches at few heads, each checked then timed (variant rows)."""
+    t8m = _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
+                   flag="FP8_TOKENS_ON_M")  # fmt: skip
+    if heads <= 16:  # (more heads take FP8_WIDE_TILE)
+        _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
+                 flag="FP8_TOKENS_ON_M", value=True, also={"FP8_TILE": (128, 8, 1)})  # fmt: skip
+    if 16 < heads <= mla_tokens.MAX_HEADS:  # the other of one 32-head tile, routed
+        _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
+                 flag="FP8_WIDE_HEADS")  # fmt: skip
+    t16m = _bf16_tokens_on_m(k, bf16, ref16, args, t16, read8, rows, checks)
+    if t8m and t16m:  # both switches flipped
+        both = (f"TOKENS_ON_M={not mla_tokens.FP8_TOKENS_ON_M} "
+                f"BF16_TOKENS_ON_M={not mla_tokens.BF16_TOKENS_ON_M}")  # fmt: skip
+        rows[f"variant {both} fp8 KV speed-up over bf16 {k}"] = t16m / t8m
+    # K_T / ASM: the heads-on-M kernel's switches.
+    with switched(mla_tokens, FP8_TOKENS_ON_M=False):
+        _variant(mla_kernels, k, fp8, ref8, args, t16, read8, rows, checks)
+        _variant(gqa_kernels, k, fp8, ref8, args, t16, read8, rows, checks,
+                 flag="FP8_DEQUANT_ASM")  # fmt: skip
+
+
 def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
     ok_all = True
     one = kv_scale(1.0, 1, device=DEVICE)
@@ -355,24 +378,8 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                 _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_TOKENS_GLUON", value=True,
                          also={"TOK_PIPELINE": not mla_tokens_gluon.TOK_PIPELINE})  # fmt: skip
-            t8m = _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
-                           flag="FP8_TOKENS_ON_M")  # fmt: skip
-            if heads <= 16:  # (more heads take FP8_WIDE_TILE)
-                _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
-                         flag="FP8_TOKENS_ON_M", value=True, also={"FP8_TILE": (128, 8, 1)})  # fmt: skip
-            if 16 < heads <= mla_tokens.MAX_HEADS:  # the other of one 32-head tile, routed
-                _variant(mla_tokens, k, fp8, ref8, args, t16, read8, rows, checks,
-                         flag="FP8_WIDE_HEADS")  # fmt: skip
-            t16m = _bf16_tokens_on_m(k, bf16, ref16, args, t16, read8, rows, checks)
-            if t8m and t16m:  # both switches flipped
-                both = (f"TOKENS_ON_M={not mla_tokens.FP8_TOKENS_ON_M} "
-                        f"BF16_TOKENS_ON_M={not mla_tokens.BF16_TOKENS_ON_M}")  # fmt: skip
-                rows[f"variant {both} fp8 KV speed-up over bf16 {k}"] = t16m / t8m
-            # K_T / ASM: the heads-on-M kernel's switches.
-            with switched(mla_tokens, FP8_TOKENS_ON_M=False):
-                _variant(mla_kernels, k, fp8, ref8, args, t16, read8, rows, checks)
-                _variant(gqa_kernels, k, fp8, ref8, args, t16, read8, rows, checks,
-                         flag="FP8_DEQUANT_ASM")  # fmt: skip
+            if not GLUON_ONLY:  # (--gluon-only: the Triton kernels' variants not timed)
+                _triton_variants(k, bf16, fp8, ref16, ref8, args, t16, read8, rows, checks, heads)
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9
@@ -402,6 +409,8 @@ def main() -> int:
         help="comma list of row families: gqa, mla<heads> (mla16, mla128, mla32, ...)",
     )
     ap.add_argument("--logits", action="store_true", help="only the logits-error rows")
+    ap.add_argument("--gluon-only", action="store_true",
+                    help="few-head MLA: time only the Gluon kernels' variants")  # fmt: skip
     ap.add_argument("--sweep-all", action="store_true", help="the GQA tile sweep on every shape")
     ap.add_argument("--logits-models", default=",".join(NAMES))
     ap.add_argument("--logits-prompt", type=int, default=16384)
@@ -410,8 +419,9 @@ def main() -> int:
     if torch.cuda.get_device_capability() < (8, 9):
         print("fp8 KV needs compute capability >= 8.9", flush=True)
         return 1
-    global SWEEP_ALL
+    global SWEEP_ALL, GLUON_ONLY
     SWEEP_ALL = a.sweep_all
+    GLUON_ONLY = a.gluon_only
     rows: dict = {}
     checks: dict = {}
     gqa = GQA_SHAPES[:2] if a.quick else GQA_SHAPES
