@@ -364,14 +364,18 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
         else:  # the Triton kernels' switches
             k = f"mla{heads} {key}"
             if heads <= 32:  # the register-operand Gluon kernel (mla_regs_gluon), 2 and 3 stages
+                route = {"REGS_ROUTE_MAX_HEADS": 32}  # (the op's routing: to 16 heads)
                 for stages in (2, 3):
                     _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                              flag="FP8_REGS_GLUON", value=True,
-                             also={"REGS_STAGES": stages})  # fmt: skip
+                             also={"REGS_STAGES": stages, **route})  # fmt: skip
+                _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_REGS_GLUON", value=True,
+                         also={"REGS_PROGRAMS_PER_SM": 2, **route})  # fmt: skip
                 if heads > 16:  # one program for all the heads (32 a tile)
                     _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                              flag="FP8_REGS_GLUON", value=True,
-                             also={"REGS_HEAD_TILE": 32})  # fmt: skip
+                             also={"REGS_HEAD_TILE": 32, "REGS_ROUTE_MAX_HEADS": 32})  # fmt: skip
             if heads <= 32:  # the warp-specialised Gluon kernel (mla_tokens_gluon)
                 _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_TOKENS_GLUON")  # fmt: skip

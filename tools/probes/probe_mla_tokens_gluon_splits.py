@@ -9,7 +9,10 @@ Run from the repository root on an sm_90 GPU:
         [--kernel tokens|regs]
 
 ``--kernel regs``: the register-operand kernel (``kernels/decode/mla_regs_gluon.py``) instead,
-its automatic split count for two programs an SM.
+its automatic split count as the launcher's (``REGS_PROGRAMS_PER_SM``). ``--splits`` takes
+factors of the automatic count or ``=N`` for N splits; ``--fill`` a list of fractions of each
+shape's length that the requests are given (the same block tables and grid: 0 times the
+program's fixed cost alone).
 
 DeepSeek's latent (576 wide, block size 64), random bf16 values quantized to e4m3, scattered
 block tables. Every split count is first checked against the fp32 reference (the 2x rule).
@@ -29,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import graph_replay_us  # noqa: E402
+from cp_modules.kernels.decode import mla_regs_gluon  # noqa: E402
 from cp_modules.kernels.decode.mla_regs_gluon import paged_mla_regs_gluon  # noqa: E402
 from cp_modules.kernels.decode.mla_tokens_gluon import paged_mla_tokens_gluon  # noqa: E402
 from cp_modules.kernels.decode.tiles import _num_sms, choose_mla_num_splits  # noqa: E402
@@ -57,6 +61,7 @@ def main() -> int:
     ap.add_argument("--splits", default="auto,0.5,2")
     ap.add_argument("--out", default="")
     ap.add_argument("--kernel", default="tokens", choices=["tokens", "regs"])
+    ap.add_argument("--fill", default="1")
     a = ap.parse_args()
     dev = "cuda"
     rows = []
@@ -72,12 +77,17 @@ def main() -> int:
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         one = torch.ones(1, device=dev)
         scale = (128 + ROPE) ** -0.5
-        per_sm = 2 if a.kernel == "regs" else 1
+        per_sm = mla_regs_gluon.REGS_PROGRAMS_PER_SM if a.kernel == "regs" else 1
         op = paged_mla_regs_gluon if a.kernel == "regs" else paged_mla_tokens_gluon
         tiles = -(-a.heads // 16) if a.kernel == "regs" else 1
         auto = choose_mla_num_splits(b * tiles, width * BS, _num_sms(q.device), 64, per_sm)
-        for f in a.splits.split(","):
-            s = auto if f == "auto" else max(1, round(auto * float(f)))
+        runs = [(f, fill) for fill in a.fill.split(",") for f in a.splits.split(",")]
+        for f, fill in runs:
+            if f.startswith("="):
+                s = int(f[1:])
+            else:
+                s = auto if f == "auto" else max(1, round(auto * float(f)))
+            lens.fill_(int(ctx * float(fill)))
 
             fn = functools.partial(op, q, c8, bt, seq, lens, scale, RK, s, kv_scale=one)
             out, lse = op(q[:1], c8, bt, seq[:1], lens[:1], scale, RK, s, kv_scale=one)
@@ -88,13 +98,15 @@ def main() -> int:
             assert_decode_close(out, lse, ref, same)
             us = graph_replay_us(fn)
             kern = _kernel_us(fn)
-            tb = b * ctx * (RK + ROPE) / us / 1e6
-            row = {"kernel": a.kernel, "batch": b, "ctx": ctx, "heads": a.heads, "splits": s,
+            tb = float(lens.double().sum()) * (RK + ROPE) / us / 1e6
+            row = {"kernel": a.kernel, "batch": b, "ctx": ctx, "fill": float(fill),
+                   "heads": a.heads, "splits": s,
                    "auto": s == auto,
                    "graph_us": us, "fp8_tb_s": tb, "kernels_us": kern}  # fmt: skip
             rows.append(row)
             ks = ", ".join(f"{k} {v:.1f}" for k, v in kern.items())
-            print(f"B={b} ctx={ctx} heads={a.heads} splits={s}{' (auto)' if s == auto else ''}: "
+            print(f"B={b} ctx={ctx} fill={fill} heads={a.heads} splits={s}"
+                  f"{' (auto)' if s == auto else ''}: "
                   f"{us:.1f} us graph, {tb:.2f} TB/s; kernels: {ks}", flush=True)  # fmt: skip
         del c8, fn
         torch.cuda.empty_cache()

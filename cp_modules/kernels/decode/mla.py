@@ -243,6 +243,7 @@ def paged_mla_attention_kernel(
         config is None
         and cache.dtype == torch.float8_e4m3fn
         and mla_regs_gluon.FP8_REGS_GLUON
+        and q.shape[1] <= mla_regs_gluon.REGS_ROUTE_MAX_HEADS
         and mla_regs_gluon.regs_gluon_supported(q, cache, kv_lora_rank) is None
     ):
         return mla_regs_gluon.paged_mla_regs_gluon(

@@ -69,6 +69,8 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 __all__ = [
     "FP8_REGS_GLUON",
     "REGS_HEAD_TILE",
+    "REGS_PROGRAMS_PER_SM",
+    "REGS_ROUTE_MAX_HEADS",
     "REGS_STAGES",
     "paged_mla_regs_gluon",
     "regs_gluon_supported",
@@ -81,6 +83,12 @@ FP8_REGS_GLUON = False
 REGS_STAGES = 2
 # Heads a program (16 or 32; 32 takes 128 accumulator registers a thread and spills).
 REGS_HEAD_TILE = 16
+# Programs an SM that the automatic split count plans for (two fit an SM; one measured faster
+# at B=1 128k and B=8 32k, 16 heads, on an H100: 59.4 / 86.9 us against 66.7 / 90.2).
+REGS_PROGRAMS_PER_SM = 1
+# The op's routing sends at most this many heads here (more: the warp-specialised kernel, which
+# was faster at 32 heads on an H100 than two 16-head programs or one 32-head program).
+REGS_ROUTE_MAX_HEADS = 16
 _MAX_HEADS = 32
 _TILE = 64  # tokens a tile (the wgmma's M for the scores)
 
@@ -378,14 +386,14 @@ if HAS_GLUON:
         lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
         out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
         out_base = t64 * stride_ot + split * stride_os + h0 * stride_oh
-        _store_block(o0, 0, inv, OUT, out_base, stride_oh, H, BH, out_l)
-        _store_block(o1, 1, inv, OUT, out_base, stride_oh, H, BH, out_l)
-        _store_block(o2, 2, inv, OUT, out_base, stride_oh, H, BH, out_l)
-        _store_block(o3, 3, inv, OUT, out_base, stride_oh, H, BH, out_l)
-        _store_block(o4, 4, inv, OUT, out_base, stride_oh, H, BH, out_l)
-        _store_block(o5, 5, inv, OUT, out_base, stride_oh, H, BH, out_l)
-        _store_block(o6, 6, inv, OUT, out_base, stride_oh, H, BH, out_l)
-        _store_block(o7, 7, inv, OUT, out_base, stride_oh, H, BH, out_l)
+        _store_block(o0, 0, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_block(o1, 1, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_block(o2, 2, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_block(o3, 3, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_block(o4, 4, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_block(o5, 5, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_block(o6, 6, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_block(o7, 7, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
         hl = gl.arange(0, BH, layout=col_l)
         if not PARTIAL:
             lse2 = lse2 * 0.6931471805599453
@@ -454,7 +462,9 @@ def paged_mla_regs_gluon(
     bh = 16 if h <= 16 else REGS_HEAD_TILE
     head_tiles = -(-h // bh)
     if not num_splits:
-        num_splits = choose_mla_num_splits(t * head_tiles, max_kv_len, _num_sms(q.device), _TILE, 2)
+        num_splits = choose_mla_num_splits(
+            t * head_tiles, max_kv_len, _num_sms(q.device), _TILE, REGS_PROGRAMS_PER_SM
+        )
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     if kv_scale is None:
         kv_scale = torch.ones(1, dtype=torch.float32, device=cache.device)
