@@ -15,7 +15,11 @@ from test_mla_tokens_gluon import RK, ROOT, ROPE, _check, _gpu_ok, _inputs
 
 import cp_modules.kernels.decode.mla_regs_gluon as rg
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
-from cp_modules.kernels.decode.mla_regs_gluon import paged_mla_regs_gluon, regs_gluon_supported
+from cp_modules.kernels.decode.mla_regs_gluon import (
+    choose_regs_splits,
+    paged_mla_regs_gluon,
+    regs_gluon_supported,
+)
 from cp_modules.reference.paged_decode import paged_mla_attention_ref
 from cp_modules.testing.numerics import assert_decode_close
 
@@ -45,6 +49,17 @@ def test_the_op_never_routes_here_without_the_gpu(monkeypatch):
     ref = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc)
     same = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc, upcast=False)
     assert_decode_close(out, lse, ref, same, atol=1e-4)
+
+
+def test_split_count_takes_the_cheaper_of_one_and_two_programs_an_sm():
+    """On 132 SMs the model picks the split counts that measured fastest on an H100 at 16 heads:
+    one program an SM where a program has few tiles (B=1 128k: 128, B=8 32k: 16), two where it
+    has many (B=8 128k: 32, B=64 32k: 4); a forced count of programs an SM is honoured."""
+    assert [choose_regs_splits(b, ctx, 132) for b, ctx in
+            ((1, 131072), (8, 32768), (8, 131072), (64, 32768))] == [128, 16, 32, 4]  # fmt: skip
+    assert choose_regs_splits(64, 32768, 132, per_sm=1) == 2
+    assert choose_regs_splits(1, 131072, 132, per_sm=2) == 256
+    assert choose_regs_splits(1, 0, 132) == 1 and choose_regs_splits(256, 4096, 132) == 1
 
 
 _COMPILE = """

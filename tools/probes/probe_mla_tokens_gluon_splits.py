@@ -9,7 +9,7 @@ Run from the repository root on an sm_90 GPU:
         [--kernel tokens|regs]
 
 ``--kernel regs``: the register-operand kernel (``kernels/decode/mla_regs_gluon.py``) instead,
-its automatic split count as the launcher's (``REGS_PROGRAMS_PER_SM``). ``--splits`` takes
+its automatic split count as the launcher's (``choose_regs_splits``). ``--splits`` takes
 factors of the automatic count or ``=N`` for N splits; ``--fill`` a list of fractions of each
 shape's length that the requests are given (the same block tables and grid: 0 times the
 program's fixed cost alone).
@@ -77,10 +77,14 @@ def main() -> int:
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         one = torch.ones(1, device=dev)
         scale = (128 + ROPE) ** -0.5
-        per_sm = mla_regs_gluon.REGS_PROGRAMS_PER_SM if a.kernel == "regs" else 1
         op = paged_mla_regs_gluon if a.kernel == "regs" else paged_mla_tokens_gluon
-        tiles = -(-a.heads // 16) if a.kernel == "regs" else 1
-        auto = choose_mla_num_splits(b * tiles, width * BS, _num_sms(q.device), 64, per_sm)
+        if a.kernel == "regs":
+            auto = mla_regs_gluon.choose_regs_splits(
+                b * -(-a.heads // 16), width * BS, _num_sms(q.device),
+                mla_regs_gluon.REGS_PROGRAMS_PER_SM,
+            )  # fmt: skip
+        else:
+            auto = choose_mla_num_splits(b, width * BS, _num_sms(q.device), 64, 1)
         runs = [(f, fill) for fill in a.fill.split(",") for f in a.splits.split(",")]
         for f, fill in runs:
             if f.startswith("="):

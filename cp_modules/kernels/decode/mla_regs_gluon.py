@@ -72,6 +72,7 @@ __all__ = [
     "REGS_PROGRAMS_PER_SM",
     "REGS_ROUTE_MAX_HEADS",
     "REGS_STAGES",
+    "choose_regs_splits",
     "paged_mla_regs_gluon",
     "regs_gluon_supported",
 ]
@@ -83,9 +84,13 @@ FP8_REGS_GLUON = False
 REGS_STAGES = 2
 # Heads a program (16 or 32; 32 takes 128 accumulator registers a thread and spills).
 REGS_HEAD_TILE = 16
-# Programs an SM that the automatic split count plans for (two fit an SM; one measured faster
-# at B=1 128k and B=8 32k, 16 heads, on an H100: 59.4 / 86.9 us against 66.7 / 90.2).
-REGS_PROGRAMS_PER_SM = 1
+# Programs an SM that the automatic split count plans for: 1, 2, or 0 for the cheaper of both
+# by :func:`choose_regs_splits`'s cost model.
+REGS_PROGRAMS_PER_SM = 0
+# The cost model's (µs a tile a program, µs fixed a program) at one and at two programs an SM:
+# a fit of the kernel's own times on an H100 (16 heads; B=1 128k at 128 / 256 splits, B=8 32k
+# at 16 / 32, B=8 128k at 32, B=64 32k at 4; each within 4 % of the fit).
+_REGS_COST = {1: (1.8, 16.0), 2: (3.3, 25.0)}
 # The op's routing sends at most this many heads here (more: the warp-specialised kernel, which
 # was faster at 32 heads on an H100 than two 16-head programs or one 32-head program).
 REGS_ROUTE_MAX_HEADS = 16
@@ -401,6 +406,30 @@ if HAS_GLUON:
         gl.store(LSE + lse_base + hl.to(gl.int64) * stride_lh, lse2, mask=hl < n_heads)
 
 
+def choose_regs_splits(programs: int, max_kv_len: int, num_sms: int, per_sm: int = 0) -> int:
+    """KV splits for ``programs`` (query, head-tile) programs of up to ``max_kv_len`` tokens.
+
+    For each of one and two programs an SM (``per_sm`` 0: both; else that one), the split count
+    of :func:`~.tiles.choose_mla_num_splits` with the fixed cost of :data:`_REGS_COST` in tiles;
+    then the one whose modelled time (waves x (tiles a split x µs a tile + fixed µs)) is lower.
+    One program an SM runs each tile faster, two hide more of the fixed cost: the first wins at
+    few tiles a program (B=1 128k, B=8 32k at 16 heads), the second at many.
+    """
+    tiles = -(-max(1, max_kv_len) // _TILE)
+    best: tuple[float, int] | None = None
+    for pps in (1, 2) if per_sm == 0 else (per_sm,):
+        tile_us, fixed_us = _REGS_COST[pps]
+        s = choose_mla_num_splits(
+            programs, max_kv_len, num_sms, _TILE, pps, split_cost_tiles=fixed_us / tile_us
+        )
+        waves = -(-programs * s // (num_sms * pps))
+        cost = waves * (-(-tiles // s) * tile_us + fixed_us)
+        if best is None or cost < best[0]:
+            best = (cost, s)
+    assert best is not None
+    return best[1]
+
+
 def regs_gluon_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
     """None when :func:`paged_mla_regs_gluon` serves these inputs, else why not."""
     if not HAS_GLUON:
@@ -462,8 +491,8 @@ def paged_mla_regs_gluon(
     bh = 16 if h <= 16 else REGS_HEAD_TILE
     head_tiles = -(-h // bh)
     if not num_splits:
-        num_splits = choose_mla_num_splits(
-            t * head_tiles, max_kv_len, _num_sms(q.device), _TILE, REGS_PROGRAMS_PER_SM
+        num_splits = choose_regs_splits(
+            t * head_tiles, max_kv_len, _num_sms(q.device), REGS_PROGRAMS_PER_SM
         )
     o_buf, l_buf, so, sl = _split_buffers(out, lse, num_splits)
     if kv_scale is None:
