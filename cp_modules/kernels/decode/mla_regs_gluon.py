@@ -41,7 +41,9 @@ and their merge as in :mod:`~.mla` (base-2 LSEs for the merge).
 
 Served (:func:`regs_gluon_supported`): an sm_90 GPU with Gluon, bf16/fp16 queries, an fp8
 (e4m3) cache, at most 32 heads, ``kv_lora_rank`` 512 with a rope width of 64, cache rows of
-16-byte multiples. Switch: :data:`FP8_REGS_GLUON` (read at every launch by the op's routing).
+16-byte multiples. Switch: :data:`FP8_REGS_GLUON` (read at every launch by the op's routing,
+which sends it at most :data:`REGS_ROUTE_MAX_HEADS` heads).
+Notes: docs/experiments/2026-12-07-mla-regs-gluon.md.
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ __all__ = [
     "regs_gluon_supported",
 ]
 
-# fp8 MLA caches with at most 32 heads on an sm_90 GPU: this kernel before the warp-specialised
-# one (mla_tokens_gluon). Read at every launch by the op's routing. Off until timed.
+# fp8 MLA caches with at most REGS_ROUTE_MAX_HEADS heads on an sm_90 GPU: this kernel before
+# the warp-specialised one (mla_tokens_gluon). Read at every launch by the op's routing. Off:
+# timed on an H100 (2026-12-07: 16 heads 1.76-1.84x of bf16 at B=8 128k / B=64 32k), but the
+# kernel as it is now (the head-mask fix, the split model) has not run on a GPU.
 FP8_REGS_GLUON = False
 # Tiles in each program's shared-memory ring (2: two programs an SM).
 REGS_STAGES = 2
