@@ -11,7 +11,18 @@ import sys
 
 import pytest
 import torch
-from test_mla_tokens_gluon import RK, ROOT, ROPE, _check, _gpu_ok, _inputs
+from test_mla_tokens_gluon import (
+    RK,
+    ROOT,
+    ROPE,
+    _check,
+    _gpu_ok,
+    check_edges_twice,
+    check_falls_back,
+    check_query_magnitudes,
+    check_routed_and_replayed,
+    check_unserved_refused,
+)
 
 import cp_modules.kernels.decode.mla_regs_gluon as rg
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
@@ -20,35 +31,17 @@ from cp_modules.kernels.decode.mla_regs_gluon import (
     paged_mla_regs_gluon,
     regs_gluon_supported,
 )
-from cp_modules.reference.paged_decode import paged_mla_attention_ref
-from cp_modules.testing.numerics import assert_decode_close
 
 
 def test_unserved_inputs_are_refused_naming_why():
-    q, cache, bt, rows, lens, sc = _inputs(16, 16, [10])
-    cases = [
-        ((q.float(), cache, RK), "bf16/fp16 queries, not torch.float32"),
-        ((q, cache.float(), RK), "fp8 \\(e4m3\\) caches, not torch.float32"),
-        ((torch.zeros(1, 33, RK + ROPE, dtype=torch.bfloat16), cache, RK), "at most 32 heads"),
-        ((q[..., :448], cache[..., :448], 384), "kv_lora_rank 512 with a rope width of 64"),
-        ((q, cache, RK), "needs an sm_90 GPU" if rg.HAS_GLUON else "needs Triton's Gluon"),
-    ]
-    for (qq, cc, r), msg in cases:
-        assert regs_gluon_supported(qq, cc, r) is not None
-        with pytest.raises(ValueError, match=msg):
-            paged_mla_regs_gluon(qq, cc, bt, rows, lens, 0.1, r)
+    check_unserved_refused(regs_gluon_supported, paged_mla_regs_gluon, rg.HAS_GLUON)
 
 
 def test_the_op_never_routes_here_without_the_gpu(monkeypatch):
     """With the switch on, inputs this kernel cannot serve (here: no sm_90 GPU) go on to the
     other kernels, matching the reference."""
     monkeypatch.setattr(rg, "FP8_REGS_GLUON", True)
-    q, cache, bt, rows, lens, sc = _inputs(16, 16, [40, 3], dtype=torch.float16)
-    q, cache = q[..., : 64 + 16].contiguous(), cache[..., : 64 + 16].contiguous()
-    out, lse = paged_mla_attention_kernel(q, cache, bt, rows, lens, 0.1, 64, 2, kv_scale=sc)
-    ref = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc)
-    same = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc, upcast=False)
-    assert_decode_close(out, lse, ref, same, atol=1e-4)
+    check_falls_back()
 
 
 def test_split_count_takes_the_cheaper_of_one_and_two_programs_an_sm():
@@ -113,14 +106,7 @@ def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages
     16 or 32 heads a program; the same bits on a second launch."""
     monkeypatch.setattr(rg, "REGS_STAGES", stages)
     monkeypatch.setattr(rg, "REGS_HEAD_TILE", tile)
-    lens = [1, 700, 0, 63, 64, 65, 2000, 4097]
-    q, cache, bt, rows, lens_t, sc = _inputs(bs, heads, lens, dev="cuda", seed=heads + bs)
-    out, lse = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
-    torch.cuda.synchronize()
-    assert out.dtype == torch.bfloat16 and out.shape == (len(lens), heads, RK)
-    _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.07)
-    again = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
-    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    check_edges_twice(paged_mla_regs_gluon, bs, heads, splits)
 
 
 @pytest.mark.gpu
@@ -128,41 +114,18 @@ def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages
 def test_gpu_regs_gluon_fp16_and_query_rows_of_any_magnitude():
     """fp16 queries; each query row brought into fp16 by its own power of two: rows far outside
     fp16's range and an all-zero row give the reference's result."""
-    q, cache, bt, rows, lens_t, sc = _inputs(64, 16, [900, 33], dev="cuda", seed=3)
-    q[0, 0] *= 2.0**30
-    q[0, 1] *= 2.0**-40
-    q[1, 2] = 0
-    scale = 2.0**-31
-    out, lse = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, scale, RK, 2, kv_scale=sc)
-    _check(out, lse, q, cache, bt, rows, lens_t, sc, scale)
-    q16, cache, bt, rows, lens_t, sc = _inputs(16, 16, [300, 1, 128], torch.float16, "cuda", 4)
-    out, lse = paged_mla_regs_gluon(q16, cache, bt, rows, lens_t, 0.05, RK, None, kv_scale=sc)
-    assert out.dtype == torch.float16
-    _check(out, lse, q16, cache, bt, rows, lens_t, sc, 0.05)
+    check_query_magnitudes(paged_mla_regs_gluon)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
 def test_gpu_op_routes_here_with_the_switch_and_replays_in_a_graph(monkeypatch):
-    """The switch routes fp8 caches with up to 32 heads here (the same bits as a direct call),
-    and a captured decode replays with new lengths (splits chosen from static shapes)."""
+    """The switch routes fp8 caches with up to REGS_ROUTE_MAX_HEADS (16) heads here (the same
+    bits as a direct call) and more heads to the warp-specialised kernel; a captured decode
+    replays with new lengths (splits chosen from static shapes)."""
     monkeypatch.setattr(rg, "FP8_REGS_GLUON", True)
-    lens = [3000, 17, 512]
-    q, cache, bt, rows, lens_t, sc = _inputs(64, 16, lens, dev="cuda", seed=9)
-    direct = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
-    routed = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
-    assert torch.equal(routed[0], direct[0]) and torch.equal(routed[1], direct[1])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None,
-                                                  kv_scale=sc)  # fmt: skip
-    for new in ([2999, 16, 1], [1, 3000, 0]):
-        lens_t.copy_(torch.tensor(new))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(g_out, g_lse, q, cache, bt, rows, lens_t, sc, 0.07)
+    q, cache, bt, rows, lens_t, sc = check_routed_and_replayed(paged_mla_regs_gluon)
+    monkeypatch.setattr(rg, "paged_mla_regs_gluon", None)  # 20 heads: not routed here
+    q20 = torch.randn(3, 20, RK + ROPE, device="cuda").bfloat16()
+    out, lse = paged_mla_attention_kernel(q20, cache, bt, rows, lens_t, 0.07, RK, 2, kv_scale=sc)
+    _check(out, lse, q20, cache, bt, rows, lens_t, sc, 0.07)

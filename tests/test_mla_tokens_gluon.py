@@ -37,31 +37,43 @@ def _check(out, lse, q, cache, bt, rows, lens, sc, scale):
     _mla_check(out, lse, q, cache, bt, rows, lens, sc, scale, RK)
 
 
-def test_unserved_inputs_are_refused_naming_why():
+def check_unserved_refused(supported, op, has_gluon):
+    """``supported`` names why for each input a few-head fp8 MLA kernel cannot serve, and
+    ``op`` raises ``ValueError`` with it."""
     q, cache, bt, rows, lens, sc = _inputs(16, 16, [10])
     cases = [
         ((q.float(), cache, RK), "bf16/fp16 queries, not torch.float32"),
         ((q, cache.float(), RK), "fp8 \\(e4m3\\) caches, not torch.float32"),
         ((torch.zeros(1, 33, RK + ROPE, dtype=torch.bfloat16), cache, RK), "at most 32 heads"),
         ((q[..., :448], cache[..., :448], 384), "kv_lora_rank 512 with a rope width of 64"),
-        ((q, cache, RK), "needs an sm_90 GPU" if tg.HAS_GLUON else "needs Triton's Gluon"),
+        ((q, cache, RK), "needs an sm_90 GPU" if has_gluon else "needs Triton's Gluon"),
     ]
     for (qq, cc, r), msg in cases:
-        assert tokens_gluon_supported(qq, cc, r) is not None
+        assert supported(qq, cc, r) is not None
         with pytest.raises(ValueError, match=msg):
-            paged_mla_tokens_gluon(qq, cc, bt, rows, lens, 0.1, r)
+            op(qq, cc, bt, rows, lens, 0.1, r)
 
 
-def test_the_op_never_routes_here_without_the_gpu(monkeypatch):
-    """With the switch on, inputs this kernel cannot serve (here: no sm_90 GPU) go on to the
-    Triton kernels, matching the reference."""
-    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+def check_falls_back():
+    """Inputs the few-head Gluon kernels cannot serve (no sm_90 GPU, a 64-wide latent) go on to
+    the Triton kernels through the op, matching the reference."""
     q, cache, bt, rows, lens, sc = _inputs(16, 16, [40, 3], dtype=torch.float16)
     q, cache = q[..., : 64 + 16].contiguous(), cache[..., : 64 + 16].contiguous()
     out, lse = paged_mla_attention_kernel(q, cache, bt, rows, lens, 0.1, 64, 2, kv_scale=sc)
     ref = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc)
     same = paged_mla_attention_ref(q, cache, bt, rows, lens, 0.1, 64, kv_scale=sc, upcast=False)
     assert_decode_close(out, lse, ref, same, atol=1e-4)
+
+
+def test_unserved_inputs_are_refused_naming_why():
+    check_unserved_refused(tokens_gluon_supported, paged_mla_tokens_gluon, tg.HAS_GLUON)
+
+
+def test_the_op_never_routes_here_without_the_gpu(monkeypatch):
+    """With the switch on, inputs this kernel cannot serve (here: no sm_90 GPU) go on to the
+    Triton kernels, matching the reference."""
+    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+    check_falls_back()
 
 
 _COMPILE = """
@@ -102,62 +114,45 @@ def _gpu_ok():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("bs", [64, 16])
-@pytest.mark.parametrize("heads", [16, 8, 20, 32])
-@pytest.mark.parametrize("splits", [None, 1, 5])
-@pytest.mark.parametrize("pipe", [False, True], ids=["serial", "pipelined"])
-def test_gpu_tokens_gluon_matches_reference(monkeypatch, bs, heads, splits, pipe):
-    """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
-    around the tile edges and an empty row, NaN in every unwritten slot; both product loops
-    (TOK_PIPELINE)."""
-    monkeypatch.setattr(tg, "TOK_PIPELINE", pipe)
+def check_edges_twice(op, bs, heads, splits):
+    """``op`` (a few-head fp8 MLA kernel's launcher) at lengths at and around the tile edges and
+    an empty row, NaN in every unwritten slot, against the fp32 reference; the same bits on a
+    second launch."""
     lens = [1, 700, 0, 63, 64, 65, 2000, 4097]
     q, cache, bt, rows, lens_t, sc = _inputs(bs, heads, lens, dev="cuda", seed=heads + bs)
-    out, lse = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
+    out, lse = op(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
     torch.cuda.synchronize()
     assert out.dtype == torch.bfloat16 and out.shape == (len(lens), heads, RK)
     _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.07)
-    again = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
+    again = op(q, cache, bt, rows, lens_t, 0.07, RK, splits, kv_scale=sc)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
-def test_gpu_tokens_gluon_fp16_and_query_rows_of_any_magnitude():
-    """fp16 queries; each query row brought into fp16 by its own power of two: rows far outside
-    fp16's range and an all-zero row give the reference's result."""
+def check_query_magnitudes(op):
+    """fp16 queries, and query rows far outside fp16's range and an all-zero row (each row
+    brought into fp16 by its own power of two): the reference's result."""
     q, cache, bt, rows, lens_t, sc = _inputs(64, 16, [900, 33], dev="cuda", seed=3)
     q[0, 0] *= 2.0**30
     q[0, 1] *= 2.0**-40
     q[1, 2] = 0
     scale = 2.0**-31
-    out, lse = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, scale, RK, 2, kv_scale=sc)
+    out, lse = op(q, cache, bt, rows, lens_t, scale, RK, 2, kv_scale=sc)
     _check(out, lse, q, cache, bt, rows, lens_t, sc, scale)
     q16, cache, bt, rows, lens_t, sc = _inputs(16, 16, [300, 1, 128], torch.float16, "cuda", 4)
-    out, lse = paged_mla_tokens_gluon(q16, cache, bt, rows, lens_t, 0.05, RK, None, kv_scale=sc)
+    out, lse = op(q16, cache, bt, rows, lens_t, 0.05, RK, None, kv_scale=sc)
     assert out.dtype == torch.float16
     _check(out, lse, q16, cache, bt, rows, lens_t, sc, 0.05)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
-def test_gpu_op_routes_here_with_the_switch_and_replays_in_a_graph(monkeypatch):
-    """The switch routes fp8 caches with up to 32 heads here (the same bits as a direct call),
-    and a captured decode replays with new lengths (splits chosen from static shapes)."""
-    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+def check_routed_and_replayed(op):
+    """With ``op``'s switch on, the op's routing gives the bits of a direct call at 16 heads,
+    and a captured decode replays with new lengths (splits chosen from static shapes).
+    Returns the inputs for further checks."""
     lens = [3000, 17, 512]
     q, cache, bt, rows, lens_t, sc = _inputs(64, 16, lens, dev="cuda", seed=9)
-    direct = paged_mla_tokens_gluon(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
+    direct = op(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
     routed = paged_mla_attention_kernel(q, cache, bt, rows, lens_t, 0.07, RK, None, kv_scale=sc)
     assert torch.equal(routed[0], direct[0]) and torch.equal(routed[1], direct[1])
-    monkeypatch.setattr(tg, "paged_mla_tokens_gluon", None)  # 64 heads: not routed here
-    q64 = torch.randn(3, 64, RK + ROPE, device="cuda").bfloat16()
-    out, lse = paged_mla_attention_kernel(q64, cache, bt, rows, lens_t, 0.07, RK, 2, kv_scale=sc)
-    _check(out, lse, q64, cache, bt, rows, lens_t, sc, 0.07)
-    monkeypatch.undo()
-    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -172,3 +167,39 @@ def test_gpu_op_routes_here_with_the_switch_and_replays_in_a_graph(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         _check(g_out, g_lse, q, cache, bt, rows, lens_t, sc, 0.07)
+    return q, cache, bt, rows, lens_t, sc
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("bs", [64, 16])
+@pytest.mark.parametrize("heads", [16, 8, 20, 32])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("pipe", [False, True], ids=["serial", "pipelined"])
+def test_gpu_tokens_gluon_matches_reference(monkeypatch, bs, heads, splits, pipe):
+    """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
+    around the tile edges and an empty row, NaN in every unwritten slot; both product loops
+    (TOK_PIPELINE)."""
+    monkeypatch.setattr(tg, "TOK_PIPELINE", pipe)
+    check_edges_twice(paged_mla_tokens_gluon, bs, heads, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+def test_gpu_tokens_gluon_fp16_and_query_rows_of_any_magnitude():
+    """fp16 queries; each query row brought into fp16 by its own power of two: rows far outside
+    fp16's range and an all-zero row give the reference's result."""
+    check_query_magnitudes(paged_mla_tokens_gluon)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+def test_gpu_op_routes_here_with_the_switch_and_replays_in_a_graph(monkeypatch):
+    """The switch routes fp8 caches with up to 32 heads here (the same bits as a direct call),
+    and a captured decode replays with new lengths (splits chosen from static shapes)."""
+    monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+    q, cache, bt, rows, lens_t, sc = check_routed_and_replayed(paged_mla_tokens_gluon)
+    monkeypatch.setattr(tg, "paged_mla_tokens_gluon", None)  # 64 heads: not routed here
+    q64 = torch.randn(3, 64, RK + ROPE, device="cuda").bfloat16()
+    out, lse = paged_mla_attention_kernel(q64, cache, bt, rows, lens_t, 0.07, RK, 2, kv_scale=sc)
+    _check(out, lse, q64, cache, bt, rows, lens_t, sc, 0.07)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_modules.kernels.decode.mla_tokens_gluon import few_heads_fp8_refusal, few_heads_outputs
 from cp_modules.kernels.decode.paged import _LOG2E
 from cp_modules.kernels.decode.tiles import _num_sms, _split_buffers, choose_mla_num_splits
 from cp_modules.kernels.merge import merge_splits_triton
@@ -98,7 +99,6 @@ _REGS_COST = {1: (1.8, 16.0), 2: (3.3, 25.0)}
 # The op's routing sends at most this many heads here (more: the warp-specialised kernel, which
 # was faster at 32 heads on an H100 than two 16-head programs or one 32-head program).
 REGS_ROUTE_MAX_HEADS = 16
-_MAX_HEADS = 32
 _TILE = 64  # tokens a tile (the wgmma's M for the scores)
 
 if HAS_GLUON:
@@ -150,6 +150,15 @@ if HAS_GLUON:
         async_copy.async_copy_global_to_shared(k_pe.index(slot), ptr2, mask=msk2)
 
     @gluon.jit
+    def _q_piece(rows, hm, lat, pe, c: gl.constexpr):
+        # Piece c of the query rows in the permuted column order, fp32.
+        if c < 8:
+            col = lat + (128 * (c // 2) + 16 * (c % 2))
+        else:
+            col = pe
+        return gl.load(rows + col[None, :], mask=hm, other=0.0).to(gl.float32)
+
+    @gluon.jit
     def _q_perm(Q, q_smem, q_base, stride_qh, n_heads, BH: gl.constexpr):
         # Q's rows into fp16 in shared memory in the scores' permuted column order (module
         # docstring), each times 2**shift (its largest element to [2**14, 2**15)); returns
@@ -170,20 +179,11 @@ if HAS_GLUON:
         hm = (heads < n_heads)[:, None]
         amax = gl.zeros([BH], gl.float32, gl.SliceLayout(1, lay))
         for c in gl.static_range(9):
-            if c < 8:
-                col = lat + (128 * (c // 2) + 16 * (c % 2))
-            else:
-                col = pe
-            x = gl.load(rows + col[None, :], mask=hm, other=0.0).to(gl.float32)
+            x = _q_piece(rows, hm, lat, pe, c)
             amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
         mult, inv = _q_pow2(amax)
         for c in gl.static_range(9):
-            if c < 8:
-                col = lat + (128 * (c // 2) + 16 * (c % 2))
-            else:
-                col = pe
-            x = gl.load(rows + col[None, :], mask=hm, other=0.0).to(gl.float32)
-            q_smem.index(c).store((x * mult[:, None]).to(gl.float16))
+            q_smem.index(c).store((_q_piece(rows, hm, lat, pe, c) * mult[:, None]).to(gl.float16))
         return inv
 
     @gluon.jit
@@ -435,30 +435,9 @@ def choose_regs_splits(programs: int, max_kv_len: int, num_sms: int, per_sm: int
 
 
 def regs_gluon_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
-    """None when :func:`paged_mla_regs_gluon` serves these inputs, else why not."""
-    if not HAS_GLUON:
-        return "the Gluon register-operand kernel needs Triton's Gluon"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the Gluon register-operand kernel takes bf16/fp16 queries, not {q.dtype}"
-    if cache.dtype != torch.float8_e4m3fn:
-        return f"the Gluon register-operand kernel reads fp8 (e4m3) caches, not {cache.dtype}"
-    if q.shape[1] > _MAX_HEADS:
-        return (
-            f"the Gluon register-operand kernel serves at most {_MAX_HEADS} heads, not {q.shape[1]}"
-        )
-    if kv_lora_rank != 512 or cache.shape[-1] != 576:
-        return (
-            "the Gluon register-operand kernel serves kv_lora_rank 512 with a rope width of 64, "
-            f"not {kv_lora_rank} and {cache.shape[-1] - kv_lora_rank}"
-        )
-    if cache.stride(-1) != 1 or cache.stride(1) % 16 or cache.stride(0) % 16:
-        return (
-            "the Gluon register-operand kernel needs cache rows of 16-byte multiples, "
-            "last dim contiguous"
-        )
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the Gluon register-operand kernel needs an sm_90 GPU"
-    return None
+    """None when :func:`paged_mla_regs_gluon` serves these inputs, else why not (the same
+    inputs as :func:`~.mla_tokens_gluon.tokens_gluon_supported`)."""
+    return few_heads_fp8_refusal(q, cache, kv_lora_rank, "the Gluon register-operand kernel")
 
 
 def paged_mla_regs_gluon(
@@ -480,17 +459,11 @@ def paged_mla_regs_gluon(
     Raises:
         ValueError: for inputs :func:`regs_gluon_supported` refuses, naming why.
     """
-    why = regs_gluon_supported(q, cache, kv_lora_rank)
-    if why:
-        raise ValueError(why)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, out, lse = few_heads_outputs(q, kv_lora_rank, regs_gluon_supported(q, cache, kv_lora_rank))
     t, h, _ = q.shape
-    page = cache.shape[1]
-    out = q.new_empty(t, h, kv_lora_rank)
-    lse = q.new_empty(t, h, dtype=torch.float32)
     if t == 0:
         return out, lse
+    page = cache.shape[1]
     max_kv_len = block_table.shape[1] * page
     bh = 16 if h <= 16 else REGS_HEAD_TILE
     head_tiles = -(-h // bh)

@@ -341,26 +341,47 @@ if HAS_GLUON:
         )  # fmt: skip
 
 
-def tokens_gluon_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
-    """None when :func:`paged_mla_tokens_gluon` serves these inputs, else why not."""
+def few_heads_fp8_refusal(
+    q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int, kernel: str
+) -> str | None:
+    """Why the few-head fp8 Gluon MLA kernels (this one and :mod:`~.mla_regs_gluon`, named
+    ``kernel`` in the message) cannot serve these inputs, or None."""
     if not HAS_GLUON:
-        return "the Gluon tokens-on-M kernel needs Triton's Gluon"
+        return f"{kernel} needs Triton's Gluon"
     if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the Gluon tokens-on-M kernel takes bf16/fp16 queries, not {q.dtype}"
+        return f"{kernel} takes bf16/fp16 queries, not {q.dtype}"
     if cache.dtype != torch.float8_e4m3fn:
-        return f"the Gluon tokens-on-M kernel reads fp8 (e4m3) caches, not {cache.dtype}"
+        return f"{kernel} reads fp8 (e4m3) caches, not {cache.dtype}"
     if q.shape[1] > _MAX_HEADS:
-        return f"the Gluon tokens-on-M kernel serves at most {_MAX_HEADS} heads, not {q.shape[1]}"
+        return f"{kernel} serves at most {_MAX_HEADS} heads, not {q.shape[1]}"
     if kv_lora_rank != 8 * _PIECE or cache.shape[-1] != kv_lora_rank + _PIECE:
         return (
-            "the Gluon tokens-on-M kernel serves kv_lora_rank 512 with a rope width of 64, not "
+            f"{kernel} serves kv_lora_rank 512 with a rope width of 64, not "
             f"{kv_lora_rank} and {cache.shape[-1] - kv_lora_rank}"
         )
     if cache.stride(-1) != 1 or cache.stride(1) % 16 or cache.stride(0) % 16:
-        return "the Gluon tokens-on-M kernel needs cache rows of 16-byte multiples, last dim contiguous"
+        return f"{kernel} needs cache rows of 16-byte multiples, last dim contiguous"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the Gluon tokens-on-M kernel needs an sm_90 GPU"
+        return f"{kernel} needs an sm_90 GPU"
     return None
+
+
+def few_heads_outputs(
+    q: torch.Tensor, kv_lora_rank: int, why: str | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The few-head fp8 Gluon MLA launchers' start: ``ValueError(why)`` for refused inputs,
+    then ``q`` with a contiguous last dim, and the empty output and LSE."""
+    if why:
+        raise ValueError(why)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    t, h, _ = q.shape
+    return q, q.new_empty(t, h, kv_lora_rank), q.new_empty(t, h, dtype=torch.float32)
+
+
+def tokens_gluon_supported(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """None when :func:`paged_mla_tokens_gluon` serves these inputs, else why not."""
+    return few_heads_fp8_refusal(q, cache, kv_lora_rank, "the Gluon tokens-on-M kernel")
 
 
 def paged_mla_tokens_gluon(
@@ -382,17 +403,11 @@ def paged_mla_tokens_gluon(
     Raises:
         ValueError: for inputs :func:`tokens_gluon_supported` refuses, naming why.
     """
-    why = tokens_gluon_supported(q, cache, kv_lora_rank)
-    if why:
-        raise ValueError(why)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, out, lse = few_heads_outputs(q, kv_lora_rank, tokens_gluon_supported(q, cache, kv_lora_rank))
     t, h, _ = q.shape
-    page = cache.shape[1]
-    out = q.new_empty(t, h, kv_lora_rank)
-    lse = q.new_empty(t, h, dtype=torch.float32)
     if t == 0:
         return out, lse
+    page = cache.shape[1]
     max_kv_len = block_table.shape[1] * page
     if not num_splits:
         num_splits = choose_mla_num_splits(t, max_kv_len, _num_sms(q.device), _TILE, 1)
