@@ -66,7 +66,8 @@ for page, partial, bh, stages in ((64, True, 16, 2), (16, False, 16, 3), (12, Tr
     out.append([page, k.metadata.shared, ptx.count("wgmma.mma_async"),
                 ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("cp.async.cg.shared.global"),
                 ptx.count("ld.shared.v4")])
-print(json.dumps(out))
+traced = compile_regs_sm90(64, True, 16, 2, trace=True).asm["ptx"].count("%globaltimer")
+print(json.dumps([out, traced]))
 """
 
 
@@ -83,8 +84,9 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows, traced = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r[0] for r in rows] == [64, 16, 12]
+    assert traced == 5, traced  # the timeline's five stamps (a probe's build)
     for _page, _shared, wgmma, cvt, _cp_async, lds in rows:
         assert wgmma == 9 * 4 + 4 * 8, rows
         assert cvt == (576 + 512) * 64 // 128 // 2, rows  # the tile's bytes, 4 per instruction

@@ -51,18 +51,21 @@ def compile_sm90(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def compile_regs_sm90(page: int, partial: bool, bh: int = 16, stages: int | None = None):
-    """The register-operand kernel, as :func:`compile_sm90`."""
+def compile_regs_sm90(
+    page: int, partial: bool, bh: int = 16, stages: int | None = None, trace: bool = False
+):
+    """The register-operand kernel, as :func:`compile_sm90` (``trace``: with its timeline
+    stamps)."""
     fn = mr._mla_regs_gluon_kernel
     sig = {"Q": "*bf16", "C8": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
-           "qk_scale": "fp32", **{k: "i32" for k in _INTS},
-           **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES")}}  # fmt: skip
+           "qk_scale": "fp32", **{k: "i32" for k in _INTS}, "TRACE_BUF": "*i64",
+           **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "TRACE")}}  # fmt: skip
     names = list(fn.arg_names)
     attrs = {(names.index(k),): [["tt.divisibility", 16]]
              for k in ("Q", "C8", "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
     consts = {"H": bh, "BH": bh, "PAGE": page, "PARTIAL": partial,
-              "STAGES": stages or mr.REGS_STAGES}  # fmt: skip
+              "STAGES": stages or mr.REGS_STAGES, "TRACE": trace}  # fmt: skip
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 

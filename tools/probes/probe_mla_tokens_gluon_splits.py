@@ -12,7 +12,9 @@ Run from the repository root on an sm_90 GPU:
 its automatic split count as the launcher's (``choose_regs_splits``). ``--splits`` takes
 factors of the automatic count or ``=N`` for N splits; ``--fill`` a list of fractions of each
 shape's length that the requests are given (the same block tables and grid: 0 times the
-program's fixed cost alone).
+program's fixed cost alone); ``--trace`` (regs) each program's timeline from the kernel's
+global-timer stamps: medians of the query's load, the first tile's wait, the loop, the epilogue,
+and the spread of the programs' starts and ends.
 
 DeepSeek's latent (576 wide, block size 64), random bf16 values quantized to e4m3, scattered
 block tables. Every split count is first checked against the fp32 reference (the 2x rule).
@@ -54,6 +56,24 @@ def _kernel_us(fn) -> dict:
     return out
 
 
+def _timeline(op, q, c8, bt, seq, lens, scale, s, one) -> dict:
+    """One launch with the kernel's stamps: medians over the programs (µs)."""
+    buf = torch.zeros(q.shape[0] * s * 8, dtype=torch.int64, device=q.device)
+    op(q, c8, bt, seq, lens, scale, RK, s, kv_scale=one, trace=buf)
+    torch.cuda.synchronize()
+    st = buf.view(-1, 8)[:, :5].double() / 1e3
+    t0 = st[:, 0].min()
+
+    def med(x):
+        return round(float(x.median()), 2)
+
+    return {"query": med(st[:, 1] - st[:, 0]), "first_tile_wait": med(st[:, 2] - st[:, 1]),
+            "loop": med(st[:, 3] - st[:, 2]), "epilogue": med(st[:, 4] - st[:, 3]),
+            "starts_spread": round(float(st[:, 0].max() - t0), 2),
+            "first_end": round(float(st[:, 4].min() - t0), 2),
+            "last_end": round(float(st[:, 4].max() - t0), 2)}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x131072,8x32768,8x131072,64x32768")
@@ -62,6 +82,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--kernel", default="tokens", choices=["tokens", "regs"])
     ap.add_argument("--fill", default="1")
+    ap.add_argument("--trace", action="store_true")
     a = ap.parse_args()
     dev = "cuda"
     rows = []
@@ -107,6 +128,9 @@ def main() -> int:
                    "heads": a.heads, "splits": s,
                    "auto": s == auto,
                    "graph_us": us, "fp8_tb_s": tb, "kernels_us": kern}  # fmt: skip
+            if a.trace and a.kernel == "regs":
+                row["trace_us"] = _timeline(op, q, c8, bt, seq, lens, scale, s, one)
+                print(f"  timeline (us): {row['trace_us']}", flush=True)
             rows.append(row)
             ks = ", ".join(f"{k} {v:.1f}" for k, v in kern.items())
             print(f"B={b} ctx={ctx} fill={fill} heads={a.heads} splits={s}"

@@ -104,6 +104,7 @@ _TILE = 64  # tokens a tile (the wgmma's M for the scores)
 if HAS_GLUON:
     _BN = gl.constexpr(_TILE)
     from cp_modules.kernels.decode.mla_gluon_fp8 import _CVT_ASM, _q_pow2
+    from cp_modules.kernels.decode.mla_gluon_parts import _stamp
     from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
 
     @gluon.jit
@@ -303,9 +304,14 @@ if HAS_GLUON:
     def _mla_regs_gluon_kernel(Q, C8, BT, SEQ_IDX, KV_LEN, OUT, LSE, KV_SCALE, qk_scale,
                                stride_qt, stride_qh, stride_cb, stride_cs, stride_btr,
                                stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                               stride_ls, max_kv_len, num_splits,
+                               stride_ls, max_kv_len, num_splits, TRACE_BUF,
                                H: gl.constexpr, BH: gl.constexpr, PAGE: gl.constexpr,
-                               PARTIAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                               PARTIAL: gl.constexpr, STAGES: gl.constexpr,
+                               TRACE: gl.constexpr = False):  # fmt: skip
+        # TRACE: the global timer into the program's 8 trace slots (head tile 0's programs): 0 at
+        # the start, 1 the query stored, 2 the first tile landed, 3 the loop done, 4 the end; 6
+        # the SM.
+        _stamp(TRACE_BUF, 0, num_splits, TRACE)
         t = gl.program_id(0)  # one program a query, KV split and tile of BH heads
         split = gl.program_id(1)
         h0 = gl.program_id(2) * BH
@@ -343,6 +349,7 @@ if HAS_GLUON:
 
         inv_q = _q_perm(Q, q_smem, t64 * stride_qt + h0 * stride_qh, stride_qh, n_heads, BH)
         fence_async_shared()
+        _stamp(TRACE_BUF, 1, num_splits, TRACE)
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16]
         )
@@ -367,6 +374,9 @@ if HAS_GLUON:
             # thread is done with the slot that the refill below overwrites (tile i - 1's).
             async_copy.wait_group(STAGES - 2)
             _sync()
+            if TRACE:
+                if i == 0:
+                    _stamp(TRACE_BUF, 2, num_splits, TRACE)
             _issue(k_lat, k_pe, (i + STAGES - 1) % STAGES, C8, BT, bt_row,
                    start + (i + STAGES - 1) * _BN, end, stride_cb, stride_cs, PAGE)  # fmt: skip
             async_copy.commit_group()
@@ -388,6 +398,7 @@ if HAS_GLUON:
                 0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
             m_i = m_new
         async_copy.wait_group(0)
+        _stamp(TRACE_BUF, 3, num_splits, TRACE)
 
         l_i = gl.sum(l_acc, 0)
         nonempty = l_i > 0.0
@@ -408,6 +419,7 @@ if HAS_GLUON:
             lse2 = lse2 * 0.6931471805599453
         lse_base = t64 * stride_lt + split * stride_ls + h0 * stride_lh
         gl.store(LSE + lse_base + hl.to(gl.int64) * stride_lh, lse2, mask=hl < n_heads)
+        _stamp(TRACE_BUF, 4, num_splits, TRACE)
 
 
 def choose_regs_splits(programs: int, max_kv_len: int, num_sms: int, per_sm: int = 0) -> int:
@@ -451,10 +463,12 @@ def paged_mla_regs_gluon(
     num_splits: int | None = None,
     *,
     kv_scale: torch.Tensor | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode on an fp8 latent cache, the products' A operand converted in
     registers: the contract of :func:`~cp_modules.kernels.decode.mla.paged_mla_attention_kernel`
-    (``kv_scale`` fp32 [1]; None: 1.0).
+    (``kv_scale`` fp32 [1]; None: 1.0). ``trace``: an int64 [queries x splits x 8] buffer for
+    each program's timeline (a probe's; the kernel's TRACE slots).
 
     Raises:
         ValueError: for inputs :func:`regs_gluon_supported` refuses, naming why.
@@ -478,9 +492,9 @@ def paged_mla_regs_gluon(
     _mla_regs_gluon_kernel[(t, num_splits, head_tiles)](
         q, c8, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
-        *so, *sl, max_kv_len, num_splits,
+        *so, *sl, max_kv_len, num_splits, kv_scale if trace is None else trace,
         H=h, BH=bh, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
-        num_warps=4,
+        TRACE=trace is not None, num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
