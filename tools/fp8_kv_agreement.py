@@ -152,12 +152,15 @@ def _hadamard(d: int) -> torch.Tensor:
 class Cache:
     """A cache: ``k`` / ``v`` stored in e4m3 as given, None: in bf16 (``None, None``: fp32,
     unrounded, with ``exact``); ``sink``: the request's first ``sink`` tokens kept in bf16 (1: the
-    attention sink)."""
+    attention sink); ``recent``: each decode query reads its ``recent`` latest keys (itself
+    included) in bf16, as a cache that keeps a window of the newest tokens unquantized (KIVI's
+    residual) and quantizes a token once it leaves the window."""
 
     k: Quant | None = None
     v: Quant | None = None
     sink: int = 0
     exact: bool = False
+    recent: int = 0
 
     def read(self, layer: int, k: torch.Tensor, v: torch.Tensor, plen: int, st: Stats):
         """What a decode query reads back of K/V [H, S, D] (fp32)."""
@@ -250,6 +253,16 @@ VARIANTS: dict[str, Cache] = {
     "fp8 K only (V bf16), token-head": Cache(TH, None),
     "fp8 V only (K bf16), token-head": Cache(None, TH),
     "fp8 V only (K bf16), token-head, sink bf16": Cache(None, TH, sink=1),
+    # The newest tokens unquantized (a bf16 window beside the fp8 cache, merged by the LSE).
+    "fp8 per-tensor 1.0, newest 16 bf16": Cache(Quant(), Quant(), recent=16),
+    "fp8 per-tensor 1.0, newest 64 bf16": Cache(Quant(), Quant(), recent=64),
+    "fp8 per-tensor 1.0, sink and newest 16 bf16": Cache(Quant(), Quant(), sink=1, recent=16),
+    "fp8 per-tensor 1.0, sink and newest 64 bf16": Cache(Quant(), Quant(), sink=1, recent=64),
+    "fp8 per-token-head, sink and newest 16 bf16": Cache(TH, TH, sink=1, recent=16),
+    "fp8 per-token-head, sink and newest 64 bf16": Cache(TH, TH, sink=1, recent=64),
+    "fp8 K+V smooth prompt per-KV-head, token-head, sink and newest 16 bf16": Cache(
+        Quant("token-head", "prompt"), Quant("token-head", "prompt"), sink=1, recent=16
+    ),
 }
 
 
@@ -279,7 +292,12 @@ class Sim:
         out = _attention(q, k, v, scaling, pos)
         if decode.any():
             kq, vq = self.cache.read(layer, k, v, self.plen, self.stats)
-            out_q = _attention(q[:, decode], kq, vq, scaling, pos[decode])
+            if self.cache.recent:
+                kb, vb = k.bfloat16().float(), v.bfloat16().float()
+                out_q = _attention(q[:, decode], kq, vq, scaling, pos[decode],
+                                   recent=(kb, vb, self.cache.recent))  # fmt: skip
+            else:
+                out_q = _attention(q[:, decode], kq, vq, scaling, pos[decode])
             if self.ref is not None:
                 kr, vr = self.ref.read(layer, k, v, self.plen, self.stats)
                 out_r = _attention(q[:, decode], kr, vr, scaling, pos[decode])
@@ -288,14 +306,23 @@ class Sim:
         return out.transpose(0, 1)[None].to(query.dtype), None
 
 
-def _attention(q, k, v, scale, pos):
-    """Causal GQA attention of queries at ``pos`` over keys 0..S-1, fp32: [Hq, T, D]."""
+def _attention(q, k, v, scale, pos, recent=None):
+    """Causal GQA attention of queries at ``pos`` over keys 0..S-1, fp32: [Hq, T, D].
+    ``recent`` (k, v, n): each query's n latest keys (itself included) from these instead."""
     g = q.shape[0] // k.shape[0]
     kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
     sc = torch.einsum("htd,hsd->hts", q, kk) * scale
-    mask = torch.arange(k.shape[1])[None] > pos[:, None]
-    sc = sc.masked_fill(mask[None], float("-inf"))
-    return torch.einsum("hts,hsd->htd", torch.softmax(sc, -1), vv)
+    keys = torch.arange(k.shape[1])[None]
+    mask = keys > pos[:, None]
+    if recent is None:
+        sc = sc.masked_fill(mask[None], float("-inf"))
+        return torch.einsum("hts,hsd->htd", torch.softmax(sc, -1), vv)
+    kr, vr, n = recent
+    new = (keys > pos[:, None] - n)[None]  # [1, T, S]: within the window (or the future)
+    kr, vr = kr.repeat_interleave(g, 0), vr.repeat_interleave(g, 0)
+    sc = torch.where(new, torch.einsum("htd,hsd->hts", q, kr) * scale, sc)
+    p = torch.softmax(sc.masked_fill(mask[None], float("-inf")), -1)
+    return torch.einsum("hts,hsd->htd", p * ~new, vv) + torch.einsum("hts,hsd->htd", p * new, vr)
 
 
 def load():
