@@ -106,28 +106,13 @@ if HAS_GLUON:
     from cp_modules.kernels.decode.mla_gluon_fp8 import _CVT_ASM, _q_pow2
     from cp_modules.kernels.decode.mla_gluon_parts import _stamp
     from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
+    from cp_modules.kernels.decode.mla_tokens_gluon import _page_rows
 
     @gluon.jit
     def _cvt(x):
         # e4m3 bytes -> fp16, four at a time (exact).
         return gl.inline_asm_elementwise(_CVT_ASM, "=r,=r,r", [x], dtype=gl.float16,
                                          is_pure=True, pack=4)  # fmt: skip
-
-    @gluon.jit
-    def _row_addr(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE: gl.constexpr,
-                  lay: gl.constexpr):  # fmt: skip
-        # Each token row's byte address of tile [n0, n0 + 64) and whether it is in range
-        # (``lay``: a layout of the row vector).
-        r = gl.arange(0, _BN, layout=lay)
-        n = n0 + r
-        ok = n < end
-        if PAGE % _BN == 0:
-            blk = gl.load(BT + bt_row + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
-            pos = (n0 % PAGE + r).to(gl.int64)
-        else:
-            blk = gl.load(BT + bt_row + n // PAGE, mask=ok, other=0).to(gl.int64)
-            pos = (n % PAGE).to(gl.int64)
-        return C8 + blk * stride_cb + pos * stride_cs, ok
 
     @gluon.jit
     def _issue(k_lat, k_pe, slot, C8, BT, bt_row, n0, end, stride_cb, stride_cs,
@@ -137,14 +122,14 @@ if HAS_GLUON:
         lat_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [4, 1, 1], [2, 1, 0])
         pl = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, lat_l)))
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, lat_l)))
-        rows, ok = _row_addr(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
+        rows, ok = _page_rows(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
                              gl.SliceLayout(0, gl.SliceLayout(2, lat_l)))  # fmt: skip
         ptr = rows[None, :, None] + (pl[:, None, None] * 128 + cols[None, None, :])
         msk = ok[None, :, None] & (cols < 128)[None, None, :] & (pl < 4)[:, None, None]
         async_copy.async_copy_global_to_shared(k_lat.index(slot), ptr, mask=msk)
         pe_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         cols2 = gl.arange(0, 64, layout=gl.SliceLayout(0, pe_l))
-        rows2, ok2 = _row_addr(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
+        rows2, ok2 = _page_rows(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
                                gl.SliceLayout(1, pe_l))  # fmt: skip
         ptr2 = rows2[:, None] + (512 + cols2)[None, :]
         msk2 = ok2[:, None] & (cols2 < 64)[None, :]

@@ -87,10 +87,11 @@ if HAS_GLUON:
     from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
 
     @gluon.jit
-    def _tile_rows(C16, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE: gl.constexpr,
+    def _page_rows(C, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE: gl.constexpr,
                    lay: gl.constexpr):  # fmt: skip
-        # Each token row's int16 address of tile [n0, n0 + 64) and whether it is in range.
-        r = gl.arange(0, _BN, layout=gl.SliceLayout(1, lay))
+        # Each token row's address (in C's elements) of tile [n0, n0 + 64) of a paged cache,
+        # and whether it is in range (``lay``: the row vector's layout).
+        r = gl.arange(0, _BN, layout=lay)
         n = n0 + r
         ok = n < end
         if PAGE % _BN == 0:
@@ -99,7 +100,15 @@ if HAS_GLUON:
         else:
             blk = gl.load(BT + bt_row + n // PAGE, mask=ok, other=0).to(gl.int64)
             pos = (n % PAGE).to(gl.int64)
-        return C16 + (blk * stride_cb + pos * stride_cs)[:, None], ok[:, None]
+        return C + (blk * stride_cb + pos * stride_cs), ok
+
+    @gluon.jit
+    def _tile_rows(C16, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE: gl.constexpr,
+                   lay: gl.constexpr):  # fmt: skip
+        # Each token row's int16 address of tile [n0, n0 + 64) and whether it is in range.
+        rows, ok = _page_rows(C16, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
+                              gl.SliceLayout(1, lay))  # fmt: skip
+        return rows[:, None], ok[:, None]
 
     @gluon.jit
     def _load_piece(rows, ok, c: gl.constexpr, lay: gl.constexpr):
