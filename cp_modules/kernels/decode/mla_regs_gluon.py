@@ -106,7 +106,11 @@ if HAS_GLUON:
     from cp_modules.kernels.decode.mla_gluon_fp8 import _CVT_ASM, _q_pow2
     from cp_modules.kernels.decode.mla_gluon_parts import _stamp
     from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
-    from cp_modules.kernels.decode.mla_tokens_gluon import _page_rows
+    from cp_modules.kernels.decode.mla_tokens_gluon import (
+        _online_softmax,
+        _page_rows,
+        _softmax_end,
+    )
 
     @gluon.jit
     def _cvt(x):
@@ -367,12 +371,8 @@ if HAS_GLUON:
             async_copy.commit_group()
             s = _scores(k_planes, k_pe, slot, q_smem, s, mma)
             s = warpgroup_mma_wait(0, deps=(s,))
-            valid = end - (start + i * _BN)
-            s = gl.where((rows < valid)[:, None], s * col_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            alpha = gl.exp2(m_i - m_new)[None, :]
-            p = gl.exp2(s - m_new[None, :])
-            l_acc = l_acc * alpha + p
+            p, alpha, m_new, l_acc = _online_softmax(s, rows, end - (start + i * _BN),
+                                                     col_scale, m_i, l_acc)  # fmt: skip
             p_smem.store(p.to(gl.float16))
             fence_async_shared()
             _sync()
@@ -385,10 +385,7 @@ if HAS_GLUON:
         async_copy.wait_group(0)
         _stamp(TRACE_BUF, 3, num_splits, TRACE)
 
-        l_i = gl.sum(l_acc, 0)
-        nonempty = l_i > 0.0
-        inv = (kv_scale / gl.where(nonempty, l_i, 1.0))[None, :]
-        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+        inv, lse2 = _softmax_end(l_acc, m_i, kv_scale)
         out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
         out_base = t64 * stride_ot + split * stride_os + h0 * stride_oh
         _store_block(o0, 0, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)

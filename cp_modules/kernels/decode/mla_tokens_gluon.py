@@ -103,6 +103,26 @@ if HAS_GLUON:
         return C + (blk * stride_cb + pos * stride_cs), ok
 
     @gluon.jit
+    def _online_softmax(s, rows, valid, col_scale, m_i, l_acc):
+        # One tile of the softmax along the tokens (S^T's rows; rows past ``valid`` masked):
+        # P^T, the rescale of the running output, the new running max, and the row sums kept
+        # per element.
+        s = gl.where((rows < valid)[:, None], s * col_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp2(m_i - m_new)[None, :]
+        p = gl.exp2(s - m_new[None, :])
+        return p, alpha, m_new, l_acc * alpha + p
+
+    @gluon.jit
+    def _softmax_end(l_acc, m_i, kv_scale):
+        # The output's factor (kv_scale / l, 1 for an empty row) and the base-2 LSE (-inf for
+        # an empty row).
+        l_i = gl.sum(l_acc, 0)
+        nonempty = l_i > 0.0
+        inv = (kv_scale / gl.where(nonempty, l_i, 1.0))[None, :]
+        return inv, gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+
+    @gluon.jit
     def _tile_rows(C16, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE: gl.constexpr,
                    lay: gl.constexpr):  # fmt: skip
         # Each token row's int16 address of tile [n0, n0 + 64) and whether it is in range.
@@ -238,12 +258,8 @@ if HAS_GLUON:
             if (not PIPE) or i == 0:  # (PIPE: later tiles' scores were issued last iteration)
                 mbarrier.wait(ready.index(j), (i // 2) & 1)
                 s = warpgroup_mma_wait(0, deps=(_scores(k_smem, q_smem, base, s, NL),))
-            valid = end - (start + i * _BN)
-            s = gl.where((rows < valid)[:, None], s * col_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            alpha = gl.exp2(m_i - m_new)[None, :]
-            p = gl.exp2(s - m_new[None, :])
-            l_acc = l_acc * alpha + p
+            p, alpha, m_new, l_acc = _online_softmax(s, rows, end - (start + i * _BN),
+                                                     col_scale, m_i, l_acc)  # fmt: skip
             p_smem.store(p.to(gl.float16))
             fence_async_shared()
             _sync()
@@ -276,10 +292,7 @@ if HAS_GLUON:
                 mbarrier.arrive(free.index(j))
             m_i = m_new
 
-        l_i = gl.sum(l_acc, 0)
-        nonempty = l_i > 0.0
-        inv = (kv_scale / gl.where(nonempty, l_i, 1.0))[None, :]
-        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+        inv, lse2 = _softmax_end(l_acc, m_i, kv_scale)
         out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, gl.num_warps()], [0, 1])
         dims = gl.arange(0, _BC, layout=gl.SliceLayout(1, out_l))
         heads = gl.arange(0, BH, layout=gl.SliceLayout(0, out_l))
