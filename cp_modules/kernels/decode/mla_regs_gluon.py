@@ -48,6 +48,8 @@ Notes: docs/experiments/2026-12-07-mla-regs-gluon.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cp_modules.kernels.decode.mla_tokens_gluon import few_heads_fp8_refusal, few_heads_outputs
@@ -129,15 +131,13 @@ if HAS_GLUON:
         rows, ok = _page_rows(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
                              gl.SliceLayout(0, gl.SliceLayout(2, lat_l)))  # fmt: skip
         ptr = rows[None, :, None] + (pl[:, None, None] * 128 + cols[None, None, :])
-        msk = ok[None, :, None] & (cols < 128)[None, None, :] & (pl < 4)[:, None, None]
-        async_copy.async_copy_global_to_shared(k_lat.index(slot), ptr, mask=msk)
+        async_copy.async_copy_global_to_shared(k_lat.index(slot), ptr, mask=ok[None, :, None])
         pe_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         cols2 = gl.arange(0, 64, layout=gl.SliceLayout(0, pe_l))
         rows2, ok2 = _page_rows(C8, BT, bt_row, n0, end, stride_cb, stride_cs, PAGE,
                                gl.SliceLayout(1, pe_l))  # fmt: skip
         ptr2 = rows2[:, None] + (512 + cols2)[None, :]
-        msk2 = ok2[:, None] & (cols2 < 64)[None, :]
-        async_copy.async_copy_global_to_shared(k_pe.index(slot), ptr2, mask=msk2)
+        async_copy.async_copy_global_to_shared(k_pe.index(slot), ptr2, mask=ok2[:, None])
 
     @gluon.jit
     def _q_piece(rows, hm, lat, pe, c: gl.constexpr):
@@ -404,6 +404,7 @@ if HAS_GLUON:
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_regs_splits(programs: int, max_kv_len: int, num_sms: int, per_sm: int = 0) -> int:
     """KV splits for ``programs`` (query, head-tile) programs of up to ``max_kv_len`` tokens.
 
@@ -411,7 +412,8 @@ def choose_regs_splits(programs: int, max_kv_len: int, num_sms: int, per_sm: int
     of :func:`~.tiles.choose_mla_num_splits` with the fixed cost of :data:`_REGS_COST` in tiles;
     then the one whose modelled time (waves x (tiles a split x µs a tile + fixed µs)) is lower.
     One program an SM runs each tile faster, two hide more of the fixed cost: the first wins at
-    few tiles a program (B=1 128k, B=8 32k at 16 heads), the second at many.
+    few tiles a program (B=1 128k, B=8 32k at 16 heads), the second at many. Memoised: it runs
+    on every eager decode call.
     """
     tiles = -(-max(1, max_kv_len) // _TILE)
     best: tuple[float, int] | None = None
