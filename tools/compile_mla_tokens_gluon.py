@@ -40,13 +40,18 @@ def compile_sm90(
            "qk_scale": "fp32", **{k: "i32" for k in _INTS},
            **{k: "constexpr" for k in ("H", "BH", "PAGE", "R", "PARTIAL",
                                        "CONV_REGS", "PIPE")}}  # fmt: skip
-    names = list(fn.arg_names)
-    # The launcher's tensors are 16-byte aligned, and so are the cache's row strides (checked).
-    attrs = {(names.index(k),): [["tt.divisibility", 16]]
-             for k in ("Q", "C16", "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
     consts = {"H": bh, "BH": bh, "PAGE": page, "R": 512, "PARTIAL": partial,
               "CONV_REGS": regs or m.TOK_CONVERT_REGS,
               "PIPE": m.TOK_PIPELINE if pipe is None else pipe}  # fmt: skip
+    return _build(fn, sig, consts, "C16")
+
+
+def _build(fn, sig: dict, consts: dict, cache: str):
+    """``fn`` compiled for sm_90a on 4 warps. The launcher's tensors are 16-byte aligned, and
+    so are the cache's row strides (checked)."""
+    names = list(fn.arg_names)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]]
+             for k in ("Q", cache, "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
@@ -61,13 +66,9 @@ def compile_regs_sm90(
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
            "qk_scale": "fp32", **{k: "i32" for k in _INTS}, "TRACE_BUF": "*i64",
            **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "TRACE")}}  # fmt: skip
-    names = list(fn.arg_names)
-    attrs = {(names.index(k),): [["tt.divisibility", 16]]
-             for k in ("Q", "C8", "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
     consts = {"H": bh, "BH": bh, "PAGE": page, "PARTIAL": partial,
               "STAGES": stages or mr.REGS_STAGES, "TRACE": trace}  # fmt: skip
-    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return _build(fn, sig, consts, "C8")
 
 
 def main() -> None:
