@@ -48,10 +48,12 @@ def compile_sm90(
 
 def _build(fn, sig: dict, consts: dict, cache: str):
     """``fn`` compiled for sm_90a on 4 warps. The launcher's tensors are 16-byte aligned, and
-    so are the cache's row strides (checked)."""
+    so are the cache's row strides (checked) and the output's strides (the launcher allocates
+    it: multiples of 512 elements), which Triton's launcher specialises as such at run time."""
     names = list(fn.arg_names)
     attrs = {(names.index(k),): [["tt.divisibility", 16]]
-             for k in ("Q", cache, "BT", "OUT", "LSE", "stride_cb", "stride_cs")}  # fmt: skip
+             for k in ("Q", cache, "BT", "OUT", "LSE", "stride_cb", "stride_cs", "stride_ot",
+                       "stride_oh", "stride_os")}  # fmt: skip
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
@@ -65,9 +67,9 @@ def compile_regs_sm90(
     sig = {"Q": "*bf16", "C8": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
            "qk_scale": "fp32", **{k: "i32" for k in _INTS}, "TRACE_BUF": "*i64",
-           **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "TRACE")}}  # fmt: skip
+           **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "OUT_L", "TRACE")}}  # fmt: skip
     consts = {"H": bh, "BH": bh, "PAGE": page, "PARTIAL": partial,
-              "STAGES": stages or mr.REGS_STAGES, "TRACE": trace}  # fmt: skip
+              "STAGES": stages or mr.REGS_STAGES, "OUT_L": mr._out_layout(bh), "TRACE": trace}  # fmt: skip
     return _build(fn, sig, consts, "C8")
 
 

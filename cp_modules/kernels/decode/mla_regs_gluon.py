@@ -83,9 +83,10 @@ __all__ = [
 ]
 
 # fp8 MLA caches with at most REGS_ROUTE_MAX_HEADS heads on an sm_90 GPU: this kernel before
-# the warp-specialised one (mla_tokens_gluon). Read at every launch by the op's routing. Off:
-# timed on an H100 (2026-12-07: 16 heads 1.76-1.84x of bf16 at B=8 128k / B=64 32k), but the
-# kernel as it is now (the head-mask fix, the split model) has not run on a GPU.
+# the warp-specialised one (mla_tokens_gluon). Read at every launch by the op's routing. Off
+# until the vector-store epilogue has run on a GPU (before it, on an H100 on 2026-12-07 at 16
+# heads: 1.32-1.85x of bf16, as fast as the warp-specialised kernel at B=1 128k and B=8 32k and
+# 12-15 % faster at B=8 128k and B=64 32k; 110 GPU tests passed).
 FP8_REGS_GLUON = False
 # Tiles in each program's shared-memory ring (2: two programs an SM).
 REGS_STAGES = 2
@@ -279,15 +280,21 @@ if HAS_GLUON:
         return o0, o1, o2, o3, o4, o5, o6, o7
 
     @gluon.jit
-    def _store_block(o, b: gl.constexpr, inv, OUT, out_base, stride_oh, n_heads,
-                     BH: gl.constexpr, out_l: gl.constexpr):  # fmt: skip
-        # Block b's rows 16 w + 8 i + l are latent dimensions 128 w + 16 l + 2 b + i.
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
-        dims = 128 * (r // 16) + 16 * (r % 8) + 2 * b + (r // 8) % 2
-        heads = gl.arange(0, BH, layout=gl.SliceLayout(0, out_l))
-        ptr = OUT + out_base + heads[None, :].to(gl.int64) * stride_oh + dims[:, None]
+    def _store_out(o0, o1, o2, o3, o4, o5, o6, o7, inv, OUT, out_base, stride_oh, n_heads,
+                   BH: gl.constexpr, OUT_L: gl.constexpr):  # fmt: skip
+        # Block b's rows 16 w + 8 i + l are latent dimensions 128 w + 16 l + 2 b + i, so each
+        # thread holds 16 consecutive dimensions of each of its heads: the blocks joined and
+        # their rows permuted (registers renamed) give OUT_L, whose stores are 16-byte vectors.
+        y = gl.join(gl.join(gl.join(o0 * inv, o1 * inv), gl.join(o2 * inv, o3 * inv)),
+                    gl.join(gl.join(o4 * inv, o5 * inv), gl.join(o6 * inv, o7 * inv)))  # fmt: skip
+        y = gl.reshape(y, [4, 2, 8, BH, 2, 2, 2])  # [w, i, l, head, b0, b1, b2]
+        y = gl.permute(y, [0, 2, 6, 5, 4, 1, 3])  # [w, l, b2, b1, b0, i, head]
         dt: gl.constexpr = OUT.dtype.element_ty
-        gl.store(ptr, gl.convert_layout((o * inv).to(dt), out_l), mask=(heads < n_heads)[None, :])
+        y = gl.convert_layout(gl.reshape(y, [512, BH]).to(dt), OUT_L)
+        dims = gl.arange(0, 512, layout=gl.SliceLayout(1, OUT_L))
+        heads = gl.arange(0, BH, layout=gl.SliceLayout(0, OUT_L))
+        ptr = OUT + out_base + heads[None, :].to(gl.int64) * stride_oh + dims[:, None]
+        gl.store(ptr, y, mask=(heads < n_heads)[None, :])
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _mla_regs_gluon_kernel(Q, C8, BT, SEQ_IDX, KV_LEN, OUT, LSE, KV_SCALE, qk_scale,
@@ -296,7 +303,7 @@ if HAS_GLUON:
                                stride_ls, max_kv_len, num_splits, TRACE_BUF,
                                H: gl.constexpr, BH: gl.constexpr, PAGE: gl.constexpr,
                                PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-                               TRACE: gl.constexpr = False):  # fmt: skip
+                               OUT_L: gl.constexpr, TRACE: gl.constexpr = False):  # fmt: skip
         # TRACE: the global timer into the program's 8 trace slots (head tile 0's programs): 0 at
         # the start, 1 the query stored, 2 the first tile landed, 3 the loop done, 4 the end; 6
         # the SM.
@@ -386,22 +393,30 @@ if HAS_GLUON:
         _stamp(TRACE_BUF, 3, num_splits, TRACE)
 
         inv, lse2 = _softmax_end(l_acc, m_i, kv_scale)
-        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
         out_base = t64 * stride_ot + split * stride_os + h0 * stride_oh
-        _store_block(o0, 0, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
-        _store_block(o1, 1, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
-        _store_block(o2, 2, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
-        _store_block(o3, 3, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
-        _store_block(o4, 4, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
-        _store_block(o5, 5, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
-        _store_block(o6, 6, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
-        _store_block(o7, 7, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+        _store_out(o0, o1, o2, o3, o4, o5, o6, o7, inv, OUT, out_base, stride_oh, n_heads, BH,
+                   OUT_L)  # fmt: skip
         hl = gl.arange(0, BH, layout=col_l)
         if not PARTIAL:
             lse2 = lse2 * 0.6931471805599453
         lse_base = t64 * stride_lt + split * stride_ls + h0 * stride_lh
         gl.store(LSE + lse_base + hl.to(gl.int64) * stride_lh, lse2, mask=hl < n_heads)
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
+
+
+@functools.lru_cache(maxsize=4)
+def _out_layout(bh: int):
+    """The output's [512 latent dims, bh heads] layout: the products' accumulator layout with its
+    rows permuted as :func:`_store_out` does (thread (warp w, lane 4 l + q) holds dims
+    128 w + 16 l + [0, 16) of heads 2 q + {0, 1} + 8 j), its 16 dims first in the registers."""
+    heads = [[0, 1]] + [[0, 8 << k] for k in range((bh // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]] + heads,
+        lane_bases=[[0, 2], [0, 4], [16, 0], [32, 0], [64, 0]],
+        warp_bases=[[128, 0], [256, 0]],
+        block_bases=[],
+        shape=[512, bh],
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -478,7 +493,7 @@ def paged_mla_regs_gluon(
         q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits, kv_scale if trace is None else trace,
         H=h, BH=bh, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
-        TRACE=trace is not None, num_warps=4,
+        OUT_L=_out_layout(bh), TRACE=trace is not None, num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
