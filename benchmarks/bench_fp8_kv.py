@@ -38,7 +38,11 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   ``variant K_T=...`` / ``ASM=...`` flip the heads-on-M kernel's key-tile load and conversion
   (with ``TOKENS_ON_M=False``).
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
-  split 8 ways by tensor parallelism (memory-bound).
+  split 8 ways by tensor parallelism (memory-bound). On sm_90 the op runs the register-operand
+  Gluon kernel there (``mla_regs_gluon.FP8_REGS_GLUON``); rows ``variant REGS_GLUON=True ...``
+  time its other settings (stages, programs an SM, ``REGS_VECTOR_STORE``), rows
+  ``variant TOKENS_GLUON=<True/False> ...`` the warp-specialised Gluon kernel and the Triton
+  kernels with the register-operand kernel's routing off.
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
   DeepSeek-V3 shapes, 2 layers, 16k prompt; ``--logits`` runs only these, into
   ``fp8-kv-logits-<date>.json``; not in the default run, which stays within the suite's time
@@ -372,18 +376,27 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                 _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_REGS_GLUON", value=True,
                          also={"REGS_PROGRAMS_PER_SM": 2, **route})  # fmt: skip
+                _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_REGS_GLUON", value=True,
+                         also={"REGS_VECTOR_STORE": True, **route})  # fmt: skip
                 if heads > 16:  # one program for all the heads (32 a tile)
                     _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                              flag="FP8_REGS_GLUON", value=True,
                              also={"REGS_HEAD_TILE": 32, "REGS_ROUTE_MAX_HEADS": 32})  # fmt: skip
-            if heads <= 32:  # the warp-specialised Gluon kernel (mla_tokens_gluon)
-                _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
-                         flag="FP8_TOKENS_GLUON")  # fmt: skip
-                _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
-                         flag="FP8_TOKENS_GLUON", value=True,
-                         also={"TOK_PIPELINE": not mla_tokens_gluon.TOK_PIPELINE})  # fmt: skip
-            if not GLUON_ONLY:  # (--gluon-only: the Triton kernels' variants not timed)
-                _triton_variants(k, bf16, fp8, ref16, ref8, args, t16, read8, rows, checks, heads)
+            # The other kernels' variants with the register-operand kernel's routing off (it
+            # comes first in the op's routing).
+            with switched(mla_regs_gluon, FP8_REGS_GLUON=False):
+                if heads <= 32:  # the warp-specialised Gluon kernel (mla_tokens_gluon)
+                    _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                             flag="FP8_TOKENS_GLUON", value=True)  # fmt: skip
+                    _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                             flag="FP8_TOKENS_GLUON", value=True,
+                             also={"TOK_PIPELINE": not mla_tokens_gluon.TOK_PIPELINE})  # fmt: skip
+                    _variant(mla_tokens_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                             flag="FP8_TOKENS_GLUON", value=False)  # fmt: skip
+                if not GLUON_ONLY:  # (--gluon-only: the Triton kernels' variants not timed)
+                    _triton_variants(k, bf16, fp8, ref16, ref8, args, t16, read8, rows, checks,
+                                     heads)  # fmt: skip
         flops = float(lens.double().sum()) * heads * 2 * (2 * MLA_RK + MLA_ROPE)
         if heads == 128:
             rows[f"paged decode mla fp8 KV TFLOP/s (128 heads) {key}"] = flops / t8 / 1e9

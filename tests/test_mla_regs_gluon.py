@@ -67,7 +67,13 @@ for page, partial, bh, stages in ((64, True, 16, 2), (16, False, 16, 3), (12, Tr
                 ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("cp.async.cg.shared.global"),
                 ptx.count("ld.shared.v4")])
 traced = compile_regs_sm90(64, True, 16, 2, trace=True).asm["ptx"].count("%globaltimer")
-print(json.dumps([out, traced]))
+stores = []
+for vec in (False, True):
+    for partial in (True, False):
+        ptx = compile_regs_sm90(64, partial, 16, 2, vec_store=vec).asm["ptx"]
+        stores.append([ptx.count("st.global.v4.b32"), ptx.count("st.global.b32"),
+                       ptx.count("st.global.b16"), ptx.count("st.shared")])
+print(json.dumps([out, traced, stores]))
 """
 
 
@@ -84,7 +90,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows, traced = json.loads(done.stdout.strip().splitlines()[-1])
+    rows, traced, stores = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r[0] for r in rows] == [64, 16, 12]
     assert traced == 5, traced  # the timeline's five stamps (a probe's build)
     for _page, _shared, wgmma, cvt, _cp_async, lds in rows:
@@ -94,6 +100,14 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     # 18 a thread a tile: in the loop's refill and the prologue's STAGES - 1 tiles
     assert [r[4] for r in rows] == [18 * 2, 18 * 3, 18 * 2], rows
     assert rows[0][1] <= 232448 // 2 and rows[2][1] <= 232448 // 2, rows
+    # The output's 512 x 16 values, 64 a thread (and 4 LSE stores): the block epilogue stores
+    # them one by one after converting each block's layout (the fp32 partials' through shared
+    # memory); the vector epilogue as 16-byte vectors from the accumulators' registers (16 of
+    # fp32, 8 of bf16), with only the loop's own shared stores (the bf16 block epilogue's).
+    (blk_p, blk_b, vec_p, vec_b) = stores
+    assert blk_p[:3] == [0, 64 + 4, 0] and blk_b[:3] == [0, 4, 64], stores
+    assert vec_p[:3] == [16, 4, 0] and vec_b[:3] == [8, 4, 0], stores
+    assert vec_p[3] == vec_b[3] == blk_b[3] < blk_p[3], stores
 
 
 @pytest.mark.gpu
@@ -101,13 +115,18 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
 @pytest.mark.parametrize("bs", [64, 16, 12])
 @pytest.mark.parametrize("heads", [16, 8, 20, 32])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-@pytest.mark.parametrize("stages,tile", [(2, 16), (3, 16), (2, 32)], ids=["s2", "s3", "s2-t32"])
-def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages, tile):
+@pytest.mark.parametrize(
+    "stages,tile,vec",
+    [(2, 16, False), (3, 16, False), (2, 32, False), (2, 16, True)],
+    ids=["s2", "s3", "s2-t32", "s2-vec"],
+)
+def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages, tile, vec):
     """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
     around the tile edges and an empty row, NaN in every unwritten slot; 2 and 3 ring stages,
-    16 or 32 heads a program; the same bits on a second launch."""
+    16 or 32 heads a program, either epilogue; the same bits on a second launch."""
     monkeypatch.setattr(rg, "REGS_STAGES", stages)
     monkeypatch.setattr(rg, "REGS_HEAD_TILE", tile)
+    monkeypatch.setattr(rg, "REGS_VECTOR_STORE", vec)
     check_edges_twice(paged_mla_regs_gluon, bs, heads, splits)
 
 

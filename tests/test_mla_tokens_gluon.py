@@ -14,6 +14,7 @@ import torch
 from test_mla_tokens_on_m import _check as _mla_check
 from test_mla_tokens_on_m import _inputs as _mla_inputs
 
+import cp_modules.kernels.decode.mla_regs_gluon as rg
 import cp_modules.kernels.decode.mla_tokens_gluon as tg
 from cp_modules.kernels.decode.mla import paged_mla_attention_kernel
 from cp_modules.kernels.decode.mla_tokens_gluon import (
@@ -196,8 +197,10 @@ def test_gpu_tokens_gluon_fp16_and_query_rows_of_any_magnitude():
 @pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
 def test_gpu_op_routes_here_with_the_switch_and_replays_in_a_graph(monkeypatch):
     """The switch routes fp8 caches with up to 32 heads here (the same bits as a direct call),
-    and a captured decode replays with new lengths (splits chosen from static shapes)."""
+    and a captured decode replays with new lengths (splits chosen from static shapes); the
+    register-operand kernel, routed first, off."""
     monkeypatch.setattr(tg, "FP8_TOKENS_GLUON", True)
+    monkeypatch.setattr(rg, "FP8_REGS_GLUON", False)
     q, cache, bt, rows, lens_t, sc = check_routed_and_replayed(paged_mla_tokens_gluon)
     monkeypatch.setattr(tg, "paged_mla_tokens_gluon", None)  # 64 heads: not routed here
     q64 = torch.randn(3, 64, RK + ROPE, device="cuda").bfloat16()

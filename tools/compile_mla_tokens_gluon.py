@@ -4,7 +4,8 @@ for sm_90a without a GPU and report its shared memory and ptxas's register and s
 ``python tools/compile_mla_tokens_gluon.py [block_size] [partial 0/1] [heads tile 16/32]``
 (``CONV_REGS`` in the environment: the conversion partitions' registers; ``PIPE=1``: the
 pipelined product loop, ``TOK_PIPELINE``). ``KERNEL=regs``: the register-operand kernel
-(``kernels/decode/mla_regs_gluon.py``) instead, ``STAGES`` its ring depth.
+(``kernels/decode/mla_regs_gluon.py``) instead, ``STAGES`` its ring depth, ``VEC_STORE=0/1``
+its epilogue.
 
 Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
 version) and the ``ptxas`` on PATH (or $PTXAS) for the counts. Writes the PTX and TTGIR to
@@ -59,17 +60,25 @@ def _build(fn, sig: dict, consts: dict, cache: str):
 
 
 def compile_regs_sm90(
-    page: int, partial: bool, bh: int = 16, stages: int | None = None, trace: bool = False
+    page: int,
+    partial: bool,
+    bh: int = 16,
+    stages: int | None = None,
+    trace: bool = False,
+    vec_store: bool | None = None,
 ):
     """The register-operand kernel, as :func:`compile_sm90` (``trace``: with its timeline
-    stamps)."""
+    stamps; ``vec_store``: its vector-store epilogue, None: ``REGS_VECTOR_STORE``)."""
     fn = mr._mla_regs_gluon_kernel
     sig = {"Q": "*bf16", "C8": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
            "qk_scale": "fp32", **{k: "i32" for k in _INTS}, "TRACE_BUF": "*i64",
-           **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "OUT_L", "TRACE")}}  # fmt: skip
+           **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "VEC_STORE", "OUT_L",
+                                       "TRACE")}}  # fmt: skip
     consts = {"H": bh, "BH": bh, "PAGE": page, "PARTIAL": partial,
-              "STAGES": stages or mr.REGS_STAGES, "OUT_L": mr._out_layout(bh), "TRACE": trace}  # fmt: skip
+              "STAGES": stages or mr.REGS_STAGES,
+              "VEC_STORE": mr.REGS_VECTOR_STORE if vec_store is None else vec_store,
+              "OUT_L": mr._out_layout(bh), "TRACE": trace}  # fmt: skip
     return _build(fn, sig, consts, "C8")
 
 
@@ -83,8 +92,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if os.environ.get("KERNEL") == "regs":
         stages = int(os.environ["STAGES"]) if "STAGES" in os.environ else None
-        k = compile_regs_sm90(page, partial, bh, stages)
-        stem = out / f"regs_bs{page}_partial{int(partial)}_h{bh}_s{stages or mr.REGS_STAGES}"
+        vec = os.environ["VEC_STORE"] == "1" if "VEC_STORE" in os.environ else None
+        k = compile_regs_sm90(page, partial, bh, stages, vec_store=vec)
+        tag = "_vec" if (mr.REGS_VECTOR_STORE if vec is None else vec) else ""
+        stem = out / f"regs_bs{page}_partial{int(partial)}_h{bh}_s{stages or mr.REGS_STAGES}{tag}"
     else:
         k = compile_sm90(page, partial, bh, regs, pipe)
         tag = "_pipe" if (m.TOK_PIPELINE if pipe is None else pipe) else ""

@@ -29,7 +29,9 @@ outer indices are permuted; sums and per-row results do not depend on the order:
   holds latent column ``128 (c // 2) + 32 q + 16 (c % 2) + 4 s + 2 h + e`` (rope:
   ``512 + 16 q + 4 s + 2 h + e``); Q^T is stored with the same permutation;
 - the output's rows: block ``b`` row ``16 w + 8 i + l`` is latent dimension
-  ``128 w + 16 l + 2 b + i``, undone when the output is stored;
+  ``128 w + 16 l + 2 b + i``, undone when the output is stored (so a thread holds 16
+  consecutive dimensions of each of its heads: with :data:`REGS_VECTOR_STORE` they are stored
+  as 16-byte vectors from the registers);
 - the tokens keep their order (P^T rows as S^T's).
 
 The shared-memory tile is 4 planes of [64 tokens, 128 bytes] (latent) with the 128-byte
@@ -73,6 +75,7 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 
 __all__ = [
     "FP8_REGS_GLUON",
+    "REGS_VECTOR_STORE",
     "REGS_HEAD_TILE",
     "REGS_PROGRAMS_PER_SM",
     "REGS_ROUTE_MAX_HEADS",
@@ -83,11 +86,15 @@ __all__ = [
 ]
 
 # fp8 MLA caches with at most REGS_ROUTE_MAX_HEADS heads on an sm_90 GPU: this kernel before
-# the warp-specialised one (mla_tokens_gluon). Read at every launch by the op's routing. Off
-# until the vector-store epilogue has run on a GPU (before it, on an H100 on 2026-12-07 at 16
-# heads: 1.32-1.85x of bf16, as fast as the warp-specialised kernel at B=1 128k and B=8 32k and
-# 12-15 % faster at B=8 128k and B=64 32k; 110 GPU tests passed).
-FP8_REGS_GLUON = False
+# the warp-specialised one (mla_tokens_gluon). Read at every launch by the op's routing. On:
+# on an H100 on 2026-12-07 at 16 heads, 1.32-1.85x of bf16 (the warp-specialised kernel, the
+# default before: 1.31-1.63x; as fast at B=1 128k and B=8 32k, 11-13 % faster at B=8 128k and
+# B=64 32k), 110 GPU tests passed (with REGS_VECTOR_STORE off).
+FP8_REGS_GLUON = True
+# The output stored as 16-byte vectors straight from the accumulators (_store_out) instead of
+# 8 blocks converted through shared memory into scalar stores (_store_block), which took 7-8 µs
+# a program on an H100 whatever the length. Off until it has run on a GPU (compiled only).
+REGS_VECTOR_STORE = False
 # Tiles in each program's shared-memory ring (2: two programs an SM).
 REGS_STAGES = 2
 # Heads a program (16 or 32; 32 takes 128 accumulator registers a thread and spills).
@@ -280,6 +287,17 @@ if HAS_GLUON:
         return o0, o1, o2, o3, o4, o5, o6, o7
 
     @gluon.jit
+    def _store_block(o, b: gl.constexpr, inv, OUT, out_base, stride_oh, n_heads,
+                     BH: gl.constexpr, out_l: gl.constexpr):  # fmt: skip
+        # Block b's rows 16 w + 8 i + l are latent dimensions 128 w + 16 l + 2 b + i.
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+        dims = 128 * (r // 16) + 16 * (r % 8) + 2 * b + (r // 8) % 2
+        heads = gl.arange(0, BH, layout=gl.SliceLayout(0, out_l))
+        ptr = OUT + out_base + heads[None, :].to(gl.int64) * stride_oh + dims[:, None]
+        dt: gl.constexpr = OUT.dtype.element_ty
+        gl.store(ptr, gl.convert_layout((o * inv).to(dt), out_l), mask=(heads < n_heads)[None, :])
+
+    @gluon.jit
     def _store_out(o0, o1, o2, o3, o4, o5, o6, o7, inv, OUT, out_base, stride_oh, n_heads,
                    BH: gl.constexpr, OUT_L: gl.constexpr):  # fmt: skip
         # Block b's rows 16 w + 8 i + l are latent dimensions 128 w + 16 l + 2 b + i, so each
@@ -303,7 +321,8 @@ if HAS_GLUON:
                                stride_ls, max_kv_len, num_splits, TRACE_BUF,
                                H: gl.constexpr, BH: gl.constexpr, PAGE: gl.constexpr,
                                PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-                               OUT_L: gl.constexpr, TRACE: gl.constexpr = False):  # fmt: skip
+                               VEC_STORE: gl.constexpr, OUT_L: gl.constexpr,
+                               TRACE: gl.constexpr = False):  # fmt: skip
         # TRACE: the global timer into the program's 8 trace slots (head tile 0's programs): 0 at
         # the start, 1 the query stored, 2 the first tile landed, 3 the loop done, 4 the end; 6
         # the SM.
@@ -394,8 +413,19 @@ if HAS_GLUON:
 
         inv, lse2 = _softmax_end(l_acc, m_i, kv_scale)
         out_base = t64 * stride_ot + split * stride_os + h0 * stride_oh
-        _store_out(o0, o1, o2, o3, o4, o5, o6, o7, inv, OUT, out_base, stride_oh, n_heads, BH,
-                   OUT_L)  # fmt: skip
+        if VEC_STORE:
+            _store_out(o0, o1, o2, o3, o4, o5, o6, o7, inv, OUT, out_base, stride_oh, n_heads,
+                       BH, OUT_L)  # fmt: skip
+        else:
+            out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+            _store_block(o0, 0, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+            _store_block(o1, 1, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+            _store_block(o2, 2, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+            _store_block(o3, 3, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+            _store_block(o4, 4, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+            _store_block(o5, 5, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+            _store_block(o6, 6, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
+            _store_block(o7, 7, inv, OUT, out_base, stride_oh, n_heads, BH, out_l)
         hl = gl.arange(0, BH, layout=col_l)
         if not PARTIAL:
             lse2 = lse2 * 0.6931471805599453
@@ -493,7 +523,8 @@ def paged_mla_regs_gluon(
         q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits, kv_scale if trace is None else trace,
         H=h, BH=bh, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
-        OUT_L=_out_layout(bh), TRACE=trace is not None, num_warps=4,
+        VEC_STORE=REGS_VECTOR_STORE, OUT_L=_out_layout(bh), TRACE=trace is not None,
+        num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_triton(o_buf, l_buf, out, lse)
