@@ -2,7 +2,10 @@
 """fp8 (e4m3) KV-cache variants on SmolLM2-135M-Instruct: teacher-forced top-1 agreement (CPU).
 
     PYTHONPATH=.:recipes python tools/fp8_kv_agreement.py [--variants 'a;b'] [--prompts 16]
-        [--new 34] [--outliers]
+        [--new 34] [--outliers] [--prefix-file FILE --prefix-tokens N] [--skip-fp32]
+
+``--prefix-file``: the first N tokens of a text file put before every question (a long shared
+context, so that each decode query reads mostly far-away keys).
 
 About 13 minutes for every variant on two cores under load, 2.5 minutes for 15 variants on idle
 ones (the results: docs/experiments/2026-12-02-fp8-kv-scaling.md, 2026-12-03).
@@ -41,6 +44,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -340,13 +344,21 @@ def load():
     return tok, model, sim
 
 
-def chat_ids(tok, questions: list[str]) -> list[list[int]]:
+def chat_ids(tok, questions: list[str], prefix: str = "") -> list[list[int]]:
+    """Each question as a chat prompt; ``prefix``: a text put before every question in the
+    user's message (a long shared context)."""
     return [
         tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+            [{"role": "user", "content": prefix + q}], add_generation_prompt=True, return_dict=True
         )["input_ids"]
         for q in questions
     ]
+
+
+def prefix_text(tok, path: str, tokens: int) -> str:
+    """The first ``tokens`` tokens of the text file ``path`` (whole words), then a blank line."""
+    ids = tok(Path(path).read_text(), add_special_tokens=False)["input_ids"][:tokens]
+    return tok.decode(ids).rsplit(" ", 1)[0] + "\n\nQuestion: "
 
 
 @torch.no_grad()
@@ -455,6 +467,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=34)
     ap.add_argument("--outliers", action="store_true", help="only print outlier_factors")
+    ap.add_argument("--prefix-file", default=None,
+                    help="a text put before every question (a long shared context)")  # fmt: skip
+    ap.add_argument("--prefix-tokens", type=int, default=2048, help="its length in tokens")
+    ap.add_argument("--skip-fp32", action="store_true",
+                    help="leave out the bf16-against-fp32 check row")  # fmt: skip
     a = ap.parse_args()
     sys.path.insert(0, "tests")
     from test_fp8_kv_smollm2 import QUESTIONS
@@ -462,13 +479,17 @@ def main() -> int:
     t0 = time.time()
     tok, model, sim = load()
     calibrate(model, sim, chat_ids(tok, CALIBRATION))
-    prompts = chat_ids(tok, QUESTIONS[: a.prompts])
-    print(f"loaded and calibrated in {time.time() - t0:.0f} s", flush=True)
+    prefix = prefix_text(tok, a.prefix_file, a.prefix_tokens) if a.prefix_file else ""
+    prompts = chat_ids(tok, QUESTIONS[: a.prompts], prefix)
+    lens = [len(p) for p in prompts]
+    print(f"loaded and calibrated in {time.time() - t0:.0f} s; prompts of {min(lens)}-"
+          f"{max(lens)} tokens", flush=True)  # fmt: skip
     if a.outliers:
         outlier_factors(model, sim, prompts)
         return 0
     print("| variant | reference | agreement | positions | mean rel. attn err | max |")
-    measure(model, sim, prompts, "fp32", ["bf16"], a.new)
+    if not a.skip_fp32:
+        measure(model, sim, prompts, "fp32", ["bf16"], a.new)
     measure(model, sim, prompts, "bf16", a.variants.split(";"), a.new)
     print(f"done in {time.time() - t0:.0f} s")
     return 0
