@@ -40,7 +40,8 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
 - ``paged decode mla fp8 KV speed-up over bf16 (16 heads) B=<B> ctx=<ctx>``: DeepSeek's heads
   split 8 ways by tensor parallelism (memory-bound). On sm_90 the op runs the register-operand
   Gluon kernel there (``mla_regs_gluon.FP8_REGS_GLUON``); rows ``variant REGS_GLUON=True ...``
-  time its other settings (stages, programs an SM, ``REGS_VECTOR_STORE``), rows
+  time its other settings (stages, programs an SM, ``REGS_VECTOR_STORE``,
+  ``REGS_Q_ONE_PASS``), rows
   ``variant TOKENS_GLUON=<True/False> ...`` the warp-specialised Gluon kernel and the Triton
   kernels with the register-operand kernel's routing off.
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
@@ -379,6 +380,10 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                 _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                          flag="FP8_REGS_GLUON", value=True,
                          also={"REGS_VECTOR_STORE": True, **route})  # fmt: skip
+                _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_REGS_GLUON", value=True,
+                         also={"REGS_VECTOR_STORE": True, "REGS_Q_ONE_PASS": True,
+                               **route})  # fmt: skip
                 if heads > 16:  # one program for all the heads (32 a tile)
                     _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                              flag="FP8_REGS_GLUON", value=True,

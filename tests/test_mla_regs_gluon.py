@@ -73,7 +73,12 @@ for vec in (False, True):
         ptx = compile_regs_sm90(64, partial, 16, 2, vec_store=vec).asm["ptx"]
         stores.append([ptx.count("st.global.v4.b32"), ptx.count("st.global.b32"),
                        ptx.count("st.global.b16"), ptx.count("st.shared")])
-print(json.dumps([out, traced, stores]))
+loads = []
+for q1 in (False, True):
+    ptx = compile_regs_sm90(64, True, 16, 2, q_one_pass=q1).asm["ptx"]
+    loads.append([ptx.count("ld.global.v4.b32"), ptx.count("ld.global.b32"),
+                  ptx.count("ld.global.b16")])
+print(json.dumps([out, traced, stores, loads]))
 """
 
 
@@ -90,7 +95,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows, traced, stores = json.loads(done.stdout.strip().splitlines()[-1])
+    rows, traced, stores, loads = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r[0] for r in rows] == [64, 16, 12]
     assert traced == 5, traced  # the timeline's five stamps (a probe's build)
     for _page, _shared, wgmma, cvt, _cp_async, lds in rows:
@@ -108,6 +113,12 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     assert blk_p[:3] == [0, 64 + 4, 0] and blk_b[:3] == [0, 4, 64], stores
     assert vec_p[:3] == [16, 4, 0] and vec_b[:3] == [8, 4, 0], stores
     assert vec_p[3] == vec_b[3] == blk_b[3] < blk_p[3], stores
+    # The query's 16 x 576 values, 72 a thread (besides 7 scalar loads: the request's row,
+    # length, scale and block-table entries): two passes of 4-byte pairs (68 loads: the
+    # compiler merges a few), or with REGS_Q_ONE_PASS one pass of 16-byte vectors (8 of the
+    # latent, 1 of the rope).
+    two, one = loads
+    assert two[0] == 0 and two[1] >= 2 * 32 + 7 and one == [9, 7, 0], loads
 
 
 @pytest.mark.gpu
@@ -116,25 +127,30 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
 @pytest.mark.parametrize("heads", [16, 8, 20, 32])
 @pytest.mark.parametrize("splits", [None, 1, 5])
 @pytest.mark.parametrize(
-    "stages,tile,vec",
-    [(2, 16, False), (3, 16, False), (2, 32, False), (2, 16, True)],
-    ids=["s2", "s3", "s2-t32", "s2-vec"],
-)
-def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages, tile, vec):
+    "stages,tile,vec,q1",
+    [(2, 16, False, False), (3, 16, False, False), (2, 32, False, False),
+     (2, 16, True, False), (2, 16, True, True), (2, 32, True, True)],
+    ids=["s2", "s3", "s2-t32", "s2-vec", "s2-vec-q1", "s2-t32-vec-q1"],
+)  # fmt: skip
+def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages, tile, vec, q1):
     """DeepSeek's latent at 8-32 heads (its 128 split by tensor parallelism), lengths at and
     around the tile edges and an empty row, NaN in every unwritten slot; 2 and 3 ring stages,
-    16 or 32 heads a program, either epilogue; the same bits on a second launch."""
+    16 or 32 heads a program, either epilogue, either query load; the same bits on a second
+    launch."""
     monkeypatch.setattr(rg, "REGS_STAGES", stages)
     monkeypatch.setattr(rg, "REGS_HEAD_TILE", tile)
     monkeypatch.setattr(rg, "REGS_VECTOR_STORE", vec)
+    monkeypatch.setattr(rg, "REGS_Q_ONE_PASS", q1)
     check_edges_twice(paged_mla_regs_gluon, bs, heads, splits)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
-def test_gpu_regs_gluon_fp16_and_query_rows_of_any_magnitude():
+@pytest.mark.parametrize("q1", [False, True], ids=["q2", "q1"])
+def test_gpu_regs_gluon_fp16_and_query_rows_of_any_magnitude(monkeypatch, q1):
     """fp16 queries; each query row brought into fp16 by its own power of two: rows far outside
-    fp16's range and an all-zero row give the reference's result."""
+    fp16's range and an all-zero row give the reference's result (either query load)."""
+    monkeypatch.setattr(rg, "REGS_Q_ONE_PASS", q1)
     check_query_magnitudes(paged_mla_regs_gluon)
 
 

@@ -5,7 +5,7 @@ for sm_90a without a GPU and report its shared memory and ptxas's register and s
 (``CONV_REGS`` in the environment: the conversion partitions' registers; ``PIPE=1``: the
 pipelined product loop, ``TOK_PIPELINE``). ``KERNEL=regs``: the register-operand kernel
 (``kernels/decode/mla_regs_gluon.py``) instead, ``STAGES`` its ring depth, ``VEC_STORE=0/1``
-its epilogue.
+its epilogue, ``Q_ONE_PASS=0/1`` its query load.
 
 Uses the Triton on the path (put a Triton 3.6 install first on PYTHONPATH to check the H200's
 version) and the ``ptxas`` on PATH (or $PTXAS) for the counts. Writes the PTX and TTGIR to
@@ -53,8 +53,8 @@ def _build(fn, sig: dict, consts: dict, cache: str):
     it: multiples of 512 elements), which Triton's launcher specialises as such at run time."""
     names = list(fn.arg_names)
     attrs = {(names.index(k),): [["tt.divisibility", 16]]
-             for k in ("Q", cache, "BT", "OUT", "LSE", "stride_cb", "stride_cs", "stride_ot",
-                       "stride_oh", "stride_os")}  # fmt: skip
+             for k in ("Q", cache, "BT", "OUT", "LSE", "stride_qt", "stride_qh", "stride_cb",
+                       "stride_cs", "stride_ot", "stride_oh", "stride_os")}  # fmt: skip
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
@@ -66,6 +66,7 @@ def compile_regs_sm90(
     stages: int | None = None,
     trace: bool = False,
     vec_store: bool | None = None,
+    q_one_pass: bool | None = None,
 ):
     """The register-operand kernel, as :func:`compile_sm90` (``trace``: with its timeline
     stamps; ``vec_store``: its vector-store epilogue, None: ``REGS_VECTOR_STORE``)."""
@@ -74,11 +75,13 @@ def compile_regs_sm90(
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
            "qk_scale": "fp32", **{k: "i32" for k in _INTS}, "TRACE_BUF": "*i64",
            **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "VEC_STORE", "OUT_L",
-                                       "TRACE")}}  # fmt: skip
+                                       "Q_ONE_PASS", "Q_L", "TRACE")}}  # fmt: skip
     consts = {"H": bh, "BH": bh, "PAGE": page, "PARTIAL": partial,
               "STAGES": stages or mr.REGS_STAGES,
               "VEC_STORE": mr.REGS_VECTOR_STORE if vec_store is None else vec_store,
-              "OUT_L": mr._out_layout(bh), "TRACE": trace}  # fmt: skip
+              "OUT_L": mr._out_layout(bh), "TRACE": trace,
+              "Q_ONE_PASS": mr.REGS_Q_ONE_PASS if q_one_pass is None else q_one_pass}  # fmt: skip
+    consts["Q_L"] = mr._q_layout(bh) if consts["Q_ONE_PASS"] else None
     return _build(fn, sig, consts, "C8")
 
 
@@ -93,8 +96,10 @@ def main() -> None:
     if os.environ.get("KERNEL") == "regs":
         stages = int(os.environ["STAGES"]) if "STAGES" in os.environ else None
         vec = os.environ["VEC_STORE"] == "1" if "VEC_STORE" in os.environ else None
-        k = compile_regs_sm90(page, partial, bh, stages, vec_store=vec)
+        q1 = os.environ["Q_ONE_PASS"] == "1" if "Q_ONE_PASS" in os.environ else None
+        k = compile_regs_sm90(page, partial, bh, stages, vec_store=vec, q_one_pass=q1)
         tag = "_vec" if (mr.REGS_VECTOR_STORE if vec is None else vec) else ""
+        tag += "_q1" if (mr.REGS_Q_ONE_PASS if q1 is None else q1) else ""
         stem = out / f"regs_bs{page}_partial{int(partial)}_h{bh}_s{stages or mr.REGS_STAGES}{tag}"
     else:
         k = compile_sm90(page, partial, bh, regs, pipe)

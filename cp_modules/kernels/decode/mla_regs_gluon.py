@@ -75,6 +75,7 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 
 __all__ = [
     "FP8_REGS_GLUON",
+    "REGS_Q_ONE_PASS",
     "REGS_VECTOR_STORE",
     "REGS_HEAD_TILE",
     "REGS_PROGRAMS_PER_SM",
@@ -95,6 +96,10 @@ FP8_REGS_GLUON = True
 # 8 blocks converted through shared memory into scalar stores (_store_block), which took 7-8 µs
 # a program on an H100 whatever the length. Off until it has run on a GPU (compiled only).
 REGS_VECTOR_STORE = False
+# The query read once with 16-byte loads (:func:`_q_perm1`), in place of two passes of 2-byte
+# loads (:func:`_q_perm`, 136 loads a thread, 2-3.5 µs a program on an H100). Off until it has
+# run on a GPU (compiled only).
+REGS_Q_ONE_PASS = False
 # Tiles in each program's shared-memory ring (2: two programs an SM).
 REGS_STAGES = 2
 # Heads a program (16 or 32; 32 takes 128 accumulator registers a thread and spills).
@@ -182,6 +187,49 @@ if HAS_GLUON:
         mult, inv = _q_pow2(amax)
         for c in gl.static_range(9):
             q_smem.index(c).store((_q_piece(rows, hm, lat, pe, c) * mult[:, None]).to(gl.float16))
+        return inv
+
+    @gluon.jit
+    def _q_group(q_smem, x, mult, c0: gl.constexpr, BH: gl.constexpr):
+        # Latent columns [128 g, 128 g + 128) of the rows, natural order, into pieces c0 and
+        # c0 + 1 (c0 = 2 g): column 32 q + 16 c' + 4 s + 2 h + e is column 16 s + 8 h + 2 q + e
+        # of piece c0 + c' (registers renamed, then one store of both pieces).
+        y = gl.reshape((x * mult[:, None]).to(gl.float16), [BH, 4, 2, 4, 2, 2])
+        y = gl.permute(y, [0, 3, 4, 1, 5, 2])  # [head, s, h, q, e, c']
+        ya, yb = gl.split(gl.reshape(y, [BH, 64, 2]))
+        q_smem.index(c0).store(ya)
+        q_smem.index(c0 + 1).store(yb)
+
+    @gluon.jit
+    def _q_perm1(Q, q_smem, q_base, stride_qh, n_heads, BH: gl.constexpr, lay: gl.constexpr):
+        # :func:`_q_perm` with Q read once, in its own order (16-byte loads, ``lay``:
+        # :func:`_q_layout`): the rows' largest elements from the values in registers, which
+        # are then scaled, permuted and stored.
+        heads = gl.arange(0, BH, layout=gl.SliceLayout(1, lay))
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
+        ptr = Q + q_base + heads[:, None].to(gl.int64) * stride_qh + cols[None, :]
+        hm = (heads < n_heads)[:, None]
+        x0 = gl.load(ptr, mask=hm, other=0.0).to(gl.float32)
+        x1 = gl.load(ptr + 128, mask=hm, other=0.0).to(gl.float32)
+        x2 = gl.load(ptr + 256, mask=hm, other=0.0).to(gl.float32)
+        x3 = gl.load(ptr + 384, mask=hm, other=0.0).to(gl.float32)
+        pe_lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        heads2 = gl.arange(0, BH, layout=gl.SliceLayout(1, pe_lay))
+        cols2 = gl.arange(0, 64, layout=gl.SliceLayout(0, pe_lay))
+        ptr2 = Q + q_base + heads2[:, None].to(gl.int64) * stride_qh + (512 + cols2)[None, :]
+        xp = gl.load(ptr2, mask=(heads2 < n_heads)[:, None], other=0.0).to(gl.float32)
+        amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0), 1), gl.max(gl.abs(x1), 1)),
+                          gl.maximum(gl.max(gl.abs(x2), 1), gl.max(gl.abs(x3), 1)))  # fmt: skip
+        amax = gl.maximum(amax, gl.convert_layout(gl.max(gl.abs(xp), 1), amax.type.layout))
+        mult, inv = _q_pow2(amax)
+        _q_group(q_smem, x0, mult, 0, BH)
+        _q_group(q_smem, x1, mult, 2, BH)
+        _q_group(q_smem, x2, mult, 4, BH)
+        _q_group(q_smem, x3, mult, 6, BH)
+        # rope column 16 q + 4 s + 2 h + e -> 16 s + 8 h + 2 q + e of piece 8
+        multp = gl.convert_layout(mult, gl.SliceLayout(1, pe_lay))
+        y = gl.reshape((xp * multp[:, None]).to(gl.float16), [BH, 4, 4, 2, 2])
+        q_smem.index(8).store(gl.reshape(gl.permute(y, [0, 2, 3, 1, 4]), [BH, 64]))
         return inv
 
     @gluon.jit
@@ -322,6 +370,7 @@ if HAS_GLUON:
                                H: gl.constexpr, BH: gl.constexpr, PAGE: gl.constexpr,
                                PARTIAL: gl.constexpr, STAGES: gl.constexpr,
                                VEC_STORE: gl.constexpr, OUT_L: gl.constexpr,
+                               Q_ONE_PASS: gl.constexpr = False, Q_L: gl.constexpr = None,
                                TRACE: gl.constexpr = False):  # fmt: skip
         # TRACE: the global timer into the program's 8 trace slots (head tile 0's programs): 0 at
         # the start, 1 the query stored, 2 the first tile landed, 3 the loop done, 4 the end; 6
@@ -362,7 +411,12 @@ if HAS_GLUON:
                    PAGE)  # fmt: skip
             async_copy.commit_group()
 
-        inv_q = _q_perm(Q, q_smem, t64 * stride_qt + h0 * stride_qh, stride_qh, n_heads, BH)
+        if Q_ONE_PASS:
+            inv_q = _q_perm1(Q, q_smem, t64 * stride_qt + h0 * stride_qh, stride_qh, n_heads,
+                             BH, Q_L)  # fmt: skip
+        else:
+            inv_q = _q_perm(Q, q_smem, t64 * stride_qt + h0 * stride_qh, stride_qh, n_heads,
+                            BH)  # fmt: skip
         fence_async_shared()
         _stamp(TRACE_BUF, 1, num_splits, TRACE)
         mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -449,6 +503,21 @@ def _out_layout(bh: int):
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _q_layout(bh: int) -> "gl.DistributedLinearLayout":
+    """[bh, 128] query columns for :func:`_q_perm1`: each thread holds two runs of 8
+    consecutive columns (two 16-byte loads) 16 apart, so that column bit 4 (which of a latent
+    group's two pieces) is a register index and the pieces split without moving data."""
+    heads = [[16 << k, 0] for k in range((bh // 16).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 16]] + heads,
+        lane_bases=[[0, 8], [0, 32], [0, 64], [1, 0], [2, 0]],
+        warp_bases=[[4, 0], [8, 0]],
+        block_bases=[],
+        shape=[bh, 128],
+    )
+
+
 @functools.lru_cache(maxsize=1024)
 def choose_regs_splits(programs: int, max_kv_len: int, num_sms: int, per_sm: int = 0) -> int:
     """KV splits for ``programs`` (query, head-tile) programs of up to ``max_kv_len`` tokens.
@@ -523,7 +592,8 @@ def paged_mla_regs_gluon(
         q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
         *so, *sl, max_kv_len, num_splits, kv_scale if trace is None else trace,
         H=h, BH=bh, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
-        VEC_STORE=REGS_VECTOR_STORE, OUT_L=_out_layout(bh), TRACE=trace is not None,
+        VEC_STORE=REGS_VECTOR_STORE, OUT_L=_out_layout(bh), Q_ONE_PASS=REGS_Q_ONE_PASS,
+        Q_L=_q_layout(bh) if REGS_Q_ONE_PASS else None, TRACE=trace is not None,
         num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
