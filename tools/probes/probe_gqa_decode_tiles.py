@@ -9,7 +9,7 @@ tiles where it is not) is checked by ``bench_peers``' 2x rule against the fp32 r
 replay (medians), in two passes of opposite order; FlashInfer's batch decode (CUDA cores and
 tensor cores, the better one) is checked and timed at each shape's start and end in each pass.
 
-    CP_PEERS_SKIP=flashmla bash .peers/run_device.sh \\
+    CP_PEERS_SKIP=flashmla bash tools/run_with_peers.sh \\
         python3 tools/probes/probe_gqa_decode_tiles.py --out "$OUT" [--budget-s 240]
 
 Writes ``gqa-decode-tiles-<date>.json`` (date, GPU, versions, every time, a per-shape ranking).
