@@ -89,18 +89,17 @@ __all__ = [
 
 # fp8 MLA caches with at most REGS_ROUTE_MAX_HEADS heads on an sm_90 GPU: this kernel before
 # the warp-specialised one (mla_tokens_gluon). Read at every launch by the op's routing. On:
-# on an H100 on 2026-12-07 at 16 heads, 1.32-1.85x of bf16 (the warp-specialised kernel, the
-# default before: 1.31-1.63x; as fast at B=1 128k and B=8 32k, 11-13 % faster at B=8 128k and
-# B=64 32k), 110 GPU tests passed (with REGS_VECTOR_STORE off).
+# on an H100 on 2026-12-07 at 16 heads, 1.49-1.87x of bf16 with the two switches below (the
+# warp-specialised kernel, the default before: 1.29-1.63x in the same run).
 FP8_REGS_GLUON = True
 # The output stored as 16-byte vectors straight from the accumulators (_store_out) instead of
-# 8 blocks converted through shared memory into scalar stores (_store_block), which took 7-8 µs
-# a program on an H100 whatever the length. Off until it has run on a GPU (compiled only).
-REGS_VECTOR_STORE = False
+# 8 blocks converted through shared memory into scalar stores (_store_block): the epilogue
+# 7.25 -> 2.25 µs a program on an H100 (B=1 128k, with REGS_Q_ONE_PASS).
+REGS_VECTOR_STORE = True
 # The query read once with 16-byte loads (mla_regs_query._q_perm1), in place of two passes of
-# 4-byte loads (_q_perm: 68 a thread; the query took 2-3.5 µs a program on an H100). Off until
-# it has run on a GPU (compiled only).
-REGS_Q_ONE_PASS = False
+# 4-byte loads (_q_perm: 68 a thread): the query 3.0 -> 2.0 µs a program on an H100. Both
+# switches on: 73 GPU tests of the kernel against the reference passed on an H100.
+REGS_Q_ONE_PASS = True
 # Tiles in each program's shared-memory ring (2: two programs an SM).
 REGS_STAGES = 2
 # Heads a program (16 or 32; 32 takes 128 accumulator registers a thread and spills).
@@ -110,7 +109,9 @@ REGS_HEAD_TILE = 16
 REGS_PROGRAMS_PER_SM = 0
 # The cost model's (µs a tile a program, µs fixed a program) at one and at two programs an SM:
 # a fit of the kernel's own times on an H100 (16 heads; B=1 128k at 128 / 256 splits, B=8 32k
-# at 16 / 32, B=8 128k at 32, B=64 32k at 4; each within 4 % of the fit).
+# at 16 / 32, B=8 128k at 32, B=64 32k at 4; each within 4 % of the fit), made before the two
+# switches above cut ~6 µs of a program's fixed cost. With them its choice was still the
+# fastest of half, the same and twice the splits at those four shapes, or within 2 % of it.
 _REGS_COST = {1: (1.8, 16.0), 2: (3.3, 25.0)}
 # The op's routing sends at most this many heads here (more: the warp-specialised kernel, which
 # was faster at 32 heads on an H100 than two 16-head programs or one 32-head program).
