@@ -121,6 +121,43 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     assert two[0] == 0 and two[1] >= 2 * 32 + 7 and one == [9, 7, 0], loads
 
 
+@pytest.mark.skipif(not rg.HAS_GLUON, reason="needs Triton's Gluon")
+@pytest.mark.parametrize("bh", [16, 32])
+def test_one_pass_query_layout_and_column_permutation(bh):
+    """``mla_regs_query``: ``_q_layout`` places every element of a [heads, 128] latent group
+    once over the 128 threads, in runs of 8 consecutive columns (16-byte loads) with column
+    bit 4 in the registers (so ``gl.split`` separates a group's two pieces without moving
+    data); ``_q_group``'s reshape / permute / split and the rope's give each piece column the
+    latent column of the scores' permutation (the kernel's docstring and ``_q_perm``)."""
+    import itertools
+
+    import numpy as np
+
+    from cp_modules.kernels.decode.mla_regs_query import _q_layout
+
+    lay = _q_layout(bh)
+    bases = lay.reg_bases + lay.lane_bases + lay.warp_bases
+    assert len(lay.lane_bases) == 5 and len(lay.warp_bases) == 2 and lay.shape == [bh, 128]
+    seen = set()
+    for bits in itertools.product((0, 1), repeat=len(bases)):
+        r = c = 0
+        for on, (br, bc) in zip(bits, bases):
+            if on:
+                r, c = r ^ br, c ^ bc
+        seen.add((r, c))
+    assert seen == {(r, c) for r in range(bh) for c in range(128)}
+    assert lay.reg_bases[:3] == [[0, 1], [0, 2], [0, 4]] and [0, 16] in lay.reg_bases
+
+    j = np.arange(64)
+    s_, h_, q_, e_ = j // 16, (j // 8) % 2, (j // 2) % 4, j % 2
+    # the group's natural columns [q, c', s, h, e] -> [s, h, q, e, c'], split on c'
+    grp = np.arange(128).reshape(4, 2, 4, 2, 2).transpose(2, 3, 0, 4, 1).reshape(64, 2)
+    for cp in (0, 1):
+        assert (grp[:, cp] == 32 * q_ + 16 * cp + 4 * s_ + 2 * h_ + e_).all()
+    rope = np.arange(64).reshape(4, 4, 2, 2).transpose(1, 2, 0, 3).reshape(64)
+    assert (rope == 16 * q_ + 4 * s_ + 2 * h_ + e_).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("bs", [64, 16, 12])

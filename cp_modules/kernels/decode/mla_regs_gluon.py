@@ -27,7 +27,9 @@ outer indices are permuted; sums and per-row results do not depend on the order:
 
 - the scores' inner index: piece ``c`` (0-7 latent, 8 rope) column ``16 s + 8 h + 2 q + e``
   holds latent column ``128 (c // 2) + 32 q + 16 (c % 2) + 4 s + 2 h + e`` (rope:
-  ``512 + 16 q + 4 s + 2 h + e``); Q^T is stored with the same permutation;
+  ``512 + 16 q + 4 s + 2 h + e``); Q^T is stored with the same permutation
+  (:mod:`~.mla_regs_query`; with :data:`REGS_Q_ONE_PASS` Q is read once, in its own order, and
+  permuted in registers);
 - the output's rows: block ``b`` row ``16 w + 8 i + l`` is latent dimension
   ``128 w + 16 l + 2 b + i``, undone when the output is stored (so a thread holds 16
   consecutive dimensions of each of its heads: with :data:`REGS_VECTOR_STORE` they are stored
