@@ -136,6 +136,9 @@ class CPStepMetadata:
             block table; it writes only the new tokens a later query sees and reads as cached
             prefix only the window), when the caller gave that group's block table; see
             :meth:`for_window`.
+        cache_rows: [R] a stable row per request (the engine's admitted row: where an fp8
+            cache's bf16 window keeps the request's tokens, :mod:`cp_modules.cache.exact_window`),
+            or None: the block-table row.
     """
 
     runtime: CPRuntime
@@ -162,6 +165,7 @@ class CPStepMetadata:
     decode_query_len: int = 1
     window_plans: dict = field(default_factory=dict, repr=False)
     window_views: Mapping[int, CPStepMetadata] = field(default_factory=dict)
+    cache_rows: torch.Tensor | None = None
     serial: int = field(default_factory=lambda: next(_SERIALS))
 
     def window_exchange(self, window: int, with_cache: bool) -> WindowExchangePlan | None:
@@ -204,6 +208,25 @@ class CPStepMetadata:
         first = (self.decode_positions - sliding_window + 1).clamp_min(0)
         return local_seq_len(first.to(torch.int32), rt.dcp_size, rt.dcp_rank, rt.config.interleave)
 
+    def request_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The stable rows (:attr:`cache_rows`) of block-table rows ``rows``."""
+        return rows.to(torch.int64) if self.cache_rows is None else self.cache_rows[rows.long()]
+
+    def new_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N] (block-table row, global position, request length after the step) of every new
+        token in batch order (the order of :attr:`slot_mapping`)."""
+        if self.all_decode:
+            rows, pos = self.decode_seq_idx.to(torch.int64), self.decode_positions
+            # Decode runs are at most a ring's capacity: every token is kept.
+            return rows, pos, pos + 1
+        num_new = np.asarray(self.num_new_tokens, dtype=np.int64)
+        num_comp = np.asarray(self.num_computed_tokens, dtype=np.int64)
+        req = np.repeat(np.arange(num_new.size), num_new)
+        pos = num_comp[req] + np.arange(num_new.sum()) - np.repeat(np.cumsum(num_new) - num_new, num_new)
+        end = (num_comp + num_new)[req]
+        dev = self.token_indices.device
+        return tuple(torch.as_tensor(x, dtype=torch.int64).to(dev) for x in (req, pos, end))  # type: ignore[return-value]
+
     @property
     def num_local_tokens(self) -> int:
         return int(self.token_indices.shape[0])
@@ -240,6 +263,7 @@ def build_step_metadata(
     device: torch.device | str | None = None,
     check_consistency: bool = True,
     window_block_tables: Mapping[int, torch.Tensor] | None = None,
+    cache_rows: Sequence[int] | torch.Tensor | None = None,
 ) -> CPStepMetadata:
     """Plan one step for this rank: the PCP split, cache slots, decode and prefix metadata.
 
@@ -260,6 +284,9 @@ def build_step_metadata(
         window_block_tables: window W -> [R, M] block table of the W-window layer group (a
             cache of its own that holds only what its window still sees), like
             ``block_table``; each gives the step a :meth:`CPStepMetadata.for_window` view.
+        cache_rows: [R] a stable row per request (the engine's admitted rows), where an fp8
+            cache's bf16 window keeps each request's tokens across steps; None: the
+            block-table row (a caller whose table keeps each request in one row).
 
     Raises:
         ValueError: for an inconsistent batch, a cached prefix without a block table, a
@@ -331,6 +358,15 @@ def build_step_metadata(
             runtime.config.interleave,
         )  # fmt: skip
 
+    rows_t = None
+    if cache_rows is not None:
+        rows_t = torch.as_tensor(cache_rows, dtype=torch.int64)
+        if rows_t.shape != (num_new.size,) or (rows_t < 0).any():
+            raise ValueError(
+                f"cache_rows must hold one row >= 0 per request ([{num_new.size}]), got "
+                f"{rows_t.tolist()}"
+            )
+        rows_t = rows_t.to(dev)
     meta = CPStepMetadata(
         runtime=runtime,
         plan=plan,
@@ -345,6 +381,7 @@ def build_step_metadata(
         block_size=block_size,
         is_decode_host=tuple(bool(x) for x in is_decode),
         decode_query_len=_decode_run_length(num_new, is_decode),
+        cache_rows=rows_t,
         **cache,
     )
     if views:

@@ -103,6 +103,8 @@ class CPFlashAttention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # An fp8 kv_cache's (k_scale, v_scale), fp32 [Hkv_local] or [1]; None: 1.0.
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        # An fp8 kv_cache's bf16 window (buffer, sink, recent): cp_modules.cache.exact_window.
+        self.fp8_window: tuple[torch.Tensor, int, int] | None = None
 
     def forward(
         self,
@@ -141,6 +143,7 @@ class CPFlashAttention(nn.Module):
             sliding_window=self.sliding_window,
             softcap=self.softcap,
             kv_scales=self.kv_scales,
+            fp8_window=self.fp8_window,
         )
 
 
@@ -204,6 +207,8 @@ class CPMLAAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         # An fp8 kv_cache's scale, fp32 [1]; None: 1.0.
         self.kv_cache_scale: torch.Tensor | None = None
+        # An fp8 kv_cache's bf16 window (buffer, sink, recent): cp_modules.cache.exact_window.
+        self.fp8_window: tuple[torch.Tensor, int, int] | None = None
 
     def forward(
         self,
@@ -274,6 +279,7 @@ class CPMLAAttention(nn.Module):
             scale=self.scaling,
             kv_lora_rank=self.kv_lora_rank,
             cache_scale=self.kv_cache_scale,
+            fp8_window=self.fp8_window,
         )
 
 

@@ -58,6 +58,9 @@ class CPKVCaches:
     caches: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
     # fp8 caches: (k_scale, v_scale) fp32 [Hkv_local] or [1] by layer_idx.
     scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # fp8 caches with a bf16 window: (buffer, sink, recent) by layer_idx
+    # (cp_modules.cache.exact_window).
+    windows: dict[int, tuple[torch.Tensor, int, int]] = field(default_factory=dict)
 
     def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.caches.get(layer_idx)
@@ -320,6 +323,7 @@ def cp_attention_forward(
         scale=float(scaling), sinks=sinks, sliding_window=window,
         softcap=float(softcap) if _active(softcap) else None,
         kv_scales=binding.caches.scales.get(binding.layer_idx),
+        fp8_window=binding.caches.windows.get(binding.layer_idx),
     )  # fmt: skip
     return out.unsqueeze(0), None
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cp_modules.cache.exact_window import allocate_window_buffer, check_exact_window
 from cp_modules.cache.kv_dtype import is_fp8, kv_cache_storage_dtype, kv_scale
 from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache, kv_cache_bytes_per_block
 from cp_modules.config import ParallelConfig
@@ -473,6 +474,10 @@ def allocate_kv_caches(
     device: torch.device | str | None = None,
     window_num_blocks: dict[int, int] | None = None,
     kv_cache_dtype: str = "bf16",
+    fp8_sink_tokens: int = 0,
+    fp8_recent_tokens: int = 0,
+    max_num_seqs: int | None = None,
+    max_query_len: int = 1,
 ) -> int:
     """Give every cp layer of ``model`` a paged KV cache of ``num_blocks`` blocks on this rank;
     return the bytes one block takes over all layers.
@@ -489,10 +494,18 @@ def allocate_kv_caches(
     ``window_num_blocks`` (window W -> blocks) sizes the caches of the layers of window W
     instead (a layer group whose cache keeps only its window).
 
+    ``fp8_sink_tokens`` / ``fp8_recent_tokens`` (an fp8 cache): each decode query reads its
+    request's first ``fp8_sink_tokens`` and its own ``fp8_recent_tokens`` newest tokens
+    unquantized, from a window buffer in ``dtype`` per layer with one row per request
+    (``max_num_seqs`` rows, the step's ``cache_rows``), sized for decode runs of up to
+    ``max_query_len`` tokens (:mod:`cp_modules.cache.exact_window`). The window's bytes are
+    not part of the returned per-block bytes (they do not grow with the blocks).
+
     Raises:
         ValueError: for a model :func:`swap_attention` has not prepared, an unknown
-            ``kv_cache_dtype``, fp8 on a GPU without fp8 conversions, or a module scale that is
-            not a positive finite scalar or per-head vector.
+            ``kv_cache_dtype``, fp8 on a GPU without fp8 conversions, a module scale that is
+            not a positive finite scalar or per-head vector, or a bf16 window without an fp8
+            cache or without ``max_num_seqs``.
     """
     layers = cp_attention_layers(model)
     if not layers:
@@ -501,8 +514,28 @@ def allocate_kv_caches(
         )
     store = kv_cache_storage_dtype(kv_cache_dtype, dtype, device)
     fp8 = is_fp8(store)
+    exact = check_exact_window(fp8_sink_tokens, fp8_recent_tokens, max_query_len)
+    if exact is not None and not fp8:
+        raise ValueError(
+            f"fp8_sink_tokens / fp8_recent_tokens keep tokens of an fp8 cache unquantized; "
+            f"kv_cache_dtype={kv_cache_dtype!r} is not fp8: use kv_cache_dtype='fp8_e4m3' or 0"
+        )
+    if exact is not None and (
+        isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
+    ):
+        raise ValueError(
+            f"a bf16 window needs max_num_seqs (its request rows, >= 1), got {max_num_seqs!r}"
+        )
     scales = [_module_scales(layer, fp8, device) for layer in layers]  # checked before allocating
     free_kv_caches(model)  # the old caches go before the new ones are allocated
+
+    def window_of(tail: tuple[int, ...]):
+        if exact is None:
+            return None
+        assert max_num_seqs is not None
+        buf = allocate_window_buffer(max_num_seqs, exact, tail, dtype=dtype, device=device)
+        return buf, exact.sink, exact.recent
+
     for layer, sc in zip(layers, scales):
         b = getattr(layer, "cp_binding", None)
         if b is not None:
@@ -512,6 +545,9 @@ def allocate_kv_caches(
             )
             if sc is not None:
                 b.caches.scales[b.layer_idx] = sc
+            win = window_of((2, b.num_kv_heads, b.head_dim))
+            if win is not None:
+                b.caches.windows[b.layer_idx] = win
         else:
             layer.kv_cache = allocate_mla_cache(
                 num_blocks,
@@ -522,6 +558,7 @@ def allocate_kv_caches(
                 device=device,
             )
             layer.kv_cache_scale = None if sc is None else sc[0]
+            layer.fp8_window = window_of((layer.kv_lora_rank + layer.qk_rope_head_dim,))
     return kv_cache_bytes_per_block_of(model, block_size, store)
 
 
@@ -566,9 +603,11 @@ def free_kv_caches(model: nn.Module) -> None:
         if b is not None:
             b.caches.caches.pop(b.layer_idx, None)
             b.caches.scales.pop(b.layer_idx, None)
+            b.caches.windows.pop(b.layer_idx, None)
         else:
             layer.kv_cache = None
             layer.kv_cache_scale = None
+            layer.fp8_window = None
 
 
 def kv_cache_scale_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -590,4 +629,7 @@ def kv_cache_tensors(model: nn.Module) -> list[torch.Tensor]:
         cache = b.caches.get(b.layer_idx) if b is not None else layer.kv_cache
         if cache is not None:
             out.extend(cache if isinstance(cache, tuple) else (cache,))
+        win = b.caches.windows.get(b.layer_idx) if b is not None else layer.fp8_window
+        if win is not None:
+            out.append(win[0])
     return out

@@ -49,6 +49,7 @@ from cp_modules.ops.cp_common import (
     one_rank,
     read_prefix,
 )
+from cp_modules.ops.exact_window import check_window_args, decode_with_window, write_step_window
 from cp_modules.ops.kv_cache import write_kv_cache
 from cp_modules.ops.paged_decode import paged_attention
 from cp_modules.ops.pcp_attention import check_masking, pcp_prefill_attention
@@ -63,12 +64,13 @@ __all__ = ["gqa_attention"]
 
 def _gqa_forward(
     q, k, v, k_cache, v_cache, scale, sinks=None, window=0, softcap=0.0, differentiable=False,
-    k_scale=None, v_scale=None,
+    k_scale=None, v_scale=None, window_buf=None, fp8_sink=0, fp8_recent=0,
 ):  # fmt: skip
     # A windowed layer's cache may be its layer group's own (it keeps only its window).
     meta = current_step().for_window(window)
     check_local(meta, q, k, v)
     has_cache = k_cache.numel() > 0
+    exact = None
     if has_cache:
         check_cache(meta, k, k_cache, v_cache)
         if k_cache.shape[2:] != k.shape[1:]:
@@ -76,6 +78,8 @@ def _gqa_forward(
                 f"KV cache holds [heads, dim] = {list(k_cache.shape[2:])} per token but the layer "
                 f"produces {list(k.shape[1:])} on this rank"
             )
+        tail = (2, *k_cache.shape[2:])
+        exact = check_window_args(window_buf, fp8_sink, fp8_recent, k_cache, tail, meta, k.dtype)
     out_shape = (q.shape[0], q.shape[1], v.shape[2])
     if has_cache and meta.slot_mapping is None:
         raise RuntimeError("a KV cache was given but the step has no block table")
@@ -102,6 +106,9 @@ def _gqa_forward(
     if has_cache:
         assert slots is not None
         write_kv_cache(k_full, v_full, k_cache, v_cache, slots, k_scale, v_scale)
+        if exact is not None:
+            ids = None if xplan is None else xplan.token_ids
+            write_step_window(window_buf, exact, torch.stack((k_full, v_full), 1), slots, meta, ids)
     if not meta.all_decode:
         prefix = {}
         if meta.has_prefix:
@@ -137,24 +144,25 @@ def _gqa_forward(
             raise RuntimeError("decode requests need a KV cache")
         idx = meta.local_decode_idx
         kv_start = meta.decode_kv_start(window)
-        o, lse_d = decode_combined(
-            q if only_decode else q.index_select(0, idx),
-            meta,
-            lambda qq: paged_attention(
-                qq,
-                k_cache,
-                v_cache,
-                meta.block_table,
-                meta.decode_seq_idx,
-                meta.decode_kv_len,
-                scale=scale,
-                query_kv_start=kv_start,
-                softcap=softcap or None,
-                k_scale=k_scale,
-                v_scale=v_scale,
-                query_len=meta.decode_query_len,
-            ),
-        )
+
+        def attend(qq, kv_len=meta.decode_kv_len, start=kv_start):
+            return paged_attention(
+                qq, k_cache, v_cache, meta.block_table, meta.decode_seq_idx, kv_len,
+                scale=scale, query_kv_start=start, softcap=softcap or None, k_scale=k_scale,
+                v_scale=v_scale, query_len=meta.decode_query_len,
+            )  # fmt: skip
+
+        q_dec = q if only_decode else q.index_select(0, idx)
+        if exact is None:
+            o, lse_d = decode_combined(q_dec, meta, attend)
+        else:
+            first = None if not window else (meta.decode_positions - window + 1).clamp_min(0)
+            o, lse_d = decode_combined(
+                q_dec, meta,
+                lambda qq: decode_with_window(
+                    qq, window_buf, exact, meta, first, attend, scale, softcap or None
+                ),
+            )  # fmt: skip
         if only_decode:
             out, lse = o.to(q.dtype).contiguous(), lse_d.to(lse_dtype_of(q)).contiguous()
         else:
@@ -224,7 +232,9 @@ def _gqa_attention(
     return out, lse, step_handle(meta)
 
 
-@torch.library.custom_op("cp::gqa_attention_with_cache", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op(
+    "cp::gqa_attention_with_cache", mutates_args=("k_cache", "v_cache", "window_buf")
+)
 def _gqa_attention_with_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -237,10 +247,16 @@ def _gqa_attention_with_cache(
     softcap: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window_buf: torch.Tensor | None = None,
+    fp8_sink: int = 0,
+    fp8_recent: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``window_buf`` with ``fp8_sink`` / ``fp8_recent``: an fp8 cache's bf16 window
+    (:mod:`cp_modules.cache.exact_window`), written in place and read by the decode queries."""
     return _gqa_forward(
-        q, k, v, k_cache, v_cache, scale, sinks, window, softcap, k_scale=k_scale, v_scale=v_scale
-    )
+        q, k, v, k_cache, v_cache, scale, sinks, window, softcap, k_scale=k_scale,
+        v_scale=v_scale, window_buf=window_buf, fp8_sink=fp8_sink, fp8_recent=fp8_recent,
+    )  # fmt: skip
 
 
 def _gqa_fake(q, k, v, *args):
@@ -425,6 +441,7 @@ def gqa_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_window: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """Context-parallel GQA/MHA attention of this rank's local tokens for the current step.
 
@@ -446,6 +463,9 @@ def gqa_attention(
         kv_scales: an fp8 (e4m3) ``kv_cache``: its ``(k_scale, v_scale)``, fp32 [Hkv] or [1]
             (:func:`cp_modules.cache.kv_dtype.kv_scale`); None: 1.0. Written K/V are divided by
             them and quantized, cached K/V read back times them.
+        fp8_window: an fp8 ``kv_cache``'s bf16 window ``(buffer, sink, recent)``
+            (:mod:`cp_modules.cache.exact_window`): decode queries read the first ``sink`` and
+            their ``recent`` newest tokens unquantized; None: none.
 
     Returns:
         [T, H, D] attention output of the local tokens (padding rows are 0).
@@ -468,7 +488,8 @@ def gqa_attention(
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
         ks, vs = kv_scales if kv_scales is not None else (None, None)
+        buf, sink, recent = fp8_window if fp8_window is not None else (None, 0, 0)
         out, _ = torch.ops.cp.gqa_attention_with_cache(
-            q, k, v, kv_cache[0], kv_cache[1], sinks, scale, *masking, ks, vs
+            q, k, v, kv_cache[0], kv_cache[1], sinks, scale, *masking, ks, vs, buf, sink, recent
         )
     return out

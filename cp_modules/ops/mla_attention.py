@@ -30,6 +30,7 @@ from cp_modules.ops.cp_common import (
     read_prefix,
     scatter_grad,
 )
+from cp_modules.ops.exact_window import check_window_args, decode_with_window, write_step_window
 from cp_modules.ops.kv_cache import write_mla_cache
 from cp_modules.ops.paged_decode import paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
@@ -77,19 +78,23 @@ def _nope_dim(q: torch.Tensor, latent: torch.Tensor, rk: int) -> int:
 
 
 def _mla_forward(
-    q, latent, w_kv, cache, scale, kv_lora_rank, differentiable=False, cache_scale=None
-):
+    q, latent, w_kv, cache, scale, kv_lora_rank, differentiable=False, cache_scale=None,
+    window_buf=None, fp8_sink=0, fp8_recent=0,
+):  # fmt: skip
     meta = current_step()
     check_local(meta, q, latent)
     rk, h, dn = kv_lora_rank, q.shape[1], _nope_dim(q, latent, kv_lora_rank)
     dv = w_kv.shape[1] - dn
     has_cache = cache.numel() > 0
+    exact = None
     if has_cache:
         check_cache(meta, latent, cache)
         if cache.shape[-1] != latent.shape[-1]:
             raise ValueError(
                 f"MLA cache rows hold {cache.shape[-1]} values but the latent has {latent.shape[-1]}"
             )
+        tail = (cache.shape[-1],)
+        exact = check_window_args(window_buf, fp8_sink, fp8_recent, cache, tail, meta, latent.dtype)
     out_shape = (q.shape[0], h, dv)
     latent_full = latent if meta.all_decode else gather_rows(latent, meta)
     # Every local row a decode token, in batch order: the decode result is the output.
@@ -100,6 +105,8 @@ def _mla_forward(
         write_mla_cache(
             latent_full[:, :rk], latent_full[:, rk:], cache, meta.slot_mapping, cache_scale
         )
+        if exact is not None:
+            write_step_window(window_buf, exact, latent_full, meta.slot_mapping, meta)
     if not meta.all_decode:
         k_full, v_full = _up_project(latent_full, w_kv, rk, dn)
         prefix = {}
@@ -125,21 +132,23 @@ def _mla_forward(
         # Absorb W_UK into the query: attend the latent directly (q dim Rk + Dr).
         q_lat = torch.einsum("bhd,hdc->bhc", q_dec[..., :dn], w_uk)
         q_abs = torch.cat((q_lat, q_dec[..., dn:]), dim=-1).contiguous()
-        o_lat, lse_d = decode_combined(
-            q_abs,
-            meta,
-            lambda qq: paged_mla_attention(
-                qq,
-                cache,
-                meta.block_table,
-                meta.decode_seq_idx,
-                meta.decode_kv_len,
-                scale=scale,
-                kv_lora_rank=rk,
-                kernel=meta.runtime.policy.mla_decode,
-                kv_scale=cache_scale,
-            ),
-        )
+
+        def attend(qq, kv_len=meta.decode_kv_len, start=None):
+            return paged_mla_attention(
+                qq, cache, meta.block_table, meta.decode_seq_idx, kv_len, scale=scale,
+                kv_lora_rank=rk, kernel=meta.runtime.policy.mla_decode, kv_scale=cache_scale,
+            )  # fmt: skip
+
+        if exact is None:
+            o_lat, lse_d = decode_combined(q_abs, meta, attend)
+        else:
+            o_lat, lse_d = decode_combined(
+                q_abs, meta,
+                lambda qq: decode_with_window(
+                    qq, window_buf, exact, meta, None, attend, scale,
+                    mla=(cache, rk, cache_scale),
+                ),
+            )  # fmt: skip
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
         if only_decode:
             out, lse = o.to(q.dtype).contiguous(), lse_d.to(lse_dtype_of(q)).contiguous()
@@ -167,7 +176,7 @@ def _mla_attention(
     return out, lse, step_handle(meta)
 
 
-@torch.library.custom_op("cp::mla_attention_with_cache", mutates_args=("cache",))
+@torch.library.custom_op("cp::mla_attention_with_cache", mutates_args=("cache", "window_buf"))
 def _mla_attention_with_cache(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -176,11 +185,19 @@ def _mla_attention_with_cache(
     scale: float,
     kv_lora_rank: int,
     cache_scale: torch.Tensor | None = None,
+    window_buf: torch.Tensor | None = None,
+    fp8_sink: int = 0,
+    fp8_recent: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mla_forward(q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale=cache_scale)
+    """``window_buf`` with ``fp8_sink`` / ``fp8_recent``: an fp8 cache's bf16 window
+    (:mod:`cp_modules.cache.exact_window`), written in place and read by the decode queries."""
+    return _mla_forward(
+        q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale=cache_scale,
+        window_buf=window_buf, fp8_sink=fp8_sink, fp8_recent=fp8_recent,
+    )  # fmt: skip
 
 
-def _mla_fake(q, latent, w_kv, cache, scale, rk, cache_scale=None):
+def _mla_fake(q, latent, w_kv, cache, scale, rk, cache_scale=None, *_):
     shape = (q.shape[0], q.shape[1], w_kv.shape[1] - _nope_dim(q, latent, rk))
     return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=lse_dtype_of(q))
 
@@ -387,6 +404,7 @@ def mla_attention(
     scale: float,
     kv_lora_rank: int,
     cache_scale: torch.Tensor | None = None,
+    fp8_window: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """Context-parallel MLA attention of this rank's local tokens for the current step.
 
@@ -411,6 +429,9 @@ def mla_attention(
         kv_lora_rank: Rk.
         cache_scale: an fp8 (e4m3) ``cache``: its fp32 [1] scale (None: 1.0); rows are stored
             as ``latent / scale`` and read back as ``fp8 * scale``.
+        fp8_window: an fp8 ``cache``'s bf16 window ``(buffer, sink, recent)``
+            (:mod:`cp_modules.cache.exact_window`): decode queries read the first ``sink`` and
+            their ``recent`` newest tokens unquantized; None: none.
 
     Returns:
         [T, H, Dv] attention output of the local tokens.
@@ -433,8 +454,9 @@ def mla_attention(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_kv)):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
+        buf, sink, recent = fp8_window if fp8_window is not None else (None, 0, 0)
         out, _ = torch.ops.cp.mla_attention_with_cache(
-            q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale
+            q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale, buf, sink, recent
         )
     return out
 

@@ -1,0 +1,133 @@
+"""The attention ops' side of an fp8 cache's bf16 window (:mod:`cp_modules.cache.exact_window`):
+the window's writes from a step's new tokens and the decode attention that reads it.
+
+Shape letters: N = new tokens of the step, T = decode queries, Hq / Hkv = query / KV heads,
+D = head dim, L = an MLA latent row (Rk + Dr).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cp_modules.cache.exact_window import (
+    ExactWindow,
+    gather_cache_rows,
+    gather_window,
+    merge_exact,
+    window_decode_ranges,
+    window_write,
+)
+from cp_modules.cache.kv_dtype import is_fp8
+from cp_modules.step import CPStepMetadata
+
+__all__ = ["check_window_args", "decode_with_window", "write_step_window"]
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]]
+
+
+def check_window_args(
+    buf: torch.Tensor | None,
+    sink: int,
+    recent: int,
+    cache: torch.Tensor,
+    tail: tuple[int, ...],
+    meta: CPStepMetadata,
+    model_dtype: torch.dtype,
+) -> ExactWindow | None:
+    """The layer's window (None without one), checked on the host before any collective.
+
+    Raises:
+        ValueError: for a window without its buffer (or the reverse), a cache that is not fp8,
+            a buffer of the wrong shape or dtype, or decode runs longer than its ring serves.
+    """
+    if buf is None or buf.numel() == 0:
+        if sink or recent:
+            raise ValueError(
+                f"fp8_sink_tokens={sink} / fp8_recent_tokens={recent} need the layer's window "
+                "buffer (allocate_kv_caches(..., fp8_sink_tokens=, fp8_recent_tokens=))"
+            )
+        return None
+    if not is_fp8(cache.dtype):
+        raise ValueError(
+            f"a bf16 window goes with an fp8 cache (kv_cache_dtype='fp8_e4m3'), not {cache.dtype}"
+        )
+    if sink < 0 or recent < 0 or sink + recent == 0 or buf.shape[1] < sink + recent:
+        raise ValueError(
+            f"the window buffer holds {buf.shape[1]} slots a row, too few for "
+            f"fp8_sink_tokens={sink} + fp8_recent_tokens={recent} (both >= 0, not both 0)"
+        )
+    if tuple(buf.shape[2:]) != tail or buf.dtype != model_dtype or buf.device != cache.device:
+        raise ValueError(
+            f"the window buffer must be [rows + 1, slots, {', '.join(map(str, tail))}] in "
+            f"{model_dtype} on {cache.device}, got {tuple(buf.shape)} {buf.dtype} on {buf.device}"
+        )
+    window = ExactWindow(sink, recent, buf.shape[1] - sink)
+    if meta.has_decode and recent and meta.decode_query_len > window.max_query_len:
+        raise ValueError(
+            f"decode runs of {meta.decode_query_len} tokens need a window ring of "
+            f"fp8_recent_tokens + {meta.decode_query_len - 1} slots; this one serves runs of "
+            f"{window.max_query_len} (allocate_kv_caches(..., max_query_len=))"
+        )
+    return window
+
+
+def _dcp(meta: CPStepMetadata) -> tuple[int, int, int]:
+    rt = meta.runtime
+    return rt.dcp_size, rt.dcp_rank, rt.config.interleave
+
+
+def write_step_window(
+    buf: torch.Tensor,
+    window: ExactWindow,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    meta: CPStepMetadata,
+    token_ids: torch.Tensor | None = None,
+) -> None:
+    """Write the step's new tokens ``kv`` [N, ...] (those with a cache slot on this rank) into
+    the window; ``token_ids``: which of the step's new tokens ``kv`` holds (a window exchange)."""
+    rows, pos, ends = meta.new_tokens()
+    if token_ids is not None:
+        rows, pos, ends = (x.index_select(0, token_ids) for x in (rows, pos, ends))
+    window_write(buf, window, kv, slots >= 0, meta.request_rows(rows), pos, ends, _dcp(meta))
+
+
+def decode_with_window(
+    q: torch.Tensor,
+    buf: torch.Tensor,
+    window: ExactWindow,
+    meta: CPStepMetadata,
+    first: torch.Tensor | None,
+    attend: Attend,
+    scale: float,
+    softcap: float | None = None,
+    mla: tuple[torch.Tensor, int, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of ``q`` [T, Hq, Dk] on this rank's shard: the fp8 kernel on the keys
+    outside the window, merged with the window's keys read unquantized.
+
+    ``attend(q, kv_len, kv_start)`` runs the paged kernel on local ranges ``[kv_start, kv_len)``
+    (GQA; an MLA kernel gets ``kv_start=None`` and attends ``[0, kv_len)``, the sink tokens'
+    fp8 copies included: ``mla = (cache, kv_lora_rank, kv_scale)`` removes them here).
+    ``first``: [T] the first global position each query sees (a sliding window), or None.
+    """
+    r = window_decode_ranges(
+        buf, window, meta.request_rows(meta.decode_seq_idx), meta.decode_positions,
+        meta.decode_kv_len, first, _dcp(meta),
+    )  # fmt: skip
+    rows = gather_window(buf, r.slots)  # [T, S + R, ...]
+    if mla is None:
+        out, lse = attend(q, r.kernel_len, r.kernel_start)
+        return merge_exact(out, lse, q, rows[:, :, 0], rows[:, :, 1], r.valid, scale, softcap)
+    cache, rk, kv_scale = mla
+    out, lse = attend(q, r.kernel_len, None)
+    k_add = rows[:, :, None, :]  # one latent head
+    sub = None
+    if window.sink:
+        k_sub = gather_cache_rows(
+            cache, meta.block_table, meta.decode_seq_idx, r.sink_local, kv_scale, q.dtype
+        )[:, :, None, :]  # fmt: skip
+        sub = dict(k_sub=k_sub, v_sub=k_sub[..., :rk], sub_valid=r.sink_valid)
+    return merge_exact(out, lse, q, k_add, k_add[..., :rk], r.valid, scale, None, **(sub or {}))

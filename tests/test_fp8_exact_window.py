@@ -1,0 +1,175 @@
+"""An fp8 cache's bf16 window (cp_modules.cache.exact_window): decode queries read the sink and
+their newest tokens unquantized and every other key as stored in e4m3.
+
+Each decode output is compared with dense fp32 attention over the request's keys, where each
+key is the original (in the window) or its e4m3 round trip (outside it); one process here, DCP
+layouts against one process in tests/test_fp8_kv.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_modules.cache.exact_window import check_exact_window
+from cp_modules.cache.kv_dtype import dequantize_fp8, kv_scale, quantize_fp8
+from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
+from cp_modules.cache.exact_window import allocate_window_buffer
+from cp_modules.ops.gqa_attention import gqa_attention
+from cp_modules.ops.mla_attention import mla_attention
+from cp_modules.step import CPRuntime, build_step_metadata, cp_step
+
+BS = 4
+HQ, HKV, D = 4, 2, 16
+
+
+def _steps():
+    # (num_new per request, decode_threshold): a prefill, two decodes, a run of 3 (a
+    # verification's k + 1 tokens), one more decode.
+    return [([7, 20, 33], 1), ([1, 1, 1], 1), ([1, 1, 1], 1), ([3, 3, 3], 3), ([1, 1, 1], 1)]
+
+
+def _rounded(x, scale, head_dim=-2):
+    return dequantize_fp8(quantize_fp8(x, scale, head_dim), scale, torch.float32, head_dim)
+
+
+def _visible(p, sink, recent, window):
+    j = torch.arange(p + 1)
+    seen = j >= (p - window + 1 if window else 0)
+    exact = (j < sink) | (j >= p + 1 - recent)
+    return seen, exact
+
+
+def _dense(q, k, v, seen, scale, softcap):
+    # q [H, D], k [L, Hkv, D] / v [L, Hkv, Dv]
+    g = q.shape[0] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = torch.einsum("hd,lhd->hl", q, kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~seen[None, :], float("-inf"))
+    return torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vv)
+
+
+@pytest.mark.parametrize(
+    "sink,recent,window,softcap",
+    [(1, 4, None, None), (0, 5, None, None), (2, 0, None, None), (1, 4, 9, 2.5), (3, 6, 30, None)],
+    ids=["sink1-recent4", "recent5", "sink2", "sliding9-softcap", "sink3-recent6-sliding30"],
+)
+def test_gqa_decode_reads_the_window_unquantized(sink, recent, window, softcap):
+    torch.manual_seed(0)
+    steps = _steps()
+    lens = [sum(n[i] for n, _ in steps) for i in range(3)]
+    per = -(-max(lens) // BS)
+    table = torch.arange(3 * per, dtype=torch.int32).view(3, per)
+    kc, vc = allocate_kv_cache(3 * per, BS, HKV, D, dtype=torch.float8_e4m3fn)
+    ks, vs = kv_scale(torch.tensor([0.5, 0.25]), HKV), kv_scale(2.0, HKV)
+    win = check_exact_window(sink, recent, max_query_len=3)
+    buf = allocate_window_buffer(3, win, (2, HKV, D), dtype=torch.float32)
+    keys = [[] for _ in range(3)]
+    vals = [[] for _ in range(3)]
+    done = [0, 0, 0]
+    checked = 0
+    for num_new, thr in steps:
+        meta = build_step_metadata(CPRuntime.single(), num_new, done, block_table=table,
+                                   block_size=BS, decode_threshold=thr)  # fmt: skip
+        n = sum(num_new)
+        q, k, v = torch.randn(n, HQ, D), torch.randn(n, HKV, D) * 3, torch.randn(n, HKV, D)
+        with cp_step(meta):
+            out = gqa_attention(q, k, v, (kc, vc), scale=D**-0.5, sliding_window=window,
+                                softcap=softcap, kv_scales=(ks, vs),
+                                fp8_window=(buf, sink, recent))  # fmt: skip
+        t = 0
+        for b, m in enumerate(num_new):
+            keys[b].append(k[t : t + m])
+            vals[b].append(v[t : t + m])
+            kb, vb = torch.cat(keys[b]), torch.cat(vals[b])
+            for i in range(m):
+                p = done[b] + i
+                if done[b] == 0:
+                    continue  # prefill rows: not the window's business
+                seen, exact = _visible(p, sink, recent, window)
+                k_eff = torch.where(exact[:, None, None], kb[: p + 1], _rounded(kb[: p + 1], ks))
+                v_eff = torch.where(exact[:, None, None], vb[: p + 1], _rounded(vb[: p + 1], vs))
+                ref = _dense(q[t + i], k_eff, v_eff, seen, D**-0.5, softcap)
+                torch.testing.assert_close(out[t + i], ref, atol=2e-5, rtol=2e-5)
+                # ... and not the plain fp8 result (unless every key is in the window).
+                if not bool(exact[seen].all()):
+                    plain = _dense(q[t + i], _rounded(kb[: p + 1], ks), _rounded(vb[: p + 1], vs),
+                                   seen, D**-0.5, softcap)  # fmt: skip
+                    assert (out[t + i] - plain).abs().max() > 1e-4
+                checked += 1
+            t += m
+        done = [c + m for c, m in zip(done, num_new)]
+    assert checked == 3 * (1 + 1 + 3 + 1)
+
+
+def test_mla_decode_reads_the_window_unquantized():
+    torch.manual_seed(1)
+    h, rk, dr, dn, dv = 4, 32, 16, 16, 16
+    sink, recent = 1, 4
+    steps = _steps()
+    lens = [sum(n[i] for n, _ in steps) for i in range(3)]
+    per = -(-max(lens) // BS)
+    table = torch.arange(3 * per, dtype=torch.int32).view(3, per)
+    cache = allocate_mla_cache(3 * per, BS, rk, dr, dtype=torch.float8_e4m3fn)
+    sc = kv_scale(0.5, 1)
+    win = check_exact_window(sink, recent, max_query_len=3)
+    buf = allocate_window_buffer(3, win, (rk + dr,), dtype=torch.float32)
+    w_uk, w_uv = torch.randn(h, dn, rk) * rk**-0.5, torch.randn(h, dv, rk) * rk**-0.5
+    lat = [[] for _ in range(3)]
+    done = [0, 0, 0]
+    scale = (dn + dr) ** -0.5
+    for num_new, thr in steps:
+        meta = build_step_metadata(CPRuntime.single(), num_new, done, block_table=table,
+                                   block_size=BS, decode_threshold=thr)  # fmt: skip
+        n = sum(num_new)
+        q, latent = torch.randn(n, h, dn + dr), torch.randn(n, rk + dr) * 2
+        with cp_step(meta):
+            out = mla_attention(q, latent, w_uk, w_uv, cache, scale=scale, kv_lora_rank=rk,
+                                cache_scale=sc, fp8_window=(buf, sink, recent))  # fmt: skip
+        t = 0
+        for b, m in enumerate(num_new):
+            lat[b].append(latent[t : t + m])
+            lb = torch.cat(lat[b])
+            for i in range(m):
+                p = done[b] + i
+                if done[b] == 0:
+                    continue
+                seen, exact = _visible(p, sink, recent, None)
+                l_eff = torch.where(exact[:, None], lb[: p + 1], _rounded(lb[: p + 1], sc, -1))
+                kv_c, k_pe = l_eff[:, :rk], l_eff[:, rk:]
+                k_nope = torch.einsum("lr,hdr->lhd", kv_c, w_uk)
+                keys = torch.cat((k_nope, k_pe[:, None].expand(-1, h, -1)), -1)
+                vals = torch.einsum("lr,hdr->lhd", kv_c, w_uv)
+                ref = _dense(q[t + i], keys, vals, seen, scale, None)
+                torch.testing.assert_close(out[t + i], ref, atol=3e-5, rtol=3e-5)
+            t += m
+        done = [c + m for c, m in zip(done, num_new)]
+
+
+def test_window_options_are_checked():
+    with pytest.raises(ValueError, match="fp8_recent_tokens"):
+        check_exact_window(0, -1)
+    with pytest.raises(ValueError, match="fp8_sink_tokens"):
+        check_exact_window(1.5, 2)  # type: ignore[arg-type]
+    assert check_exact_window(0, 0) is None
+    w = check_exact_window(1, 16, max_query_len=4)
+    assert (w.sink, w.recent, w.capacity, w.max_query_len) == (1, 16, 19, 4)
+
+
+def test_a_run_longer_than_the_ring_is_refused():
+    win = check_exact_window(1, 4)  # runs of one token
+    buf = allocate_window_buffer(2, win, (2, HKV, D), dtype=torch.float32)
+    kc, vc = allocate_kv_cache(8, BS, HKV, D, dtype=torch.float8_e4m3fn)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    meta = build_step_metadata(CPRuntime.single(), [2, 2], [5, 5], block_table=table,
+                               block_size=BS, decode_threshold=2)  # fmt: skip
+    q, k = torch.randn(4, HQ, D), torch.randn(4, HKV, D)
+    with cp_step(meta), pytest.raises(ValueError, match="decode runs of 2 tokens"):
+        gqa_attention(q, k, k, (kc, vc), scale=1.0, fp8_window=(buf, 1, 4))
+    with cp_step(meta), pytest.raises(ValueError, match="window buffer"):
+        gqa_attention(q, k, k, (kc, vc), scale=1.0, fp8_window=(buf[:, :3], 1, 4))
+    bf = allocate_kv_cache(8, BS, HKV, D, dtype=torch.float32)
+    with cp_step(meta), pytest.raises(ValueError, match="goes with an fp8 cache"):
+        gqa_attention(q, k, k, bf, scale=1.0, fp8_window=(buf, 1, 4))
