@@ -58,6 +58,8 @@ class VerifyArgs:
     # "fp8_e4m3": both runs keep an fp8 KV cache (static scales 0.5 for K / the latent, 2.0 for
     # V), so the sharded run is compared with the single process's fp8 run.
     kv_cache_dtype: str = "bf16"
+    # An fp8 cache's bf16 window (sink, recent) in both runs (cp_modules.cache.exact_window).
+    fp8_window: tuple[int, int] = (0, 0)
 
     @property
     def world_size(self) -> int:
@@ -156,14 +158,23 @@ def _build_layer(a: VerifyArgs, cfg, dtype):
     return layer.to(dtype)
 
 
-def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device, kv_cache_dtype="bf16"):
+def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device, kv_cache_dtype="bf16",
+                    fp8_window=(0, 0), rows: int = 1):  # fmt: skip
+    from cp_modules.cache.exact_window import allocate_window_buffer, check_exact_window
     from cp_modules.cache.kv_dtype import kv_cache_storage_dtype, kv_scale
     from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
     from cp_modules.modules import CPFlashAttention
 
     store = kv_cache_storage_dtype(kv_cache_dtype, dtype, device)
     fp8 = store != dtype
-    dtype = store
+    win = check_exact_window(*fp8_window)
+    model_dtype, dtype = dtype, store
+
+    def window(tail):
+        if win is None:
+            return None
+        buf = allocate_window_buffer(rows, win, tail, dtype=model_dtype, device=device)
+        return buf, win.sink, win.recent
 
     if isinstance(layer, CPFlashAttention):
         kv = layer.num_kv_heads if layer.kv_replica_index is None else 1
@@ -174,11 +185,13 @@ def _allocate_cache(layer, num_blocks: int, block_size: int, dtype, device, kv_c
         kv = min(kv, local_kv)
         if fp8:
             layer.kv_scales = (kv_scale(0.5, kv, device=device), kv_scale(2.0, kv, device=device))
+        layer.fp8_window = window((2, kv, layer.head_dim))
         return allocate_kv_cache(
             num_blocks, block_size, kv, layer.head_dim, dtype=dtype, device=device
         )
     if fp8:
         layer.kv_cache_scale = kv_scale(0.5, 1, device=device)
+    layer.fp8_window = window((layer.kv_lora_rank + layer.qk_rope_head_dim,))
     return allocate_mla_cache(
         num_blocks,
         block_size,
@@ -291,8 +304,9 @@ def verify_rank(rank: int, world_size: int, a: VerifyArgs) -> dict:
             rt = CPRuntime.single(policy=a.policy())
         if not train:
             layer.kv_cache = _allocate_cache(
-                layer, num_blocks, a.block_size, run_dtype, device, a.kv_cache_dtype
-            )
+                layer, num_blocks, a.block_size, run_dtype, device, a.kv_cache_dtype,
+                a.fp8_window, num_reqs,
+            )  # fmt: skip
         fn = layer
         if a.compile and label == "parallel":
             torch._dynamo.reset()

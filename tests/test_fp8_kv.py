@@ -345,6 +345,18 @@ def _fp8_cases():
         ),  # fmt: skip
         VerifyArgs(parallel=_layout("ag_rs"), attention="mla", **base),
         VerifyArgs(parallel=_layout("a2a"), attention="mla", **base),
+        # The bf16 window of the sink and the newest tokens (cache.exact_window).
+        VerifyArgs(parallel=_layout("ag_rs"), attention="gqa", fp8_window=(1, 3), **base),
+        VerifyArgs(
+            parallel=_layout("a2a", interleave=2),
+            attention="gqa",
+            sinks=True,
+            sliding_window=5,
+            softcap=3.0,
+            fp8_window=(2, 4),
+            **base,
+        ),  # fmt: skip
+        VerifyArgs(parallel=_layout("a2a"), attention="mla", fp8_window=(1, 5), **base),
     ]
 
 
