@@ -173,3 +173,107 @@ def test_a_run_longer_than_the_ring_is_refused():
     bf = allocate_kv_cache(8, BS, HKV, D, dtype=torch.float32)
     with cp_step(meta), pytest.raises(ValueError, match="goes with an fp8 cache"):
         gqa_attention(q, k, k, bf, scale=1.0, fp8_window=(buf, 1, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine: request rows that move between steps, static-buffer decode, speculation
+
+
+def _engine_model(family="llama"):
+    from recipe_configs import Family, ModelConf
+    from recipe_models import build_model
+
+    from cp_modules.modules.hf_swap import swap_attention
+
+    kv = 8 if family == "deepseek_v3" else 2
+    return swap_attention(build_model(ModelConf(family=Family(family), num_kv_heads=kv)))
+
+
+def _prompts(lens, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_engine_window_follows_each_request(family):
+    # 7 prompts, 3 rows in flight (rows are reused as requests finish, batch order changes),
+    # prompts chunked 8 tokens a step: the eager and static-buffer engines and each prompt
+    # alone give the same tokens.
+    from cp_modules.engine import GenerationEngine, SamplingParams
+
+    prompts = _prompts([29, 1, 9, 4, 17, 6, 11])
+    params = SamplingParams(max_new_tokens=9)
+    kw = dict(block_size=4, max_num_tokens=8, progress=False, kv_cache_dtype="fp8_e4m3",
+              kv_cache_fp8_sink=1, kv_cache_fp8_recent=4)  # fmt: skip
+    model = _engine_model(family)
+    plain = GenerationEngine(model, max_num_seqs=3, decode_graphs=False, **kw).generate(
+        prompts, params
+    )
+    graphs = GenerationEngine(model, max_num_seqs=3, decode_graphs=True, **kw).generate(
+        prompts, params
+    )
+    alone = GenerationEngine(model, max_num_seqs=1, decode_graphs=False, **kw)
+    assert graphs.outputs == plain.outputs
+    assert [alone.generate([p], params).outputs[0] for p in prompts] == plain.outputs
+    s = plain.stats
+    assert s.kv_cache_dtype == "fp8_e4m3" and s.kv_fp8_window == (1, 4)
+    # Per layer [rows + 1, sink + recent, ...] in fp32: 4 x 5 slots of K and V (2 KV heads) or
+    # of a latent row.
+    c = model.config
+    if family == "llama":
+        per_slot = 2 * 2 * (c.hidden_size // c.num_attention_heads)
+    else:
+        per_slot = c.kv_lora_rank + c.qk_rope_head_dim
+    assert s.kv_window_bytes == c.num_hidden_layers * 4 * 5 * per_slot * 4
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_engine_window_over_every_key_equals_an_unquantized_cache(family):
+    # Prompts in one chunk each, a window longer than any request: every key a decode reads
+    # is unquantized, so the fp8 engine gives the fp32 cache's tokens; without the window it
+    # does not.
+    from cp_modules.engine import GenerationEngine, SamplingParams
+
+    prompts = _prompts([29, 3, 17, 11], seed=7)
+    params = SamplingParams(max_new_tokens=12)
+    kw = dict(block_size=4, max_num_tokens=64, max_num_seqs=4, progress=False)
+    model = _engine_model(family)
+    want = GenerationEngine(model, **kw).generate(prompts, params).outputs
+    got = GenerationEngine(model, kv_cache_dtype="fp8_e4m3", kv_cache_fp8_sink=1,
+                           kv_cache_fp8_recent=64, **kw).generate(prompts, params)  # fmt: skip
+    assert got.outputs == want
+    plain = GenerationEngine(model, kv_cache_dtype="fp8_e4m3", **kw).generate(prompts, params)
+    assert plain.outputs != want
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
+def test_engine_window_speculation_equals_plain_decoding(graphs):
+    # Each verified token reads its own newest tokens unquantized, as a one-token decode at
+    # its position would: greedy speculation (k = 3) gives plain decoding's tokens.
+    from cp_modules.engine import GenerationEngine, SamplingParams
+
+    prompts = [p * 3 for p in _prompts([5, 7, 4], seed=3)]  # repeats the n-gram drafter finds
+    kw = dict(block_size=4, max_num_tokens=32, max_num_seqs=3, progress=False,
+              kv_cache_dtype="fp8_e4m3", kv_cache_fp8_sink=1, kv_cache_fp8_recent=4,
+              decode_graphs=graphs)  # fmt: skip
+    engine = GenerationEngine(_engine_model(), **kw)
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=14))
+    spec = engine.generate(prompts, SamplingParams(
+        max_new_tokens=14, speculative="ngram", num_speculative_tokens=3,
+        speculative_min_accepted=0,
+    ))  # fmt: skip
+    assert spec.outputs == plain.outputs
+    assert spec.stats.spec_accepted_tokens > 0
+
+
+def test_engine_window_options_are_checked():
+    from cp_modules.engine import GenerationEngine
+
+    model = _engine_model()
+    with pytest.raises(ValueError, match="kv_cache_fp8_sink / kv_cache_fp8_recent"):
+        GenerationEngine(model, kv_cache_fp8_recent=4, progress=False)
+    with pytest.raises(ValueError, match="fp8_recent_tokens"):
+        GenerationEngine(model, kv_cache_dtype="fp8_e4m3", kv_cache_fp8_recent=-1, progress=False)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_modules.cache.dcp import dcp_num_blocks
+from cp_modules.cache.exact_window import check_exact_window
 from cp_modules.cache.kv_dtype import check_kv_cache_dtype, kv_cache_storage_dtype
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
 from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph_width
@@ -42,6 +43,7 @@ from cp_modules.modules.hf_swap import (
     kv_cache_bytes_per_block_of,
     kv_cache_scale_tensors,
     kv_cache_tensors,
+    kv_window_tensors,
 )
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
@@ -86,6 +88,11 @@ class GenerationEngine:
             ``kv_cache_memory // bytes per block`` blocks (over all layers), so an fp8 cache
             holds twice the tokens of a bf16 one in the same memory; it replaces
             ``num_blocks`` (give one of them).
+        kv_cache_fp8_sink, kv_cache_fp8_recent: an fp8 cache's bf16 window: each decode query
+            reads its request's first ``kv_cache_fp8_sink`` tokens and its own
+            ``kv_cache_fp8_recent`` newest ones unquantized (a buffer per layer of
+            ``max_num_seqs`` rows in the model's dtype, beside the pool:
+            :mod:`cp_modules.cache.exact_window`); 0 and 0: none.
 
     Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
     model's ``generation_config.eos_token_id`` (one id or a list), unless
@@ -94,7 +101,8 @@ class GenerationEngine:
     Raises:
         ValueError: for a model without swapped attention, a dtype the decode kernels do not
             take, a layout with dp or pp > 1, sizes out of range, an unknown
-            ``kv_cache_dtype`` or fp8 on a GPU without fp8 conversions, or an LM head whose
+            ``kv_cache_dtype`` or fp8 on a GPU without fp8 conversions, a bf16 window without
+            an fp8 cache or with a negative size, or an LM head whose
             logits the model post-processes in a way the engine does not know.
     """
 
@@ -114,9 +122,19 @@ class GenerationEngine:
         decode_graphs: bool | None = None,
         kv_cache_dtype: str = "bf16",
         kv_cache_memory: int | None = None,
+        kv_cache_fp8_sink: int = 0,
+        kv_cache_fp8_recent: int = 0,
     ) -> None:
         self.model = model
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        window = check_exact_window(kv_cache_fp8_sink, kv_cache_fp8_recent)
+        if window is not None and kv_cache_dtype != "fp8_e4m3":
+            raise ValueError(
+                f"kv_cache_fp8_sink / kv_cache_fp8_recent keep tokens of an fp8 cache "
+                f"unquantized; kv_cache_dtype={kv_cache_dtype!r}: use 'fp8_e4m3' or 0"
+            )
+        self.kv_cache_fp8_window = (kv_cache_fp8_sink, kv_cache_fp8_recent)
+        self._window_query_len = 0  # the decode runs the window buffers serve (0: none yet)
         self.layers = cp_attention_layers(model)
         if not self.layers:
             raise ValueError(
@@ -207,6 +225,10 @@ class GenerationEngine:
                 self._decode_forward, dynamic=True, backend=compile_backend
             )
 
+    def kv_window_bytes(self) -> int:
+        """Bytes of the fp8 cache's bf16 window buffers on this rank (0 without a window)."""
+        return sum(t.numel() * t.element_size() for t in kv_window_tensors(self.model))
+
     # The model's own forward on this rank's local tokens: [1, T] ids and positions -> [1, T, H].
     # Two functions so that prefill and decode are compiled (and cached) separately.
     def _prefill_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -219,13 +241,19 @@ class GenerationEngine:
             input_ids=input_ids, position_ids=position_ids, use_cache=False
         ).last_hidden_state
 
-    def _ensure_cache(self, num_blocks: int, window_blocks: dict[int, int]) -> int:
+    def _ensure_cache(
+        self, num_blocks: int, window_blocks: dict[int, int], query_len: int = 1
+    ) -> int:
         """(Re)allocate every layer's cache when it has fewer than ``num_blocks`` blocks (the
-        layers of window W: ``window_blocks[W]``)."""
-        if num_blocks <= self._cache_blocks and all(
-            n <= self._window_blocks.get(w, 0) for w, n in window_blocks.items()
+        layers of window W: ``window_blocks[W]``) or its bf16 window serves shorter decode runs
+        than ``query_len``."""
+        if (
+            num_blocks <= self._cache_blocks
+            and all(n <= self._window_blocks.get(w, 0) for w, n in window_blocks.items())
+            and (self.kv_cache_fp8_window == (0, 0) or query_len <= self._window_query_len)
         ):
             return self._cache_blocks
+        self._window_query_len = max(query_len, self._window_query_len)
         num_blocks = max(num_blocks, self._cache_blocks)
         self._window_blocks = {
             w: max(n, self._window_blocks.get(w, 0)) for w, n in window_blocks.items()
@@ -233,6 +261,9 @@ class GenerationEngine:
         allocate_kv_caches(
             self.model, num_blocks, self.block_size, dtype=self.dtype, device=self.device,
             window_num_blocks=self._window_blocks, kv_cache_dtype=self.kv_cache_dtype,
+            fp8_sink_tokens=self.kv_cache_fp8_window[0],
+            fp8_recent_tokens=self.kv_cache_fp8_window[1], max_num_seqs=self.max_num_seqs,
+            max_query_len=self._window_query_len,
         )  # fmt: skip
         self._graphs.clear()  # captured graphs hold the old caches' addresses
         if self._compiled:
@@ -301,7 +332,7 @@ class GenerationEngine:
             limit=self.num_blocks,
             max_query_len=query_len,
         )
-        num_blocks = self._ensure_cache(need, window_need)
+        num_blocks = self._ensure_cache(need, window_need, query_len)
         sched = Scheduler(
             requests,
             num_blocks=num_blocks,
@@ -391,6 +422,8 @@ class GenerationEngine:
             spec_wait_s=spec.wait_s,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_token=self.kv_bytes_per_block // self.block_size,
+            kv_fp8_window=self.kv_cache_fp8_window,
+            kv_window_bytes=self.kv_window_bytes(),
         )
         return GenerationResult(
             outputs=[r.output for r in requests],
@@ -558,6 +591,7 @@ class GenerationEngine:
             block_table=batch.block_table,
             window_block_tables=batch.window_block_tables,
             block_size=self.block_size,
+            cache_rows=[r.admitted_row for r in batch.requests],
             device=self.device,
             # Ranks given the same prompts schedule the same steps (the sampled ids are
             # broadcast): compare the batch across ranks once per call, not at every step.

@@ -121,6 +121,8 @@ class DecodeGraph:
         self._verified_event = torch.cuda.Event() if pinned else None
         self.block_table = torch.zeros(bucket, width, dtype=torch.int32, device=dev)
         self.rows = torch.arange(bucket, device=dev).repeat_interleave(q)  # each token's row
+        # Each row's request row (the scheduler's admitted row: an fp8 cache's bf16 window).
+        self.cache_rows = torch.zeros(bucket, dtype=torch.long, device=dev)
         self.out_rows = torch.arange(bucket * q, device=dev)  # rows of the logits
         # The step's structure (every row a one-token decode) from the planner itself; the
         # position-dependent fields are replaced by buffers the graph fills.
@@ -158,6 +160,7 @@ class DecodeGraph:
                 slot_mapping=self.window_slots[w],
                 block_table=self.window_tables[w],
                 max_block_id=engine.window_cache_blocks[w] - 1,
+                cache_rows=self.cache_rows,
             )  # fmt: skip
             for w in widths
         }
@@ -172,6 +175,7 @@ class DecodeGraph:
             # Block ids come from the scheduler's tables: below every cache's block count.
             max_block_id=engine.cache_blocks - 1,
             window_views=views,
+            cache_rows=self.cache_rows,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -234,13 +238,23 @@ class DecodeGraph:
         self.block_table.zero_()
         m = batch.block_table.shape[1]
         self.block_table[:b, :m].copy_(up(batch.block_table.to(torch.int32)), non_blocking=pinned)
+        self.load_cache_rows([r.admitted_row for r in batch.requests])
         self.load_window_tables(batch.window_block_tables)
         return b
 
-    def load_table(self, block_table: torch.Tensor) -> None:
+    def load_cache_rows(self, rows) -> None:
+        """Copy the batch's request rows (host ints, batch order); rows past them read row 0."""
+        pinned = self.ids.device.type == "cuda"
+        host = torch.zeros(self.bucket, dtype=torch.long)
+        host[: len(rows)] = torch.as_tensor(rows, dtype=torch.long)
+        self.cache_rows.copy_(pinned_copy(host) if pinned else host, non_blocking=pinned)
+
+    def load_table(self, block_table: torch.Tensor, rows=None) -> None:
         """Copy the block-table rows [B, M] (host int32) of a run of verification steps (they
-        do not change while its requests run); rows past B read block 0."""
+        do not change while its requests run) and their request rows ``rows`` (None: 0..B-1);
+        rows past B read block 0."""
         b, m = block_table.shape
+        self.load_cache_rows(list(range(b)) if rows is None else rows)
         assert b <= self.bucket and m <= self.width
         pinned = self.ids.device.type == "cuda"
         table = torch.zeros(self.bucket, self.width, dtype=torch.int32)

@@ -23,7 +23,9 @@ class GenerationStats:
     ``ceil(W / (block_size * dcp)) + 1``, however long the request).
     ``kv_cache_bytes``: every layer's cache on this rank. ``kv_cache_dtype``: what the cache
     stores (``"bf16"``: the model's dtype, ``"fp8_e4m3"``); ``kv_bytes_per_token``: cache bytes
-    one token takes on a rank that stores it, over all layers.
+    one token takes on a rank that stores it, over all layers. ``kv_fp8_window``: an fp8
+    cache's bf16 window ``(sink, recent)`` (``(0, 0)``: none) and ``kv_window_bytes`` its
+    buffers on this rank (beside the pool: they do not grow with the context).
 
     Speculative decoding (``SamplingParams.speculative``): ``spec_steps`` verification steps
     verified ``spec_rows`` requests (one per decoding request and step) holding
@@ -60,6 +62,8 @@ class GenerationStats:
     peak_window_blocks_per_decode: dict[int, int] = field(default_factory=dict)
     kv_cache_dtype: str = "bf16"
     kv_bytes_per_token: int = 0
+    kv_fp8_window: tuple[int, int] = (0, 0)
+    kv_window_bytes: int = 0
     spec_steps: int = 0
     spec_rows: int = 0
     spec_draft_tokens: int = 0

@@ -174,7 +174,7 @@ def _graph_run(engine, sched, reqs, graph, params, generator, drafter, stats, st
     b, q = len(reqs), graph.query_len
     k = q - 1
     rows = torch.tensor([r.admitted_row for r in reqs], dtype=torch.long)
-    graph.load_table(sched.table.tensor.index_select(0, rows))
+    graph.load_table(sched.table.tensor.index_select(0, rows), rows.tolist())
     ids, positions = graph.staged_tokens()
     ids.fill(0)
     positions.fill(-1)
@@ -266,6 +266,7 @@ def _eager_logits(engine, sched, num_new, num_comp, rows, ids, k) -> torch.Tenso
         num_new,
         num_comp,
         block_table=sched.table.tensor.index_select(0, rows),
+        cache_rows=rows.tolist(),
         window_block_tables={
             w: g.tensor.index_select(0, rows) for w, g in sched.window_groups.items()
         },

@@ -67,6 +67,7 @@ __all__ = [
     "cp_attention_layers",
     "free_kv_caches",
     "kv_cache_scale_tensors",
+    "kv_window_tensors",
     "kv_cache_tensors",
     "parallelize_non_attention",
     "swap_attention",
@@ -629,6 +630,15 @@ def kv_cache_tensors(model: nn.Module) -> list[torch.Tensor]:
         cache = b.caches.get(b.layer_idx) if b is not None else layer.kv_cache
         if cache is not None:
             out.extend(cache if isinstance(cache, tuple) else (cache,))
+    return out
+
+
+def kv_window_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every fp8 cache's bf16 window buffer of ``model``'s cp layers
+    (:mod:`cp_modules.cache.exact_window`)."""
+    out: list[torch.Tensor] = []
+    for layer in cp_attention_layers(model):
+        b = getattr(layer, "cp_binding", None)
         win = b.caches.windows.get(b.layer_idx) if b is not None else layer.fp8_window
         if win is not None:
             out.append(win[0])
