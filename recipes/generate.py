@@ -62,7 +62,13 @@ def report(conf: GenerateConf, prompts, result: GenerationResult, tokenizer) -> 
     print(
         f"KV cache per rank: {s.peak_blocks} blocks of {conf.backend.block_size} tokens in use at most "
         f"({s.kv_cache_bytes / 2**20:.2f} MiB allocated; {s.kv_cache_dtype}, "
-        f"{s.kv_bytes_per_token} bytes per token)"
+        f"{s.kv_bytes_per_token} bytes per token"
+        + (
+            f"; bf16 window: sink {s.kv_fp8_window[0]}, newest {s.kv_fp8_window[1]}, "
+            f"{s.kv_window_bytes / 2**20:.2f} MiB)"
+            if any(s.kv_fp8_window)
+            else ")"
+        )
     )
 
 

@@ -134,7 +134,9 @@ class BackendConf:
     ``master_addr`` (loopback unless told otherwise). ``compile``: ``torch.compile`` the prefill
     and decode forwards with ``compile_backend``. ``num_threads``: CPU threads per rank (0: torch's
     default; 1 suits tiny models and several ranks sharing a few cores). ``kv_cache_dtype``:
-    ``bf16`` (the model's own dtype) or ``fp8_e4m3`` (half a bf16 cache's bytes).
+    ``bf16`` (the model's own dtype) or ``fp8_e4m3`` (half a bf16 cache's bytes);
+    ``kv_cache_fp8_sink`` / ``kv_cache_fp8_recent``: with fp8, each decode query reads its
+    request's first and its own newest tokens unquantized (``cp_modules.cache.exact_window``).
     """
 
     device: Device = Device.auto
@@ -147,6 +149,8 @@ class BackendConf:
     packed_a2a: bool = True  # the a2a DCP combine moves outputs and LSEs in one all-to-all
     collective_timeout_s: float = 300.0
     kv_cache_dtype: str = "bf16"
+    kv_cache_fp8_sink: int = 0
+    kv_cache_fp8_recent: int = 0
 
     def __post_init__(self) -> None:
         from cp_modules.cache.kv_dtype import KV_CACHE_DTYPES
@@ -156,6 +160,15 @@ class BackendConf:
                 f"backend.kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
                 f"{self.kv_cache_dtype!r}"
             )
+        for name in ("kv_cache_fp8_sink", "kv_cache_fp8_recent"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"backend.{name} must be an integer >= 0, got {v!r}")
+            if v and self.kv_cache_dtype != "fp8_e4m3":
+                raise ValueError(
+                    f"backend.{name}={v} keeps tokens of an fp8 cache unquantized: set "
+                    f"backend.kv_cache_dtype=fp8_e4m3 (now {self.kv_cache_dtype!r}) or {name}=0"
+                )
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(
                 f"backend.dist_backend must be one of ['auto', 'gloo', 'nccl'], got {self.dist_backend!r}"

@@ -124,6 +124,8 @@ def build_engine(
         progress=progress,
         packed_a2a=backend.packed_a2a,
         kv_cache_dtype=backend.kv_cache_dtype,
+        kv_cache_fp8_sink=backend.kv_cache_fp8_sink,
+        kv_cache_fp8_recent=backend.kv_cache_fp8_recent,
     )
 
 
@@ -197,6 +199,8 @@ def benchmark_on_rank(rank: int, world_size: int, conf: BenchmarkConf) -> dict |
         "kv_cache_bytes": s.kv_cache_bytes,
         "kv_cache_dtype": s.kv_cache_dtype,
         "kv_bytes_per_token": s.kv_bytes_per_token,
+        "kv_fp8_window": list(s.kv_fp8_window),
+        "kv_window_bytes": s.kv_window_bytes,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(engine.device) if cuda else None,
     }
     per_rank = [mine]

@@ -90,14 +90,16 @@ def _forward(model, ids_per_req, starts, table):
     return restore_tokens(out, meta)
 
 
-def _run(model, prompts, kv_cache_dtype, forced=None):
+def _run(model, prompts, kv_cache_dtype, forced=None, window=(0, 0)):
     """Prefill, then NEW_TOKENS decode steps; feeds ``forced`` [R][NEW_TOKENS] if given, else
-    its own argmax. Returns the argmax of every decode position (and of the prefill's last)."""
+    its own argmax. Returns the argmax of every decode position (and of the prefill's last).
+    ``window``: an fp8 cache's bf16 window (sink, recent tokens)."""
     lens = [len(p) for p in prompts]
     per = -(-(max(lens) + NEW_TOKENS) // BS)
     dtype = next(model.parameters()).dtype
     allocate_kv_caches(model, len(prompts) * per, BS, dtype=dtype,
-                       kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                       kv_cache_dtype=kv_cache_dtype, fp8_sink_tokens=window[0],
+                       fp8_recent_tokens=window[1], max_num_seqs=len(prompts))  # fmt: skip
     table = torch.arange(len(prompts) * per, dtype=torch.int32).view(len(prompts), per)
     logits = _forward(model, prompts, [0] * len(prompts), table)
     last = torch.tensor(lens).cumsum(0) - 1
@@ -124,6 +126,21 @@ def test_fp8_kv_top1_agreement_teacher_forced(smollm2_bf16):
     agree = (fp8[:, 1:] == ref[:, 1:]).float().mean().item()
     n = ref[:, 1:].numel()
     print(f"\nteacher-forced top-1 agreement fp8 vs bf16 KV (bf16 model): {agree:.4f} over {n}")
+    assert n >= 512
+    assert agree >= 0.99, agree
+
+
+@pytest.mark.measure
+def test_fp8_kv_with_a_bf16_window_top1_agreement_teacher_forced(smollm2_bf16):
+    # The same measure with the sink and each query's 16 newest tokens read unquantized
+    # (cp_modules.cache.exact_window); every other key is e4m3 as above.
+    tok, model, prompts = smollm2_bf16
+    ref = _run(model, prompts, "bf16")
+    fp8 = _run(model, prompts, "fp8_e4m3", forced=ref.tolist(), window=(1, 16))
+    agree = (fp8[:, 1:] == ref[:, 1:]).float().mean().item()
+    n = ref[:, 1:].numel()
+    print(f"\nteacher-forced top-1 agreement fp8 + bf16 window (sink 1, newest 16) vs bf16 KV "
+          f"(bf16 model): {agree:.4f} over {n} ({int(round((1 - agree) * n))} differ)")
     assert n >= 512
     assert agree >= 0.99, agree
 

@@ -98,6 +98,8 @@ def test_composed_values_reach_the_objects():
         ("workload.speculative=eagle", "workload: speculative must be None, 'ngram'"),
         ("workload.num_speculative_tokens=2", "workload: num_speculative_tokens=2 needs a drafter"),
         ("workload.speculative_min_accepted=-1", "workload: speculative_min_accepted must be"),
+        ("backend.kv_cache_fp8_recent=4", "backend.kv_cache_fp8_recent=4 keeps tokens of an fp8"),
+        ("backend.kv_cache_fp8_sink=-1", "backend.kv_cache_fp8_sink must be an integer >= 0"),
     ],
 )
 def test_invalid_values_are_value_errors(override, match):
@@ -187,6 +189,23 @@ def test_generate_recipe_speculates_on_two_cpu_ranks_and_matches_one_process():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "speculative decoding: " in r.stdout and "verification steps" in r.stdout
+    assert "OK: greedy tokens identical to single-process generation" in r.stdout
+
+
+def test_generate_recipe_fp8_window_on_two_cpu_ranks_matches_one_process():
+    # fp8 KV with the bf16 window (sink and newest tokens) over PCP 2 x DCP 2.
+    r = _run(
+        "generate",
+        "model=llama_tiny",
+        "parallel=pcp2_dcp2",
+        "workload.max_new_tokens=6",
+        "workload.progress=false",
+        "backend.kv_cache_dtype=fp8_e4m3",
+        "backend.kv_cache_fp8_sink=1",
+        "backend.kv_cache_fp8_recent=4",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bf16 window: sink 1, newest 4" in r.stdout
     assert "OK: greedy tokens identical to single-process generation" in r.stdout
 
 
