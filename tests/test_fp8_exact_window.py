@@ -277,3 +277,34 @@ def test_engine_window_options_are_checked():
         GenerationEngine(model, kv_cache_fp8_recent=4, progress=False)
     with pytest.raises(ValueError, match="fp8_recent_tokens"):
         GenerationEngine(model, kv_cache_dtype="fp8_e4m3", kv_cache_fp8_recent=-1, progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_gpu_engine_window_graphs_equal_eager(family):
+    # CUDA graphs capture the window's writes and reads (no host sync): replayed decode steps
+    # give the eager engine's tokens; the window changes the plain fp8 result.
+    from recipe_configs import Family, ModelConf
+    from recipe_models import build_model
+
+    from cp_modules.engine import GenerationEngine, SamplingParams
+    from cp_modules.modules.hf_swap import swap_attention
+
+    mla = family == "deepseek_v3"
+    conf = ModelConf(family=Family(family), num_heads=16 if mla else 4,
+                     num_kv_heads=16 if mla else 2, qk_rope_head_dim=16)  # fmt: skip
+
+    def model():
+        torch.manual_seed(0)
+        return swap_attention(build_model(conf).to("cuda", torch.bfloat16))
+
+    prompts = _prompts([29, 1, 9, 4, 17, 6, 11])
+    params = SamplingParams(max_new_tokens=9)
+    kw = dict(block_size=16, max_num_tokens=16, max_num_seqs=3, progress=False,
+              kv_cache_dtype="fp8_e4m3", kv_cache_fp8_sink=1, kv_cache_fp8_recent=4)  # fmt: skip
+    eager = GenerationEngine(model(), decode_graphs=False, **kw).generate(prompts, params)
+    engine = GenerationEngine(model(), decode_graphs=True, **kw)
+    graphs = engine.generate(prompts, params)
+    assert engine.num_graph_captures > 0
+    assert graphs.outputs == eager.outputs
+    assert graphs.stats.kv_window_bytes > 0
