@@ -208,25 +208,6 @@ class CPStepMetadata:
         first = (self.decode_positions - sliding_window + 1).clamp_min(0)
         return local_seq_len(first.to(torch.int32), rt.dcp_size, rt.dcp_rank, rt.config.interleave)
 
-    def request_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The stable rows (:attr:`cache_rows`) of block-table rows ``rows``."""
-        return rows.to(torch.int64) if self.cache_rows is None else self.cache_rows[rows.long()]
-
-    def new_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[N] (block-table row, global position, request length after the step) of every new
-        token in batch order (the order of :attr:`slot_mapping`)."""
-        if self.all_decode:
-            rows, pos = self.decode_seq_idx.to(torch.int64), self.decode_positions
-            # Decode runs are at most a ring's capacity: every token is kept.
-            return rows, pos, pos + 1
-        num_new = np.asarray(self.num_new_tokens, dtype=np.int64)
-        num_comp = np.asarray(self.num_computed_tokens, dtype=np.int64)
-        req = np.repeat(np.arange(num_new.size), num_new)
-        pos = num_comp[req] + np.arange(num_new.sum()) - np.repeat(np.cumsum(num_new) - num_new, num_new)
-        end = (num_comp + num_new)[req]
-        dev = self.token_indices.device
-        return tuple(torch.as_tensor(x, dtype=torch.int64).to(dev) for x in (req, pos, end))  # type: ignore[return-value]
-
     @property
     def num_local_tokens(self) -> int:
         return int(self.token_indices.shape[0])
@@ -358,15 +339,9 @@ def build_step_metadata(
             runtime.config.interleave,
         )  # fmt: skip
 
-    rows_t = None
-    if cache_rows is not None:
-        rows_t = torch.as_tensor(cache_rows, dtype=torch.int64)
-        if rows_t.shape != (num_new.size,) or (rows_t < 0).any():
-            raise ValueError(
-                f"cache_rows must hold one row >= 0 per request ([{num_new.size}]), got "
-                f"{rows_t.tolist()}"
-            )
-        rows_t = rows_t.to(dev)
+    rows_t = None if cache_rows is None else torch.as_tensor(cache_rows, dtype=torch.int64)
+    if rows_t is not None and (rows_t.shape != (num_new.size,) or (rows_t < 0).any()):
+        raise ValueError(f"cache_rows must hold one row >= 0 per request, got {rows_t.tolist()}")
     meta = CPStepMetadata(
         runtime=runtime,
         plan=plan,
@@ -381,7 +356,7 @@ def build_step_metadata(
         block_size=block_size,
         is_decode_host=tuple(bool(x) for x in is_decode),
         decode_query_len=_decode_run_length(num_new, is_decode),
-        cache_rows=rows_t,
+        cache_rows=None if rows_t is None else rows_t.to(dev),
         **cache,
     )
     if views:

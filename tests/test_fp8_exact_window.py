@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_modules.cache.exact_window import check_exact_window
+from cp_modules.cache.exact_window import allocate_window_buffer, check_exact_window
 from cp_modules.cache.kv_dtype import dequantize_fp8, kv_scale, quantize_fp8
 from cp_modules.cache.paged import allocate_kv_cache, allocate_mla_cache
-from cp_modules.cache.exact_window import allocate_window_buffer
 from cp_modules.ops.gqa_attention import gqa_attention
 from cp_modules.ops.mla_attention import mla_attention
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step

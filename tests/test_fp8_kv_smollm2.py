@@ -131,18 +131,32 @@ def test_fp8_kv_top1_agreement_teacher_forced(smollm2_bf16):
 
 
 @pytest.mark.measure
+@pytest.mark.xfail(
+    strict=True,
+    reason="goal not met as measured: 0.9811 on 2026-12-07, at this measure's floor in the bf16 "
+    "model (the same path with every key unquantized gives 0.9754): "
+    "docs/experiments/2026-12-02-fp8-kv-scaling.md",
+)
 def test_fp8_kv_with_a_bf16_window_top1_agreement_teacher_forced(smollm2_bf16):
     # The same measure with the sink and each query's 16 newest tokens read unquantized
-    # (cp_modules.cache.exact_window); every other key is e4m3 as above.
+    # (cp_modules.cache.exact_window); every other key is e4m3 as above. Printed beside it, the
+    # measure's floor: the same path with a window longer than any request (every key read
+    # unquantized, as the bf16 cache holds it, through other arithmetic).
     tok, model, prompts = smollm2_bf16
     ref = _run(model, prompts, "bf16")
-    fp8 = _run(model, prompts, "fp8_e4m3", forced=ref.tolist(), window=(1, 16))
-    agree = (fp8[:, 1:] == ref[:, 1:]).float().mean().item()
+    forced = ref.tolist()
     n = ref[:, 1:].numel()
-    print(f"\nteacher-forced top-1 agreement fp8 + bf16 window (sink 1, newest 16) vs bf16 KV "
-          f"(bf16 model): {agree:.4f} over {n} ({int(round((1 - agree) * n))} differ)")
+    for window in ((1, 16), (0, 128)):
+        got = _run(model, prompts, "fp8_e4m3", forced=forced, window=window)
+        agree = (got[:, 1:] == ref[:, 1:]).float().mean().item()
+        print(
+            f"\nteacher-forced top-1 agreement, fp8 + bf16 window (sink, newest) = {window} vs "
+            f"bf16 KV (bf16 model): {agree:.4f} over {n} ({int(round((1 - agree) * n))} differ)"
+        )
+        if window == (1, 16):
+            result = agree
     assert n >= 512
-    assert agree >= 0.99, agree
+    assert result >= 0.99, result
 
 
 def test_engine_greedy_answers_with_fp8_and_bf16_kv(smollm2):

@@ -40,6 +40,7 @@ __all__ = [
     "ExactWindow",
     "allocate_window_buffer",
     "check_exact_window",
+    "check_window_option",
     "merge_exact",
     "window_decode_ranges",
     "window_write",
@@ -85,6 +86,20 @@ def check_exact_window(sink: int, recent: int, max_query_len: int = 1) -> ExactW
     if sink == 0 and recent == 0:
         return None
     return ExactWindow(sink, recent, recent + max_query_len - 1 if recent else 0)
+
+
+def check_window_option(
+    kv_cache_dtype: str, sink: int, recent: int, names: str = "fp8_sink_tokens / fp8_recent_tokens"
+) -> ExactWindow | None:
+    """:func:`check_exact_window`, and ValueError (naming ``names``) for a window beside a
+    cache that is not fp8."""
+    window = check_exact_window(sink, recent)
+    if window is not None and kv_cache_dtype != "fp8_e4m3":
+        raise ValueError(
+            f"{names} keep tokens of an fp8 cache unquantized; kv_cache_dtype="
+            f"{kv_cache_dtype!r} is not fp8: use kv_cache_dtype='fp8_e4m3' or 0"
+        )
+    return window
 
 
 def allocate_window_buffer(

@@ -10,7 +10,7 @@ import functools
 import importlib
 import importlib.util
 
-__all__ = ["progress_bars_on_rank_zero"]
+__all__ = ["generation_bar", "progress_bars_on_rank_zero"]
 
 _SILENCED = "_cp_modules_silenced"
 
@@ -39,3 +39,10 @@ def progress_bars_on_rank_zero(rank: int) -> None:
     ):
         if importlib.util.find_spec(module.split(".")[0]) is not None:
             getattr(importlib.import_module(module), switch)()
+
+
+def generation_bar(total: int, enabled: bool):
+    """A tqdm bar of ``total`` generated tokens (off unless ``enabled``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="tok", desc="generate", leave=False)

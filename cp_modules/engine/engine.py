@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_modules.cache.dcp import dcp_num_blocks
-from cp_modules.cache.exact_window import check_exact_window
+from cp_modules.cache.exact_window import check_window_option
 from cp_modules.cache.kv_dtype import check_kv_cache_dtype, kv_cache_storage_dtype
+from cp_modules.distributed.progress import generation_bar
 from cp_modules.engine.block_groups import kv_cache_windows, window_group_num_blocks
 from cp_modules.engine.graphs import DecodeGraph, bucket_of, decode_batch, graph_width
 from cp_modules.engine.logits import _logits_postprocess, _text_config
@@ -37,13 +38,13 @@ from cp_modules.engine.sampling import SamplingParams, sample_tokens
 from cp_modules.engine.scheduler import Request, Scheduler, StepBatch
 from cp_modules.engine.speculative import SpeculativeStats, make_drafter
 from cp_modules.engine.verification import SpeculationBackoff, verify_run
-from cp_modules.modules.hf_swap import (
+from cp_modules.modules.hf_kv_caches import (
     allocate_kv_caches,
     cp_attention_layers,
     kv_cache_bytes_per_block_of,
-    kv_cache_scale_tensors,
     kv_cache_tensors,
-    kv_window_tensors,
+    kv_window_bytes,
+    mark_kv_caches_static,
 )
 from cp_modules.step import CPRuntime, build_step_metadata, cp_step
 
@@ -88,11 +89,9 @@ class GenerationEngine:
             ``kv_cache_memory // bytes per block`` blocks (over all layers), so an fp8 cache
             holds twice the tokens of a bf16 one in the same memory; it replaces
             ``num_blocks`` (give one of them).
-        kv_cache_fp8_sink, kv_cache_fp8_recent: an fp8 cache's bf16 window: each decode query
-            reads its request's first ``kv_cache_fp8_sink`` tokens and its own
-            ``kv_cache_fp8_recent`` newest ones unquantized (a buffer per layer of
-            ``max_num_seqs`` rows in the model's dtype, beside the pool:
-            :mod:`cp_modules.cache.exact_window`); 0 and 0: none.
+        kv_cache_fp8_sink, kv_cache_fp8_recent: an fp8 cache's bf16 window: decode queries
+            read their request's first and their own newest tokens unquantized (a buffer per
+            layer beside the pool: :mod:`cp_modules.cache.exact_window`); 0 and 0: none.
 
     Stop tokens: a request stops at ``params.eos_token_id``, or, when that is None, at the
     model's ``generation_config.eos_token_id`` (one id or a list), unless
@@ -127,12 +126,8 @@ class GenerationEngine:
     ) -> None:
         self.model = model
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        window = check_exact_window(kv_cache_fp8_sink, kv_cache_fp8_recent)
-        if window is not None and kv_cache_dtype != "fp8_e4m3":
-            raise ValueError(
-                f"kv_cache_fp8_sink / kv_cache_fp8_recent keep tokens of an fp8 cache "
-                f"unquantized; kv_cache_dtype={kv_cache_dtype!r}: use 'fp8_e4m3' or 0"
-            )
+        names = "kv_cache_fp8_sink / kv_cache_fp8_recent"
+        check_window_option(kv_cache_dtype, kv_cache_fp8_sink, kv_cache_fp8_recent, names)
         self.kv_cache_fp8_window = (kv_cache_fp8_sink, kv_cache_fp8_recent)
         self._window_query_len = 0  # the decode runs the window buffers serve (0: none yet)
         self.layers = cp_attention_layers(model)
@@ -225,10 +220,6 @@ class GenerationEngine:
                 self._decode_forward, dynamic=True, backend=compile_backend
             )
 
-    def kv_window_bytes(self) -> int:
-        """Bytes of the fp8 cache's bf16 window buffers on this rank (0 without a window)."""
-        return sum(t.numel() * t.element_size() for t in kv_window_tensors(self.model))
-
     # The model's own forward on this rank's local tokens: [1, T] ids and positions -> [1, T, H].
     # Two functions so that prefill and decode are compiled (and cached) separately.
     def _prefill_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -245,8 +236,7 @@ class GenerationEngine:
         self, num_blocks: int, window_blocks: dict[int, int], query_len: int = 1
     ) -> int:
         """(Re)allocate every layer's cache when it has fewer than ``num_blocks`` blocks (the
-        layers of window W: ``window_blocks[W]``) or its bf16 window serves shorter decode runs
-        than ``query_len``."""
+        layers of window W: ``window_blocks[W]``) or its bf16 window shorter runs than Q."""
         if (
             num_blocks <= self._cache_blocks
             and all(n <= self._window_blocks.get(w, 0) for w, n in window_blocks.items())
@@ -267,16 +257,7 @@ class GenerationEngine:
         )  # fmt: skip
         self._graphs.clear()  # captured graphs hold the old caches' addresses
         if self._compiled:
-            # Block size and head sizes never change: static. The block count grows with the
-            # batch: unbacked, so a larger cache reuses the graphs and duck sizing never ties it
-            # to a token count that happens to be equal.
-            for c in kv_cache_tensors(self.model):
-                # A token-minor cache is a view: its storage is an input of the graphs too.
-                for t in (c,) if c._base is None else (c, c._base):
-                    torch._dynamo.mark_static(t)
-                    torch._dynamo.decorators.mark_unbacked(t, 0)
-            for s in kv_cache_scale_tensors(self.model):
-                torch._dynamo.mark_static(s)  # (else duck sizing ties Hkv to a token count)
+            mark_kv_caches_static(self.model)
         self._cache_blocks = num_blocks
         return num_blocks
 
@@ -347,7 +328,9 @@ class GenerationEngine:
         backoff = SpeculationBackoff(params.speculative_min_accepted)
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         stop_ids = self.stop_ids(params)
-        bar = _progress_bar(len(requests) * params.max_new_tokens, self.progress and self.rank == 0)
+        bar = generation_bar(
+            len(requests) * params.max_new_tokens, self.progress and self.rank == 0
+        )
         prefill_s = decode_s = 0.0
         decode_tokens = steps = 0
         t0 = time.perf_counter()
@@ -398,7 +381,7 @@ class GenerationEngine:
             num_generated_tokens=sum(len(r.output) for r in requests),
             num_steps=steps,
             total_s=time.perf_counter() - t0,
-            ttft_s=sum(_first_token_s(r) for r in requests) / len(requests),
+            ttft_s=sum(r.first_token_s for r in requests) / len(requests),
             prefill_s=prefill_s,
             decode_s=decode_s,
             num_blocks=num_blocks,
@@ -423,11 +406,11 @@ class GenerationEngine:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_token=self.kv_bytes_per_block // self.block_size,
             kv_fp8_window=self.kv_cache_fp8_window,
-            kv_window_bytes=self.kv_window_bytes(),
+            kv_window_bytes=kv_window_bytes(self.model),
         )
         return GenerationResult(
             outputs=[r.output for r in requests],
-            finish_reasons=[_finish_reason(r) for r in requests],
+            finish_reasons=[r.stop_reason for r in requests],
             stats=stats,
         )
 
@@ -615,19 +598,3 @@ class GenerationEngine:
             # choice identical even if a reduction order ever made logits differ in a last bit.
             dist.broadcast(tokens, src=0)
         return tokens.tolist()
-
-
-def _first_token_s(r: Request) -> float:
-    assert r.first_token_time is not None, f"request {r.index} finished without a token"
-    return r.first_token_time
-
-
-def _finish_reason(r: Request) -> str:
-    assert r.finish_reason is not None, f"request {r.index} has not finished"
-    return r.finish_reason
-
-
-def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, disable=not enabled, unit="tok", desc="generate", leave=False)

@@ -51,6 +51,18 @@ class Request:
         return self.output[-1] if self.output else self.prompt[-1]
 
     @property
+    def first_token_s(self) -> float:
+        """When its first token came (the request has one)."""
+        assert self.first_token_time is not None, f"request {self.index} finished without a token"
+        return self.first_token_time
+
+    @property
+    def stop_reason(self) -> str:
+        """Why it stopped (the request has finished)."""
+        assert self.finish_reason is not None, f"request {self.index} has not finished"
+        return self.finish_reason
+
+    @property
     def admitted_row(self) -> int:
         """The request's block-table row (set when it is admitted)."""
         assert self.row is not None, f"request {self.index} is not admitted"

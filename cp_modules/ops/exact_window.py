@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from cp_modules.cache.exact_window import (
@@ -73,6 +74,32 @@ def check_window_args(
     return window
 
 
+def request_rows(meta: CPStepMetadata, rows: torch.Tensor) -> torch.Tensor:
+    """The stable rows (``meta.cache_rows``) of block-table rows ``rows``."""
+    return rows.to(torch.int64) if meta.cache_rows is None else meta.cache_rows[rows.long()]
+
+
+def new_tokens(meta: CPStepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N] (block-table row, global position, request length after the step) of every new
+    token of the step in batch order (the order of ``meta.slot_mapping``)."""
+    if meta.all_decode:
+        rows = meta.decode_seq_idx.to(torch.int64)
+        # Decode runs are at most a ring's capacity: every token is kept.
+        return rows, meta.decode_positions, meta.decode_positions + 1
+    num_new = np.asarray(meta.num_new_tokens, dtype=np.int64)
+    num_comp = np.asarray(meta.num_computed_tokens, dtype=np.int64)
+    req = np.repeat(np.arange(num_new.size), num_new)
+    first = np.repeat(np.cumsum(num_new) - num_new, num_new)
+    pos = num_comp[req] + np.arange(num_new.sum()) - first
+    end = (num_comp + num_new)[req]
+    dev = meta.token_indices.device
+
+    def t(x: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.int64).to(dev)
+
+    return t(req), t(pos), t(end)
+
+
 def _dcp(meta: CPStepMetadata) -> tuple[int, int, int]:
     rt = meta.runtime
     return rt.dcp_size, rt.dcp_rank, rt.config.interleave
@@ -88,10 +115,10 @@ def write_step_window(
 ) -> None:
     """Write the step's new tokens ``kv`` [N, ...] (those with a cache slot on this rank) into
     the window; ``token_ids``: which of the step's new tokens ``kv`` holds (a window exchange)."""
-    rows, pos, ends = meta.new_tokens()
+    rows, pos, ends = new_tokens(meta)
     if token_ids is not None:
         rows, pos, ends = (x.index_select(0, token_ids) for x in (rows, pos, ends))
-    window_write(buf, window, kv, slots >= 0, meta.request_rows(rows), pos, ends, _dcp(meta))
+    window_write(buf, window, kv, slots >= 0, request_rows(meta, rows), pos, ends, _dcp(meta))
 
 
 def decode_with_window(
@@ -114,7 +141,7 @@ def decode_with_window(
     ``first``: [T] the first global position each query sees (a sliding window), or None.
     """
     r = window_decode_ranges(
-        buf, window, meta.request_rows(meta.decode_seq_idx), meta.decode_positions,
+        buf, window, request_rows(meta, meta.decode_seq_idx), meta.decode_positions,
         meta.decode_kv_len, first, _dcp(meta),
     )  # fmt: skip
     rows = gather_window(buf, r.slots)  # [T, S + R, ...]
@@ -126,6 +153,7 @@ def decode_with_window(
     k_add = rows[:, :, None, :]  # one latent head
     sub = None
     if window.sink:
+        assert meta.block_table is not None, "decode reads a KV cache"
         k_sub = gather_cache_rows(
             cache, meta.block_table, meta.decode_seq_idx, r.sink_local, kv_scale, q.dtype
         )[:, :, None, :]  # fmt: skip

@@ -59,7 +59,10 @@ def _case(kind, b, ctx, window):
         if win is not None:
             buf = allocate_window_buffer(b, win, (2, 8, 128), dtype=dt, device=dev)
             fw = (buf, *window)
-        q, k = torch.randn(b, 32, 128, device=dev, dtype=dt), torch.randn(b, 8, 128, device=dev, dtype=dt)
+        q, k = (
+            torch.randn(b, 32, 128, device=dev, dtype=dt),
+            torch.randn(b, 8, 128, device=dev, dtype=dt),
+        )
 
         def step():
             with cp_step(meta):
@@ -101,7 +104,9 @@ def main():
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "fp8-window-cost.json").write_text(json.dumps(dict(info=info, rows=rows), indent=1))
+        (Path(args.out) / "fp8-window-cost.json").write_text(
+            json.dumps(dict(info=info, rows=rows), indent=1)
+        )
 
 
 if __name__ == "__main__":
