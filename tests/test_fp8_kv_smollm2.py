@@ -159,6 +159,26 @@ def test_fp8_kv_with_a_bf16_window_top1_agreement_teacher_forced(smollm2_bf16):
     assert result >= 0.99, result
 
 
+@pytest.mark.measure
+def test_fp8_kv_with_a_bf16_window_agrees_with_the_unrounded_cache_in_fp32(smollm2):
+    # The measure without the bf16 model's arithmetic noise: the fp32 model, its own fp32
+    # (unrounded) cache as the reference, 528 teacher-forced positions. The same path with a
+    # window over every key agrees exactly, so every difference here is the cache's e4m3.
+    tok, model, prompts = smollm2
+    ref = _run(model, prompts, "bf16")  # kv_cache_dtype="bf16" keeps the model's dtype: fp32
+    forced = ref.tolist()
+    n = ref[:, 1:].numel()
+    got = {}
+    for window in ((0, 0), (1, 16), (0, 128)):
+        out = _run(model, prompts, "fp8_e4m3", forced=forced, window=window)
+        got[window] = (out[:, 1:] == ref[:, 1:]).float().mean().item()
+        print(f"\nteacher-forced top-1 agreement, fp8 + bf16 window (sink, newest) = {window} vs "
+              f"the fp32 cache (fp32 model): {got[window]:.4f} over {n}")  # fmt: skip
+    assert n >= 512
+    assert got[(0, 128)] == 1.0  # the path itself adds nothing
+    assert got[(1, 16)] >= 0.99, got
+
+
 def test_engine_greedy_answers_with_fp8_and_bf16_kv(smollm2):
     tok, model, prompts = smollm2
     texts, stats = {}, {}
@@ -172,6 +192,15 @@ def test_engine_greedy_answers_with_fp8_and_bf16_kv(smollm2):
         for q, t in zip(MAIN_JOB[:1], texts[dt]):
             print(f"\n[{dt}] {q!r} -> {t!r}")
     assert "Paris" in texts["fp8_e4m3"][0]
+    # fp8 with the bf16 window (the sink and each query's 16 newest tokens)
+    engine = GenerationEngine(model, block_size=BS, max_num_tokens=64, progress=False,
+                              kv_cache_dtype="fp8_e4m3", kv_cache_memory=memory,
+                              kv_cache_fp8_sink=1, kv_cache_fp8_recent=16)  # fmt: skip
+    res = engine.generate(prompts[:1], SamplingParams(max_new_tokens=9))
+    text = tok.decode(res.outputs[0])
+    print(f"\n[fp8_e4m3 + bf16 window (1, 16)] {MAIN_JOB[0]!r} -> {text!r}")
+    assert "Paris" in text and res.stats.kv_fp8_window == (1, 16)
+    assert engine.num_blocks == stats["fp8_e4m3"][2]  # the window is not taken from the pool
     (d16, b16, n16), (d8, b8, n8) = stats["bf16"], stats["fp8_e4m3"]
     assert (d16, d8) == ("bf16", "fp8_e4m3")
     # 30 layers x 3 KV heads x 64 x (K and V): 4 bytes (the fp32 model's cache) vs 1.
