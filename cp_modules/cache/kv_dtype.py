@@ -8,6 +8,8 @@ value scale into the output, so neither costs a multiply per element. Scales are
 one per cache tensor (vLLM's ``k_scale`` / ``v_scale``, default 1.0) or one per KV head, as
 fp32 device tensors ``[H]`` so that CUDA graphs and ``torch.compile`` see tensors, not
 constants. Why static per-tensor scales (measured): ``docs/experiments/2026-12-02-fp8-kv-scaling.md``.
+Beside an fp8 cache, :mod:`cp_modules.cache.exact_window` can keep each request's first tokens
+and every decode query's newest ones unquantized (``kv_cache_fp8_sink`` / ``_recent``).
 
 ``"bf16"`` is the unquantized cache: it keeps the layer's own K/V dtype (bf16 for served
 models, fp32 in CPU tests), exactly as before fp8 existed.
