@@ -332,30 +332,18 @@ def _layout(backend, interleave=1, world=2):
 def _fp8_cases():
     base = dict(mode="mixed", seq_lens=[19, 3, 8], decode_steps=2, block_size=4,
                 kv_cache_dtype="fp8_e4m3")  # fmt: skip
+    # a2a with interleave 2, gpt-oss sinks, a sliding window and soft-capping
+    masked = dict(parallel=_layout("a2a", interleave=2), attention="gqa", sinks=True,
+                  sliding_window=5, softcap=3.0)  # fmt: skip
     return [
         VerifyArgs(parallel=_layout("ag_rs"), attention="gqa", **base),
         VerifyArgs(parallel=_layout("a2a"), attention="gqa", packed_a2a=False, **base),
-        VerifyArgs(
-            parallel=_layout("a2a", interleave=2),
-            attention="gqa",
-            sinks=True,
-            sliding_window=5,
-            softcap=3.0,
-            **base,
-        ),  # fmt: skip
+        VerifyArgs(**masked, **base),
         VerifyArgs(parallel=_layout("ag_rs"), attention="mla", **base),
         VerifyArgs(parallel=_layout("a2a"), attention="mla", **base),
         # The bf16 window of the sink and the newest tokens (cache.exact_window).
         VerifyArgs(parallel=_layout("ag_rs"), attention="gqa", fp8_window=(1, 3), **base),
-        VerifyArgs(
-            parallel=_layout("a2a", interleave=2),
-            attention="gqa",
-            sinks=True,
-            sliding_window=5,
-            softcap=3.0,
-            fp8_window=(2, 4),
-            **base,
-        ),  # fmt: skip
+        VerifyArgs(**masked, fp8_window=(2, 4), **base),
         VerifyArgs(parallel=_layout("a2a"), attention="mla", fp8_window=(1, 5), **base),
     ]
 

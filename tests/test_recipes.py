@@ -176,37 +176,35 @@ def test_generate_recipe_runs_a_checkpoint_on_four_cpu_ranks_and_matches_one_pro
     assert "tok/s" in r.stdout and "time to first token" in r.stdout
 
 
+def _generate_pcp2_dcp2(*overrides: str) -> subprocess.CompletedProcess:
+    """The generate recipe on PCP 2 x DCP 2 (llama_tiny), checked against one process."""
+    r = _run("generate", "model=llama_tiny", "parallel=pcp2_dcp2", "workload.progress=false",
+             *overrides)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: greedy tokens identical to single-process generation" in r.stdout
+    return r
+
+
 @pytest.mark.distributed
 def test_generate_recipe_speculates_on_two_cpu_ranks_and_matches_one_process():
-    r = _run(
-        "generate",
-        "model=llama_tiny",
-        "parallel=pcp2_dcp2",
+    r = _generate_pcp2_dcp2(
         "workload/generate@workload=repeat",
         "workload.max_new_tokens=6",
         "workload.speculative_min_accepted=0",  # a random tiny model accepts few drafts
-        "workload.progress=false",
     )
-    assert r.returncode == 0, r.stdout + r.stderr
     assert "speculative decoding: " in r.stdout and "verification steps" in r.stdout
-    assert "OK: greedy tokens identical to single-process generation" in r.stdout
 
 
+@pytest.mark.distributed
 def test_generate_recipe_fp8_window_on_two_cpu_ranks_matches_one_process():
-    # fp8 KV with the bf16 window (sink and newest tokens) over PCP 2 x DCP 2.
-    r = _run(
-        "generate",
-        "model=llama_tiny",
-        "parallel=pcp2_dcp2",
+    # fp8 KV with the bf16 window (sink and newest tokens).
+    r = _generate_pcp2_dcp2(
         "workload.max_new_tokens=6",
-        "workload.progress=false",
         "backend.kv_cache_dtype=fp8_e4m3",
         "backend.kv_cache_fp8_sink=1",
         "backend.kv_cache_fp8_recent=4",
     )
-    assert r.returncode == 0, r.stdout + r.stderr
     assert "bf16 window: sink 1, newest 4" in r.stdout
-    assert "OK: greedy tokens identical to single-process generation" in r.stdout
 
 
 def test_generate_recipe_exits_non_zero_on_a_bad_config():
