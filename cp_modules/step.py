@@ -136,9 +136,8 @@ class CPStepMetadata:
             block table; it writes only the new tokens a later query sees and reads as cached
             prefix only the window), when the caller gave that group's block table; see
             :meth:`for_window`.
-        cache_rows: [R] a stable row per request (the engine's admitted row: where an fp8
-            cache's bf16 window keeps the request's tokens, :mod:`cp_modules.cache.exact_window`),
-            or None: the block-table row.
+        cache_rows: [R] a stable row per request (the engine's admitted row), where an fp8
+            cache's bf16 window keeps its tokens; None: the block-table row.
     """
 
     runtime: CPRuntime
@@ -265,9 +264,8 @@ def build_step_metadata(
         window_block_tables: window W -> [R, M] block table of the W-window layer group (a
             cache of its own that holds only what its window still sees), like
             ``block_table``; each gives the step a :meth:`CPStepMetadata.for_window` view.
-        cache_rows: [R] a stable row per request (the engine's admitted rows), where an fp8
-            cache's bf16 window keeps each request's tokens across steps; None: the
-            block-table row (a caller whose table keeps each request in one row).
+        cache_rows: [R] a stable row per request (the engine's admitted rows: an fp8 cache's
+            bf16 window keeps its tokens there); None: the block-table row.
 
     Raises:
         ValueError: for an inconsistent batch, a cached prefix without a block table, a
@@ -528,15 +526,24 @@ def current_step() -> CPStepMetadata:
     return _CURRENT
 
 
+def step_entry() -> int:
+    """Changes at every :func:`cp_step` entry (keys what a step's layers compute once)."""
+    return _ENTRY
+
+
+_ENTRIES, _ENTRY = itertools.count(1), 0
+
+
 @contextlib.contextmanager
 def cp_step(meta: CPStepMetadata) -> Iterator[CPStepMetadata]:
     """Make ``meta`` the current step's metadata inside the block; the previous one (or none)
     is restored on exit. Backwards need no active step: they use the plan their forward saved.
     """
-    global _CURRENT
+    global _CURRENT, _ENTRY
     if not isinstance(meta, CPStepMetadata):
         raise TypeError(f"cp_step takes a CPStepMetadata, got {type(meta).__name__}")
     previous, _CURRENT = _CURRENT, meta
+    _ENTRY = next(_ENTRIES)
     try:
         yield meta
     finally:

@@ -307,3 +307,47 @@ def test_gpu_engine_window_graphs_equal_eager(family):
     assert engine.num_graph_captures > 0
     assert graphs.outputs == eager.outputs
     assert graphs.stats.kv_window_bytes > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The merge kernel (CUDA's path) against its PyTorch reference, under the interpreter
+
+
+@pytest.mark.parametrize("case", ["gqa", "gqa-softcap", "mla-sub"])
+def test_window_merge_kernel_matches_the_reference_interpreted(case):
+    from cp_modules.cache.exact_window import gather_window, merge_exact, window_decode_ranges
+    from cp_modules.kernels.decode.exact_window import window_merge_triton
+
+    torch.manual_seed(3)
+    mla = case == "mla-sub"
+    t, hq, hkv, d = 5, (8 if mla else 4), (1 if mla else 2), 24
+    rk = 16 if mla else d
+    win = check_exact_window(2, 5, max_query_len=2)
+    tail = (d,) if mla else (2, hkv, d)
+    buf = torch.randn(4, win.slots, *tail)
+    positions = torch.tensor([0, 3, 9, 20, 41])
+    r = window_decode_ranges(buf, win, torch.tensor([0, 1, 2, 0, 1]), positions, positions + 1,
+                             None, (1, 0, 1))  # fmt: skip
+    q = torch.randn(t, hq, d)
+    out = torch.randn(t, hq, rk)
+    lse = torch.randn(t, hq) * 3
+    lse[0] = float("-inf")  # an empty kernel range
+    out[0] = 0
+    softcap = 2.0 if case == "gqa-softcap" else None
+    rows = gather_window(buf, r.slots)
+    sub = None
+    if mla:
+        sub = torch.randn(t, win.sink, d)
+        k = rows[:, :, None, :]
+        ks = sub[:, :, None, :]
+        want = merge_exact(out, lse, q, k, k[..., :rk], r.valid, 0.3, None, k_sub=ks,
+                           v_sub=ks[..., :rk], sub_valid=r.sink_valid)  # fmt: skip
+    else:
+        want = merge_exact(out, lse, q, rows[:, :, 0], rows[:, :, 1], r.valid, 0.3, softcap)
+    got = window_merge_triton(
+        out, lse, q, buf, r.slots, r.valid, 0.3, softcap, value_dim=rk,
+        value_offset=0 if mla else buf.stride(2), sub=sub,
+        sub_valid=None if sub is None else r.sink_valid,
+    )  # fmt: skip
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)

@@ -38,12 +38,14 @@ from cp_modules.cache.kv_dtype import dequantize_fp8
 
 __all__ = [
     "ExactWindow",
+    "WindowRanges",
     "allocate_window_buffer",
     "check_exact_window",
     "check_window_option",
     "merge_exact",
     "window_decode_ranges",
     "window_write",
+    "window_write_index",
 ]
 
 
@@ -124,42 +126,50 @@ def _check_rows(buf: torch.Tensor, rows: torch.Tensor) -> None:
         raise ValueError(f"a window buffer is [rows + 1, slots, ...], got {tuple(buf.shape)}")
 
 
-def window_write(
+def window_write_index(
     buf: torch.Tensor,
     window: ExactWindow,
-    kv: torch.Tensor,
     owned: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
     ends: torch.Tensor,
     dcp: tuple[int, int, int] = (1, 0, 1),
-) -> None:
-    """Store new tokens unquantized in their request rows' window slots, in place.
+) -> tuple[torch.Tensor, ...]:
+    """Where :func:`window_write` stores each new token: [N] flat slots of ``buf.view(-1, ...)``
+    in the ring and among the sinks (each where the window has them; the scratch row's first
+    slot for a token that goes to neither).
 
     Args:
-        buf: the layer's window buffer ``[rows + 1, slots, *tail]``.
-        kv: [N, *tail] the new tokens (GQA: K and V stacked on dim 1).
+        buf: the layer's window buffer ``[rows + 1, slots, *tail]`` (only its shape is read).
         owned: [N] bool, the token is stored on this rank (its cache slot is not -1).
         rows: [N] stable request row of each token.
-        positions: [N] global positions.
+        positions: [N] global positions (-1: a padding token, written nowhere).
         ends: [N] the request's length after this step (only the newest ``capacity`` local
             tokens enter the ring, so two tokens never share a slot).
         dcp: (size, rank, interleave) of the DCP layout.
     """
     n_rows, slots = buf.shape[0] - 1, buf.shape[1]
-    flat = buf.view(-1, *buf.shape[2:])
     scratch = torch.full_like(positions, n_rows * slots)
     pos = positions.clamp_min(0)
     j = local_seq_len(pos, *dcp)  # this token's local index (where it is owned)
     base = rows.to(positions.dtype) * slots
-    val = kv.to(buf.dtype)
+    index = []
     if window.capacity:
         keep = owned & (positions >= 0) & (j >= local_seq_len(ends, *dcp) - window.capacity)
-        idx = torch.where(keep, base + window.sink + j % window.capacity, scratch)
-        flat.index_copy_(0, idx, val)
+        index.append(torch.where(keep, base + window.sink + j % window.capacity, scratch))
     if window.sink:
         keep = owned & (positions >= 0) & (positions < window.sink)
-        flat.index_copy_(0, torch.where(keep, base + j, scratch), val)
+        index.append(torch.where(keep, base + j, scratch))
+    return tuple(index)
+
+
+def window_write(buf: torch.Tensor, kv: torch.Tensor, index: tuple[torch.Tensor, ...]) -> None:
+    """Store new tokens ``kv`` [N, *tail] unquantized at ``index`` (from
+    :func:`window_write_index`), in place."""
+    flat = buf.view(-1, *buf.shape[2:])
+    val = kv.to(buf.dtype)
+    for idx in index:
+        flat.index_copy_(0, idx, val)
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,17 @@ import torch
 
 from cp_modules.cache.exact_window import (
     ExactWindow,
+    WindowRanges,
     gather_cache_rows,
     gather_window,
     merge_exact,
     window_decode_ranges,
     window_write,
+    window_write_index,
 )
 from cp_modules.cache.kv_dtype import is_fp8
-from cp_modules.step import CPStepMetadata
+from cp_modules.kernels.decode.exact_window import window_merge_triton
+from cp_modules.step import CPStepMetadata, step_entry
 
 __all__ = ["check_window_args", "decode_with_window", "write_step_window"]
 
@@ -105,6 +108,22 @@ def _dcp(meta: CPStepMetadata) -> tuple[int, int, int]:
     return rt.dcp_size, rt.dcp_rank, rt.config.interleave
 
 
+_STEP_CACHE: dict = {}
+
+
+def _per_step(meta: CPStepMetadata, key: tuple, make: Callable[[], object]):
+    """``make()`` once per step and metadata view (every layer of the step shares it); a CUDA
+    graph's capture enters its step again, so it records the computation too."""
+    entry = step_entry()
+    if _STEP_CACHE.get("entry") != entry:
+        _STEP_CACHE.clear()
+        _STEP_CACHE["entry"] = entry
+    k = (meta.serial, *key)
+    if k not in _STEP_CACHE:
+        _STEP_CACHE[k] = make()
+    return _STEP_CACHE[k]
+
+
 def write_step_window(
     buf: torch.Tensor,
     window: ExactWindow,
@@ -112,13 +131,23 @@ def write_step_window(
     slots: torch.Tensor,
     meta: CPStepMetadata,
     token_ids: torch.Tensor | None = None,
+    key: tuple = (),
 ) -> None:
     """Write the step's new tokens ``kv`` [N, ...] (those with a cache slot on this rank) into
-    the window; ``token_ids``: which of the step's new tokens ``kv`` holds (a window exchange)."""
-    rows, pos, ends = new_tokens(meta)
-    if token_ids is not None:
-        rows, pos, ends = (x.index_select(0, token_ids) for x in (rows, pos, ends))
-    window_write(buf, window, kv, slots >= 0, request_rows(meta, rows), pos, ends, _dcp(meta))
+    the window; ``token_ids``: which of the step's new tokens ``kv`` holds (a window exchange);
+    ``key``: what else tells the step's ``slots`` / ``token_ids`` apart (the layer's window)."""
+
+    def index():
+        rows, pos, ends = new_tokens(meta)
+        if token_ids is not None:
+            rows, pos, ends = (x.index_select(0, token_ids) for x in (rows, pos, ends))
+        owned = slots >= 0
+        return window_write_index(
+            buf, window, owned, request_rows(meta, rows), pos, ends, _dcp(meta)
+        )
+
+    idx = _per_step(meta, ("write", window, tuple(buf.shape[:2]), *key), index)
+    window_write(buf, kv, idx)
 
 
 def decode_with_window(
@@ -126,36 +155,56 @@ def decode_with_window(
     buf: torch.Tensor,
     window: ExactWindow,
     meta: CPStepMetadata,
-    first: torch.Tensor | None,
+    sliding_window: int,
     attend: Attend,
     scale: float,
     softcap: float | None = None,
     mla: tuple[torch.Tensor, int, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q`` [T, Hq, Dk] on this rank's shard: the fp8 kernel on the keys
-    outside the window, merged with the window's keys read unquantized.
+    outside the window, merged with the window's keys read unquantized (CPU: the PyTorch
+    reference; CUDA: one Triton launch).
 
     ``attend(q, kv_len, kv_start)`` runs the paged kernel on local ranges ``[kv_start, kv_len)``
     (GQA; an MLA kernel gets ``kv_start=None`` and attends ``[0, kv_len)``, the sink tokens'
     fp8 copies included: ``mla = (cache, kv_lora_rank, kv_scale)`` removes them here).
-    ``first``: [T] the first global position each query sees (a sliding window), or None.
+    ``sliding_window``: the layer's window W (queries see positions ``P - W + 1 ..``), or 0.
     """
-    r = window_decode_ranges(
-        buf, window, request_rows(meta, meta.decode_seq_idx), meta.decode_positions,
-        meta.decode_kv_len, first, _dcp(meta),
-    )  # fmt: skip
-    rows = gather_window(buf, r.slots)  # [T, S + R, ...]
-    if mla is None:
-        out, lse = attend(q, r.kernel_len, r.kernel_start)
-        return merge_exact(out, lse, q, rows[:, :, 0], rows[:, :, 1], r.valid, scale, softcap)
-    cache, rk, kv_scale = mla
-    out, lse = attend(q, r.kernel_len, None)
-    k_add = rows[:, :, None, :]  # one latent head
+
+    def ranges():
+        first = None
+        if sliding_window:
+            first = (meta.decode_positions - sliding_window + 1).clamp_min(0)
+        return window_decode_ranges(
+            buf, window, request_rows(meta, meta.decode_seq_idx), meta.decode_positions,
+            meta.decode_kv_len, first, _dcp(meta),
+        )  # fmt: skip
+
+    r = _per_step(meta, ("read", window, tuple(buf.shape[:2]), sliding_window), ranges)
+    assert isinstance(r, WindowRanges)
+    out, lse = attend(q, r.kernel_len, None if mla is not None else r.kernel_start)
     sub = None
-    if window.sink:
+    if mla is not None and window.sink:
+        cache, rk, kv_scale = mla
         assert meta.block_table is not None, "decode reads a KV cache"
-        k_sub = gather_cache_rows(
+        rows = gather_cache_rows(
             cache, meta.block_table, meta.decode_seq_idx, r.sink_local, kv_scale, q.dtype
-        )[:, :, None, :]  # fmt: skip
-        sub = dict(k_sub=k_sub, v_sub=k_sub[..., :rk], sub_valid=r.sink_valid)
-    return merge_exact(out, lse, q, k_add, k_add[..., :rk], r.valid, scale, None, **(sub or {}))
+        )
+        sub = (rows, r.sink_valid)
+    if q.is_cuda:
+        gqa = mla is None
+        return window_merge_triton(
+            out, lse, q, buf, r.slots, r.valid, scale, softcap,
+            value_dim=out.shape[-1], value_offset=buf.stride(2) if gqa else 0,
+            sub=None if sub is None else sub[0], sub_valid=None if sub is None else sub[1],
+        )  # fmt: skip
+    rows_w = gather_window(buf, r.slots)  # [T, S + R, ...]
+    if mla is None:
+        return merge_exact(out, lse, q, rows_w[:, :, 0], rows_w[:, :, 1], r.valid, scale, softcap)
+    rk = mla[1]
+    k_add = rows_w[:, :, None, :]  # one latent head
+    kw = {}
+    if sub is not None:
+        k_sub = sub[0][:, :, None, :]
+        kw = dict(k_sub=k_sub, v_sub=k_sub[..., :rk], sub_valid=sub[1])
+    return merge_exact(out, lse, q, k_add, k_add[..., :rk], r.valid, scale, None, **kw)

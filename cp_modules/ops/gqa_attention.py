@@ -108,7 +108,8 @@ def _gqa_forward(
         write_kv_cache(k_full, v_full, k_cache, v_cache, slots, k_scale, v_scale)
         if exact is not None:
             ids = None if xplan is None else xplan.token_ids
-            write_step_window(window_buf, exact, torch.stack((k_full, v_full), 1), slots, meta, ids)
+            kv_new = torch.stack((k_full, v_full), 1)
+            write_step_window(window_buf, exact, kv_new, slots, meta, ids, (window,))
     if not meta.all_decode:
         prefix = {}
         if meta.has_prefix:
@@ -156,11 +157,10 @@ def _gqa_forward(
         if exact is None:
             o, lse_d = decode_combined(q_dec, meta, attend)
         else:
-            first = None if not window else (meta.decode_positions - window + 1).clamp_min(0)
             o, lse_d = decode_combined(
                 q_dec, meta,
                 lambda qq: decode_with_window(
-                    qq, window_buf, exact, meta, first, attend, scale, softcap or None
+                    qq, window_buf, exact, meta, window, attend, scale, softcap or None
                 ),
             )  # fmt: skip
         if only_decode:

@@ -145,7 +145,7 @@ def _mla_forward(
             o_lat, lse_d = decode_combined(
                 q_abs, meta,
                 lambda qq: decode_with_window(
-                    qq, window_buf, exact, meta, None, attend, scale,
+                    qq, window_buf, exact, meta, 0, attend, scale,
                     mla=(cache, rk, cache_scale),
                 ),
             )  # fmt: skip

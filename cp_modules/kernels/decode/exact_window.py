@@ -1,0 +1,169 @@
+"""The fp8 cache's bf16 window merged into the paged kernel's result in one launch.
+
+Shape letters: T = decode queries, Hq / Hkv = query / KV heads (G = Hq // Hkv), Dk / Dv = key /
+value dims, NA = window keys a query may read (sink + recent), NS = keys to remove (the sink's
+fp8 copies an MLA kernel attended).
+
+What :func:`cp_modules.cache.exact_window.merge_exact` computes (its pure-PyTorch reference),
+one program a (query, query head): the window's scores from the buffer's rows, the removed
+keys' scores, and the merged output and natural-log LSE, in fp32. The window buffer is read
+through per-query flat slot indices (``[T, NA]``, from
+:func:`~cp_modules.cache.exact_window.window_decode_ranges`): GQA rows hold K then V
+(``[..., 2, Hkv, D]``), an MLA row is the latent (``[..., Rk + Dr]``: keys the whole row,
+values its first Rk). Replaces about 25 small PyTorch kernels a layer with one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["window_merge_triton"]
+
+
+@triton.jit
+def _scores(q_base, k_base, k_rows, row_ok, scale, softcap,
+            DK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            SOFTCAP: tl.constexpr):  # fmt: skip
+    # [BLOCK_N] fp32 scores of one query head against rows at k_base + k_rows (element offsets).
+    offs_d = tl.arange(0, BLOCK_D)
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, DK, BLOCK_D):
+        dm = d0 + offs_d < DK
+        qv = tl.load(q_base + d0 + offs_d, mask=dm, other=0.0).to(tl.float32)
+        kv = tl.load(
+            k_base + k_rows[:, None] + d0 + offs_d[None, :],
+            mask=row_ok[:, None] & dm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        s += tl.sum(kv * qv[None, :], axis=1)
+    s = s * scale
+    if SOFTCAP:
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # c * tanh(s / c)
+    return s
+
+
+@triton.jit
+def _window_merge_kernel(
+    q_ptr, out_ptr, lse_ptr, o_new_ptr, lse_new_ptr, buf_ptr, slots_ptr, valid_ptr,
+    sub_ptr, sub_valid_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_nt, stride_nh, stride_nlt,
+    stride_slot, stride_bh, v_off, stride_st, stride_sn,
+    NA, NS, G, scale, softcap,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_SUB: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kvh = h // G
+    offs_n = tl.arange(0, BLOCK_N)
+    n_ok = offs_n < NA
+    slot = tl.load(slots_ptr + t * NA + offs_n, mask=n_ok, other=0).to(tl.int64)
+    ok = tl.load(valid_ptr + t * NA + offs_n, mask=n_ok, other=0) != 0
+    rows = slot * stride_slot + kvh * stride_bh
+    q_base = q_ptr + t * stride_qt + h * stride_qh
+    s_add = _scores(q_base, buf_ptr, rows, ok, scale, softcap, DK, BLOCK_N, BLOCK_D, SOFTCAP)
+    s_add = tl.where(ok, s_add, float("-inf"))
+    lse_k = tl.load(lse_ptr + t * stride_lt + h).to(tl.float32)
+    lse_k = tl.where(lse_k != lse_k, float("-inf"), lse_k)
+    m = tl.maximum(lse_k, tl.max(s_add, axis=0))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_k = tl.exp(lse_k - m)
+    w_add = tl.where(ok, tl.exp(s_add - m), 0.0)
+    den_k = w_k
+    if HAS_SUB:
+        offs_s = tl.arange(0, BLOCK_S)
+        s_ok = offs_s < NS
+        sok = tl.load(sub_valid_ptr + t * NS + offs_s, mask=s_ok, other=0) != 0
+        sub_base = sub_ptr + t * stride_st
+        s_sub = _scores(q_base, sub_base, offs_s.to(tl.int64) * stride_sn, sok, scale, softcap,
+                        DK, BLOCK_S, BLOCK_D, SOFTCAP)  # fmt: skip
+        w_sub = tl.where(sok, tl.exp(s_sub - m), 0.0)
+        den_k = tl.maximum(den_k - tl.sum(w_sub, axis=0), 0.0)
+    den = den_k + tl.sum(w_add, axis=0)
+    empty = den <= 0.0
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, den))
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, DV, BLOCK_D):
+        dm = d0 + offs_d < DV
+        o = tl.load(out_ptr + t * stride_ot + h * stride_oh + d0 + offs_d, mask=dm, other=0.0)
+        acc = o.to(tl.float32) * w_k
+        v = tl.load(
+            buf_ptr + rows[:, None] + v_off + d0 + offs_d[None, :],
+            mask=ok[:, None] & dm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(v * w_add[:, None], axis=0)
+        if HAS_SUB:
+            vs = tl.load(
+                sub_base + offs_s.to(tl.int64)[:, None] * stride_sn + d0 + offs_d[None, :],
+                mask=sok[:, None] & dm[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc -= tl.sum(vs * w_sub[:, None], axis=0)
+        tl.store(
+            o_new_ptr + t * stride_nt + h * stride_nh + d0 + offs_d,
+            (acc * inv).to(o_new_ptr.dtype.element_ty),
+            mask=dm,
+        )
+    lse_new = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, den)))
+    tl.store(lse_new_ptr + t * stride_nlt + h, lse_new)
+
+
+def window_merge_triton(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    buf: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    *,
+    value_dim: int,
+    value_offset: int,
+    sub: torch.Tensor | None = None,
+    sub_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` merged with the window's keys (and with ``sub``'s removed).
+
+    Args:
+        out, lse: [T, Hq, Dv] and [T, Hq] fp32 (natural log) of the paged kernel.
+        q: [T, Hq, Dk].
+        buf: the window buffer ``[rows + 1, slots, ...]`` whose flat slot rows hold, per KV
+            head (stride ``buf.stride(-2)`` for GQA, none for MLA), the key at offset 0 and the
+            value at ``value_offset`` (elements).
+        slots, valid: [T, NA] flat slot indices and which of them each query reads.
+        value_dim: Dv.
+        sub, sub_valid: [T, NS, Dk] rows to remove (keys; values their first Dv) and [T, NS].
+
+    Returns:
+        (out [T, Hq, Dv] in ``out``'s dtype, lse [T, Hq] fp32).
+    """
+    t, hq, dk = q.shape
+    gqa = buf.dim() == 5  # [rows + 1, slots, 2, Hkv, D]
+    hkv = buf.shape[3] if gqa else 1
+    flat = buf.view(-1, *buf.shape[2:])
+    o_new = torch.empty_like(out)
+    lse_new = torch.empty(t, hq, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return o_new, lse_new
+    na = slots.shape[1]
+    ns = 0 if sub is None else sub.shape[1]
+    sub_t = flat if sub is None else sub
+    sub_v = valid if sub_valid is None else sub_valid
+    block_d = min(128, triton.next_power_of_2(max(dk, value_dim)))
+    _window_merge_kernel[(t, hq)](
+        q, out, lse, o_new, lse_new, flat, slots.contiguous(), valid.to(torch.int8).contiguous(),
+        sub_t, sub_v.to(torch.int8).contiguous(),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        o_new.stride(0), o_new.stride(1), lse_new.stride(0),
+        flat.stride(0), flat.stride(-2) if gqa else 0, value_offset,
+        sub_t.stride(0), sub_t.stride(1) if sub is not None else 0,
+        na, ns, hq // hkv, float(scale), float(softcap or 0.0),
+        DK=dk, DV=value_dim, BLOCK_N=max(16, triton.next_power_of_2(na)),
+        BLOCK_S=max(16, triton.next_power_of_2(max(ns, 1))), BLOCK_D=block_d,
+        HAS_SUB=sub is not None, SOFTCAP=bool(softcap),
+    )  # fmt: skip
+    return o_new, lse_new
