@@ -241,18 +241,20 @@ def _gqa_attention_with_cache(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    window_buf: torch.Tensor,
     sinks: torch.Tensor | None,
     scale: float,
     window: int,
     softcap: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    window_buf: torch.Tensor | None = None,
     fp8_sink: int = 0,
     fp8_recent: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_buf`` with ``fp8_sink`` / ``fp8_recent``: an fp8 cache's bf16 window
-    (:mod:`cp_modules.cache.exact_window`), written in place and read by the decode queries."""
+    (:mod:`cp_modules.cache.exact_window`), written in place and read by the decode queries;
+    an empty tensor without one. (A mutated argument comes before any with a default: a
+    boxed call may drop trailing defaults, and the in-place bookkeeping indexes by position.)"""
     return _gqa_forward(
         q, k, v, k_cache, v_cache, scale, sinks, window, softcap, k_scale=k_scale,
         v_scale=v_scale, window_buf=window_buf, fp8_sink=fp8_sink, fp8_recent=fp8_recent,
@@ -488,8 +490,8 @@ def gqa_attention(
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
         ks, vs = kv_scales if kv_scales is not None else (None, None)
-        buf, sink, recent = fp8_window if fp8_window is not None else (None, 0, 0)
+        buf, sink, recent = fp8_window if fp8_window is not None else (q.new_empty(0), 0, 0)
         out, _ = torch.ops.cp.gqa_attention_with_cache(
-            q, k, v, kv_cache[0], kv_cache[1], sinks, scale, *masking, ks, vs, buf, sink, recent
+            q, k, v, kv_cache[0], kv_cache[1], buf, sinks, scale, *masking, ks, vs, sink, recent
         )
     return out

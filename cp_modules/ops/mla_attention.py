@@ -182,29 +182,30 @@ def _mla_attention_with_cache(
     latent: torch.Tensor,
     w_kv: torch.Tensor,
     cache: torch.Tensor,
+    window_buf: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
     cache_scale: torch.Tensor | None = None,
-    window_buf: torch.Tensor | None = None,
     fp8_sink: int = 0,
     fp8_recent: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_buf`` with ``fp8_sink`` / ``fp8_recent``: an fp8 cache's bf16 window
-    (:mod:`cp_modules.cache.exact_window`), written in place and read by the decode queries."""
+    (:mod:`cp_modules.cache.exact_window`), written in place and read by the decode queries;
+    an empty tensor without one (before the defaulted arguments, as in the GQA op)."""
     return _mla_forward(
         q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale=cache_scale,
         window_buf=window_buf, fp8_sink=fp8_sink, fp8_recent=fp8_recent,
     )  # fmt: skip
 
 
-def _mla_fake(q, latent, w_kv, cache, scale, rk, cache_scale=None, *_):
+def _mla_fake(q, latent, w_kv, cache, window_buf, scale, rk, *_):
     shape = (q.shape[0], q.shape[1], w_kv.shape[1] - _nope_dim(q, latent, rk))
     return q.new_empty(shape), q.new_empty(q.shape[:2], dtype=lse_dtype_of(q))
 
 
 _mla_attention.register_fake(
     lambda q, latent, w_kv, scale, rk, *_: (
-        *_mla_fake(q, latent, w_kv, None, scale, rk),
+        *_mla_fake(q, latent, w_kv, None, None, scale, rk),
         handle_fake(q),
     )
 )
@@ -454,9 +455,9 @@ def mla_attention(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, w_kv)):
         raise RuntimeError(CACHE_NEEDS_NO_GRAD)
     else:
-        buf, sink, recent = fp8_window if fp8_window is not None else (None, 0, 0)
+        buf, sink, recent = fp8_window if fp8_window is not None else (q.new_empty(0), 0, 0)
         out, _ = torch.ops.cp.mla_attention_with_cache(
-            q, latent, w_kv, cache, scale, kv_lora_rank, cache_scale, buf, sink, recent
+            q, latent, w_kv, cache, buf, scale, kv_lora_rank, cache_scale, sink, recent
         )
     return out
 
