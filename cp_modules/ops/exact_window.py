@@ -24,9 +24,10 @@ from cp_modules.cache.exact_window import (
 )
 from cp_modules.cache.kv_dtype import is_fp8
 from cp_modules.kernels.decode.exact_window import window_merge_triton
+from cp_modules.ops.cp_common import decode_combined
 from cp_modules.step import CPStepMetadata, step_entry
 
-__all__ = ["check_window_args", "decode_with_window", "write_step_window"]
+__all__ = ["check_window_args", "decode", "decode_with_window", "write_step_window"]
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]]
 
@@ -208,3 +209,26 @@ def decode_with_window(
         k_sub = sub[0][:, :, None, :]
         kw = dict(k_sub=k_sub, v_sub=k_sub[..., :rk], sub_valid=sub[1])
     return merge_exact(out, lse, q, k_add, k_add[..., :rk], r.valid, scale, None, **kw)
+
+
+def decode(
+    q: torch.Tensor,
+    meta: CPStepMetadata,
+    attend: Attend,
+    exact: ExactWindow | None,
+    buf: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float | None = None,
+    mla: tuple[torch.Tensor, int, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode queries' attention combined over DCP: ``attend(q)`` alone, or through the
+    layer's window (:func:`decode_with_window`) where it has one."""
+    if exact is None:
+        return decode_combined(q, meta, attend)
+    return decode_combined(
+        q, meta,
+        lambda qq: decode_with_window(
+            qq, buf, exact, meta, sliding_window, attend, scale, softcap, mla
+        ),
+    )  # fmt: skip

@@ -39,7 +39,6 @@ from cp_modules.ops.cp_common import (
     check_cache,
     check_local,
     check_trainable,
-    decode_combined,
     eager_step_of,
     exchange_kv,
     exchange_kv_backward,
@@ -49,7 +48,8 @@ from cp_modules.ops.cp_common import (
     one_rank,
     read_prefix,
 )
-from cp_modules.ops.exact_window import check_window_args, decode_with_window, write_step_window
+from cp_modules.ops.exact_window import check_window_args, write_step_window
+from cp_modules.ops.exact_window import decode as window_decode
 from cp_modules.ops.kv_cache import write_kv_cache
 from cp_modules.ops.paged_decode import paged_attention
 from cp_modules.ops.pcp_attention import check_masking, pcp_prefill_attention
@@ -154,15 +154,9 @@ def _gqa_forward(
             )  # fmt: skip
 
         q_dec = q if only_decode else q.index_select(0, idx)
-        if exact is None:
-            o, lse_d = decode_combined(q_dec, meta, attend)
-        else:
-            o, lse_d = decode_combined(
-                q_dec, meta,
-                lambda qq: decode_with_window(
-                    qq, window_buf, exact, meta, window, attend, scale, softcap or None
-                ),
-            )  # fmt: skip
+        o, lse_d = window_decode(
+            q_dec, meta, attend, exact, window_buf, scale, window, softcap or None
+        )
         if only_decode:
             out, lse = o.to(q.dtype).contiguous(), lse_d.to(lse_dtype_of(q)).contiguous()
         else:

@@ -21,7 +21,6 @@ from cp_modules.ops.cp_common import (
     check_cache,
     check_local,
     check_trainable,
-    decode_combined,
     gather_rows,
     gathered_rows_of,
     handle_fake,
@@ -30,7 +29,8 @@ from cp_modules.ops.cp_common import (
     read_prefix,
     scatter_grad,
 )
-from cp_modules.ops.exact_window import check_window_args, decode_with_window, write_step_window
+from cp_modules.ops.exact_window import check_window_args, write_step_window
+from cp_modules.ops.exact_window import decode as window_decode
 from cp_modules.ops.kv_cache import write_mla_cache
 from cp_modules.ops.paged_decode import paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
@@ -139,16 +139,9 @@ def _mla_forward(
                 kv_lora_rank=rk, kernel=meta.runtime.policy.mla_decode, kv_scale=cache_scale,
             )  # fmt: skip
 
-        if exact is None:
-            o_lat, lse_d = decode_combined(q_abs, meta, attend)
-        else:
-            o_lat, lse_d = decode_combined(
-                q_abs, meta,
-                lambda qq: decode_with_window(
-                    qq, window_buf, exact, meta, 0, attend, scale,
-                    mla=(cache, rk, cache_scale),
-                ),
-            )  # fmt: skip
+        o_lat, lse_d = window_decode(
+            q_abs, meta, attend, exact, window_buf, scale, mla=(cache, rk, cache_scale)
+        )
         o = torch.einsum("bhc,hdc->bhd", o_lat.to(w_uv.dtype), w_uv)
         if only_decode:
             out, lse = o.to(q.dtype).contiguous(), lse_d.to(lse_dtype_of(q)).contiguous()
