@@ -91,11 +91,15 @@ def check_exact_window(sink: int, recent: int, max_query_len: int = 1) -> ExactW
 
 
 def check_window_option(
-    kv_cache_dtype: str, sink: int, recent: int, names: str = "fp8_sink_tokens / fp8_recent_tokens"
+    kv_cache_dtype: str,
+    sink: int,
+    recent: int,
+    names: str = "fp8_sink_tokens / fp8_recent_tokens",
+    max_query_len: int = 1,
 ) -> ExactWindow | None:
     """:func:`check_exact_window`, and ValueError (naming ``names``) for a window beside a
     cache that is not fp8."""
-    window = check_exact_window(sink, recent)
+    window = check_exact_window(sink, recent, max_query_len)
     if window is not None and kv_cache_dtype != "fp8_e4m3":
         raise ValueError(
             f"{names} keep tokens of an fp8 cache unquantized; kv_cache_dtype="
@@ -116,14 +120,6 @@ def allocate_window_buffer(
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows (request rows of the window buffer) must be >= 1, got {rows!r}")
     return torch.zeros(rows + 1, window.slots, *tail, dtype=dtype, device=device)
-
-
-def _check_rows(buf: torch.Tensor, rows: torch.Tensor) -> None:
-    # Host-side: only shapes (values stay on the device).
-    if rows.dim() != 1:
-        raise ValueError(f"cache_rows must be 1-D, got shape {tuple(rows.shape)}")
-    if buf.dim() < 3:
-        raise ValueError(f"a window buffer is [rows + 1, slots, ...], got {tuple(buf.shape)}")
 
 
 def window_write_index(

@@ -15,7 +15,6 @@ from torch import nn
 
 from cp_modules.cache.exact_window import (
     allocate_window_buffer,
-    check_exact_window,
     check_window_option,
 )
 from cp_modules.cache.kv_dtype import is_fp8, kv_cache_storage_dtype, kv_scale
@@ -94,8 +93,9 @@ def allocate_kv_caches(
         )
     store = kv_cache_storage_dtype(kv_cache_dtype, dtype, device)
     fp8 = is_fp8(store)
-    check_window_option(kv_cache_dtype, fp8_sink_tokens, fp8_recent_tokens)
-    exact = check_exact_window(fp8_sink_tokens, fp8_recent_tokens, max_query_len)
+    exact = check_window_option(
+        kv_cache_dtype, fp8_sink_tokens, fp8_recent_tokens, max_query_len=max_query_len
+    )
     if exact is not None and (
         isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
     ):

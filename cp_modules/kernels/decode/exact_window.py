@@ -111,6 +111,12 @@ def _window_merge_kernel(
     tl.store(lse_new_ptr + t * stride_nlt + h, lse_new)
 
 
+def _bytes(mask: torch.Tensor) -> torch.Tensor:
+    # A bool mask read as its bytes (no copy; the per-step ranges are made contiguous).
+    assert mask.is_contiguous()
+    return mask.view(torch.int8) if mask.dtype == torch.bool else mask
+
+
 def window_merge_triton(
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -142,6 +148,7 @@ def window_merge_triton(
         (out [T, Hq, Dv] in ``out``'s dtype, lse [T, Hq] fp32).
     """
     t, hq, dk = q.shape
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and slots.is_contiguous()
     gqa = buf.dim() == 5  # [rows + 1, slots, 2, Hkv, D]
     hkv = buf.shape[3] if gqa else 1
     flat = buf.view(-1, *buf.shape[2:])
@@ -155,8 +162,7 @@ def window_merge_triton(
     sub_v = valid if sub_valid is None else sub_valid
     block_d = min(128, triton.next_power_of_2(max(dk, value_dim)))
     _window_merge_kernel[(t, hq)](
-        q, out, lse, o_new, lse_new, flat, slots.contiguous(), valid.to(torch.int8).contiguous(),
-        sub_t, sub_v.to(torch.int8).contiguous(),
+        q, out, lse, o_new, lse_new, flat, slots, _bytes(valid), sub_t, _bytes(sub_v),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         o_new.stride(0), o_new.stride(1), lse_new.stride(0),
         flat.stride(0), flat.stride(-2) if gqa else 0, value_offset,
