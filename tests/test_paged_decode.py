@@ -829,10 +829,12 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
 @pytest.mark.parametrize("bs", [16, 64], ids=["BS16", "BS64"])
 @pytest.mark.parametrize(
     "variant",
-    ["loader-r232-early-pz-sp", "loader2-r232-early-pz-sp", "loader-r232-early-pz-sp-refill"],
-)
+    ["loader-r232-early-pz-sp", "loader2-r232-early-pz-sp", "loader-r232-early-pz-sp-refill",
+     "wg-early"],
+)  # fmt: skip
 def test_gpu_gluon_mla_scale_p_matches_reference_at_tile_edges(variant, bs):
-    # P_A rescaled to tile B's max by warp group 0 (scale_p): lengths that end mid-tile, on a
+    # P_A rescaled to tile B's max by warp group 0 (scale_p), and the copies issued by the
+    # compute warp groups (wg-early): lengths that end mid-tile, on a
     # tile boundary and one row into a tile, odd tile counts per split (a phantom tile B whose
     # keys are all masked), splits left empty, NaN in every unwritten slot: the 2x rule, and
     # the same result on a second launch (no state left in the barriers).
@@ -893,6 +895,11 @@ def test_gluon_mla_config_is_validated():
     with pytest.raises(ValueError, match="'cpasync' is built with early_release=True only"):
         GluonMLAConfig(issue="cpasync")
     assert GluonMLAConfig(issue="cpasync", early_release=True).constexprs()["ISSUE"] == 4
+    with pytest.raises(ValueError, match="'wg' is built with early_release=True only"):
+        GluonMLAConfig(issue="wg")
+    with pytest.raises(ValueError, match="producer_zeroing needs TMA producer warps"):
+        GluonMLAConfig(issue="wg", early_release=True, producer_zeroing=True)
+    assert GluonMLAConfig(issue="wg", early_release=True).constexprs()["ISSUE"] == 5
     # One producer warp refilling each buffer in parts and zeroing the rows past the range
     # (measured fastest at both sizes).
     for bs in (16, 64):

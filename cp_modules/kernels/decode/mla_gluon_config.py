@@ -37,7 +37,7 @@ _HEADS = 64  # heads per program: the wgmma tile height
 _TILE = 64  # tokens per latent tile
 _PIECE = 64  # columns per TMA piece (128 bytes of bf16: the swizzle width)
 _SPREAD_MAX_SPLITS = 8  # the spread merge hands out the 8 column blocks of 64
-_ISSUE_MODES = ("inline", "hoist", "loader", "loader2", "cpasync")
+_ISSUE_MODES = ("inline", "hoist", "loader", "loader2", "cpasync", "wg")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,11 @@ class GluonMLAConfig:
             tile's pieces (the first also Q); ``"cpasync"``: a producer warp group (4 warps)
             issues Q by TMA and copies the tiles with cp.async, each thread 16 bytes of 4 rows
             per piece (9 copy instructions a thread per tile at any block size), with
-            ``early_release`` only.
+            ``early_release`` only; ``"wg"`` (with ``early_release`` only): no producer, warp
+            group 0 issues Q and the first two tiles, then each compute warp group copies the
+            next tile's parts that it uses last (the rope piece of its tile, its latent half)
+            as soon as its product on them completes (FlashMLA's copies: no free barrier and
+            no producer wake-up between a part's release and its refill).
         peel: every pair of tiles but a split's last runs without the range mask and the
             row zeroing (and the branches around them, which make ptxas wait for in-flight
             products); the last pair runs the masked body.
@@ -86,7 +90,7 @@ class GluonMLAConfig:
             split, in tiles, added once per (query, head tile) (0: not modelled).
         max_box_rows: rows of one TMA copy at most (a page's rows, up to a 64-token tile, by
             default): 16 makes a 64-token page take the copies of block size 16.
-        early_release: (producer warps only) a tile buffer is freed in three parts, each by
+        early_release: (producer warps, or ``issue="wg"``) a tile buffer is freed in three parts, each by
             the warp group that uses it last: the rope piece after the tile's scores, each
             256-column latent half after its P @ V; the producers refill each part as soon as
             it is free and the scores take the pieces in that order (rope, then the half freed
@@ -143,10 +147,10 @@ class GluonMLAConfig:
             raise ValueError(
                 f"GluonMLAConfig.max_box_rows must be 8, 16, 32 or 64, got {self.max_box_rows}"
             )
-        if self.early_release and self.issue not in ("loader", "loader2", "cpasync"):
+        if self.early_release and self.issue not in ("loader", "loader2", "cpasync", "wg"):
             raise ValueError(
                 "GluonMLAConfig.early_release needs producer warps (issue 'loader', 'loader2' "
-                f"or 'cpasync'), got issue={self.issue!r}"
+                f"or 'cpasync') or issue 'wg', got issue={self.issue!r}"
             )
         if self.producer_zeroing and not (
             self.early_release and self.issue in ("loader", "loader2")
@@ -166,8 +170,10 @@ class GluonMLAConfig:
             )
         if self.sp_refill and not self.scale_p:
             raise ValueError("GluonMLAConfig.sp_refill needs scale_p")
-        if self.issue == "cpasync" and not self.early_release:
-            raise ValueError("GluonMLAConfig.issue='cpasync' is built with early_release=True only")
+        if self.issue in ("cpasync", "wg") and not self.early_release:
+            raise ValueError(
+                f"GluonMLAConfig.issue={self.issue!r} is built with early_release=True only"
+            )
         if self.spread_merge and self.fused_merge:
             raise ValueError("GluonMLAConfig.spread_merge and fused_merge exclude each other")
         if not self.merge_tiles_per_split >= 0:
@@ -247,6 +253,9 @@ GLUON_MLA_VARIANTS = {
         scale_p=True,
         sp_refill=True,
     ),
+    # No producer: each compute warp group refills the parts it used last right after its
+    # product on them (FlashMLA's copies). Built 2026-12-07; not yet run on a GPU.
+    "wg-early": GluonMLAConfig(issue="wg", early_release=True),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
     # block size 16 as fast as 64 with it, but +1 % at 16 and -6 % at 64 against the default

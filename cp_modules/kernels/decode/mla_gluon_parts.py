@@ -42,6 +42,9 @@ if HAS_GLUON:
     # 3: two producer warps, each issuing its share of every tile (loader2).
     # 4: a producer warp group copying the tiles row by row (cp.async, 16 bytes a thread).
     _ISSUE_ASYNC = gl.constexpr(4)
+    # 5: no producer: each compute warp group refills the parts of a buffer it uses last,
+    # right after its product on them completes (wg; FlashMLA's copies).
+    _ISSUE_WG = gl.constexpr(5)
     _ASYNC_WARPS = gl.constexpr(4)  # its producer warp group; piece barriers count 128
     _ROW = gl.constexpr((_LAT + 1) * _BC)  # elements of one cache row: latent and rope
     # With producer zeroing (PZERO), the latent pieces of a tile that reaches past the range
@@ -131,6 +134,16 @@ if HAS_GLUON:
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         mbarrier.arrive(k_free.index(slot))
         return o0, o1, o2, o3
+
+    @gluon.jit
+    def _refill(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows, BOX_ROWS: gl.constexpr,
+                c_lo: gl.constexpr, c_hi: gl.constexpr, more):
+        # ISSUE = wg: pieces [c_lo, c_hi) of buffer ``buf`` (rows: the next tile's box rows)
+        # copied by the warp group that used them last, once its product on them is done;
+        # ``more``: that tile exists (the split has a next pair). No free barrier: each part
+        # has one last user, ordered after every other use by the P hand-offs.
+        if more:
+            _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c_lo, c_hi)
 
     @gluon.jit
     def _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,

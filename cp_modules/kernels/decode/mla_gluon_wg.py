@@ -43,14 +43,17 @@ if HAS_GLUON:
         _FREE_LO,
         _FREE_ROPE,
         _ISSUE_LOADER,
+        _ISSUE_WG,
         _LAT,
         _issue_q,
         _issue_tile_by,
         _pv4,
+        _refill,
         _release_pv,
         _scores,
         _stamp,
         _sync_warp_group,
+        _tile_rows,
         _zero_rows_past,
     )
     from cp_modules.kernels.decode.mla_gluon_scale_p import _wg0_pair_sp, _wg1_pair_sp
@@ -68,6 +71,12 @@ if HAS_GLUON:
         dt: gl.constexpr = q_lat.dtype
         phase = k & 1
         n0 = start + 2 * k * _BN
+        if ISSUE == _ISSUE_WG:
+            # The next pair's tiles (2k + 2 into buffer 0, 2k + 3 into buffer 1), looked up
+            # while this pair's scores run; this warp group refills what it uses last.
+            more = k + 1 < n_pairs
+            rows_a = _tile_rows(BT, bt_row, n0 + 2 * _BN, last_page, PAGE, BOX_ROWS)
+            rows_b = _tile_rows(BT, bt_row, n0 + 3 * _BN, last_page, PAGE, BOX_ROWS)
         s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma, EARLY)
         if ISSUE < _ISSUE_LOADER:
             if k > 0:
@@ -77,7 +86,10 @@ if HAS_GLUON:
                                last_page, PAGE, BOX_ROWS)  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s,))
         if EARLY:
-            mbarrier.arrive(k_free.index(_FREE_ROPE))
+            if ISSUE == _ISSUE_WG:
+                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, _LAT, _LAT + 1, more)
+            else:
+                mbarrier.arrive(k_free.index(_FREE_ROPE))
         if MASK:
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, mma))
             s = gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
@@ -105,7 +117,11 @@ if HAS_GLUON:
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
         if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_LO)
+            if ISSUE == _ISSUE_WG:
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, 0, _LAT // 2, more)
+            else:
+                o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_LO)
         else:
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             if ISSUE >= _ISSUE_LOADER:
@@ -127,7 +143,11 @@ if HAS_GLUON:
                               o0 * alpha_b[:, None], o1 * alpha_b[:, None],
                               o2 * alpha_b[:, None], o3 * alpha_b[:, None])  # fmt: skip
         if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_LO)
+            if ISSUE == _ISSUE_WG:
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, 0, _LAT // 2, more)
+            else:
+                o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_LO)
         else:
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             if ISSUE >= _ISSUE_LOADER:
@@ -155,7 +175,7 @@ if HAS_GLUON:
         o2 = gl.zeros([_BH, _BC], gl.float32, mma)
         o3 = gl.zeros([_BH, _BC], gl.float32, mma)
         last_page = gl.maximum(end - 1, 0) // PAGE
-        if ISSUE < _ISSUE_LOADER:
+        if ISSUE < _ISSUE_LOADER or ISSUE == _ISSUE_WG:
             # Warp group 0 also issues the copies: Q, then the first two tiles.
             _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
             if n_pairs > 0:
@@ -209,13 +229,19 @@ if HAS_GLUON:
     def _wg1_pair(k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe, p_smem,
                   vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE: gl.constexpr,
                   MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
-                  PZERO: gl.constexpr = False):  # fmt: skip
-        # Warp group 1's share of pair k; MASK as in _wg0_pair.
+                  PZERO: gl.constexpr = False, n_pairs=0, c_desc=None, BT=None, bt_row=0,
+                  last_page=0, PAGE: gl.constexpr = 64, BOX_ROWS: gl.constexpr = 64):  # fmt: skip
+        # Warp group 1's share of pair k; MASK as in _wg0_pair. ISSUE = wg: the copies of
+        # the parts it uses last (the next pair's tile into the block-table's rows).
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         dt: gl.constexpr = q_lat.dtype
         phase = k & 1
         n0 = start + (2 * k + 1) * _BN
+        if ISSUE == _ISSUE_WG:
+            more = k + 1 < n_pairs
+            rows_a = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
+            rows_b = _tile_rows(BT, bt_row, n0 + 2 * _BN, last_page, PAGE, BOX_ROWS)
         s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma, EARLY)
         # Tile A with warp group 0's probabilities while S_B is in flight.
         mbarrier.wait(pa_bar, phase)
@@ -230,8 +256,13 @@ if HAS_GLUON:
                               o2 * alpha_a[:, None], o3 * alpha_a[:, None])  # fmt: skip
         if EARLY:
             s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
-            mbarrier.arrive(k_free.index(_FREE_HI))
-            mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
+            if ISSUE == _ISSUE_WG:
+                # Tile B's rope piece first (its scores take it first), then A's half.
+                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, _LAT, _LAT + 1, more)
+                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, _LAT // 2, _LAT, more)
+            else:
+                mbarrier.arrive(k_free.index(_FREE_HI))
+                mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
         else:
             s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
             if ISSUE >= _ISSUE_LOADER:
@@ -262,7 +293,11 @@ if HAS_GLUON:
                               o0 * alpha[:, None], o1 * alpha[:, None],
                               o2 * alpha[:, None], o3 * alpha[:, None])  # fmt: skip
         if EARLY:
-            o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_HI)
+            if ISSUE == _ISSUE_WG:
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, _LAT // 2, _LAT, more)
+            else:
+                o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_HI)
         else:
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(k_free.index(1))
@@ -276,11 +311,13 @@ if HAS_GLUON:
                  PEEL: gl.constexpr, FUSED: gl.constexpr, OWN_REGS: gl.constexpr,
                  EARLY: gl.constexpr, SPREAD: gl.constexpr, TRACE: gl.constexpr,
                  TRACE_BUF, PZERO: gl.constexpr = False, SCALE_P: gl.constexpr = False,
-                 KV_SCALE=None, FP8: gl.constexpr = False):  # fmt: skip
+                 KV_SCALE=None, FP8: gl.constexpr = False, c_desc=None, BT=None, bt_row=0,
+                 PAGE: gl.constexpr = 64, BOX_ROWS: gl.constexpr = 64):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        last_page = gl.maximum(end - 1, 0) // PAGE  # (ISSUE = wg: the copies' last page)
         m_i = gl.full([_BH], float("-inf"), gl.float32, row_l)  # SCALE_P: the last pair's max
         l_i = gl.zeros([_BH], gl.float32, row_l)
         o0 = gl.zeros([_BH, _BC], gl.float32, mma)
@@ -296,7 +333,8 @@ if HAS_GLUON:
             for k in range(n_full):
                 l_i, o0, o1, o2, o3 = _wg1_pair(
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
+                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY, PZERO,
+                    n_pairs, c_desc, BT, bt_row, last_page, PAGE, BOX_ROWS)  # fmt: skip
         for k in range(n_full, n_pairs):
             if SCALE_P:
                 m_i, l_i, o0, o1, o2, o3 = _wg1_pair_sp(
@@ -306,7 +344,7 @@ if HAS_GLUON:
                 l_i, o0, o1, o2, o3 = _wg1_pair(
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
                     p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY,
-                    PZERO)  # fmt: skip
+                    PZERO, n_pairs, c_desc, BT, bt_row, last_page, PAGE, BOX_ROWS)  # fmt: skip
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, _fp8_out_sums(l_i, KV_SCALE, FP8), OUT, out_row, HALF_COL,
                     stride_oh, mma)  # fmt: skip
