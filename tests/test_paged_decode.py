@@ -830,14 +830,15 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
 @pytest.mark.parametrize(
     "variant",
     ["loader-r232-early-pz-sp", "loader2-r232-early-pz-sp", "loader-r232-early-pz-sp-refill",
-     "wg-early"],
+     "wg-early", "loader-r232-early-halves", "wg-early-halves"],
 )  # fmt: skip
 def test_gpu_gluon_mla_scale_p_matches_reference_at_tile_edges(variant, bs):
-    # P_A rescaled to tile B's max by warp group 0 (scale_p), and the copies issued by the
-    # compute warp groups (wg-early): lengths that end mid-tile, on a
-    # tile boundary and one row into a tile, odd tile counts per split (a phantom tile B whose
-    # keys are all masked), splits left empty, NaN in every unwritten slot: the 2x rule, and
-    # the same result on a second launch (no state left in the barriers).
+    # P_A rescaled to tile B's max by warp group 0 (scale_p), the copies issued by the
+    # compute warp groups (wg-early), a latent half as one copy (-halves): lengths that end
+    # mid-tile, on a tile boundary and one row into a tile, odd tile counts per split (a
+    # phantom tile B whose keys are all masked), splits left empty, NaN in every unwritten
+    # slot: the 2x rule, and the same result on a second launch (no state left in the
+    # barriers).
     _require_gluon()
     from cp_modules.kernels.decode.mla_gluon import (
         GLUON_MLA_VARIANTS,
@@ -900,6 +901,12 @@ def test_gluon_mla_config_is_validated():
     with pytest.raises(ValueError, match="producer_zeroing needs TMA producer warps"):
         GluonMLAConfig(issue="wg", early_release=True, producer_zeroing=True)
     assert GluonMLAConfig(issue="wg", early_release=True).constexprs()["ISSUE"] == 5
+    for bad in (dict(issue="loader2", early_release=True), dict(issue="loader"),
+                dict(issue="loader", early_release=True, producer_zeroing=True)):
+        with pytest.raises(ValueError, match="half_copies needs early_release"):
+            GluonMLAConfig(half_copies=True, **bad)
+    halves = GluonMLAConfig(issue="wg", early_release=True, half_copies=True)
+    assert halves.constexprs()["HALVES"] and not GluonMLAConfig().constexprs()["HALVES"]
     # One producer warp refilling each buffer in parts and zeroing the rows past the range
     # (measured fastest at both sizes).
     for bs in (16, 64):

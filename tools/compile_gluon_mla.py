@@ -46,7 +46,7 @@ def _signature(page: int, partial: bool, splits: int | None, fp8: bool = False):
                                     "PEEL", "WG1_REGS", "LOADER_REGS", "FUSED",
                                     "OWN_REGS", "EARLY", "SPREAD", "TRACE", "PZERO",
                                     "SCALE_P", "SP_REFILL", "FP8", "CONV_WARPS",
-                                    "CONV_REGS")},
+                                    "CONV_REGS", "HALVES")},
     }  # fmt: skip
     attrs, spec_consts = {}, {}
     if splits:
@@ -96,11 +96,18 @@ def compile_sm90(
 
         warps, regs = conv or (mc.FP8_CONVERT_WARPS, mc.FP8_CONVERT_REGS)
         sig["c_desc"] = f"tensordesc<u8[{box}, 64],{m._fp8_smem_layout()!r}>"
+        sig["h_desc"] = "constexpr"
         spec_consts.update({"FP8": True, "CONV_WARPS": warps, "CONV_REGS": regs})
     else:
         sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
+        # The half-tile descriptor ([piece, row, column]; read with half_copies only).
+        h_layout = m.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        sig["h_desc"] = (f"tensordesc<bf16[4, {box}, 64],{h_layout!r}>" if cfg.half_copies
+                         else "constexpr")  # fmt: skip
         spec_consts.update({"FP8": False, "CONV_WARPS": 4, "CONV_REGS": 48})
     n = splits if splits else 2 if partial else 1
+    if sig["h_desc"] == "constexpr":
+        spec_consts["h_desc"] = None
     constexprs = {"H": 128, "NUM_HEAD_TILES": 2, "PAGE": page, "BOX_ROWS": box,
                   "PARTIAL": partial, "TRACE": False, **spec_consts,
                   **cfg.constexprs(n, spread=cfg.spreads_merge(n, 2 * n, 132)),

@@ -26,7 +26,8 @@ the columns) are in :mod:`cp_modules.kernels.decode.mla_gluon_epilogue`.
 
 Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0,
 each block id looked up next to its copy or a tile's ids first; producer warps; a cp.async
-producer warp group), when a buffer is refilled (once both warp groups are done with it, or in
+producer warp group; each compute warp group the parts it used last), whether a latent half
+lands as one copy (a rank-3 view of the cache) or as 4 pieces, when a buffer is refilled (once both warp groups are done with it, or in
 parts: rope piece, then each latent half, with the scores taking the pieces in that order),
 who zeroes the rows past the range, whether a split's last pair is peeled off, and
 (``scale_p``) whether warp group 1's softmax starts from tile A's max, with P_A rescaled by
@@ -103,6 +104,7 @@ if HAS_GLUON:
         _BN,
         _ISSUE_ASYNC,
         _ISSUE_LOADER,
+        _ISSUE_WG,
         _LANDED,
         _LAT,
         _mla_loader,
@@ -111,7 +113,7 @@ if HAS_GLUON:
     from cp_modules.kernels.decode.mla_gluon_wg import _mla_wg0, _mla_wg1
 
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _paged_mla_gluon_kernel(q_desc, c_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER, TRACE_BUF,
+    def _paged_mla_gluon_kernel(q_desc, c_desc, h_desc, CACHE, BT, SEQ_IDX, KV_LEN, OUT, LSE, FOUT, FLSE, COUNTER, TRACE_BUF,
                                 KV_SCALE, qk_scale, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                                 stride_ls, stride_btr, max_kv_len, num_splits,
                                 H: gl.constexpr, NUM_HEAD_TILES: gl.constexpr, PAGE: gl.constexpr,
@@ -124,7 +126,8 @@ if HAS_GLUON:
                                 PZERO: gl.constexpr = False,
                                 SCALE_P: gl.constexpr = False, SP_REFILL: gl.constexpr = False,
                                 FP8: gl.constexpr = False, CONV_WARPS: gl.constexpr = 2,
-                                CONV_REGS: gl.constexpr = 24):  # fmt: skip
+                                CONV_REGS: gl.constexpr = 24,
+                                HALVES: gl.constexpr = False):  # fmt: skip
         pid = gl.program_id(0)
         split = gl.program_id(1)
         t = pid // NUM_HEAD_TILES
@@ -198,6 +201,10 @@ if HAS_GLUON:
             mbarrier.init(k_ready.index(_SPUN if SPREAD else _TICKET), count=1)
 
         bt_row = row * stride_btr
+        # HALVES: one producer warp or the compute warp groups (ISSUE = wg), early release,
+        # the warp groups zeroing the rows past the range.
+        gl.static_assert(not HALVES or (EARLY and not PZERO and not FP8 and not SCALE_P and (
+            ISSUE == _ISSUE_LOADER or ISSUE == _ISSUE_WG)))
         # Warp group 0 issues the copies (inline, hoist), or one producer warp (loader) or two
         # (loader2: each its share of every tile's pieces, the first also Q) do.
         if FP8:
@@ -262,17 +269,19 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
+                                None, False, h_desc, HALVES)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
+                                None, False, c_desc, BT, bt_row, PAGE, BOX_ROWS, h_desc, HALVES)),
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO,
-                                   SP_REFILL)),
+                                   SP_REFILL, h_desc, HALVES)),
                 ],
                 [4, _ASYNC_WARPS if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],
@@ -285,14 +294,15 @@ if HAS_GLUON:
                                 out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
                                 bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
                                 num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P)),
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
+                                None, False, h_desc, HALVES)),
                     (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
                                 k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
                                 out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
                                 COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
                                 NUM_HEAD_TILES, ISSUE,
                                 PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
-                                None, False, c_desc, BT, bt_row, PAGE, BOX_ROWS)),
+                                None, False, c_desc, BT, bt_row, PAGE, BOX_ROWS, h_desc, HALVES)),
                 ],
                 [4],
                 [WG1_REGS],
@@ -391,8 +401,15 @@ def paged_mla_attention_gluon(
     c2 = cache.view(nb * page, width)
     c_layout = _fp8_smem_layout() if fp8 else layout
     c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], c_layout)
+    h_desc = None  # (a constant: the kernel takes it only with config.half_copies)
+    if config.half_copies:
+        # The cache as [piece, row, column] (a piece: 64 columns): a latent half's 4 pieces
+        # of a box of rows land as one copy in 4 consecutive [rows, 64] tiles.
+        h_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        h_desc = TensorDescriptor(c2, [width // _PIECE, nb * page, _PIECE], [_PIECE, width, 1],
+                                  [4, box_rows, _PIECE], h_layout)  # fmt: skip
     _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
-        q_desc, c_desc, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
+        q_desc, c_desc, h_desc, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
         counters, block_table if trace is None else trace, ks, scale * _LOG2E, *so[:2], so[2],
         *sl[:2], sl[2], block_table.stride(0), max_kv_len, num_splits,
         H=h, NUM_HEAD_TILES=head_tiles, PAGE=page, BOX_ROWS=box_rows,

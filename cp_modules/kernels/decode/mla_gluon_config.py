@@ -111,6 +111,10 @@ class GluonMLAConfig:
             ``scale_p`` frees them (A's rope, B's rope, A's half [0, 256), B's [256, 512), A's
             [256, 512), B's [0, 256)) instead of all of tile A's, then tile B's, so that B's
             early-freed parts do not wait behind A's last one. Not yet run on a GPU.
+        half_copies: (``early_release`` with one TMA producer warp or ``issue="wg"``, not
+            ``producer_zeroing``) each 256-column latent half of a tile lands as one copy per
+            box of rows (a rank-3 view of the cache, [piece, row, column]) on one barrier: 3
+            copies and 3 barrier waits a 64-token tile instead of 9. Not yet run on a GPU.
     """
 
     issue: str = "inline"
@@ -128,6 +132,7 @@ class GluonMLAConfig:
     producer_zeroing: bool = False
     scale_p: bool = False
     sp_refill: bool = False
+    half_copies: bool = False
 
     def __post_init__(self):
         if self.issue not in _ISSUE_MODES:
@@ -170,6 +175,14 @@ class GluonMLAConfig:
             )
         if self.sp_refill and not self.scale_p:
             raise ValueError("GluonMLAConfig.sp_refill needs scale_p")
+        if self.half_copies and not (
+            self.early_release and self.issue in ("loader", "wg") and not self.producer_zeroing
+        ):
+            raise ValueError(
+                "GluonMLAConfig.half_copies needs early_release with issue 'loader' or 'wg' and "
+                f"no producer_zeroing, got issue={self.issue!r}, early_release="
+                f"{self.early_release}, producer_zeroing={self.producer_zeroing}"
+            )
         if self.issue in ("cpasync", "wg") and not self.early_release:
             raise ValueError(
                 f"GluonMLAConfig.issue={self.issue!r} is built with early_release=True only"
@@ -200,7 +213,8 @@ class GluonMLAConfig:
                 "FUSED": self.fuses_merge(num_splits),
                 "OWN_REGS": self.fuses_merge(num_splits) and self.merge_own_from_registers,
                 "EARLY": self.early_release, "SPREAD": spread,
-                "PZERO": self.producer_zeroing, "SCALE_P": self.scale_p, "SP_REFILL": self.sp_refill}  # fmt: skip
+                "PZERO": self.producer_zeroing, "SCALE_P": self.scale_p, "SP_REFILL": self.sp_refill,
+                "HALVES": self.half_copies}  # fmt: skip
 
 
 def _fused(**kw) -> GluonMLAConfig:
@@ -256,6 +270,12 @@ GLUON_MLA_VARIANTS = {
     # No producer: each compute warp group refills the parts it used last right after its
     # product on them (FlashMLA's copies). Built 2026-12-07; not yet run on a GPU.
     "wg-early": GluonMLAConfig(issue="wg", early_release=True),
+    # Each latent half of a tile as one copy (3 copies and barrier waits a tile, not 9), with
+    # one producer warp or with the warp groups' own copies. Built 2026-12-07; not yet run.
+    "loader-r232-early-halves": GluonMLAConfig(
+        issue="loader", wg1_regs=232, early_release=True, half_copies=True
+    ),
+    "wg-early-halves": GluonMLAConfig(issue="wg", early_release=True, half_copies=True),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
     # block size 16 as fast as 64 with it, but +1 % at 16 and -6 % at 64 against the default

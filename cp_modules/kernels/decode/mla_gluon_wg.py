@@ -47,6 +47,7 @@ if HAS_GLUON:
         _LAT,
         _issue_q,
         _issue_tile_by,
+        _issue_tile_halves,
         _pv4,
         _refill,
         _release_pv,
@@ -63,7 +64,8 @@ if HAS_GLUON:
                   k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT, bt_row,
                   last_page, PAGE: gl.constexpr, BOX_ROWS: gl.constexpr, ISSUE: gl.constexpr,
                   MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
-                  PZERO: gl.constexpr = False):  # fmt: skip
+                  PZERO: gl.constexpr = False, h_desc=None,
+                  HALVES: gl.constexpr = False):  # fmt: skip
         # Warp group 0's share of pair k (tiles A = 2k in buffer 0, B = 2k + 1 in buffer 1).
         # MASK: the pair may reach past the range (the last pair); else no masks, no zeroing.
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -77,7 +79,7 @@ if HAS_GLUON:
             more = k + 1 < n_pairs
             rows_a = _tile_rows(BT, bt_row, n0 + 2 * _BN, last_page, PAGE, BOX_ROWS)
             rows_b = _tile_rows(BT, bt_row, n0 + 3 * _BN, last_page, PAGE, BOX_ROWS)
-        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma, EARLY)
+        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 0, phase, mma, EARLY, HALVES)
         if ISSUE < _ISSUE_LOADER:
             if k > 0:
                 # Buffer 1 is free once warp group 1 has finished P_B V_B of the last pair.
@@ -87,7 +89,8 @@ if HAS_GLUON:
         s = warpgroup_mma_wait(0, deps=(s,))
         if EARLY:
             if ISSUE == _ISSUE_WG:
-                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, _LAT, _LAT + 1, more)
+                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, _LAT, _LAT + 1, more,
+                        h_desc, HALVES)  # fmt: skip
             else:
                 mbarrier.arrive(k_free.index(_FREE_ROPE))
         if MASK:
@@ -119,7 +122,8 @@ if HAS_GLUON:
         if EARLY:
             if ISSUE == _ISSUE_WG:
                 o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, 0, _LAT // 2, more)
+                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, 0, _LAT // 2, more,
+                        h_desc, HALVES)  # fmt: skip
             else:
                 o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, _FREE_LO)
         else:
@@ -145,7 +149,8 @@ if HAS_GLUON:
         if EARLY:
             if ISSUE == _ISSUE_WG:
                 o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, 0, _LAT // 2, more)
+                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, 0, _LAT // 2, more,
+                        h_desc, HALVES)  # fmt: skip
             else:
                 o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_LO)
         else:
@@ -163,7 +168,8 @@ if HAS_GLUON:
                  ISSUE: gl.constexpr, PEEL: gl.constexpr, FUSED: gl.constexpr,
                  OWN_REGS: gl.constexpr, EARLY: gl.constexpr, SPREAD: gl.constexpr,
                  TRACE: gl.constexpr, TRACE_BUF, PZERO: gl.constexpr = False,
-                 SCALE_P: gl.constexpr = False, KV_SCALE=None, FP8: gl.constexpr = False):  # fmt: skip
+                 SCALE_P: gl.constexpr = False, KV_SCALE=None, FP8: gl.constexpr = False,
+                 h_desc=None, HALVES: gl.constexpr = False):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -179,10 +185,18 @@ if HAS_GLUON:
             # Warp group 0 also issues the copies: Q, then the first two tiles.
             _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
             if n_pairs > 0:
-                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, start,
-                               last_page, PAGE, BOX_ROWS)  # fmt: skip
-                _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1, start + _BN,
-                               last_page, PAGE, BOX_ROWS)  # fmt: skip
+                if HALVES:
+                    rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
+                    _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, 0, rows,
+                                       BOX_ROWS, 0, False)  # fmt: skip
+                    rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
+                    _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, 1, rows,
+                                       BOX_ROWS, 0, False)  # fmt: skip
+                else:
+                    _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 0, start,
+                                   last_page, PAGE, BOX_ROWS)  # fmt: skip
+                    _issue_tile_by(ISSUE, c_desc, k_lat, k_pe, k_ready, BT, bt_row, 1,
+                                   start + _BN, last_page, PAGE, BOX_ROWS)  # fmt: skip
         _stamp(TRACE_BUF, 0, num_splits, TRACE)
         mbarrier.wait(q_bar, 0)
         if FP8:
@@ -196,7 +210,8 @@ if HAS_GLUON:
                 m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                     k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
                     k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
-                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY, PZERO)  # fmt: skip
+                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, False, mma, EARLY, PZERO, h_desc,
+                    HALVES)  # fmt: skip
         for k in range(n_full, n_pairs):
             if SCALE_P:
                 m_i, l_i, o0, o1, o2, o3 = _wg0_pair_sp(
@@ -206,7 +221,8 @@ if HAS_GLUON:
                 m_i, l_i, o0, o1, o2, o3 = _wg0_pair(
                     k, n_pairs, start, end, qk_scale, m_i, l_i, o0, o1, o2, o3, q_lat, q_pe,
                     k_lat, k_pe, p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, c_desc, BT,
-                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY, PZERO)  # fmt: skip
+                    bt_row, last_page, PAGE, BOX_ROWS, ISSUE, True, mma, EARLY, PZERO, h_desc,
+                    HALVES)  # fmt: skip
         _stamp(TRACE_BUF, 2, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, _fp8_out_sums(l_i, KV_SCALE, FP8), OUT, out_row, 0,
                     stride_oh, mma)  # fmt: skip
@@ -230,7 +246,8 @@ if HAS_GLUON:
                   vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE: gl.constexpr,
                   MASK: gl.constexpr, mma: gl.constexpr, EARLY: gl.constexpr,
                   PZERO: gl.constexpr = False, n_pairs=0, c_desc=None, BT=None, bt_row=0,
-                  last_page=0, PAGE: gl.constexpr = 64, BOX_ROWS: gl.constexpr = 64):  # fmt: skip
+                  last_page=0, PAGE: gl.constexpr = 64, BOX_ROWS: gl.constexpr = 64, h_desc=None,
+                  HALVES: gl.constexpr = False):  # fmt: skip
         # Warp group 1's share of pair k; MASK as in _wg0_pair. ISSUE = wg: the copies of
         # the parts it uses last (the next pair's tile into the block-table's rows).
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -242,7 +259,7 @@ if HAS_GLUON:
             more = k + 1 < n_pairs
             rows_a = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
             rows_b = _tile_rows(BT, bt_row, n0 + 2 * _BN, last_page, PAGE, BOX_ROWS)
-        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma, EARLY)
+        s = _scores(q_lat, q_pe, k_lat, k_pe, k_ready, 1, phase, mma, EARLY, HALVES)
         # Tile A with warp group 0's probabilities while S_B is in flight.
         mbarrier.wait(pa_bar, phase)
         alpha_a = vec_smem.slice(0 * _BH, _BH).load(row_l)
@@ -258,8 +275,10 @@ if HAS_GLUON:
             s, o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(s, o0, o1, o2, o3))
             if ISSUE == _ISSUE_WG:
                 # Tile B's rope piece first (its scores take it first), then A's half.
-                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, _LAT, _LAT + 1, more)
-                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, _LAT // 2, _LAT, more)
+                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, _LAT, _LAT + 1, more,
+                        h_desc, HALVES)  # fmt: skip
+                _refill(c_desc, k_lat, k_pe, k_ready, 0, rows_a, BOX_ROWS, _LAT // 2, _LAT, more,
+                        h_desc, HALVES)  # fmt: skip
             else:
                 mbarrier.arrive(k_free.index(_FREE_HI))
                 mbarrier.arrive(k_free.index(16 + _FREE_ROPE))
@@ -295,7 +314,8 @@ if HAS_GLUON:
         if EARLY:
             if ISSUE == _ISSUE_WG:
                 o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, _LAT // 2, _LAT, more)
+                _refill(c_desc, k_lat, k_pe, k_ready, 1, rows_b, BOX_ROWS, _LAT // 2, _LAT, more,
+                        h_desc, HALVES)  # fmt: skip
             else:
                 o0, o1, o2, o3 = _release_pv(o0, o1, o2, o3, k_free, 16 + _FREE_HI)
         else:
@@ -312,7 +332,8 @@ if HAS_GLUON:
                  EARLY: gl.constexpr, SPREAD: gl.constexpr, TRACE: gl.constexpr,
                  TRACE_BUF, PZERO: gl.constexpr = False, SCALE_P: gl.constexpr = False,
                  KV_SCALE=None, FP8: gl.constexpr = False, c_desc=None, BT=None, bt_row=0,
-                 PAGE: gl.constexpr = 64, BOX_ROWS: gl.constexpr = 64):  # fmt: skip
+                 PAGE: gl.constexpr = 64, BOX_ROWS: gl.constexpr = 64, h_desc=None,
+                 HALVES: gl.constexpr = False):  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16]
         )
@@ -333,8 +354,9 @@ if HAS_GLUON:
             for k in range(n_full):
                 l_i, o0, o1, o2, o3 = _wg1_pair(
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
-                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY, PZERO,
-                    n_pairs, c_desc, BT, bt_row, last_page, PAGE, BOX_ROWS)  # fmt: skip
+                    p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, False, mma, EARLY,
+                    PZERO, n_pairs, c_desc, BT, bt_row, last_page, PAGE, BOX_ROWS, h_desc,
+                    HALVES)  # fmt: skip
         for k in range(n_full, n_pairs):
             if SCALE_P:
                 m_i, l_i, o0, o1, o2, o3 = _wg1_pair_sp(
@@ -344,7 +366,8 @@ if HAS_GLUON:
                 l_i, o0, o1, o2, o3 = _wg1_pair(
                     k, start, end, qk_scale, l_i, o0, o1, o2, o3, q_lat, q_pe, k_lat, k_pe,
                     p_smem, vec_smem, k_ready, k_free, pa_bar, pb_bar, ISSUE, True, mma, EARLY,
-                    PZERO, n_pairs, c_desc, BT, bt_row, last_page, PAGE, BOX_ROWS)  # fmt: skip
+                    PZERO, n_pairs, c_desc, BT, bt_row, last_page, PAGE, BOX_ROWS, h_desc,
+                    HALVES)  # fmt: skip
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
         _store_half(o0, o1, o2, o3, _fp8_out_sums(l_i, KV_SCALE, FP8), OUT, out_row, HALF_COL,
                     stride_oh, mma)  # fmt: skip
