@@ -36,7 +36,8 @@ SCHEDULES = {"base": 1, "hoist": 1, "loader-r232": 2, "loader2-r232": 3, "loader
              "loader2-r232-early-spread": 3, "loader2-r232-early-pz": 3,
              "loader-r232-early-pz": 2, "loader-r232-early-pz-sp": 2,
              "loader2-r232-early-pz-sp": 3, "loader-r232-early-pz-sp-refill": 2,
-             "wg-early": 1, "loader-r232-early-halves": 2, "wg-early-halves": 1}  # fmt: skip
+             "wg-early": 1, "loader-r232-early-halves": 2, "wg-early-halves": 1,
+             "loader-r232-early-pz-halves": 2}  # fmt: skip
 # The split path (partial results) where the schedule runs it: the in-kernel merges, and the
 # default (loader-r232-early-pz), the former default (loader2-r232-early) and the scale_p
 # schedule both ways.

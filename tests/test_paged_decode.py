@@ -830,7 +830,7 @@ def test_gpu_gluon_mla_producer_zeroing_matches_consumer_zeroing(variant, bs):
 @pytest.mark.parametrize(
     "variant",
     ["loader-r232-early-pz-sp", "loader2-r232-early-pz-sp", "loader-r232-early-pz-sp-refill",
-     "wg-early", "loader-r232-early-halves", "wg-early-halves"],
+     "wg-early", "loader-r232-early-halves", "wg-early-halves", "loader-r232-early-pz-halves"],
 )  # fmt: skip
 def test_gpu_gluon_mla_scale_p_matches_reference_at_tile_edges(variant, bs):
     # P_A rescaled to tile B's max by warp group 0 (scale_p), the copies issued by the
@@ -902,7 +902,7 @@ def test_gluon_mla_config_is_validated():
         GluonMLAConfig(issue="wg", early_release=True, producer_zeroing=True)
     assert GluonMLAConfig(issue="wg", early_release=True).constexprs()["ISSUE"] == 5
     for bad in (dict(issue="loader2", early_release=True), dict(issue="loader"),
-                dict(issue="loader", early_release=True, producer_zeroing=True)):
+                dict(issue="loader", early_release=True, producer_zeroing=True, scale_p=True)):
         with pytest.raises(ValueError, match="half_copies needs early_release"):
             GluonMLAConfig(half_copies=True, **bad)
     halves = GluonMLAConfig(issue="wg", early_release=True, half_copies=True)

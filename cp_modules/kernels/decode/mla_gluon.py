@@ -109,6 +109,7 @@ if HAS_GLUON:
         _LAT,
         _mla_loader,
     )
+    from cp_modules.kernels.decode.mla_gluon_halves import _mla_loader_halves
     from cp_modules.kernels.decode.mla_gluon_scale_p import _STATS_A
     from cp_modules.kernels.decode.mla_gluon_wg import _mla_wg0, _mla_wg1
 
@@ -201,10 +202,10 @@ if HAS_GLUON:
             mbarrier.init(k_ready.index(_SPUN if SPREAD else _TICKET), count=1)
 
         bt_row = row * stride_btr
-        # HALVES: one producer warp or the compute warp groups (ISSUE = wg), early release,
-        # the warp groups zeroing the rows past the range.
-        gl.static_assert(not HALVES or (EARLY and not PZERO and not FP8 and not SCALE_P and (
-            ISSUE == _ISSUE_LOADER or ISSUE == _ISSUE_WG)))
+        # HALVES: one producer warp (which may zero the rows past the range) or the compute
+        # warp groups (ISSUE = wg), with early release.
+        gl.static_assert(not HALVES or (EARLY and not FP8 and not SCALE_P and (
+            ISSUE == _ISSUE_LOADER or (ISSUE == _ISSUE_WG and not PZERO))))
         # Warp group 0 issues the copies (inline, hoist), or one producer warp (loader) or two
         # (loader2: each its share of every tile's pieces, the first also Q) do.
         if FP8:
@@ -261,6 +262,31 @@ if HAS_GLUON:
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
             )  # fmt: skip
+        elif HALVES and ISSUE == _ISSUE_LOADER:
+            # One producer warp copying each latent half at once (mla_gluon_halves).
+            gl.warp_specialize(
+                [
+                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
+                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
+                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
+                                None, False, h_desc, HALVES)),
+                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
+                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
+                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
+                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
+                                NUM_HEAD_TILES, ISSUE,
+                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
+                                None, False, c_desc, BT, bt_row, PAGE, BOX_ROWS, h_desc, HALVES)),
+                    (_mla_loader_halves, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start,
+                                          end, n_pairs, q_desc, c_desc, h_desc, BT, bt_row,
+                                          q_row, PAGE, BOX_ROWS, PZERO)),
+                ],
+                [4, 1],
+                [WG1_REGS, LOADER_REGS],
+            )  # fmt: skip
         elif ISSUE == _ISSUE_LOADER or ISSUE == _ISSUE_ASYNC:
             gl.warp_specialize(
                 [
@@ -281,7 +307,7 @@ if HAS_GLUON:
                     (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                                    n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
                                    1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO,
-                                   SP_REFILL, h_desc, HALVES)),
+                                   SP_REFILL)),
                 ],
                 [4, _ASYNC_WARPS if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],

@@ -111,10 +111,11 @@ class GluonMLAConfig:
             ``scale_p`` frees them (A's rope, B's rope, A's half [0, 256), B's [256, 512), A's
             [256, 512), B's [0, 256)) instead of all of tile A's, then tile B's, so that B's
             early-freed parts do not wait behind A's last one. Not yet run on a GPU.
-        half_copies: (``early_release`` with one TMA producer warp or ``issue="wg"``, not
-            ``producer_zeroing``) each 256-column latent half of a tile lands as one copy per
-            box of rows (a rank-3 view of the cache, [piece, row, column]) on one barrier: 3
-            copies and 3 barrier waits a 64-token tile instead of 9. Not yet run on a GPU.
+        half_copies: (``early_release`` with one TMA producer warp, which may zero the rows
+            past the range, or with ``issue="wg"``) each 256-column latent half of a tile
+            lands as one copy per box of rows (a rank-3 view of the cache, [piece, row,
+            column]) on one barrier: 3 copies and 3 barrier waits a 64-token tile instead of
+            9 (:mod:`~cp_modules.kernels.decode.mla_gluon_halves`). Not yet run on a GPU.
     """
 
     issue: str = "inline"
@@ -176,12 +177,12 @@ class GluonMLAConfig:
         if self.sp_refill and not self.scale_p:
             raise ValueError("GluonMLAConfig.sp_refill needs scale_p")
         if self.half_copies and not (
-            self.early_release and self.issue in ("loader", "wg") and not self.producer_zeroing
+            self.early_release and self.issue in ("loader", "wg") and not self.scale_p
         ):
             raise ValueError(
                 "GluonMLAConfig.half_copies needs early_release with issue 'loader' or 'wg' and "
-                f"no producer_zeroing, got issue={self.issue!r}, early_release="
-                f"{self.early_release}, producer_zeroing={self.producer_zeroing}"
+                f"no scale_p, got issue={self.issue!r}, early_release={self.early_release}, "
+                f"scale_p={self.scale_p}"
             )
         if self.issue in ("cpasync", "wg") and not self.early_release:
             raise ValueError(
@@ -276,6 +277,9 @@ GLUON_MLA_VARIANTS = {
         issue="loader", wg1_regs=232, early_release=True, half_copies=True
     ),
     "wg-early-halves": GluonMLAConfig(issue="wg", early_release=True, half_copies=True),
+    "loader-r232-early-pz-halves": GluonMLAConfig(
+        issue="loader", wg1_regs=232, early_release=True, producer_zeroing=True, half_copies=True
+    ),
     # The tiles copied by a producer warp group with cp.async (9 instructions a thread per
     # tile at any block size) instead of TMA (36 copies a tile at block size 16). Measured:
     # block size 16 as fast as 64 with it, but +1 % at 16 and -6 % at 64 against the default

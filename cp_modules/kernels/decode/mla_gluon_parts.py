@@ -141,56 +141,6 @@ if HAS_GLUON:
         return o0, o1, o2, o3
 
     @gluon.jit
-    def _refill(c_desc, k_lat, k_pe, k_ready, buf: gl.constexpr, rows, BOX_ROWS: gl.constexpr,
-                c_lo: gl.constexpr, c_hi: gl.constexpr, more, h_desc=None,
-                HALVES: gl.constexpr = False):  # fmt: skip
-        # ISSUE = wg: pieces [c_lo, c_hi) of buffer ``buf`` (rows: the next tile's box rows)
-        # copied by the warp group that used them last, once its product on them is done;
-        # ``more``: that tile exists (the split has a next pair). No free barrier: each part
-        # has one last user, ordered after every other use by the P hand-offs. HALVES: a
-        # latent half as one copy (_issue_half).
-        if more:
-            if HALVES and c_lo < _LAT:
-                _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, c_lo)
-            else:
-                _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c_lo, c_hi)
-
-    @gluon.jit
-    def _issue_half(h_desc, k_lat, k_ready, buf: gl.constexpr, rows, BOX_ROWS: gl.constexpr,
-                    first: gl.constexpr):
-        # HALVES: latent pieces [first, first + 4) of one tile as one copy per box of rows
-        # ([4, rows, 64] of the cache viewed as [piece, row, column]), on piece first's barrier.
-        # The pieces as one rank-3 view: the same bytes and 128-byte swizzle as their tiles.
-        h_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                      element_bitwidth=16, rank=3)  # fmt: skip
-        bar = k_ready.index(buf * 16 + first)
-        mbarrier.expect(bar, (_LAT // 2) * _BN * _BC * 2)
-        halves = k_lat._reinterpret(k_lat.dtype, [2 * _LAT, _BN, _BC], h_layout)
-        dst = halves.slice(buf * _LAT + first, _LAT // 2, dim=0)
-        for g in gl.static_range(_BN // BOX_ROWS):
-            part = dst
-            if BOX_ROWS < _BN:
-                part = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=1)
-            tma.async_copy_global_to_shared(h_desc, [first, rows[g], 0], bar, part)
-
-    @gluon.jit
-    def _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr,
-                           rows, BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr):  # fmt: skip
-        # HALVES, one producer: a tile's rope piece, then its two latent halves in the order
-        # _scores takes them, each (WAIT) once its free barrier says the last tile is done.
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 16 + _FREE_ROPE), phase)
-        _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, _LAT, _LAT + 1)
-        first: gl.constexpr = buf * (_LAT // 2)
-        second: gl.constexpr = _LAT // 2 - first
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 16 + first), phase)
-        _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, first)
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 16 + second), phase)
-        _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, second)
-
-    @gluon.jit
     def _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr, rows,
                           BOX_ROWS: gl.constexpr, phase, WAIT: gl.constexpr, PART: gl.constexpr,
                           PARTS: gl.constexpr, valid=_BN, PZERO: gl.constexpr = False):  # fmt: skip
@@ -294,34 +244,15 @@ if HAS_GLUON:
                           q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
                           BOX_ROWS: gl.constexpr, PART: gl.constexpr = 0,
                           PARTS: gl.constexpr = 1, PZERO: gl.constexpr = False,
-                          SP_REFILL: gl.constexpr = False, h_desc=None,
-                          HALVES: gl.constexpr = False):  # fmt: skip
+                          SP_REFILL: gl.constexpr = False):  # fmt: skip
         # _mla_loader with EARLY release: tile 2k + 2's parts go into buffer 0 as tile 2k's
         # are freed, then tile 2k + 3's into buffer 1 (SP_REFILL: the two tiles' parts in the
         # order scale_p frees them, _issue_pair_sp). PZERO: a tile reaching past the range
         # (only the last pair's) is zeroed past it once both tiles of its pair are issued.
-        # HALVES (one producer, no PZERO): each latent half as one copy (_issue_tile_halves).
         if PART == 0:
             _issue_q(q_desc, q_lat, q_pe, q_bar, q_row)
         last_page = gl.maximum(end - 1, 0) // PAGE
-        if HALVES:
-            gl.static_assert(PARTS == 1 and not PZERO and not SP_REFILL)
-            if n_pairs > 0:
-                rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
-                _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, 0, rows,
-                                   BOX_ROWS, 0, False)  # fmt: skip
-                rows = _tile_rows(BT, bt_row, start + _BN, last_page, PAGE, BOX_ROWS)
-                _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, 1, rows,
-                                   BOX_ROWS, 0, False)  # fmt: skip
-            for k in range(1, n_pairs):
-                n0 = start + 2 * k * _BN
-                rows_a = _tile_rows(BT, bt_row, n0, last_page, PAGE, BOX_ROWS)
-                rows_b = _tile_rows(BT, bt_row, n0 + _BN, last_page, PAGE, BOX_ROWS)
-                _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, 0, rows_a,
-                                   BOX_ROWS, (k - 1) & 1, True)  # fmt: skip
-                _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, 1, rows_b,
-                                   BOX_ROWS, (k - 1) & 1, True)  # fmt: skip
-        elif n_pairs > 0:
+        if n_pairs > 0:
             rows = _tile_rows(BT, bt_row, start, last_page, PAGE, BOX_ROWS)
             _issue_tile_early(c_desc, k_lat, k_pe, k_ready, k_free, 0, rows, BOX_ROWS, 0, False,
                               PART, PARTS, end - start, PZERO)  # fmt: skip
@@ -361,8 +292,7 @@ if HAS_GLUON:
                     PART: gl.constexpr = 0, PARTS: gl.constexpr = 1,
                     EARLY: gl.constexpr = False, CACHE=None,
                     ASYNC: gl.constexpr = False, PZERO: gl.constexpr = False,
-                    SP_REFILL: gl.constexpr = False, h_desc=None,
-                    HALVES: gl.constexpr = False):  # fmt: skip
+                    SP_REFILL: gl.constexpr = False):  # fmt: skip
         # A producer warp (ISSUE = loader): Q, then every tile as soon as its buffer is free
         # (both warp groups done with it: k_free counts two arrivals). The block ids of a tile
         # are looked up before waiting for its buffer. With PARTS producers (loader2), producer
@@ -375,7 +305,7 @@ if HAS_GLUON:
         elif EARLY:
             _mla_loader_early(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,
-                              PARTS, PZERO, SP_REFILL, h_desc, HALVES)  # fmt: skip
+                              PARTS, PZERO, SP_REFILL)  # fmt: skip
         else:
             _mla_loader_tiles(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
                               n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART,

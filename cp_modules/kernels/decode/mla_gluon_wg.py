@@ -47,9 +47,7 @@ if HAS_GLUON:
         _LAT,
         _issue_q,
         _issue_tile_by,
-        _issue_tile_halves,
         _pv4,
-        _refill,
         _release_pv,
         _scores,
         _stamp,
@@ -57,6 +55,7 @@ if HAS_GLUON:
         _tile_rows,
         _zero_rows_past,
     )
+    from cp_modules.kernels.decode.mla_gluon_halves import _issue_tile_halves, _refill
     from cp_modules.kernels.decode.mla_gluon_scale_p import _wg0_pair_sp, _wg1_pair_sp
 
     @gluon.jit
