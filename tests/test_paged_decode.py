@@ -867,6 +867,23 @@ def test_gluon_mla_trace_buffer_is_checked_before_the_launch():
             check_trace_buffer(bad, cpu, 6)
 
 
+def test_gluon_mla_half_tile_view_holds_four_pieces():
+    # The half copies' descriptor views the cache as [piece, row, column]: its box [4, r, 64]
+    # at (c, n, 0) must be pieces c .. c + 3 (64 columns each) of rows n .. n + r - 1, in the
+    # order of the 4 pieces' tiles in shared memory.
+    from cp_modules.kernels.decode.mla_gluon import half_tile_view
+
+    rows = torch.arange(40 * 576, dtype=torch.float32).view(40, 576)
+    shape, strides = half_tile_view(rows)
+    view = rows.as_strided(shape, strides)
+    for first, n, r in ((0, 0, 16), (4, 8, 32), (4, 24, 16)):
+        box = view[first:first + 4, n:n + r, :]
+        want = rows[n:n + r, first * 64:(first + 4) * 64].reshape(r, 4, 64).permute(1, 0, 2)
+        assert torch.equal(box, want)
+    with pytest.raises(ValueError, match="multiple of 64 contiguous columns"):
+        half_tile_view(rows[:, :100])
+
+
 def test_gluon_mla_config_is_validated():
     from cp_modules.kernels.decode.mla_gluon_config import (
         GluonMLAConfig,

@@ -80,6 +80,7 @@ __all__ = [
     "default_gluon_mla_config",
     "gluon_mla_fp8_supported",
     "gluon_mla_supported",
+    "half_tile_view",
     "merge_counters",
     "paged_mla_attention_gluon",
     "reserve_merge_counters",
@@ -335,6 +336,16 @@ if HAS_GLUON:
             )  # fmt: skip
 
 
+def half_tile_view(rows: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Shape and strides (elements) of the cache rows ``rows`` [N, W] viewed as [piece, row,
+    column] with pieces of 64 columns: the half copies' descriptor (``half_copies``), whose box
+    [4, r, 64] at (c, n, 0) holds the pieces c .. c + 3 of rows n .. n + r - 1."""
+    n, width = rows.shape
+    if width % _PIECE or rows.stride(1) != 1:
+        raise ValueError(f"cache rows of a multiple of {_PIECE} contiguous columns, got {width}")
+    return [width // _PIECE, n, _PIECE], [_PIECE, rows.stride(0), 1]
+
+
 def _smem_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -432,8 +443,8 @@ def paged_mla_attention_gluon(
         # The cache as [piece, row, column] (a piece: 64 columns): a latent half's 4 pieces
         # of a box of rows land as one copy in 4 consecutive [rows, 64] tiles.
         h_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-        h_desc = TensorDescriptor(c2, [width // _PIECE, nb * page, _PIECE], [_PIECE, width, 1],
-                                  [4, box_rows, _PIECE], h_layout)  # fmt: skip
+        shape, strides = half_tile_view(c2)
+        h_desc = TensorDescriptor(c2, shape, strides, [4, box_rows, _PIECE], h_layout)
     _paged_mla_gluon_kernel[(t * head_tiles, num_splits)](
         q_desc, c_desc, h_desc, cache, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, out, lse,
         counters, block_table if trace is None else trace, ks, scale * _LOG2E, *so[:2], so[2],
