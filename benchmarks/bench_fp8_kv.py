@@ -41,7 +41,7 @@ Rows (flat, in ``metrics["rows"]``; results in ``benchmarks/results/fp8-kv-<date
   split 8 ways by tensor parallelism (memory-bound). On sm_90 the op runs the register-operand
   Gluon kernel there (``mla_regs_gluon.FP8_REGS_GLUON``); rows ``variant REGS_GLUON=True ...``
   time its other settings (stages, programs an SM, ``REGS_VECTOR_STORE``,
-  ``REGS_Q_ONE_PASS``), rows
+  ``REGS_Q_ONE_PASS``, ``REGS_SPREAD_MERGE``), rows
   ``variant TOKENS_GLUON=<True/False> ...`` the warp-specialised Gluon kernel and the Triton
   kernels with the register-operand kernel's routing off.
 - ``fp8 KV logits error / bf16 KV logits error (vs fp32) <model>`` (Llama-3-8B, Qwen2.5-7B,
@@ -384,6 +384,11 @@ def mla_rows(shapes, heads: int, rows: dict, checks: dict) -> bool:
                          flag="FP8_REGS_GLUON", value=True,
                          also={"REGS_VECTOR_STORE": True, "REGS_Q_ONE_PASS": True,
                                **route})  # fmt: skip
+                # The split merge inside the kernel (where the launch has splits and at most
+                # one program an SM; elsewhere this row times the default).
+                _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
+                         flag="FP8_REGS_GLUON", value=True,
+                         also={"REGS_SPREAD_MERGE": True, **route})  # fmt: skip
                 if heads > 16:  # one program for all the heads (32 a tile)
                     _variant(mla_regs_gluon, k, fp8, ref8, args, t16, read8, rows, checks,
                              flag="FP8_REGS_GLUON", value=True,

@@ -5,6 +5,7 @@ against the fp32 reference, the op's routing and CUDA-graph replays on the GPU."
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from test_mla_tokens_gluon import (
     ROPE,
     _check,
     _gpu_ok,
+    _inputs,
     check_edges_twice,
     check_falls_back,
     check_query_magnitudes,
@@ -78,7 +80,14 @@ for q1 in (False, True):
     ptx = compile_regs_sm90(64, True, 16, 2, q_one_pass=q1).asm["ptx"]
     loads.append([ptx.count("ld.global.v4.b32"), ptx.count("ld.global.b32"),
                   ptx.count("ld.global.b16")])
-print(json.dumps([out, traced, stores, loads]))
+spread = []
+for splits in (0, 128, 16, 3):  # (0: the merge launch)
+    k = compile_regs_sm90(64, True, 16, 2, spread_splits=splits)
+    ptx = k.asm["ptx"]
+    spread.append([splits, k.metadata.shared, ptx.count("gpu.release.add"),
+                   ptx.count("gpu.acquire"), ptx.count("ld.global.cg.v4"),
+                   ptx.count("wgmma.mma_async")])
+print(json.dumps([out, traced, stores, loads, spread]))
 """
 
 
@@ -95,7 +104,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows, traced, stores, loads = json.loads(done.stdout.strip().splitlines()[-1])
+    rows, traced, stores, loads, spread = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r[0] for r in rows] == [64, 16, 12]
     assert traced == 5, traced  # the timeline's five stamps (a probe's build)
     for _page, _shared, wgmma, cvt, _cp_async, lds in rows:
@@ -119,6 +128,35 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     # latent, 1 of the rope).
     two, one = loads
     assert two[0] == 0 and two[1] >= 2 * 32 + 7 and one == [9, 7, 0], loads
+    # REGS_SPREAD_MERGE (mla_regs_spread): the same shared memory and products; a release
+    # ticket and acquire reads of the counter (the compiler makes the waits' "add 0" a load)
+    # appear only with it, and its partials are read from L2 in 16-byte vectors.
+    base = spread[0]
+    assert base[2:5] == [0, 0, 0], spread
+    for splits, shared, rel, acq, cg, wgmma in spread[1:]:
+        assert shared == base[1] and wgmma == base[5], spread
+        assert rel >= 1 and acq >= 1 and cg >= 1, spread
+
+
+def test_spread_merge_blocks_cover_the_columns_once():
+    # The spread merge's blocks: S_P2 x columns = 512 for 2 to 128 splits, 64 values a thread
+    # in its [S_P2, 16 heads, columns] layout; blocks c = s (mod S) of 512 / columns cover
+    # every column once over the S programs.
+    from cp_modules.kernels.decode.mla_regs_spread import _merge_layout, spread_block_columns
+
+    for splits in (2, 3, 4, 5, 16, 33, 64, 100, 128):
+        s_p2, cb = spread_block_columns(splits)
+        assert s_p2 >= splits and s_p2 * cb == 512 and s_p2 < 2 * splits
+        lay = _merge_layout(s_p2, cb, 16)
+        per_thread = s_p2 * 16 * cb // 128
+        assert per_thread == 64
+        warp = [a * b for a, b in zip(lay.size_per_thread, lay.threads_per_warp)]
+        assert warp[2] <= cb and warp[1] <= 16 and 32 == math.prod(lay.threads_per_warp)
+        blocks = sorted(c for s in range(splits) for c in range(s, 512 // cb, splits))
+        assert blocks == list(range(512 // cb))
+    for bad in (1, 129):
+        with pytest.raises(ValueError, match="serves 2 to 128 splits"):
+            spread_block_columns(bad)
 
 
 @pytest.mark.skipif(not rg.HAS_GLUON, reason="needs Triton's Gluon")
@@ -180,6 +218,41 @@ def test_gpu_regs_gluon_matches_reference(monkeypatch, bs, heads, splits, stages
     monkeypatch.setattr(rg, "REGS_VECTOR_STORE", vec)
     monkeypatch.setattr(rg, "REGS_Q_ONE_PASS", q1)
     check_edges_twice(paged_mla_regs_gluon, bs, heads, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("bs", [64, 16])
+@pytest.mark.parametrize("heads", [16, 8, 20])
+@pytest.mark.parametrize("splits", [2, 3, 5, 16])
+def test_gpu_regs_gluon_spread_merge_matches_reference(monkeypatch, bs, heads, splits):
+    """REGS_SPREAD_MERGE: the splits merged inside the kernel, spread over each row's programs
+    (a cooperative launch; no merge launch): the edge lengths (empty splits and an empty row,
+    NaN slots) against the reference, the same bits on a second launch (the counters reset
+    themselves); one query over 128 splits (4-column blocks, half the splits empty)."""
+    monkeypatch.setattr(rg, "REGS_SPREAD_MERGE", True)
+
+    def no_merge_launch(*args, **kwargs):
+        raise AssertionError("the spread merge launched the separate merge")
+
+    monkeypatch.setattr(rg, "merge_splits_triton", no_merge_launch)
+    check_edges_twice(paged_mla_regs_gluon, bs, heads, splits)
+    if splits == 16:
+        q, cache, bt, rows, lens_t, sc = _inputs(bs, heads, [4097], dev="cuda", seed=5)
+        for _ in range(2):
+            out, lse = paged_mla_regs_gluon(q, cache, bt, rows, lens_t, 0.07, RK, 128,
+                                            kv_scale=sc)  # fmt: skip
+            _check(out, lse, q, cache, bt, rows, lens_t, sc, 0.07)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs an sm_90 GPU")
+def test_gpu_regs_gluon_spread_merge_replays_in_a_graph(monkeypatch):
+    """The spread merge routed by the op and replayed from a CUDA graph with new lengths (the
+    counters reset by each launch's last program)."""
+    monkeypatch.setattr(rg, "FP8_REGS_GLUON", True)
+    monkeypatch.setattr(rg, "REGS_SPREAD_MERGE", True)
+    check_routed_and_replayed(paged_mla_regs_gluon)
 
 
 @pytest.mark.gpu

@@ -67,21 +67,29 @@ def compile_regs_sm90(
     trace: bool = False,
     vec_store: bool | None = None,
     q_one_pass: bool | None = None,
+    spread_splits: int = 0,
 ):
     """The register-operand kernel, as :func:`compile_sm90` (``trace``: with its timeline
-    stamps; ``vec_store``: its vector-store epilogue, None: ``REGS_VECTOR_STORE``)."""
+    stamps; ``vec_store``: its vector-store epilogue, None: ``REGS_VECTOR_STORE``;
+    ``spread_splits`` S > 1: the split merge spread over the programs, for S splits)."""
     fn = mr._mla_regs_gluon_kernel
     sig = {"Q": "*bf16", "C8": "*u8", "BT": "*i32", "SEQ_IDX": "*i32", "KV_LEN": "*i32",
            "OUT": "*fp32" if partial else "*bf16", "LSE": "*fp32", "KV_SCALE": "*fp32",
            "qk_scale": "fp32", **{k: "i32" for k in _INTS}, "TRACE_BUF": "*i64",
+           "COUNTER": "*i32", "FOUT": "*bf16", "FLSE": "*fp32",
+           **{k: "i32" for k in ("stride_fot", "stride_foh", "stride_flt", "stride_flh")},
            **{k: "constexpr" for k in ("H", "BH", "PAGE", "PARTIAL", "STAGES", "VEC_STORE", "OUT_L",
-                                       "Q_ONE_PASS", "Q_L", "TRACE")}}  # fmt: skip
+                                       "Q_ONE_PASS", "Q_L", "TRACE", "SPREAD", "CB", "S_P2",
+                                       "MERGE_L")}}  # fmt: skip
     consts = {"H": bh, "BH": bh, "PAGE": page, "PARTIAL": partial,
               "STAGES": stages or mr.REGS_STAGES,
               "VEC_STORE": mr.REGS_VECTOR_STORE if vec_store is None else vec_store,
               "OUT_L": mr._out_layout(bh), "TRACE": trace,
               "Q_ONE_PASS": mr.REGS_Q_ONE_PASS if q_one_pass is None else q_one_pass}  # fmt: skip
     consts["Q_L"] = mr._q_layout(bh) if consts["Q_ONE_PASS"] else None
+    s_p2, cb = mr.spread_block_columns(spread_splits) if spread_splits > 1 else (1, 4)
+    consts.update({"SPREAD": spread_splits > 1, "CB": cb, "S_P2": s_p2,
+                   "MERGE_L": mr._merge_layout(s_p2, cb, bh) if spread_splits > 1 else None})  # fmt: skip
     return _build(fn, sig, consts, "C8")
 
 
@@ -97,9 +105,12 @@ def main() -> None:
         stages = int(os.environ["STAGES"]) if "STAGES" in os.environ else None
         vec = os.environ["VEC_STORE"] == "1" if "VEC_STORE" in os.environ else None
         q1 = os.environ["Q_ONE_PASS"] == "1" if "Q_ONE_PASS" in os.environ else None
-        k = compile_regs_sm90(page, partial, bh, stages, vec_store=vec, q_one_pass=q1)
+        spread = int(os.environ.get("SPREAD", "0"))  # S > 1: the spread merge for S splits
+        k = compile_regs_sm90(page, partial, bh, stages, vec_store=vec, q_one_pass=q1,
+                              spread_splits=spread)  # fmt: skip
         tag = "_vec" if (mr.REGS_VECTOR_STORE if vec is None else vec) else ""
         tag += "_q1" if (mr.REGS_Q_ONE_PASS if q1 is None else q1) else ""
+        tag += f"_spread{spread}" if spread > 1 else ""
         stem = out / f"regs_bs{page}_partial{int(partial)}_h{bh}_s{stages or mr.REGS_STAGES}{tag}"
     else:
         k = compile_sm90(page, partial, bh, regs, pipe)

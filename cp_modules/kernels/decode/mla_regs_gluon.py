@@ -41,7 +41,8 @@ swizzle and one [64, 64] plane (rope); both read patterns are free of bank confl
 
 Each head's scores are multiplied by ``scale * log2(e) * kv_scale * 2**-shift`` (Q's rows
 scaled by a power of two as in :mod:`~.mla_gluon_fp8`), the output by ``kv_scale / l``. Splits
-and their merge as in :mod:`~.mla` (base-2 LSEs for the merge).
+and their merge as in :mod:`~.mla` (base-2 LSEs for the merge); with :data:`REGS_SPREAD_MERGE`
+the merge runs inside the kernel, spread over each row's programs (:mod:`~.mla_regs_spread`).
 
 Served (:func:`regs_gluon_supported`): an sm_90 GPU with Gluon, bf16/fp16 queries, an fp8
 (e4m3) cache, at most 32 heads, ``kv_lora_rank`` 512 with a rope width of 64, cache rows of
@@ -57,6 +58,11 @@ import functools
 import torch
 
 from cp_modules.kernels.decode.mla_regs_query import _q_layout
+from cp_modules.kernels.decode.mla_regs_spread import (
+    SPREAD_MAX_SPLITS,
+    _merge_layout,
+    spread_block_columns,
+)
 from cp_modules.kernels.decode.mla_tokens_gluon import few_heads_fp8_refusal, few_heads_outputs
 from cp_modules.kernels.decode.paged import _LOG2E
 from cp_modules.kernels.decode.tiles import _num_sms, _split_buffers, choose_mla_num_splits
@@ -83,6 +89,7 @@ __all__ = [
     "REGS_HEAD_TILE",
     "REGS_PROGRAMS_PER_SM",
     "REGS_ROUTE_MAX_HEADS",
+    "REGS_SPREAD_MERGE",
     "REGS_STAGES",
     "choose_regs_splits",
     "paged_mla_regs_gluon",
@@ -118,6 +125,10 @@ _REGS_COST = {1: (1.8, 16.0), 2: (3.3, 25.0)}
 # The op's routing sends at most this many heads here (more: the warp-specialised kernel, which
 # was faster at 32 heads on an H100 than two 16-head programs or one 32-head program).
 REGS_ROUTE_MAX_HEADS = 16
+# Several splits and at most one program an SM (B=1 128k, B=8 32k at 16 heads): the split merge
+# inside the kernel, spread over the row's programs (a cooperative launch; mla_regs_spread),
+# instead of the merge launch. Off until timed (built 2026-12-07, not yet run on a GPU).
+REGS_SPREAD_MERGE = False
 _TILE = 64  # tokens a tile (the wgmma's M for the scores)
 
 if HAS_GLUON:
@@ -126,6 +137,7 @@ if HAS_GLUON:
     from cp_modules.kernels.decode.mla_gluon_parts import _stamp
     from cp_modules.kernels.decode.mla_gluon_parts import _sync_warp_group as _sync
     from cp_modules.kernels.decode.mla_regs_query import _q_perm, _q_perm1
+    from cp_modules.kernels.decode.mla_regs_spread import _regs_spread_merge
     from cp_modules.kernels.decode.mla_tokens_gluon import (
         _online_softmax,
         _page_rows,
@@ -291,12 +303,15 @@ if HAS_GLUON:
     def _mla_regs_gluon_kernel(Q, C8, BT, SEQ_IDX, KV_LEN, OUT, LSE, KV_SCALE, qk_scale,
                                stride_qt, stride_qh, stride_cb, stride_cs, stride_btr,
                                stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                               stride_ls, max_kv_len, num_splits, TRACE_BUF,
+                               stride_ls, max_kv_len, num_splits, TRACE_BUF, COUNTER, FOUT, FLSE,
+                               stride_fot, stride_foh, stride_flt, stride_flh,
                                H: gl.constexpr, BH: gl.constexpr, PAGE: gl.constexpr,
                                PARTIAL: gl.constexpr, STAGES: gl.constexpr,
                                VEC_STORE: gl.constexpr, OUT_L: gl.constexpr,
                                Q_ONE_PASS: gl.constexpr = False, Q_L: gl.constexpr = None,
-                               TRACE: gl.constexpr = False):  # fmt: skip
+                               TRACE: gl.constexpr = False, SPREAD: gl.constexpr = False,
+                               CB: gl.constexpr = 4, S_P2: gl.constexpr = 128,
+                               MERGE_L: gl.constexpr = None):  # fmt: skip
         # TRACE: the global timer into the program's 8 trace slots (head tile 0's programs): 0 at
         # the start, 1 the query stored, 2 the first tile landed, 3 the loop done, 4 the end; 6
         # the SM.
@@ -410,6 +425,15 @@ if HAS_GLUON:
             lse2 = lse2 * 0.6931471805599453
         lse_base = t64 * stride_lt + split * stride_ls + h0 * stride_lh
         gl.store(LSE + lse_base + hl.to(gl.int64) * stride_lh, lse2, mask=hl < n_heads)
+        if SPREAD:
+            # The row's splits merged here, spread over its programs (mla_regs_spread).
+            _regs_spread_merge(COUNTER, t * gl.num_programs(2) + gl.program_id(2), split,
+                               num_splits, OUT, t64 * stride_ot + h0 * stride_oh, LSE,
+                               t64 * stride_lt + h0 * stride_lh, stride_oh, stride_os,
+                               stride_lh, stride_ls, n_heads, FOUT,
+                               t64 * stride_fot + h0 * stride_foh, stride_foh, FLSE,
+                               t64 * stride_flt + h0 * stride_flh, stride_flh, BH, CB, S_P2,
+                               MERGE_L)  # fmt: skip
         _stamp(TRACE_BUF, 4, num_splits, TRACE)
 
 
@@ -497,15 +521,26 @@ def paged_mla_regs_gluon(
     if kv_scale is None:
         kv_scale = torch.ones(1, dtype=torch.float32, device=cache.device)
     c8 = cache.view(torch.uint8)
+    programs = t * num_splits * head_tiles
+    spread = (REGS_SPREAD_MERGE and 1 < num_splits <= SPREAD_MAX_SPLITS
+              and programs <= _num_sms(q.device))  # fmt: skip
+    s_p2, cb = spread_block_columns(num_splits) if spread else (1, 4)
+    counters = block_table  # (read only by the spread merge)
+    if spread:
+        from cp_modules.kernels.decode.mla_gluon_config import merge_counters
+
+        counters = merge_counters(q.device, t * head_tiles)
     _mla_regs_gluon_kernel[(t, num_splits, head_tiles)](
         q, c8, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
-        *so, *sl, max_kv_len, num_splits, kv_scale if trace is None else trace,
+        *so, *sl, max_kv_len, num_splits, kv_scale if trace is None else trace, counters, out,
+        lse, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         H=h, BH=bh, PAGE=page, PARTIAL=num_splits > 1, STAGES=REGS_STAGES,
         VEC_STORE=REGS_VECTOR_STORE, OUT_L=_out_layout(bh), Q_ONE_PASS=REGS_Q_ONE_PASS,
         Q_L=_q_layout(bh) if REGS_Q_ONE_PASS else None, TRACE=trace is not None,
-        num_warps=4,
+        SPREAD=spread, CB=cb, S_P2=s_p2, MERGE_L=_merge_layout(s_p2, cb, bh) if spread else None,
+        num_warps=4, launch_cooperative_grid=spread,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not spread:
         merge_splits_triton(o_buf, l_buf, out, lse)
     return out, lse
