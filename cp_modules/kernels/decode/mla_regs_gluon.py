@@ -57,6 +57,7 @@ import functools
 
 import torch
 
+from cp_modules.kernels.decode.arrival_counters import merge_counters
 from cp_modules.kernels.decode.mla_regs_query import _q_layout
 from cp_modules.kernels.decode.mla_regs_spread import (
     SPREAD_MAX_SPLITS,
@@ -525,11 +526,7 @@ def paged_mla_regs_gluon(
     spread = (REGS_SPREAD_MERGE and 1 < num_splits <= SPREAD_MAX_SPLITS
               and programs <= _num_sms(q.device))  # fmt: skip
     s_p2, cb = spread_block_columns(num_splits) if spread else (1, 4)
-    counters = block_table  # (read only by the spread merge)
-    if spread:
-        from cp_modules.kernels.decode.mla_gluon_config import merge_counters
-
-        counters = merge_counters(q.device, t * head_tiles)
+    counters = merge_counters(q.device, t * head_tiles) if spread else block_table
     _mla_regs_gluon_kernel[(t, num_splits, head_tiles)](
         q, c8, block_table, query_seq_idx, query_kv_len, o_buf, l_buf, kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), block_table.stride(0),
