@@ -110,7 +110,7 @@ if HAS_GLUON:
         _LAT,
         _mla_loader,
     )
-    from cp_modules.kernels.decode.mla_gluon_halves import _mla_loader_halves
+    from cp_modules.kernels.decode.mla_gluon_halves import _mla_producer
     from cp_modules.kernels.decode.mla_gluon_scale_p import _STATS_A
     from cp_modules.kernels.decode.mla_gluon_wg import _mla_wg0, _mla_wg1
 
@@ -263,31 +263,6 @@ if HAS_GLUON:
                 [4, 1, 1],
                 [WG1_REGS, LOADER_REGS, LOADER_REGS],
             )  # fmt: skip
-        elif HALVES and ISSUE == _ISSUE_LOADER:
-            # One producer warp copying each latent half at once (mla_gluon_halves).
-            gl.warp_specialize(
-                [
-                    (_mla_wg0, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
-                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, q_desc, c_desc, BT,
-                                bt_row, q_row, FOUT, FLSE, COUNTER, stride_os, stride_ls,
-                                num_splits, H, NUM_HEAD_TILES, PAGE, BOX_ROWS, PARTIAL, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
-                                None, False, h_desc, HALVES)),
-                    (_mla_wg1, (q_lat, q_pe, k_lat, k_pe, p_smem, vec_smem, stats_b, q_bar, k_ready,
-                                k_free, pa_bar, pb_bar, start, end, n_pairs, qk_scale, OUT,
-                                out_row, stride_oh, LSE, lse_row, stride_lh, FOUT, FLSE,
-                                COUNTER, stride_os, stride_ls, num_splits, _LAT * _BC // 2, H,
-                                NUM_HEAD_TILES, ISSUE,
-                                PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
-                                None, False, c_desc, BT, bt_row, PAGE, BOX_ROWS, h_desc, HALVES)),
-                    (_mla_loader_halves, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start,
-                                          end, n_pairs, q_desc, c_desc, h_desc, BT, bt_row,
-                                          q_row, PAGE, BOX_ROWS, PZERO)),
-                ],
-                [4, 1],
-                [WG1_REGS, LOADER_REGS],
-            )  # fmt: skip
         elif ISSUE == _ISSUE_LOADER or ISSUE == _ISSUE_ASYNC:
             gl.warp_specialize(
                 [
@@ -305,10 +280,10 @@ if HAS_GLUON:
                                 NUM_HEAD_TILES, ISSUE,
                                 PEEL, FUSED, OWN_REGS, EARLY, SPREAD, TRACE, TRACE_BUF, PZERO, SCALE_P,
                                 None, False, c_desc, BT, bt_row, PAGE, BOX_ROWS, h_desc, HALVES)),
-                    (_mla_loader, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
-                                   n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, 0,
-                                   1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO,
-                                   SP_REFILL)),
+                    (_mla_producer, (q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start,
+                                     end, n_pairs, q_desc, c_desc, BT, bt_row, q_row, PAGE,
+                                     BOX_ROWS, 0, 1, EARLY, CACHE, ISSUE == _ISSUE_ASYNC, PZERO,
+                                     SP_REFILL, h_desc, HALVES)),
                 ],
                 [4, _ASYNC_WARPS if ISSUE == _ISSUE_ASYNC else 1],
                 [WG1_REGS, LOADER_REGS],

@@ -35,6 +35,7 @@ if HAS_GLUON:
         _LANDED,
         _LAT,
         _issue_q,
+        _mla_loader,
         _issue_rows,
         _sync_warp_group,
         _tile_rows,
@@ -57,17 +58,16 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue_half(h_desc, k_lat, k_ready, buf: gl.constexpr, rows, BOX_ROWS: gl.constexpr,
-                    first: gl.constexpr, LANDED: gl.constexpr = False):
+                    first: gl.constexpr, LANDED=False):
         # HALVES: latent pieces [first, first + 4) of one tile as one copy per box of rows
         # ([4, rows, 64] of the cache viewed as [piece, row, column]), on piece first's barrier
         # (LANDED: on its _LANDED barrier, for PZERO's zeroing).
         # The pieces as one rank-3 view: the same bytes and 128-byte swizzle as their tiles.
         h_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                       element_bitwidth=16, rank=3)  # fmt: skip
+        bar = k_ready.index(buf * 16 + first)
         if LANDED:
             bar = k_ready.index(_LANDED + buf * _LAT + first)
-        else:
-            bar = k_ready.index(buf * 16 + first)
         mbarrier.expect(bar, (_LAT // 2) * _BN * _BC * 2)
         halves = k_lat._reinterpret(k_lat.dtype, [2 * _LAT, _BN, _BC], h_layout)
         dst = halves.slice(buf * _LAT + first, _LAT // 2, dim=0)
@@ -89,25 +89,13 @@ if HAS_GLUON:
             mbarrier.wait(k_free.index(buf * 16 + _FREE_ROPE), phase)
         _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, _LAT, _LAT + 1)
         first: gl.constexpr = buf * (_LAT // 2)
-        second: gl.constexpr = _LAT // 2 - first
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 16 + first), phase)
-        if PZERO:
-            if valid < _BN:
-                _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, first, True)
-            else:
-                _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, first)
-        else:
-            _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, first)
-        if WAIT:
-            mbarrier.wait(k_free.index(buf * 16 + second), phase)
-        if PZERO:
-            if valid < _BN:
-                _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, second, True)
-            else:
-                _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, second)
-        else:
-            _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, second)
+        for h in gl.static_range(2):
+            # (first + 4 h) mod 8: buffer 0's halves [0, 256) then [256, 512), buffer 1's the
+            # other way round
+            if WAIT:
+                mbarrier.wait(k_free.index(buf * 16 + (first + h * (_LAT // 2)) % _LAT), phase)
+            _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS,
+                        (first + h * (_LAT // 2)) % _LAT, PZERO and valid < _BN)  # fmt: skip
 
     @gluon.jit
     def _zero_tail_halves(k_lat, k_ready, valid_a):
@@ -163,3 +151,19 @@ if HAS_GLUON:
                                BOX_ROWS, (k - 1) & 1, True, end - n0 - _BN, PZERO)  # fmt: skip
             if PZERO:
                 _zero_tail_halves(k_lat, k_ready, end - n0)
+
+    @gluon.jit
+    def _mla_producer(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
+                      q_desc, c_desc, BT, bt_row, q_row, PAGE: gl.constexpr,
+                      BOX_ROWS: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr,
+                      EARLY: gl.constexpr, CACHE, ASYNC: gl.constexpr, PZERO: gl.constexpr,
+                      SP_REFILL: gl.constexpr, h_desc, HALVES: gl.constexpr):  # fmt: skip
+        # The producer warps' partition: with HALVES, _mla_loader_halves; else _mla_loader.
+        if HALVES:
+            _mla_loader_halves(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end,
+                               n_pairs, q_desc, c_desc, h_desc, BT, bt_row, q_row, PAGE,
+                               BOX_ROWS, PZERO)  # fmt: skip
+        else:
+            _mla_loader(q_lat, q_pe, k_lat, k_pe, q_bar, k_ready, k_free, start, end, n_pairs,
+                        q_desc, c_desc, BT, bt_row, q_row, PAGE, BOX_ROWS, PART, PARTS, EARLY,
+                        CACHE, ASYNC, PZERO, SP_REFILL)  # fmt: skip
