@@ -147,6 +147,48 @@ def test_mla_decode_reads_the_window_unquantized():
         done = [c + m for c, m in zip(done, num_new)]
 
 
+def test_reference_with_every_key_given_exactly_is_the_unquantized_cache_bit_for_bit():
+    # The CPU path reads the window inside the one reference call (paged_attention_ref's
+    # ``exact``): with every visible key given unquantized, an fp8 cache gives the bf16 cache's
+    # result bit for bit (the same arithmetic); with some, it differs from plain fp8.
+    from cp_modules.reference.paged_decode import paged_attention_ref, paged_mla_attention_ref
+
+    g = torch.Generator().manual_seed(3)
+    nb, bs, hkv, d, t = 6, 8, 2, 16, 3
+    k16 = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
+    v16 = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
+    ks = kv_scale(float(k16.abs().max()) / 448, hkv)
+    vs = kv_scale(float(v16.abs().max()) / 448, hkv)
+    k8, v8 = quantize_fp8(k16, ks), quantize_fp8(v16, vs)
+    bt = torch.randperm(nb, generator=g)[:4].view(1, 4).expand(t, 4).to(torch.int32)
+    rows = torch.zeros(t, dtype=torch.int32)
+    lens = torch.tensor([30, 17, 1], dtype=torch.int32)
+    start = torch.tensor([3, 0, 0], dtype=torch.int32)
+    q = torch.randn(t, 4, d, generator=g).bfloat16()
+    pos = torch.arange(32).expand(t, 32)
+    slot = bt[0].long()[pos // bs] * bs + pos % bs
+    kx, vx = k16.flatten(0, 1)[slot], v16.flatten(0, 1)[slot]
+    every = torch.ones(t, 32, dtype=torch.bool)
+    want = paged_attention_ref(q, k16, v16, bt, rows, lens, 0.25, query_kv_start=start)
+    got = paged_attention_ref(q, k8, v8, bt, rows, lens, 0.25, query_kv_start=start, k_scale=ks,
+                              v_scale=vs, exact=(pos, kx, vx, every))  # fmt: skip
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    plain = paged_attention_ref(q, k8, v8, bt, rows, lens, 0.25, query_kv_start=start,
+                                k_scale=ks, v_scale=vs)  # fmt: skip
+    some = paged_attention_ref(q, k8, v8, bt, rows, lens, 0.25, query_kv_start=start, k_scale=ks,
+                               v_scale=vs, exact=(pos, kx, vx, pos >= 24))  # fmt: skip
+    assert not torch.equal(some[0], plain[0]) and not torch.equal(some[0], want[0])
+    # MLA: one latent head, the values the rows' first kv_lora_rank elements
+    c16 = torch.randn(nb, bs, 24, generator=g).bfloat16()
+    cs = kv_scale(float(c16.abs().max()) / 448, 1)
+    c8 = quantize_fp8(c16, cs)
+    qm = torch.randn(t, 4, 24, generator=g).bfloat16()
+    want = paged_mla_attention_ref(qm, c16, bt, rows, lens, 0.2, 16)
+    got = paged_mla_attention_ref(qm, c8, bt, rows, lens, 0.2, 16, kv_scale=cs,
+                                  exact=(pos, c16.flatten(0, 1)[slot], every))  # fmt: skip
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_window_options_are_checked():
     with pytest.raises(ValueError, match="fp8_recent_tokens"):
         check_exact_window(0, -1)

@@ -17,7 +17,6 @@ from cp_modules.cache.exact_window import (
     WindowRanges,
     gather_cache_rows,
     gather_window,
-    merge_exact,
     window_decode_ranges,
     window_write,
     window_write_index,
@@ -29,7 +28,9 @@ from cp_modules.step import CPStepMetadata, step_entry
 
 __all__ = ["check_window_args", "decode", "decode_with_window", "write_step_window"]
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]]
+# attend(q, kv_len, kv_start) -> (out, lse); attend(q, exact=...) -> the same over the layer's own
+# ranges with the window's rows in place of their fp8 copies (the reference: CPU only).
+Attend = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def check_window_args(
@@ -162,9 +163,11 @@ def decode_with_window(
     softcap: float | None = None,
     mla: tuple[torch.Tensor, int, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of ``q`` [T, Hq, Dk] on this rank's shard: the fp8 kernel on the keys
-    outside the window, merged with the window's keys read unquantized (CPU: the PyTorch
-    reference; CUDA: one Triton launch).
+    """Decode attention of ``q`` [T, Hq, Dk] on this rank's shard, the window's keys read
+    unquantized. CUDA: the fp8 kernel on the keys outside the window, merged with the window's
+    keys by one Triton launch. CPU: one reference call over each query's whole range with the
+    window's rows in place of their fp8 copies (``attend(q, exact=...)``), so that a window
+    over every key gives the unquantized cache's result bit for bit.
 
     ``attend(q, kv_len, kv_start)`` runs the paged kernel on local ranges ``[kv_start, kv_len)``
     (GQA; an MLA kernel gets ``kv_start=None`` and attends ``[0, kv_len)``, the sink tokens'
@@ -183,32 +186,32 @@ def decode_with_window(
 
     r = _per_step(meta, ("read", window, tuple(buf.shape[:2]), sliding_window), ranges)
     assert isinstance(r, WindowRanges)
+    if not q.is_cuda:
+        rows_w = gather_window(buf, r.slots)  # [T, S + R, ...]
+        recent = torch.arange(window.recent, device=q.device)
+        pos = torch.cat((r.sink_local, r.kernel_len.to(torch.int64)[:, None] + recent), dim=1)
+        if mla is None:
+            o, lse = attend(q, exact=(pos, rows_w[:, :, 0], rows_w[:, :, 1], r.valid))
+        else:
+            o, lse = attend(q, exact=(pos, rows_w, r.valid))
+        return o, lse
     out, lse = attend(q, r.kernel_len, None if mla is not None else r.kernel_start)
     sub = None
     if mla is not None and window.sink:
         cache, rk, kv_scale = mla
         assert meta.block_table is not None, "decode reads a KV cache"
-        rows = gather_cache_rows(
-            cache, meta.block_table, meta.decode_seq_idx, r.sink_local, kv_scale, q.dtype
+        sub = (
+            gather_cache_rows(
+                cache, meta.block_table, meta.decode_seq_idx, r.sink_local, kv_scale, q.dtype
+            ),
+            r.sink_valid,
         )
-        sub = (rows, r.sink_valid)
-    if q.is_cuda:
-        gqa = mla is None
-        return window_merge_triton(
-            out, lse, q, buf, r.slots, r.valid, scale, softcap,
-            value_dim=out.shape[-1], value_offset=buf.stride(2) if gqa else 0,
-            sub=None if sub is None else sub[0], sub_valid=None if sub is None else sub[1],
-        )  # fmt: skip
-    rows_w = gather_window(buf, r.slots)  # [T, S + R, ...]
-    if mla is None:
-        return merge_exact(out, lse, q, rows_w[:, :, 0], rows_w[:, :, 1], r.valid, scale, softcap)
-    rk = mla[1]
-    k_add = rows_w[:, :, None, :]  # one latent head
-    kw = {}
-    if sub is not None:
-        k_sub = sub[0][:, :, None, :]
-        kw = dict(k_sub=k_sub, v_sub=k_sub[..., :rk], sub_valid=sub[1])
-    return merge_exact(out, lse, q, k_add, k_add[..., :rk], r.valid, scale, None, **kw)
+    gqa = mla is None
+    return window_merge_triton(
+        out, lse, q, buf, r.slots, r.valid, scale, softcap,
+        value_dim=out.shape[-1], value_offset=buf.stride(2) if gqa else 0,
+        sub=None if sub is None else sub[0], sub_valid=None if sub is None else sub[1],
+    )  # fmt: skip
 
 
 def decode(

@@ -54,6 +54,7 @@ from cp_modules.ops.kv_cache import write_kv_cache
 from cp_modules.ops.paged_decode import paged_attention
 from cp_modules.ops.pcp_attention import check_masking, pcp_prefill_attention
 from cp_modules.ops.pcp_policy import pcp_policy_args, pcp_prefill_attention_backward_cuda
+from cp_modules.reference.paged_decode import paged_attention_ref
 from cp_modules.reference.pcp_attention import PrefillInputs
 from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
@@ -146,7 +147,13 @@ def _gqa_forward(
         idx = meta.local_decode_idx
         kv_start = meta.decode_kv_start(window)
 
-        def attend(qq, kv_len=meta.decode_kv_len, start=kv_start):
+        def attend(qq, kv_len=meta.decode_kv_len, start=kv_start, exact=None):
+            if exact is not None:  # CPU, an fp8 cache's window: its rows in place (reference)
+                return paged_attention_ref(
+                    qq, k_cache, v_cache, meta.block_table, meta.decode_seq_idx, kv_len, scale,
+                    query_kv_start=start, softcap=softcap or None, k_scale=k_scale,
+                    v_scale=v_scale, exact=exact,
+                )  # fmt: skip
             return paged_attention(
                 qq, k_cache, v_cache, meta.block_table, meta.decode_seq_idx, kv_len,
                 scale=scale, query_kv_start=start, softcap=softcap or None, k_scale=k_scale,

@@ -34,6 +34,7 @@ from cp_modules.ops.exact_window import decode as window_decode
 from cp_modules.ops.kv_cache import write_mla_cache
 from cp_modules.ops.paged_decode import paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
+from cp_modules.reference.paged_decode import paged_mla_attention_ref
 from cp_modules.ops.pcp_policy import pcp_policy_args
 from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
@@ -133,7 +134,12 @@ def _mla_forward(
         q_lat = torch.einsum("bhd,hdc->bhc", q_dec[..., :dn], w_uk)
         q_abs = torch.cat((q_lat, q_dec[..., dn:]), dim=-1).contiguous()
 
-        def attend(qq, kv_len=meta.decode_kv_len, start=None):
+        def attend(qq, kv_len=meta.decode_kv_len, start=None, exact=None):
+            if exact is not None:  # CPU, an fp8 cache's window: its rows in place (reference)
+                return paged_mla_attention_ref(
+                    qq, cache, meta.block_table, meta.decode_seq_idx, kv_len, scale, rk,
+                    kv_scale=cache_scale, exact=exact,
+                )  # fmt: skip
             return paged_mla_attention(
                 qq, cache, meta.block_table, meta.decode_seq_idx, kv_len, scale=scale,
                 kv_lora_rank=rk, kernel=meta.runtime.policy.mla_decode, kv_scale=cache_scale,

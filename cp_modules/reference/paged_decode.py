@@ -40,6 +40,7 @@ def paged_attention_ref(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against each query's paged KV range; returns ``(out, lse)``.
 
@@ -55,6 +56,11 @@ def paged_attention_ref(
         query_kv_start: [T] first local token each query sees (sliding windows), or None (0).
         softcap: scores become ``softcap * tanh(scores / softcap)`` before masking, or None.
         k_scale, v_scale: fp8 caches: the fp32 dequantization scales ([Hkv] or [1]).
+        exact: ``(pos, k, v, valid)``: for each query, the keys and values of its local
+            positions ``pos`` [T, n] (where ``valid`` [T, n]) given unquantized
+            (``k`` [T, n, Hkv, Dk], ``v`` [T, n, Hkv, Dv]) in place of the cache's (an fp8
+            cache's bf16 window: :mod:`cp_modules.cache.exact_window`); positions outside a
+            query's range are not read.
 
     Returns:
         out [T, Hq, Dv] in ``q``'s dtype and lse [T, Hq] fp32 (natural log).
@@ -82,6 +88,12 @@ def paged_attention_ref(
         hidden = ~visible[:, :, None, None]
         k = dequantize_fp8(k_cache[blk, j % bs], k_scale, cdt).masked_fill(hidden, 0)
         v = dequantize_fp8(v_cache[blk, j % bs], v_scale, cdt).masked_fill(hidden, 0)
+        if exact is not None:
+            pos = exact[0][t0:t1].to(torch.int64).clamp(0, length - 1)
+            tq = torch.arange(t1 - t0, device=q.device)[:, None].expand_as(pos)
+            sel = exact[3][t0:t1] & visible[tq, pos]
+            k[tq[sel], pos[sel]] = exact[1][t0:t1][sel].to(cdt)
+            v[tq[sel], pos[sel]] = exact[2][t0:t1][sel].to(cdt)
         qc = q[t0:t1].to(cdt).view(t1 - t0, hkv, g, dk)
         s = torch.einsum("thgd,tlhd->thgl", qc, k) * scale
         if softcap:
@@ -114,11 +126,14 @@ def paged_mla_attention_ref(
     query_kv_start: torch.Tensor | None = None,
     softcap: float | None = None,
     kv_scale: torch.Tensor | None = None,
+    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [T, H, R + P] against latent rows [NB, BS, R + P].
 
     Keys are whole latent rows, values their first ``kv_lora_rank`` (R) elements; an fp8 cache
-    is read as ``fp8 * kv_scale`` (one fp32 value, [1]).
+    is read as ``fp8 * kv_scale`` (one fp32 value, [1]). ``exact``: ``(pos, rows, valid)``,
+    latent rows [T, n, R + P] in place of the cache's at local positions ``pos`` [T, n]
+    (:func:`paged_attention_ref`'s ``exact``).
 
     Returns:
         out [T, H, R] in ``q``'s dtype and lse [T, H] fp32 (natural log).
@@ -137,4 +152,7 @@ def paged_mla_attention_ref(
         softcap=softcap,
         k_scale=kv_scale,
         v_scale=kv_scale,
+        exact=None
+        if exact is None
+        else (exact[0], exact[1][:, :, None], exact[1][:, :, None, :kv_lora_rank], exact[2]),
     )
