@@ -8,9 +8,12 @@ paged cache (KIVI's full-precision residual, plus the sink), and each decode que
 - its ``recent`` newest keys (itself included: global positions ``P - recent + 1 .. P``) and
 - the request's first ``sink`` tokens (positions ``0 .. sink - 1``)
 
-from that copy, every other key from the fp8 cache. The paged kernel attends the fp8 range
-only; the window's keys are attended here and merged by their LSEs (exact, as the split and
-DCP combines are). Under DCP every rank does this for the tokens it stores, before the combine.
+from that copy, every other key from the fp8 cache. On CUDA the paged kernel attends the fp8
+range only and the window's keys are merged by their LSEs (exact, as the split and DCP combines
+are; :func:`merge_exact` is that merge's reference); on the CPU one reference call attends the
+whole range with the window's rows in place of their fp8 copies (a window over every key: the
+unquantized cache's result bit for bit). Under DCP every rank does this for the tokens it
+stores, before the combine.
 Measured on SmolLM2-135M: ``docs/experiments/2026-12-02-fp8-kv-scaling.md``.
 
 Layout: one buffer per layer ``[rows + 1, sink + capacity, ...]`` (GQA ``... = 2, Hkv, D``
