@@ -52,16 +52,17 @@ if HAS_GLUON:
         # latent half as one copy (_issue_half).
         if more:
             if HALVES and c_lo < _LAT:
-                _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, c_lo)
+                _issue_half(c_desc, h_desc, k_lat, k_ready, buf, rows, BOX_ROWS, c_lo)
             else:
                 _issue_rows(c_desc, k_lat, k_pe, k_ready, buf, rows, BOX_ROWS, c_lo, c_hi)
 
     @gluon.jit
-    def _issue_half(h_desc, k_lat, k_ready, buf: gl.constexpr, rows, BOX_ROWS: gl.constexpr,
-                    first: gl.constexpr, LANDED=False):
-        # HALVES: latent pieces [first, first + 4) of one tile as one copy per box of rows
-        # ([4, rows, 64] of the cache viewed as [piece, row, column]), on piece first's barrier
-        # (LANDED: on its _LANDED barrier, for PZERO's zeroing).
+    def _issue_half(c_desc, h_desc, k_lat, k_ready, buf: gl.constexpr, rows,
+                    BOX_ROWS: gl.constexpr, first: gl.constexpr, LANDED=False):  # fmt: skip
+        # HALVES: latent pieces [first, first + 4) of one tile on piece first's barrier (LANDED:
+        # on its _LANDED barrier, for PZERO's zeroing): one copy of [4, 64, 64] of the cache
+        # viewed as [piece, row, column] for a 64-row box; for smaller boxes (pages under 64
+        # tokens) a box of each piece (a box's 4 pieces are not contiguous in shared memory).
         # The pieces as one rank-3 view: the same bytes and 128-byte swizzle as their tiles.
         h_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                       element_bitwidth=16, rank=3)  # fmt: skip
@@ -69,13 +70,15 @@ if HAS_GLUON:
         if LANDED:
             bar = k_ready.index(_LANDED + buf * _LAT + first)
         mbarrier.expect(bar, (_LAT // 2) * _BN * _BC * 2)
-        halves = k_lat._reinterpret(k_lat.dtype, [2 * _LAT, _BN, _BC], h_layout)
-        dst = halves.slice(buf * _LAT + first, _LAT // 2, dim=0)
-        for g in gl.static_range(_BN // BOX_ROWS):
-            part = dst
-            if BOX_ROWS < _BN:
-                part = dst.slice(g * BOX_ROWS, BOX_ROWS, dim=1)
-            tma.async_copy_global_to_shared(h_desc, [first, rows[g], 0], bar, part)
+        if BOX_ROWS < _BN:
+            for c in gl.static_range(first, first + _LAT // 2):
+                for g in gl.static_range(_BN // BOX_ROWS):
+                    dst = k_lat.index(buf * _LAT + c).slice(g * BOX_ROWS, BOX_ROWS, dim=0)
+                    tma.async_copy_global_to_shared(c_desc, [rows[g], c * _BC], bar, dst)
+        else:
+            halves = k_lat._reinterpret(k_lat.dtype, [2 * _LAT, _BN, _BC], h_layout)
+            dst = halves.slice(buf * _LAT + first, _LAT // 2, dim=0)
+            tma.async_copy_global_to_shared(h_desc, [first, rows[0], 0], bar, dst)
 
     @gluon.jit
     def _issue_tile_halves(c_desc, h_desc, k_lat, k_pe, k_ready, k_free, buf: gl.constexpr,
@@ -94,7 +97,7 @@ if HAS_GLUON:
             # other way round
             if WAIT:
                 mbarrier.wait(k_free.index(buf * 16 + (first + h * (_LAT // 2)) % _LAT), phase)
-            _issue_half(h_desc, k_lat, k_ready, buf, rows, BOX_ROWS,
+            _issue_half(c_desc, h_desc, k_lat, k_ready, buf, rows, BOX_ROWS,
                         (first + h * (_LAT // 2)) % _LAT, PZERO and valid < _BN)  # fmt: skip
 
     @gluon.jit
