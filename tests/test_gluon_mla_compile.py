@@ -1,6 +1,7 @@
 """The Gluon MLA decode kernel compiled for sm_90 without a GPU (``tools/compile_gluon_mla.py``):
 each way its tiles reach shared memory (``paged_decode_mla_gluon_parts``: copies issued by warp
-group 0 inline or hoisted, by one producer warp, by two, by a cp.async warp group) and each
+group 0 inline or hoisted, by one producer warp, by two, by a cp.async warp group, by each
+compute warp group, or a latent half at once: ``mla_gluon_halves``) and each
 split merge inside the kernel (``paged_decode_mla_gluon_epilogue``: fused, spread) compiles,
 with the partitions its schedule asks for, within the H200's shared memory per block; so does
 the fp8 cache path (``mla_gluon_fp8``). Every case compiles the compute warp groups

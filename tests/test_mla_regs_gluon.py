@@ -133,7 +133,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     # appear only with it, and its partials are read from L2 in 16-byte vectors.
     base = spread[0]
     assert base[2:5] == [0, 0, 0], spread
-    for splits, shared, rel, acq, cg, wgmma in spread[1:]:
+    for _splits, shared, rel, acq, cg, wgmma in spread[1:]:
         assert shared == base[1] and wgmma == base[5], spread
         assert rel >= 1 and acq >= 1 and cg >= 1, spread
 

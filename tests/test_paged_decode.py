@@ -1043,7 +1043,11 @@ def test_gluon_mla_fused_merge_config_and_split_counts():
 
 
 def test_merge_counters_are_zeroed_grown_and_kept():
-    from cp_modules.kernels.decode import mla_gluon_config as g
+    from cp_modules.kernels.decode import arrival_counters as g
+    from cp_modules.kernels.decode import mla_gluon_config
+
+    # (the Gluon kernel's config module re-exports them)
+    assert mla_gluon_config.merge_counters is g.merge_counters
 
     cpu = torch.device("cpu")
     old = g._counters.pop((cpu, 0), None)

@@ -102,8 +102,8 @@ def compile_sm90(
         sig["c_desc"] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
         # The half-tile descriptor ([piece, row, column]; read with half_copies only).
         h_layout = m.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-        sig["h_desc"] = (f"tensordesc<bf16[4, {box}, 64],{h_layout!r}>" if cfg.half_copies
-                         else "constexpr")  # fmt: skip
+        sig["h_desc"] = (f"tensordesc<bf16[4, {box}, 64],{h_layout!r}>"
+                         if cfg.half_copies and box == 64 else "constexpr")  # fmt: skip
         spec_consts.update({"FP8": False, "CONV_WARPS": 4, "CONV_REGS": 48})
     n = splits if splits else 2 if partial else 1
     if sig["h_desc"] == "constexpr":

@@ -182,6 +182,8 @@ class WindowRanges:
         valid: [T, sink + recent] which of them the query sees.
         sink_local: [T, sink] local index of each sink token (to remove its fp8 copy where the
             kernel cannot leave it out); sink_valid: [T, sink].
+        positions: [T, sink + recent] local index of each window key (the CPU path puts the
+            window's rows there in one reference call).
     """
 
     kernel_start: torch.Tensor
@@ -190,6 +192,7 @@ class WindowRanges:
     valid: torch.Tensor
     sink_local: torch.Tensor
     sink_valid: torch.Tensor
+    positions: torch.Tensor
 
 
 def window_decode_ranges(
@@ -238,6 +241,7 @@ def window_decode_ranges(
         valid=torch.cat((sink_valid, rec_valid), dim=1),
         sink_local=k_sink[None, :].expand(p.shape[0], s),
         sink_valid=sink_valid & (k_sink[None, :] < lo[:, None]),
+        positions=torch.cat((k_sink[None, :].expand(p.shape[0], s), j), dim=1),
     )
 
 

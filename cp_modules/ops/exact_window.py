@@ -188,17 +188,15 @@ def decode_with_window(
     assert isinstance(r, WindowRanges)
     if not q.is_cuda:
         rows_w = gather_window(buf, r.slots)  # [T, S + R, ...]
-        recent = torch.arange(window.recent, device=q.device)
-        pos = torch.cat((r.sink_local, r.kernel_len.to(torch.int64)[:, None] + recent), dim=1)
         if mla is None:
-            o, lse = attend(q, exact=(pos, rows_w[:, :, 0], rows_w[:, :, 1], r.valid))
+            o, lse = attend(q, exact=(r.positions, rows_w[:, :, 0], rows_w[:, :, 1], r.valid))
         else:
-            o, lse = attend(q, exact=(pos, rows_w, r.valid))
+            o, lse = attend(q, exact=(r.positions, rows_w, r.valid))
         return o, lse
     out, lse = attend(q, r.kernel_len, None if mla is not None else r.kernel_start)
     sub = None
     if mla is not None and window.sink:
-        cache, rk, kv_scale = mla
+        cache, _, kv_scale = mla
         assert meta.block_table is not None, "decode reads a KV cache"
         sub = (
             gather_cache_rows(

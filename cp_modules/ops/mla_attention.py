@@ -34,8 +34,8 @@ from cp_modules.ops.exact_window import decode as window_decode
 from cp_modules.ops.kv_cache import write_mla_cache
 from cp_modules.ops.paged_decode import paged_mla_attention
 from cp_modules.ops.pcp_attention import pcp_prefill_attention
-from cp_modules.reference.paged_decode import paged_mla_attention_ref
 from cp_modules.ops.pcp_policy import pcp_policy_args
+from cp_modules.reference.paged_decode import paged_mla_attention_ref
 from cp_modules.step import CPStepMetadata, current_step, step_handle, step_of
 
 __all__ = ["mla_attention", "mla_backward_path"]

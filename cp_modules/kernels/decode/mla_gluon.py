@@ -27,8 +27,9 @@ the columns) are in :mod:`cp_modules.kernels.decode.mla_gluon_epilogue`.
 Schedules (:class:`GluonMLAConfig`, all exact): who issues the tile copies (warp group 0,
 each block id looked up next to its copy or a tile's ids first; producer warps; a cp.async
 producer warp group; each compute warp group the parts it used last), whether a latent half
-lands as one copy (a rank-3 view of the cache) or as 4 pieces, when a buffer is refilled (once both warp groups are done with it, or in
-parts: rope piece, then each latent half, with the scores taking the pieces in that order),
+lands as one copy (a rank-3 view of the cache) or as 4 pieces, when a buffer is refilled (once
+both warp groups are done with it, or in parts: rope piece, then each latent half, with the
+scores taking the pieces in that order),
 who zeroes the rows past the range, whether a split's last pair is peeled off, and
 (``scale_p``) whether warp group 1's softmax starts from tile A's max, with P_A rescaled by
 warp group 0 (:mod:`cp_modules.kernels.decode.mla_gluon_scale_p`).
@@ -98,6 +99,7 @@ if HAS_GLUON:
         _mla_fp8_convert,
         _mla_fp8_loader,
     )
+    from cp_modules.kernels.decode.mla_gluon_halves import _mla_producer
     from cp_modules.kernels.decode.mla_gluon_parts import (
         _ASYNC_WARPS,
         _BC,
@@ -110,7 +112,6 @@ if HAS_GLUON:
         _LAT,
         _mla_loader,
     )
-    from cp_modules.kernels.decode.mla_gluon_halves import _mla_producer
     from cp_modules.kernels.decode.mla_gluon_scale_p import _STATS_A
     from cp_modules.kernels.decode.mla_gluon_wg import _mla_wg0, _mla_wg1
 
@@ -413,8 +414,10 @@ def paged_mla_attention_gluon(
     c2 = cache.view(nb * page, width)
     c_layout = _fp8_smem_layout() if fp8 else layout
     c_desc = TensorDescriptor(c2, list(c2.shape), list(c2.stride()), [box_rows, _PIECE], c_layout)
-    h_desc = None  # (a constant: the kernel takes it only with config.half_copies)
-    if config.half_copies:
+    # (a constant unless a half lands as one copy: with half_copies and 64-row boxes; smaller
+    # boxes copy each piece through c_desc)
+    h_desc = None
+    if config.half_copies and box_rows == _TILE:
         # The cache as [piece, row, column] (a piece: 64 columns): a latent half's 4 pieces
         # of a box of rows land as one copy in 4 consecutive [rows, 64] tiles.
         h_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)

@@ -35,8 +35,8 @@ if HAS_GLUON:
         _LANDED,
         _LAT,
         _issue_q,
-        _mla_loader,
         _issue_rows,
+        _mla_loader,
         _sync_warp_group,
         _tile_rows,
     )
@@ -70,7 +70,7 @@ if HAS_GLUON:
         if LANDED:
             bar = k_ready.index(_LANDED + buf * _LAT + first)
         mbarrier.expect(bar, (_LAT // 2) * _BN * _BC * 2)
-        if BOX_ROWS < _BN:
+        if BOX_ROWS < _BN:  # (h_desc is then None)
             for c in gl.static_range(first, first + _LAT // 2):
                 for g in gl.static_range(_BN // BOX_ROWS):
                     dst = k_lat.index(buf * _LAT + c).slice(g * BOX_ROWS, BOX_ROWS, dim=0)

@@ -35,6 +35,7 @@ if HAS_GLUON:
         _fp8_out_sums,
         _fp8_row_scale,
     )
+    from cp_modules.kernels.decode.mla_gluon_halves import _issue_tile_halves, _refill
     from cp_modules.kernels.decode.mla_gluon_parts import (
         _BC,
         _BH,
@@ -55,7 +56,6 @@ if HAS_GLUON:
         _tile_rows,
         _zero_rows_past,
     )
-    from cp_modules.kernels.decode.mla_gluon_halves import _issue_tile_halves, _refill
     from cp_modules.kernels.decode.mla_gluon_scale_p import _wg0_pair_sp, _wg1_pair_sp
 
     @gluon.jit
