@@ -4,7 +4,10 @@ One all-decode step of one attention layer (cache write, decode, window write an
 captured in a CUDA graph and replayed; median of replays. GQA: Llama-3-8B's layout (32 query
 heads, 8 KV heads, D=128); MLA: DeepSeek-V3's (128 heads, latent 512 + 64), bf16 model.
 
-    python tools/probes/probe_fp8_window_cost.py [--out DIR]
+    python tools/probes/probe_fp8_window_cost.py [--out DIR] [--profile]
+
+``--profile``: also each case's kernels (torch.profiler, 5 eager steps after a warm-up; GPU time
+per kernel name), printed and written to ``fp8-window-cost-kernels.txt``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,21 @@ def _time(fn, reps=50):
     return statistics.median(times)
 
 
-def _case(kind, b, ctx, window):
+def _kernels(fn, steps=5) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=25, max_name_column_width=90
+    )
+
+
+def _case(kind, b, ctx, window, prof=None):
     dev, dt = "cuda", torch.bfloat16
     per = -(-(ctx + 1) // BS)
     table = torch.arange(b * per, dtype=torch.int32, device=dev).view(b, per)
@@ -87,19 +104,23 @@ def _case(kind, b, ctx, window):
                 mla_attention(q, lat, w_uk, w_uv, cache, scale=192**-0.5, kv_lora_rank=512,
                               cache_scale=c_scale, fp8_window=fw)  # fmt: skip
 
+    if prof is not None:
+        prof.append(f"## {kind} B={b} ctx={ctx} window={window} (5 steps)\n{_kernels(step)}")
     return _time(step)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     rows = []
+    prof: list[str] | None = [] if args.profile else None
     for kind, shapes in (("gqa", [(1, 131072), (8, 32768), (64, 16384)]),
                          ("mla", [(1, 131072), (8, 32768), (64, 4096)])):  # fmt: skip
         for b, ctx in shapes:
-            base = _case(kind, b, ctx, (0, 0))
-            withw = _case(kind, b, ctx, (1, 16))
+            base = _case(kind, b, ctx, (0, 0), prof)
+            withw = _case(kind, b, ctx, (1, 16), prof)
             rows.append(dict(kind=kind, B=b, ctx=ctx, plain_us=round(base, 2),
                              window_us=round(withw, 2), added_us=round(withw - base, 2)))  # fmt: skip
             print(rows[-1], flush=True)
@@ -109,6 +130,11 @@ def main():
         (Path(args.out) / "fp8-window-cost.json").write_text(
             json.dumps(dict(info=info, rows=rows), indent=1)
         )
+    if prof:
+        text = "\n\n".join(prof)
+        print(text)
+        if args.out:
+            (Path(args.out) / "fp8-window-cost-kernels.txt").write_text(text)
 
 
 if __name__ == "__main__":
