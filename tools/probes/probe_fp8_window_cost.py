@@ -1,8 +1,12 @@
 """What the fp8 cache's bf16 window (cp_modules.cache.exact_window) adds to one decode layer.
 
-One all-decode step of one attention layer (cache write, decode, window write and merge),
-captured in a CUDA graph and replayed; median of replays. GQA: Llama-3-8B's layout (32 query
-heads, 8 KV heads, D=128); MLA: DeepSeek-V3's (128 heads, latent 512 + 64), bf16 model.
+One all-decode step of 1 and of 4 attention layers (cache write, decode, window write and
+merge; the layers share one cache), captured in a CUDA graph and replayed; median of replays.
+The window's index math (which slots a token writes, which keys a query reads from the window)
+is computed once a step and shared by the step's layers, as in a model; so each row gives the
+window's cost per layer (``layer_added_us``, from the 4-layer step less the 1-layer step) and
+once per step (``step_added_us``). GQA: Llama-3-8B's layout (32 query heads, 8 KV heads,
+D=128); MLA: DeepSeek-V3's (128 heads, latent 512 + 64), bf16 model.
 
     python tools/probes/probe_fp8_window_cost.py [--out DIR] [--profile]
 
@@ -60,7 +64,7 @@ def _kernels(fn, steps=5) -> str:
     )
 
 
-def _case(kind, b, ctx, window, prof=None):
+def _case(kind, b, ctx, window, layers, prof=None):
     dev, dt = "cuda", torch.bfloat16
     per = -(-(ctx + 1) // BS)
     table = torch.arange(b * per, dtype=torch.int32, device=dev).view(b, per)
@@ -83,7 +87,8 @@ def _case(kind, b, ctx, window, prof=None):
 
         def step():
             with cp_step(meta):
-                gqa_attention(q, k, k, (kc, vc), scale=128**-0.5, kv_scales=sc, fp8_window=fw)
+                for _ in range(layers):
+                    gqa_attention(q, k, k, (kc, vc), scale=128**-0.5, kv_scales=sc, fp8_window=fw)
 
     else:
         cache = allocate_mla_cache(b * per, BS, 512, 64, dtype=torch.float8_e4m3fn, device=dev)
@@ -101,11 +106,14 @@ def _case(kind, b, ctx, window, prof=None):
 
         def step():
             with cp_step(meta):
-                mla_attention(q, lat, w_uk, w_uv, cache, scale=192**-0.5, kv_lora_rank=512,
-                              cache_scale=c_scale, fp8_window=fw)  # fmt: skip
+                for _ in range(layers):
+                    mla_attention(q, lat, w_uk, w_uv, cache, scale=192**-0.5, kv_lora_rank=512,
+                                  cache_scale=c_scale, fp8_window=fw)  # fmt: skip
 
     if prof is not None:
-        prof.append(f"## {kind} B={b} ctx={ctx} window={window} (5 steps)\n{_kernels(step)}")
+        prof.append(
+            f"## {kind} B={b} ctx={ctx} window={window} layers={layers} (5 steps)\n{_kernels(step)}"
+        )
     return _time(step)
 
 
@@ -119,10 +127,18 @@ def main():
     for kind, shapes in (("gqa", [(1, 131072), (8, 32768), (64, 16384)]),
                          ("mla", [(1, 131072), (8, 32768), (64, 4096)])):  # fmt: skip
         for b, ctx in shapes:
-            base = _case(kind, b, ctx, (0, 0), prof)
-            withw = _case(kind, b, ctx, (1, 16), prof)
-            rows.append(dict(kind=kind, B=b, ctx=ctx, plain_us=round(base, 2),
-                             window_us=round(withw, 2), added_us=round(withw - base, 2)))  # fmt: skip
+            t = {
+                (w, n): _case(kind, b, ctx, w, n, prof if n == 1 else None)
+                for w in ((0, 0), (1, 16))
+                for n in (1, 4)
+            }
+            layer = (t[(1, 16), 4] - t[(1, 16), 1] - t[(0, 0), 4] + t[(0, 0), 1]) / 3
+            rows.append(dict(
+                kind=kind, B=b, ctx=ctx, plain_us=round(t[(0, 0), 1], 2),
+                window_us=round(t[(1, 16), 1], 2), plain4_us=round(t[(0, 0), 4], 2),
+                window4_us=round(t[(1, 16), 4], 2), layer_added_us=round(layer, 2),
+                step_added_us=round(t[(1, 16), 1] - t[(0, 0), 1] - layer, 2),
+            ))  # fmt: skip
             print(rows[-1], flush=True)
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.out:
