@@ -15,7 +15,6 @@ import torch
 from cp_modules.cache.exact_window import (
     ExactWindow,
     WindowRanges,
-    gather_cache_rows,
     gather_window,
     window_decode_ranges,
     window_write,
@@ -202,19 +201,16 @@ def decode_with_window(
     out, lse = attend(q, r.kernel_len, None if mla is not None else r.kernel_start)
     sub = None
     if mla is not None and window.sink:
+        # The sink's fp8 copies the MLA kernel attended, removed (read from the cache in the
+        # merge; gather_cache_rows is the reference of that read).
         cache, _, kv_scale = mla
         assert meta.block_table is not None, "decode reads a KV cache"
-        sub = (
-            gather_cache_rows(
-                cache, meta.block_table, meta.decode_seq_idx, r.sink_local, kv_scale, q.dtype
-            ),
-            r.sink_valid,
-        )
+        sub = (cache, meta.block_table, meta.decode_seq_idx, r.sink_local, kv_scale)
     gqa = mla is None
     return window_merge_triton(
         out, lse, q, buf, r.slots, r.valid, scale, softcap,
         value_dim=out.shape[-1], value_offset=buf.stride(2) if gqa else 0,
-        sub=None if sub is None else sub[0], sub_valid=None if sub is None else sub[1],
+        sub_valid=None if sub is None else r.sink_valid, sub_cache=sub,
     )  # fmt: skip
 
 
