@@ -119,15 +119,7 @@ def window_decode_ranges_triton(
             DCP=size, RANK=rank, INTERLEAVE=interleave,
             BLOCK_T=_BLOCK_T, BLOCK_C=triton.next_power_of_2(max(s + r, 1)),
         )  # fmt: skip
-    return WindowRanges(
-        kernel_start=kernel_start,
-        kernel_len=kernel_len,
-        slots=slots,
-        valid=valid,
-        sink_local=sink_local,
-        sink_valid=sink_valid,
-        positions=local,
-    )
+    return WindowRanges(kernel_start, kernel_len, slots, valid, sink_local, sink_valid, local)
 
 
 @triton.jit
