@@ -379,16 +379,21 @@ def test_window_merge_kernel_matches_the_reference_interpreted(case):
     rows = gather_window(buf, r.slots)
     sub = None
     if mla:
-        sub = torch.randn(t, win.sink, d)
+        # The rows to remove: the sink tokens' rows of an fp8 cache (page 4), read in fp32.
+        from cp_modules.cache.exact_window import gather_cache_rows
+
+        cache = torch.randn(12, 4, d).to(torch.float8_e4m3fn)
+        table, seq = torch.arange(12, dtype=torch.int32).view(3, 4), torch.tensor([0, 1, 2, 0, 1])
+        sub = (cache, table, seq, r.sink_local, None)
+        ks = gather_cache_rows(cache, table, seq, r.sink_local, None, torch.float32)[:, :, None]
         k = rows[:, :, None, :]
-        ks = sub[:, :, None, :]
         want = merge_exact(out, lse, q, k, k[..., :rk], r.valid, 0.3, None, k_sub=ks,
                            v_sub=ks[..., :rk], sub_valid=r.sink_valid)  # fmt: skip
     else:
         want = merge_exact(out, lse, q, rows[:, :, 0], rows[:, :, 1], r.valid, 0.3, softcap)
     got = window_merge_triton(
         out, lse, q, buf, r.slots, r.valid, 0.3, softcap, value_dim=rk,
-        value_offset=0 if mla else buf.stride(2), sub=sub,
+        value_offset=0 if mla else buf.stride(2), sub_cache=sub,
         sub_valid=None if sub is None else r.sink_valid,
     )  # fmt: skip
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)

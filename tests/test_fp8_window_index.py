@@ -89,44 +89,39 @@ def test_window_index_kernels_take_no_tokens():
 @pytest.mark.parametrize("scaled", [False, True])
 def test_window_merge_reads_the_mla_sink_rows_from_the_fp8_cache(scaled):
     """The merge kernel's in-kernel read of the sink's fp8 rows (MLA, dequantized in fp32)
-    against the merge of the rows gathered by gather_cache_rows in fp32 (its reference), and
-    against merge_exact."""
+    against merge_exact with the rows gathered by gather_cache_rows in fp32 (its reference)."""
     from cp_modules.cache.exact_window import gather_cache_rows, gather_window, merge_exact
     from cp_modules.kernels.decode.exact_window import window_merge_triton
 
     torch.manual_seed(5)
     t, hq, d, rk, page = 6, 8, 24, 16, 4
     win = check_exact_window(3, 4)
-    buf = torch.randn(4, win.slots, d, dtype=torch.bfloat16)
+    buf = torch.randn(4, win.slots, d)
     pos = torch.tensor([0, 2, 3, 9, 20, 41])
     row = torch.tensor([0, 1, 2, 0, 1, 2])
     r = window_decode_ranges(buf, win, row, pos, pos + 1, None)
-    # Finite e4m3 bytes only (the interpreter reads the NaN pattern as 480).
-    cache = (torch.randn(40, page, d) * 3).to(torch.float8_e4m3fn)
+    # Finite e4m3 bytes only (the interpreter reads the NaN pattern as 480); unit rows, as in
+    # the merge test of tests/test_fp8_exact_window.py (larger sink keys make the removal a
+    # near-cancellation, ill-conditioned in any fp32 arithmetic).
+    cache = torch.randn(40, page, d).to(torch.float8_e4m3fn)
     table = torch.randperm(40)[: 3 * 12].view(3, 12).to(torch.int32)
     scale = torch.tensor([0.37]) if scaled else None
-    q = torch.randn(t, hq, d, dtype=torch.bfloat16)
-    out = torch.randn(t, hq, rk, dtype=torch.bfloat16)
+    q = torch.randn(t, hq, d)
+    out = torch.randn(t, hq, rk)
     lse = torch.randn(t, hq) * 3
     sub = gather_cache_rows(cache, table, row, r.sink_local, scale, torch.float32)
-    k, ks = gather_window(buf, r.slots)[:, :, None, :], sub[:, :, None, :]
     # A scale takes the rows off the bf16 grid (e4m3 alone is on it): read in fp32, not bf16.
     assert torch.equal(sub, sub.to(torch.bfloat16).float()) != scaled
+    k, ks = gather_window(buf, r.slots)[:, :, None, :], sub[:, :, None, :]
     want = merge_exact(out, lse, q, k, k[..., :rk], r.valid, 0.3, None, k_sub=ks,
                        v_sub=ks[..., :rk], sub_valid=r.sink_valid)  # fmt: skip
     got = window_merge_triton(
         out, lse, q, buf, r.slots, r.valid, 0.3, None, value_dim=rk, value_offset=0,
         sub_valid=r.sink_valid, sub_cache=(cache, table, row, r.sink_local, scale),
     )  # fmt: skip
-    gathered = window_merge_triton(
-        out, lse, q, buf, r.slots, r.valid, 0.3, None, value_dim=rk, value_offset=0,
-        sub=sub, sub_valid=r.sink_valid,
-    )  # fmt: skip
     assert bool(r.sink_valid.any()) and not bool(r.sink_valid.all())
-    torch.testing.assert_close(got[0], gathered[0], atol=0, rtol=0)
-    torch.testing.assert_close(got[1], gathered[1], atol=0, rtol=0)
-    torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
 
 
 def _window_steps(family: str, device: str, window: tuple[int, int]):

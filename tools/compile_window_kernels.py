@@ -4,7 +4,7 @@
 
 The decode ranges and write index (``kernels/decode/window_index.py``) and the merge
 (``kernels/decode/exact_window.py``) for MLA with the sink's fp8 rows read from the cache
-(``SUB_CACHE``) and for GQA. Uses the Triton on the path (put a Triton 3.6 install first on
+(``HAS_SUB``, with a scale) and for GQA. Uses the Triton on the path (put a Triton 3.6 install first on
 PYTHONPATH to check the H200's version) and its ptxas (or $TRITON_PTXAS_PATH). Prints one line
 a kernel, and how many e4m3 conversions the MLA merge's PTX holds.
 """
@@ -74,11 +74,11 @@ def main() -> None:
                 sub_ptr="*u8", sub_valid_ptr="*i8", sub_local_ptr=i64, seq_idx_ptr="*i32",
                 bt_ptr="*i32", sub_scale_ptr="*fp32", scale="fp32", softcap="fp32")  # fmt: skip
     mla = dict(DK=576, DV=512, BLOCK_N=32, BLOCK_S=16, BLOCK_D=128, HAS_SUB=True,
-               SOFTCAP=False, SUB_CACHE=True, PAGE=64)  # fmt: skip
+               SOFTCAP=False, HAS_SCALE=True, PAGE=64)  # fmt: skip
     ptx = _compile(ew._window_merge_kernel, ptrs, mla, "merge, MLA, sink rows from the fp8 cache")
     print(f"  e4m3 conversions in its PTX: {sum('e4m3' in line for line in ptx.splitlines())}")
-    gqa = dict(mla, DK=128, DV=128, HAS_SUB=False, SUB_CACHE=False)
-    _compile(ew._window_merge_kernel, dict(ptrs, sub_ptr="*bf16"), gqa, "merge, GQA")
+    gqa = dict(mla, DK=128, DV=128, HAS_SUB=False, HAS_SCALE=False)
+    _compile(ew._window_merge_kernel, ptrs, gqa, "merge, GQA")
 
 
 if __name__ == "__main__":

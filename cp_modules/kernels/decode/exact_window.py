@@ -59,11 +59,11 @@ def _window_merge_kernel(
     q_ptr, out_ptr, lse_ptr, o_new_ptr, lse_new_ptr, buf_ptr, slots_ptr, valid_ptr,
     sub_ptr, sub_valid_ptr, sub_local_ptr, seq_idx_ptr, bt_ptr, sub_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_nt, stride_nh, stride_nlt,
-    stride_slot, stride_bh, v_off, stride_st, stride_sn, stride_bt, num_blocks,
+    stride_slot, stride_bh, v_off, stride_sn, stride_bt, num_blocks,
     NA, NS, G, scale, softcap,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_SUB: tl.constexpr, SOFTCAP: tl.constexpr,
-    SUB_CACHE: tl.constexpr, PAGE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -88,21 +88,17 @@ def _window_merge_kernel(
         offs_s = tl.arange(0, BLOCK_S)
         s_ok = offs_s < NS
         sok = tl.load(sub_valid_ptr + t * NS + offs_s, mask=s_ok, other=0) != 0
-        if SUB_CACHE:
-            # The fp8 cache's rows of the query's local tokens sub_local (gather_cache_rows).
-            local = tl.load(sub_local_ptr + t * NS + offs_s, mask=s_ok, other=0).to(tl.int64)
-            req = tl.load(seq_idx_ptr + t).to(tl.int64)
-            blk = tl.load(bt_ptr + req * stride_bt + local // PAGE, mask=s_ok, other=0)
-            blk = tl.minimum(tl.maximum(blk.to(tl.int64), 0), num_blocks - 1)
-            sub_base = sub_ptr
-            sub_rows = (blk * PAGE + local % PAGE) * stride_sn
+        # The fp8 cache's rows of the query's local tokens sub_local (gather_cache_rows).
+        local = tl.load(sub_local_ptr + t * NS + offs_s, mask=s_ok, other=0).to(tl.int64)
+        req = tl.load(seq_idx_ptr + t).to(tl.int64)
+        blk = tl.load(bt_ptr + req * stride_bt + local // PAGE, mask=s_ok, other=0)
+        blk = tl.minimum(tl.maximum(blk.to(tl.int64), 0), num_blocks - 1)
+        sub_rows = (blk * PAGE + local % PAGE) * stride_sn
+        sub_scale = 1.0
+        if HAS_SCALE:
             sub_scale = tl.load(sub_scale_ptr)
-        else:
-            sub_base = sub_ptr + t * stride_st
-            sub_rows = offs_s.to(tl.int64) * stride_sn
-            sub_scale = 1.0
-        s_sub = _scores(q_base, sub_base, sub_rows, sok, scale, softcap,
-                        DK, BLOCK_S, BLOCK_D, SOFTCAP, SUB_CACHE, sub_scale)  # fmt: skip
+        s_sub = _scores(q_base, sub_ptr, sub_rows, sok, scale, softcap,
+                        DK, BLOCK_S, BLOCK_D, SOFTCAP, True, sub_scale)  # fmt: skip
         w_sub = tl.where(sok, tl.exp(s_sub - m), 0.0)
         den_k = tl.maximum(den_k - tl.sum(w_sub, axis=0), 0.0)
     den = den_k + tl.sum(w_add, axis=0)
@@ -121,11 +117,11 @@ def _window_merge_kernel(
         acc += tl.sum(v * w_add[:, None], axis=0)
         if HAS_SUB:
             vs = tl.load(
-                sub_base + sub_rows[:, None] + d0 + offs_d[None, :],
+                sub_ptr + sub_rows[:, None] + d0 + offs_d[None, :],
                 mask=sok[:, None] & dm[None, :],
                 other=0,
             )
-            vs = _rows_f32(vs, sub_scale, SUB_CACHE)
+            vs = _rows_f32(vs, sub_scale, True)
             acc -= tl.sum(vs * w_sub[:, None], axis=0)
         tl.store(
             o_new_ptr + t * stride_nt + h * stride_nh + d0 + offs_d,
@@ -154,12 +150,11 @@ def window_merge_triton(
     *,
     value_dim: int,
     value_offset: int,
-    sub: torch.Tensor | None = None,
-    sub_valid: torch.Tensor | None = None,
     sub_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
     | None = None,
+    sub_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` merged with the window's keys (and with ``sub``'s removed).
+    """``(out, lse)`` merged with the window's keys (and with ``sub_cache``'s rows removed).
 
     Args:
         out, lse: [T, Hq, Dv] and [T, Hq] fp32 (natural log) of the paged kernel.
@@ -169,12 +164,12 @@ def window_merge_triton(
             value at ``value_offset`` (elements).
         slots, valid: [T, NA] flat slot indices and which of them each query reads.
         value_dim: Dv.
-        sub, sub_valid: [T, NS, Dk] rows to remove (keys; values their first Dv) and [T, NS].
-        sub_cache: in place of ``sub``, read the rows to remove from an fp8 MLA cache:
+        sub_cache: rows to remove (keys; values their first Dv), read from an fp8 MLA cache:
             ``(cache [blocks, page, Dk] e4m3, block_table, seq_idx [T], local [T, NS],
             scale [1] fp32 or None)``, the rows of local tokens ``local`` of each query's
             request, dequantized in fp32 in the kernel
             (:func:`~cp_modules.cache.exact_window.gather_cache_rows` to fp32 is its reference).
+        sub_valid: [T, NS] which of those rows each query removes.
 
     Returns:
         (out [T, Hq, Dv] in ``out``'s dtype, lse [T, Hq] fp32).
@@ -189,36 +184,29 @@ def window_merge_triton(
     if t == 0:
         return o_new, lse_new
     na = slots.shape[1]
-    assert sub is None or sub_cache is None
-    ns = 0 if sub is None else sub.shape[1]
-    sub_t = flat if sub is None else sub
-    sub_v = valid if sub_valid is None else sub_valid
-    sub_local = seq_idx = table = sub_scale = slots  # placeholders the kernel does not read
-    stride_sn, stride_bt, page, num_blocks = (sub.stride(1) if sub is not None else 0), 0, 1, 1
+    # Placeholders the kernel does not read without rows to remove.
+    sub_t, sub_v, sub_local, seq_idx, table, c_scale = flat, valid, slots, slots, slots, None
+    ns, stride_sn, page, num_blocks = 0, 0, 1, 1
     if sub_cache is not None:
         cache, table, seq_idx, sub_local, c_scale = sub_cache
+        assert sub_valid is not None and sub_local.dim() == 2
         assert cache.dtype == torch.float8_e4m3fn and cache.stride(-1) == 1
-        assert cache.stride(0) == cache.shape[1] * cache.stride(1) and sub_local.dim() == 2
+        assert cache.stride(0) == cache.shape[1] * cache.stride(1)
+        assert c_scale is None or c_scale.dtype == torch.float32
         ns, page, num_blocks = sub_local.shape[1], cache.shape[1], cache.shape[0]
-        sub_t, stride_sn, stride_bt = cache.view(torch.uint8), cache.stride(1), table.stride(0)
+        sub_t, sub_v, stride_sn = cache.view(torch.uint8), sub_valid, cache.stride(1)
         sub_local, seq_idx = sub_local.contiguous(), seq_idx.contiguous()
-        sub_scale = (
-            c_scale.to(torch.float32)
-            if c_scale is not None
-            else torch.ones(1, dtype=torch.float32, device=q.device)
-        )
-    has_sub = sub is not None or (sub_cache is not None and ns > 0)
     block_d = min(128, triton.next_power_of_2(max(dk, value_dim)))
     _window_merge_kernel[(t, hq)](
         q, out, lse, o_new, lse_new, flat, slots, _bytes(valid), sub_t, _bytes(sub_v),
-        sub_local, seq_idx, table, sub_scale,
+        sub_local, seq_idx, table, c_scale if c_scale is not None else slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         o_new.stride(0), o_new.stride(1), lse_new.stride(0),
         flat.stride(0), flat.stride(-2) if gqa else 0, value_offset,
-        sub_t.stride(0), stride_sn, stride_bt, num_blocks,
+        stride_sn, table.stride(0), num_blocks,
         na, ns, hq // hkv, float(scale), float(softcap or 0.0),
         DK=dk, DV=value_dim, BLOCK_N=max(16, triton.next_power_of_2(na)),
         BLOCK_S=max(16, triton.next_power_of_2(max(ns, 1))), BLOCK_D=block_d,
-        HAS_SUB=has_sub, SOFTCAP=bool(softcap), SUB_CACHE=sub_cache is not None, PAGE=page,
+        HAS_SUB=ns > 0, SOFTCAP=bool(softcap), HAS_SCALE=c_scale is not None, PAGE=page,
     )  # fmt: skip
     return o_new, lse_new
